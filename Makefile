@@ -1,0 +1,128 @@
+# Ember: one build system for libember, its tests, fuzzers and the CPython
+# extension.  `make demo` and `make test` set up a fresh machine themselves.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV   := .venv
+PY     := $(VENV)/bin/python
+BUILD  := build
+CC     ?= cc
+FUZZ_SECONDS ?= 30
+
+WARN   := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wno-unused-parameter
+BASE   := -std=c11 -D_GNU_SOURCE -Icsrc/include -pthread $(WARN)
+OPT    := -O2 -g -fPIC
+SAN    := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
+LIBS   := -lcrypto -lz -lpthread
+
+LIB_SRCS  := $(wildcard csrc/*.c)
+LIB_HDRS  := $(wildcard csrc/include/ember/*.h)
+LIB_OBJS  := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(LIB_SRCS))
+SAN_OBJS  := $(patsubst csrc/%.c,$(BUILD)/san/%.o,$(LIB_SRCS))
+CTESTS    := $(patsubst tests/c/%.c,$(BUILD)/san/%,$(wildcard tests/c/test_*.c))
+FUZZERS   := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(wildcard tests/fuzz/fuzz_*.c))
+EXT_SRCS  := $(wildcard python/ember/_ember*.c)
+EXT_HDRS  := $(wildcard python/ember/_ember*.h)
+
+APT_PACKAGES := dataset-fashion-mnist clang libssl-dev zlib1g-dev
+
+.PHONY: help setup apt venv build lib ext test test-c test-py fuzz fuzz-smoke demo demo-quick \
+        bench-reservation clean format-check
+
+help:
+	@echo "make demo   - set up this machine and run the Fashion-MNIST main job"
+	@echo "make test   - set up this machine and run every test (C under ASan/UBSan, fuzz, pytest, main job)"
+	@echo "make bench-reservation - Ember vs TensorFlowOnSpark reservation server"
+
+# ---------------------------------------------------------------- set-up
+apt: $(BUILD)/.apt-stamp
+$(BUILD)/.apt-stamp:
+	@mkdir -p $(BUILD)
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+	@java -version >/dev/null 2>&1 || { echo "Java 17 is required (java not found)"; exit 1; }
+	@touch $@
+
+venv: $(VENV)/.stamp
+$(VENV)/.stamp: requirements.txt requirements-bench.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt -r requirements-bench.txt
+	@# the package is used in place: python/ is put on the venv's path
+	$(PY) -c "import sysconfig,os; open(os.path.join(sysconfig.get_paths()['purelib'],'ember-dev.pth'),'w').write(os.path.abspath('python')+'\n')"
+	@touch $@
+
+setup: apt venv build
+
+# ---------------------------------------------------------------- build
+build: lib ext
+lib: $(BUILD)/libember.a
+
+$(BUILD)/obj/%.o: csrc/%.c $(LIB_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(BASE) $(OPT) -c $< -o $@
+$(BUILD)/libember.a: $(LIB_OBJS)
+	ar rcs $@ $^
+
+EXT_SUFFIX = $(shell $(PY) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+PY_INC     = $(shell $(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+ext: $(VENV)/.stamp $(BUILD)/libember.a
+	@$(MAKE) --no-print-directory python/ember/_ember$(EXT_SUFFIX)
+python/ember/_ember%.so: $(EXT_SRCS) $(EXT_HDRS) $(BUILD)/libember.a
+	$(CC) $(BASE) $(OPT) -fvisibility=hidden -shared -I$(PY_INC) $(EXT_SRCS) $(BUILD)/libember.a $(LIBS) -o $@
+
+# ---------------------------------------------------------------- C tests (ASan + UBSan)
+$(BUILD)/san/%.o: csrc/%.c $(LIB_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(BASE) $(SAN) -c $< -o $@
+$(BUILD)/san/libember.a: $(SAN_OBJS)
+	ar rcs $@ $^
+$(BUILD)/san/test_%: tests/c/test_%.c tests/c/harness.h $(BUILD)/san/libember.a
+	$(CC) $(BASE) $(SAN) -Itests/c $< $(BUILD)/san/libember.a $(LIBS) -o $@
+
+test-c: $(CTESTS)
+	@rc=0; for t in $(CTESTS); do echo "== $$t"; \
+	  ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 timeout 300 $$t || rc=1; \
+	done; exit $$rc
+
+# ---------------------------------------------------------------- fuzzing (libFuzzer, clang)
+$(BUILD)/fuzz/fuzz_%: tests/fuzz/fuzz_%.c $(LIB_SRCS) $(LIB_HDRS)
+	@mkdir -p $(@D)
+	clang $(BASE) -O1 -g -fsanitize=fuzzer,address,undefined $< $(LIB_SRCS) $(LIBS) -o $@
+
+# Replays each committed corpus, then fuzzes each harness for FUZZ_SECONDS.
+fuzz: apt $(FUZZERS)
+	@set -e; for f in $(FUZZERS); do n=$$(basename $$f); \
+	  mkdir -p $(BUILD)/corpus/$$n; cp -n tests/fuzz/corpus/$$n/* $(BUILD)/corpus/$$n/ 2>/dev/null || true; \
+	  echo "== $$n: $(FUZZ_SECONDS)s"; \
+	  $$f -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 -timeout=10 $(BUILD)/corpus/$$n 2>&1 | tail -n 4; \
+	  test $${PIPESTATUS[0]} -eq 0; \
+	done
+
+# ---------------------------------------------------------------- Python tests and the main job
+test-py: setup
+	$(PY) -m pytest -q tests/python
+
+demo: setup
+	PYTHONUNBUFFERED=1 $(PY) -m examples.fashion_mnist.main $(DEMO_ARGS)
+
+# A shorter main job for CI: fewer epochs, still must reach accuracy >= 0.85.
+demo-quick: setup
+	PYTHONUNBUFFERED=1 $(PY) -m examples.fashion_mnist.main --epochs 3 --require-accuracy 0.85
+
+test: setup
+	$(MAKE) --no-print-directory test-c
+	$(MAKE) --no-print-directory fuzz
+	$(PY) -m pytest -q tests/python
+	$(MAKE) --no-print-directory demo-quick
+
+# ---------------------------------------------------------------- benchmarks
+bench-reservation: setup
+	PYTHONUNBUFFERED=1 $(PY) bench/reservation.py
+
+clean:
+	rm -rf $(BUILD) python/ember/_ember*.so

@@ -1,0 +1,1928 @@
+/* feed.c - the data feed: batch codec, feed server (poll loop), feed client.
+ *
+ * Three parts, in file order:
+ *   1. the batch codec (pure functions, see the layout in feed.h);
+ *   2. the server: one thread runs a poll() loop over the listen socket, an
+ *      eventfd for wake-ups and every producer connection; the consumer pops
+ *      items from a byte-bounded queue under one mutex;
+ *   3. the client: blocking calls with deadlines over net.h.
+ *
+ * Contract details beyond feed.h:
+ *   - a negative timeout_ms means "no limit" (every call still takes one);
+ *   - after ember_feed_server_terminate, next() returns END at once;
+ *   - ember_feed_server_next, _send_results, _terminate and _stats may be
+ *     called from any threads concurrently; _destroy must not race them.
+ *     A client handle is for one thread at a time, except that one thread
+ *     may send while another receives results (distinct directions).
+ *   - BATCH frames are read with ember_wire_decode_header (bounded by
+ *     max_frame) and the payload is received straight into the item's
+ *     buffer, rather than through ember_wire_parser: the parser would copy
+ *     every payload once more and hold a buffer up to max_frame per
+ *     connection (invariant 5, the hot path).
+ *
+ * Locking (server): s->mu guards the queue, the stats, the acknowledged set,
+ * the connection list and each connection's out-queue and shared flags.  Only
+ * the loop thread changes a connection's state, reads its socket, closes or
+ * frees it; other threads set abort_req and wake the loop instead.  The loop
+ * drops the lock around poll() and recv() only (recv writes into buffers that
+ * belong to the loop), and writes with non-blocking sendmsg() under the lock,
+ * because a queued RESULTS frame points at the consumer's buffer, which is
+ * only guaranteed alive while that consumer waits under the same lock.
+ */
+#include "ember/feed.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ember/auth.h"
+#include "ember/error.h"
+#include "ember/net.h"
+#include "ember/wire.h"
+
+/* Decoded batches point straight into the received buffer (no copy), so
+ * fixed-width columns and BYTES offsets are used in host byte order.  The wire
+ * is little-endian; refuse to build where the two differ rather than silently
+ * mis-read numbers. */
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "libember's zero-copy batch codec requires a little-endian host"
+#endif
+
+/* ======================================================================
+ * 1. Batch codec
+ * ====================================================================== */
+
+#define BATCH_HDR_LEN 8u   /* u32 nrows, u32 ncols */
+#define BATCH_DESC_LEN 16u /* u8 dtype, u8 name_len, u16 0, u32 width, u64 nbytes */
+
+size_t ember_dtype_size(uint8_t dtype) {
+  switch (dtype) {
+    case EMBER_DT_F32: return 4;
+    case EMBER_DT_F64: return 8;
+    case EMBER_DT_I32: return 4;
+    case EMBER_DT_I64: return 8;
+    case EMBER_DT_U8: return 1;
+    case EMBER_DT_BOOL: return 1;
+    default: return 0; /* BYTES (variable) and unknown */
+  }
+}
+
+static int dtype_known(uint8_t dtype) {
+  return dtype == EMBER_DT_BYTES || ember_dtype_size(dtype) != 0;
+}
+
+/* Rounds up to a multiple of 8; *out overflow-checked. */
+static int align8(uint64_t v, uint64_t *out) {
+  if (v > UINT64_MAX - 7u) return -1;
+  *out = (v + 7u) & ~(uint64_t)7u;
+  return 0;
+}
+
+/* Column names come from the network: print at most 64 bytes, with anything
+ * unprintable replaced, so an error message can never be garbled by them. */
+static const char *printable_name(const char *name, size_t len, char *out, size_t cap) {
+  size_t n = 0;
+  if (name == NULL) len = 0;
+  for (size_t i = 0; i < len && i < 64 && n + 1 < cap; i++) {
+    unsigned char ch = (unsigned char)name[i];
+    out[n++] = (ch >= 0x20 && ch < 0x7f && ch != '\'') ? (char)ch : '?';
+  }
+  if (len > 64 && n + 4 < cap) {
+    memcpy(out + n, "...", 3);
+    n += 3;
+  }
+  out[n] = '\0';
+  return out;
+}
+
+/* Body bytes of one column, from its descriptor fields; -1 on overflow.
+ * fixed: nrows * width * itemsize.  BYTES: 8 * (nrows + 1) + data_len. */
+static int column_body_size(uint8_t dtype, uint32_t width, uint32_t nrows,
+                            uint64_t data_len, uint64_t *out) {
+  uint64_t n = 0;
+  if (dtype == EMBER_DT_BYTES) {
+    /* (nrows + 1) * 8 <= 2^35: cannot overflow u64; the add can. */
+    n = ((uint64_t)nrows + 1u) * 8u;
+    if (__builtin_add_overflow(n, data_len, &n)) return -1;
+  } else {
+    if (__builtin_mul_overflow((uint64_t)nrows, (uint64_t)width, &n)) return -1;
+    if (__builtin_mul_overflow(n, (uint64_t)ember_dtype_size(dtype), &n)) return -1;
+  }
+  *out = n;
+  return 0;
+}
+
+/* Validates the caller's columns and computes the layout: *desc_end is the
+ * offset just past the last descriptor, *total the encoded size. */
+static int batch_layout(const ember_column *cols, uint32_t ncols, uint32_t nrows,
+                        size_t *desc_end, size_t *total) {
+  char nm[80];
+  uint64_t pos = BATCH_HDR_LEN, body = 0;
+  int rc = EMBER_OK;
+
+  if (ncols > 0 && cols == NULL) {
+    rc = ember__set_error(EMBER_EINVAL, "batch: %u columns but cols is NULL", ncols);
+    goto cleanup;
+  }
+  if (ncols > EMBER_BATCH_MAX_COLS) {
+    rc = ember__set_error(EMBER_EINVAL, "batch: %u columns exceeds the limit of %u",
+                          ncols, EMBER_BATCH_MAX_COLS);
+    goto cleanup;
+  }
+  for (uint32_t i = 0; i < ncols; i++) {
+    const ember_column *c = &cols[i];
+    printable_name(c->name, c->name_len, nm, sizeof nm);
+    if (c->name_len > 0 && c->name == NULL) {
+      rc = ember__set_error(EMBER_EINVAL, "batch column %u: name_len %u but name is NULL",
+                            i, c->name_len);
+      goto cleanup;
+    }
+    if (!dtype_known(c->dtype)) {
+      rc = ember__set_error(EMBER_EINVAL, "batch column %u ('%s'): unknown dtype %u", i,
+                            nm, c->dtype);
+      goto cleanup;
+    }
+    if (c->data_len > 0 && c->data == NULL) {
+      rc = ember__set_error(EMBER_EINVAL, "batch column %u ('%s'): data_len %llu but data is NULL",
+                            i, nm, (unsigned long long)c->data_len);
+      goto cleanup;
+    }
+    if (c->dtype == EMBER_DT_BYTES) {
+      uint64_t prev = 0, cur = 0;
+      if (c->width != 0) {
+        rc = ember__set_error(EMBER_EINVAL, "batch column %u ('%s'): BYTES width must be 0, not %u",
+                              i, nm, c->width);
+        goto cleanup;
+      }
+      if (c->offsets == NULL) {
+        rc = ember__set_error(EMBER_EINVAL, "batch column %u ('%s'): BYTES column without offsets",
+                              i, nm);
+        goto cleanup;
+      }
+      /* memcpy: the caller's offsets may sit at any address (e.g. a decoded
+       * batch in an unaligned buffer). */
+      for (uint64_t r = 0; r <= nrows; r++) {
+        memcpy(&cur, (const uint8_t *)c->offsets + r * 8u, 8);
+        if ((r == 0 && cur != 0) || cur < prev) {
+          rc = ember__set_error(EMBER_EINVAL,
+                                "batch column %u ('%s'): offset[%llu] = %llu (offsets must "
+                                "start at 0 and never decrease)",
+                                i, nm, (unsigned long long)r, (unsigned long long)cur);
+          goto cleanup;
+        }
+        prev = cur;
+      }
+      if (cur != c->data_len) {
+        rc = ember__set_error(EMBER_EINVAL,
+                              "batch column %u ('%s'): last offset %llu != data_len %llu", i,
+                              nm, (unsigned long long)cur, (unsigned long long)c->data_len);
+        goto cleanup;
+      }
+    } else {
+      uint64_t want = 0;
+      if (column_body_size(c->dtype, c->width, nrows, 0, &want) != 0) {
+        rc = ember__set_error(EMBER_ETOOBIG, "batch column %u ('%s'): %u rows x width %u overflows",
+                              i, nm, nrows, c->width);
+        goto cleanup;
+      }
+      if (want != c->data_len) {
+        rc = ember__set_error(EMBER_EINVAL,
+                              "batch column %u ('%s'): data_len %llu, expected nrows %u x "
+                              "width %u x %zu = %llu",
+                              i, nm, (unsigned long long)c->data_len, nrows, c->width,
+                              ember_dtype_size(c->dtype), (unsigned long long)want);
+        goto cleanup;
+      }
+      if (c->dtype == EMBER_DT_BOOL && want > 0) {
+        const uint8_t *b = c->data;
+        for (uint64_t k = 0; k < want; k++)
+          if (b[k] > 1) {
+            rc = ember__set_error(EMBER_EINVAL, "batch column %u ('%s'): BOOL element %llu is %u",
+                                  i, nm, (unsigned long long)k, b[k]);
+            goto cleanup;
+          }
+      }
+    }
+    pos += BATCH_DESC_LEN + c->name_len; /* <= 8 + 1024 * 271: no overflow */
+  }
+  *desc_end = (size_t)pos;
+  if (align8(pos, &pos) != 0) goto overflow;
+  for (uint32_t i = 0; i < ncols; i++) {
+    if (align8(pos, &pos) != 0) goto overflow;
+    if (column_body_size(cols[i].dtype, cols[i].width, nrows, cols[i].data_len, &body) != 0)
+      goto overflow;
+    if (__builtin_add_overflow(pos, body, &pos)) goto overflow;
+  }
+  if (pos > SIZE_MAX) goto overflow;
+  *total = (size_t)pos;
+  goto cleanup;
+overflow:
+  rc = ember__set_error(EMBER_ETOOBIG, "batch: encoded size overflows");
+cleanup:
+  return rc;
+}
+
+int ember_batch_encoded_size(const ember_column *cols, uint32_t ncols, uint32_t nrows,
+                             size_t *out_size) {
+  size_t desc_end = 0, total = 0;
+  int rc;
+  if (out_size == NULL) return ember__set_error(EMBER_EINVAL, "batch: out_size is NULL");
+  rc = batch_layout(cols, ncols, nrows, &desc_end, &total);
+  if (rc == EMBER_OK) *out_size = total;
+  return rc;
+}
+
+/* Writes the 8-byte header and the descriptors (not the padding) to out. */
+static void write_descriptors(const ember_column *cols, uint32_t ncols, uint32_t nrows,
+                              uint8_t *out) {
+  size_t pos = BATCH_HDR_LEN;
+  ember_wire_put_u32(out, nrows);
+  ember_wire_put_u32(out + 4, ncols);
+  for (uint32_t i = 0; i < ncols; i++) {
+    const ember_column *c = &cols[i];
+    uint64_t nbytes = 0;
+    (void)column_body_size(c->dtype, c->width, nrows, c->data_len, &nbytes); /* checked */
+    out[pos] = c->dtype;
+    out[pos + 1] = c->name_len;
+    out[pos + 2] = 0;
+    out[pos + 3] = 0;
+    ember_wire_put_u32(out + pos + 4, c->width);
+    ember_wire_put_u64(out + pos + 8, nbytes);
+    if (c->name_len) memcpy(out + pos + BATCH_DESC_LEN, c->name, c->name_len);
+    pos += BATCH_DESC_LEN + c->name_len;
+  }
+}
+
+int ember_batch_encode(const ember_column *cols, uint32_t ncols, uint32_t nrows,
+                       uint8_t *out, size_t cap, size_t *written) {
+  size_t desc_end = 0, total = 0, pos;
+  int rc = batch_layout(cols, ncols, nrows, &desc_end, &total);
+  if (rc != EMBER_OK) goto cleanup;
+  if (out == NULL || cap < total) {
+    rc = ember__set_error(EMBER_ETOOBIG, "batch: needs %zu bytes, buffer has %zu", total,
+                          out == NULL ? (size_t)0 : cap);
+    goto cleanup;
+  }
+  write_descriptors(cols, ncols, nrows, out);
+  pos = desc_end;
+  for (uint32_t i = 0; i < ncols; i++) {
+    const ember_column *c = &cols[i];
+    size_t start = (pos + 7u) & ~(size_t)7u; /* total fit, so no overflow */
+    memset(out + pos, 0, start - pos);
+    pos = start;
+    if (c->dtype == EMBER_DT_BYTES) {
+      size_t olen = ((size_t)nrows + 1u) * 8u;
+      memcpy(out + pos, c->offsets, olen); /* host order == little-endian */
+      pos += olen;
+    }
+    if (c->data_len) memcpy(out + pos, c->data, (size_t)c->data_len);
+    pos += (size_t)c->data_len;
+  }
+  if (written) *written = pos;
+cleanup:
+  return rc;
+}
+
+int ember_batch_decode(const uint8_t *buf, size_t len, ember_column *cols,
+                       uint32_t max_cols, uint32_t *ncols_out, uint32_t *nrows_out) {
+  char nm[80];
+  uint32_t nrows = 0, ncols = 0;
+  uint64_t pos = BATCH_HDR_LEN, end = 0;
+  int rc = EMBER_OK;
+
+  if ((buf == NULL && len > 0) || ncols_out == NULL || nrows_out == NULL) {
+    rc = ember__set_error(EMBER_EINVAL, "batch decode: NULL argument");
+    goto cleanup;
+  }
+  if (len < BATCH_HDR_LEN) {
+    rc = ember__set_error(EMBER_EPROTO, "batch: %zu bytes is shorter than the 8-byte header", len);
+    goto cleanup;
+  }
+  nrows = ember_wire_get_u32(buf);
+  ncols = ember_wire_get_u32(buf + 4);
+  if (ncols > EMBER_BATCH_MAX_COLS || ncols > max_cols) {
+    rc = ember__set_error(EMBER_EPROTO, "batch: %u columns exceeds the limit of %u", ncols,
+                          max_cols < EMBER_BATCH_MAX_COLS ? max_cols : EMBER_BATCH_MAX_COLS);
+    goto cleanup;
+  }
+  if (ncols > 0 && cols == NULL) {
+    rc = ember__set_error(EMBER_EINVAL, "batch decode: cols is NULL");
+    goto cleanup;
+  }
+
+  /* Pass 1: descriptors.  nbytes is parked in data_len until pass 2. */
+  for (uint32_t i = 0; i < ncols; i++) {
+    ember_column *c = &cols[i];
+    uint64_t nbytes, want = 0;
+    uint16_t reserved;
+    if (len - pos < BATCH_DESC_LEN) {
+      rc = ember__set_error(EMBER_EPROTO,
+                            "batch column %u: descriptor truncated (%zu bytes left at offset %llu)",
+                            i, (size_t)(len - pos), (unsigned long long)pos);
+      goto cleanup;
+    }
+    memset(c, 0, sizeof *c);
+    c->dtype = buf[pos];
+    c->name_len = buf[pos + 1];
+    reserved = (uint16_t)(buf[pos + 2] | buf[pos + 3] << 8);
+    c->width = ember_wire_get_u32(buf + pos + 4);
+    nbytes = ember_wire_get_u64(buf + pos + 8);
+    pos += BATCH_DESC_LEN;
+    if (len - pos < c->name_len) {
+      rc = ember__set_error(EMBER_EPROTO, "batch column %u: name of %u bytes truncated", i,
+                            c->name_len);
+      goto cleanup;
+    }
+    c->name = (const char *)(buf + pos);
+    pos += c->name_len;
+    printable_name(c->name, c->name_len, nm, sizeof nm);
+    if (reserved != 0) {
+      rc = ember__set_error(EMBER_EPROTO, "batch column %u ('%s'): reserved field is %u, not 0",
+                            i, nm, reserved);
+      goto cleanup;
+    }
+    if (!dtype_known(c->dtype)) {
+      rc = ember__set_error(EMBER_EPROTO, "batch column %u ('%s'): unknown dtype %u", i, nm,
+                            c->dtype);
+      goto cleanup;
+    }
+    if (c->dtype == EMBER_DT_BYTES) {
+      if (c->width != 0) {
+        rc = ember__set_error(EMBER_EPROTO, "batch column %u ('%s'): BYTES width is %u, not 0",
+                              i, nm, c->width);
+        goto cleanup;
+      }
+      want = ((uint64_t)nrows + 1u) * 8u;
+      if (nbytes < want) {
+        rc = ember__set_error(EMBER_EPROTO,
+                              "batch column %u ('%s'): nbytes %llu is less than the %llu bytes "
+                              "of offsets for %u rows",
+                              i, nm, (unsigned long long)nbytes, (unsigned long long)want, nrows);
+        goto cleanup;
+      }
+    } else {
+      if (column_body_size(c->dtype, c->width, nrows, 0, &want) != 0) {
+        rc = ember__set_error(EMBER_EPROTO, "batch column %u ('%s'): %u rows x width %u overflows",
+                              i, nm, nrows, c->width);
+        goto cleanup;
+      }
+      if (nbytes != want) {
+        rc = ember__set_error(EMBER_EPROTO,
+                              "batch column %u ('%s'): nbytes %llu != nrows %u x width %u x "
+                              "itemsize %zu",
+                              i, nm, (unsigned long long)nbytes, nrows, c->width,
+                              ember_dtype_size(c->dtype));
+        goto cleanup;
+      }
+    }
+    c->data_len = nbytes;
+  }
+
+  /* Pass 2: bodies, each 8-aligned from the start of the batch. */
+  if (align8(pos, &pos) != 0) goto truncated_bodies; /* pos <= len: cannot happen */
+  for (uint32_t i = 0; i < ncols; i++) {
+    ember_column *c = &cols[i];
+    uint64_t nbytes = c->data_len;
+    printable_name(c->name, c->name_len, nm, sizeof nm);
+    if (align8(pos, &pos) != 0 || pos > len || nbytes > len - pos) {
+      rc = ember__set_error(EMBER_EPROTO,
+                            "batch column %u ('%s'): body of %llu bytes at offset %llu runs past "
+                            "the end of the %zu-byte batch",
+                            i, nm, (unsigned long long)nbytes, (unsigned long long)pos, len);
+      goto cleanup;
+    }
+    if (c->dtype == EMBER_DT_BYTES) {
+      uint64_t olen = ((uint64_t)nrows + 1u) * 8u, dlen = nbytes - olen, prev = 0, cur = 0;
+      const uint8_t *ob = buf + pos;
+      for (uint64_t r = 0; r <= nrows; r++) {
+        cur = ember_wire_get_u64(ob + r * 8u);
+        if ((r == 0 && cur != 0) || cur < prev || cur > dlen) {
+          rc = ember__set_error(EMBER_EPROTO,
+                                "batch column %u ('%s'): bad offset[%llu] = %llu (previous %llu, "
+                                "data length %llu)",
+                                i, nm, (unsigned long long)r, (unsigned long long)cur,
+                                (unsigned long long)prev, (unsigned long long)dlen);
+          goto cleanup;
+        }
+        prev = cur;
+      }
+      if (cur != dlen) {
+        rc = ember__set_error(EMBER_EPROTO,
+                              "batch column %u ('%s'): last offset %llu != data length %llu", i,
+                              nm, (unsigned long long)cur, (unsigned long long)dlen);
+        goto cleanup;
+      }
+      /* Only 8-aligned relative to buf, as feed.h says; the cast creates no
+       * access, callers with an aligned buf may read through it. */
+      c->offsets = (const uint64_t *)(const void *)ob;
+      c->data = buf + pos + olen;
+      c->data_len = dlen;
+    } else {
+      c->data = buf + pos;
+      c->data_len = nbytes;
+      if (c->dtype == EMBER_DT_BOOL) {
+        const uint8_t *b = buf + pos;
+        for (uint64_t k = 0; k < nbytes; k++)
+          if (b[k] > 1) {
+            rc = ember__set_error(EMBER_EPROTO, "batch column %u ('%s'): BOOL element %llu is %u",
+                                  i, nm, (unsigned long long)k, b[k]);
+            goto cleanup;
+          }
+      }
+    }
+    pos += nbytes;
+  }
+  /* The encoder writes no trailing padding; a writer that pads every body to
+   * 8 bytes is accepted too, but nothing beyond that word. */
+  if (align8(pos, &end) != 0 || len < pos || len > end) {
+    rc = ember__set_error(EMBER_EPROTO, "batch: %llu unexpected bytes after the last column",
+                          (unsigned long long)(len - pos));
+    goto cleanup;
+  }
+  *ncols_out = ncols;
+  *nrows_out = nrows;
+  goto cleanup;
+truncated_bodies:
+  rc = ember__set_error(EMBER_EPROTO, "batch: descriptors run past the end");
+cleanup:
+  return rc;
+}
+
+/* ======================================================================
+ * Shared helpers
+ * ====================================================================== */
+
+#define FEED_DEFAULT_QUEUE (64u * 1024u * 1024u)
+#define FEED_DEFAULT_MAX_FRAME (256u * 1024u * 1024u)
+#define FEED_DEFAULT_IO_MS 600000u
+/* Payload limit of every frame but BATCH/RESULTS (HELLO, AUTH, ACK, ...). */
+#define FEED_CTL_MAX 4096u
+#define FEED_REASON_MAX 1024u
+
+/* Absolute deadline; a negative timeout means "no limit". */
+static int64_t feed_deadline(int64_t timeout_ms) {
+  return timeout_ms < 0 ? INT64_MAX : ember_deadline_after(timeout_ms);
+}
+
+/* 1 if code is one of the EMBER_E* values (for statuses read off the wire). */
+static int known_status(int32_t code) {
+#define FEED__KNOWN(name, value, desc) if (code == (value)) return 1;
+  EMBER_ERRNO_MAP(FEED__KNOWN)
+#undef FEED__KNOWN
+  return 0;
+}
+
+/* ======================================================================
+ * 2. Server
+ * ====================================================================== */
+
+#define FEED_STAGE_LEN 65536u
+/* A body read with at least this much left goes straight into the batch
+ * buffer, bypassing the staging buffer (no copy on the hot path). */
+#define FEED_DIRECT_MIN 16384u
+/* Bytes read from one connection per loop turn, so one fast producer cannot
+ * starve the others (poll is level-triggered: the rest is read next turn). */
+#define FEED_READ_BUDGET (4u * 1024u * 1024u)
+#define FEED_MAX_CONNS 1024u
+/* After a REFUSED, keep reading (and discarding) this long before closing,
+ * so the peer reads our reason instead of a connection reset. */
+#define FEED_LINGER_MS 2000
+
+enum { C_AUTH, C_HELLO, C_STREAM, C_ENDING, C_DONE, C_LINGER, C_DEAD };
+enum { RX_HDR, RX_BODY };
+
+/* One frame waiting to be written.  Frames the loop makes (challenge, ACK,
+ * REFUSED) are owned: one malloc with the bytes after the struct.  A RESULTS
+ * frame is borrowed: seg[1] is the consumer's buffer, which stays valid while
+ * that consumer waits for done (under s->mu). */
+typedef struct out_req {
+  struct out_req *next;
+  const uint8_t *seg[2];
+  size_t seglen[2];
+  size_t sent;
+  int owned;
+  int done, status;
+  uint8_t hdr[EMBER_WIRE_HEADER_LEN];
+} out_req;
+
+typedef struct feed_conn {
+  struct feed_conn *next;
+  uint64_t id;
+  int fd;
+  int state;
+  char peer[64];
+  int64_t deadline; /* handshake / flush / linger deadline; 0 = none */
+  ember_auth_pending auth;
+  /* receive state: loop thread only */
+  int rx;
+  uint8_t hdr[EMBER_WIRE_HEADER_LEN];
+  size_t hdr_have;
+  ember_frame_header fh;
+  uint8_t *body;
+  size_t body_have;
+  /* partition state */
+  int helloed;
+  uint32_t partition, flags;
+  int dup;           /* partition already acknowledged: discard its data */
+  uint64_t batches;  /* BATCH frames queued for this partition */
+  uint64_t records;  /* rows in them */
+  uint64_t end_count;
+  size_t outstanding; /* queued items not yet popped */
+  /* under s->mu, shared with other threads */
+  out_req *outq, *outq_tail;
+  int shut_after_flush;
+  int abort_req; /* set by send_results on a half-written frame */
+} feed_conn;
+
+typedef struct qnode {
+  ember_feed_item item; /* first: ember_feed_item_free(&node->item) frees node */
+  struct qnode *next;
+  feed_conn *conn; /* NULL once that connection is gone */
+} qnode;
+
+struct ember_feed_server {
+  pthread_mutex_t mu;
+  pthread_cond_t item_cond; /* consumer: an item arrived, or terminate/END */
+  pthread_cond_t out_cond;  /* send_results: a RESULTS frame was written */
+  pthread_t thread;
+  int thread_started;
+  int listen_fd, wake_fd;
+  uint16_t port;
+  uint8_t *secret;
+  size_t secret_len;
+  size_t queue_limit;
+  uint32_t max_frame;
+  int64_t io_ms;
+
+  /* under mu */
+  qnode *qhead, *qtail;
+  size_t qbytes;
+  int end_queued, end_returned, terminated, stopping;
+  int fatal;
+  char fatal_msg[256];
+  feed_conn *conns;
+  size_t nconns;
+  uint64_t next_id;
+  uint32_t *acked; /* sorted partition ids acknowledged OK */
+  size_t nacked, acked_cap;
+  ember_feed_stats stats;
+
+  /* loop thread only */
+  struct pollfd *pfds;
+  feed_conn **pconns;
+  size_t pcap;
+  uint8_t stage[FEED_STAGE_LEN];
+  ember_column cols[EMBER_BATCH_MAX_COLS];
+};
+
+static void wake_loop(ember_feed_server *s) {
+  uint64_t one = 1;
+  /* EAGAIN means the counter is already non-zero: the loop will wake. */
+  ssize_t n = write(s->wake_fd, &one, sizeof one);
+  (void)n;
+}
+
+static int cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t deadline_ms) {
+  struct timespec ts;
+  if (deadline_ms == INT64_MAX) return pthread_cond_wait(cv, mu);
+  ts.tv_sec = (time_t)(deadline_ms / 1000);
+  ts.tv_nsec = (long)(deadline_ms % 1000) * 1000000L;
+  return pthread_cond_timedwait(cv, mu, &ts);
+}
+
+/* --- acknowledged partitions: a sorted array (a few thousand at most) --- */
+static int acked_find(const ember_feed_server *s, uint32_t p, size_t *at) {
+  size_t lo = 0, hi = s->nacked;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (s->acked[mid] < p) lo = mid + 1;
+    else hi = mid;
+  }
+  *at = lo;
+  return lo < s->nacked && s->acked[lo] == p;
+}
+
+static int acked_add(ember_feed_server *s, uint32_t p) {
+  size_t at = 0;
+  if (acked_find(s, p, &at)) return EMBER_OK;
+  if (s->nacked == s->acked_cap) {
+    size_t ncap = s->acked_cap ? s->acked_cap * 2 : 64;
+    uint32_t *n = realloc(s->acked, ncap * sizeof *n);
+    if (n == NULL) return EMBER_ENOMEM;
+    s->acked = n;
+    s->acked_cap = ncap;
+  }
+  memmove(s->acked + at + 1, s->acked + at, (s->nacked - at) * sizeof *s->acked);
+  s->acked[at] = p;
+  s->nacked++;
+  return EMBER_OK;
+}
+
+/* --- out queue --- */
+static void outq_push(feed_conn *c, out_req *r) {
+  r->next = NULL;
+  if (c->outq_tail) c->outq_tail->next = r;
+  else c->outq = r;
+  c->outq_tail = r;
+}
+
+static void outq_unlink(feed_conn *c, out_req *r) {
+  out_req **pp = &c->outq, *prev = NULL;
+  while (*pp && *pp != r) {
+    prev = *pp;
+    pp = &(*pp)->next;
+  }
+  if (*pp == NULL) return;
+  *pp = r->next;
+  if (c->outq_tail == r) c->outq_tail = prev;
+}
+
+/* Queues an owned copy of a whole frame (header included). */
+static int queue_owned_frame(feed_conn *c, const uint8_t *frame, size_t len) {
+  out_req *r = malloc(sizeof *r + len);
+  if (r == NULL) return EMBER_ENOMEM;
+  memset(r, 0, sizeof *r);
+  memcpy(r + 1, frame, len);
+  r->seg[0] = (const uint8_t *)(r + 1);
+  r->seglen[0] = len;
+  r->owned = 1;
+  outq_push(c, r);
+  return EMBER_OK;
+}
+
+/* Queues ACK or REFUSED: u32 status, str reason. */
+static int queue_status_frame(feed_conn *c, uint16_t type, int status, const char *reason) {
+  uint8_t buf[EMBER_WIRE_HEADER_LEN + 8 + FEED_REASON_MAX];
+  size_t rlen = strlen(reason);
+  if (rlen > FEED_REASON_MAX) rlen = FEED_REASON_MAX;
+  ember_wire_encode_header(buf, type, (uint32_t)(8 + rlen));
+  ember_wire_put_u32(buf + EMBER_WIRE_HEADER_LEN, (uint32_t)status);
+  ember_wire_put_u32(buf + EMBER_WIRE_HEADER_LEN + 4, (uint32_t)rlen);
+  memcpy(buf + EMBER_WIRE_HEADER_LEN + 8, reason, rlen);
+  return queue_owned_frame(c, buf, EMBER_WIRE_HEADER_LEN + 8 + rlen);
+}
+
+/* Writes as much of c's out-queue as the socket takes, without blocking.
+ * Returns EMBER_OK (maybe with frames left) or an error (caller kills c). */
+static int conn_flush(ember_feed_server *s, feed_conn *c) {
+  while (c->outq && !c->abort_req && c->fd >= 0) {
+    out_req *r = c->outq;
+    struct iovec iov[2];
+    struct msghdr mh;
+    int n = 0;
+    size_t skip = r->sent;
+    ssize_t w;
+    for (int k = 0; k < 2; k++) {
+      if (skip >= r->seglen[k]) {
+        skip -= r->seglen[k];
+        continue;
+      }
+      iov[n].iov_base = (void *)(uintptr_t)(r->seg[k] + skip);
+      iov[n].iov_len = r->seglen[k] - skip;
+      skip = 0;
+      n++;
+    }
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = iov;
+    mh.msg_iovlen = (size_t)n;
+    w = n ? sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT) : 0;
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      return ember__set_errno(EMBER_EIO, errno, "feed: send to producer %s", c->peer);
+    }
+    r->sent += (size_t)w;
+    if (r->sent == r->seglen[0] + r->seglen[1]) {
+      c->outq = r->next;
+      if (c->outq == NULL) c->outq_tail = NULL;
+      if (r->owned) {
+        free(r);
+      } else {
+        r->done = 1;
+        r->status = EMBER_OK;
+        pthread_cond_broadcast(&s->out_cond);
+      }
+    }
+  }
+  return EMBER_OK;
+}
+
+static void conn_kill(ember_feed_server *s, feed_conn *c) {
+  out_req *r = c->outq, *nx;
+  if (c->state == C_DEAD) return;
+  c->state = C_DEAD;
+  for (; r; r = nx) {
+    nx = r->next;
+    if (r->owned) {
+      free(r);
+    } else {
+      r->done = 1;
+      r->status = EMBER_ENOTFOUND;
+    }
+  }
+  c->outq = c->outq_tail = NULL;
+  pthread_cond_broadcast(&s->out_cond);
+  free(c->body);
+  c->body = NULL;
+  ember_net_close(c->fd);
+  c->fd = -1;
+}
+
+/* Refuses c: queues REFUSED(code, reason), stops accepting its frames, and
+ * closes it once the reason is flushed and read (lingering close). */
+static void conn_refuse(ember_feed_server *s, feed_conn *c, int code, const char *reason) {
+  s->stats.producers_rejected++;
+  if (queue_status_frame(c, EMBER_MSG_REFUSED, code, reason) != EMBER_OK) {
+    conn_kill(s, c);
+    return;
+  }
+  free(c->body);
+  c->body = NULL;
+  c->state = C_LINGER;
+  c->shut_after_flush = 1;
+  c->deadline = ember_now_ms() + s->io_ms;
+}
+
+static int conn_wants_read(const ember_feed_server *s, const feed_conn *c) {
+  switch (c->state) {
+    case C_DEAD: return 0;
+    case C_STREAM:
+      /* Back-pressure: while the queue is full, leave bytes in the socket so
+       * TCP stops the producer.  Data that will be discarded (duplicate or
+       * terminated feed) is always read, so such producers never block. */
+      if (s->terminated || c->dup) return 1;
+      return s->qbytes < s->queue_limit;
+    default: return 1; /* handshake frames are small; EOF must be seen */
+  }
+}
+
+static void queue_push(ember_feed_server *s, qnode *n) {
+  n->next = NULL;
+  if (s->qtail) s->qtail->next = n;
+  else s->qhead = n;
+  s->qtail = n;
+  pthread_cond_signal(&s->item_cond);
+}
+
+static void handle_auth_frame(ember_feed_server *s, feed_conn *c) {
+  uint8_t reply[EMBER_WIRE_HEADER_LEN + 8 + FEED_REASON_MAX];
+  size_t rlen = 0;
+  int rc = ember_auth_server_check(&c->auth, s->secret, s->secret_len, c->fh.type, c->body,
+                                   c->fh.length, reply, sizeof reply, &rlen);
+  if (rlen > 0 && queue_owned_frame(c, reply, rlen) != EMBER_OK) {
+    conn_kill(s, c);
+    return;
+  }
+  if (rc == EMBER_OK) {
+    c->state = C_HELLO; /* the handshake deadline also covers FEED_HELLO */
+    return;
+  }
+  s->stats.producers_rejected++;
+  if (rlen == 0) {
+    conn_kill(s, c);
+    return;
+  }
+  c->state = C_LINGER;
+  c->shut_after_flush = 1;
+  c->deadline = ember_now_ms() + s->io_ms;
+}
+
+static void handle_hello(ember_feed_server *s, feed_conn *c) {
+  char why[160];
+  size_t at = 0;
+  if (c->fh.length != 8) {
+    snprintf(why, sizeof why, "feed: FEED_HELLO payload is %u bytes, expected 8", c->fh.length);
+    conn_refuse(s, c, EMBER_EPROTO, why);
+    return;
+  }
+  c->partition = ember_wire_get_u32(c->body);
+  c->flags = ember_wire_get_u32(c->body + 4);
+  if (c->flags & ~EMBER_FEED_WANT_RESULTS) {
+    snprintf(why, sizeof why, "feed: FEED_HELLO has unknown flags 0x%x", c->flags);
+    conn_refuse(s, c, EMBER_EPROTO, why);
+    return;
+  }
+  c->helloed = 1;
+  if (acked_find(s, c->partition, &at)) {
+    c->dup = 1;
+    s->stats.duplicate_partitions++;
+  }
+  c->state = C_STREAM;
+  c->deadline = 0;
+}
+
+static void handle_batch(ember_feed_server *s, feed_conn *c) {
+  char why[FEED_REASON_MAX];
+  uint32_t nc = 0, nr = 0;
+  qnode *n;
+  uint8_t *body = c->body;
+  c->body = NULL;
+  if (body == NULL) return; /* read into the discard path */
+  if (s->terminated || c->dup) {
+    free(body);
+    return;
+  }
+  if (ember_batch_decode(body, c->fh.length, s->cols, EMBER_BATCH_MAX_COLS, &nc, &nr) != EMBER_OK) {
+    snprintf(why, sizeof why, "feed: partition %u, batch %llu rejected: %s", c->partition,
+             (unsigned long long)c->batches + 1, ember_last_error());
+    free(body);
+    conn_refuse(s, c, EMBER_EPROTO, why);
+    return;
+  }
+  n = calloc(1, sizeof *n);
+  if (n == NULL) {
+    free(body);
+    conn_refuse(s, c, EMBER_ENOMEM, "feed: out of memory queuing a batch");
+    return;
+  }
+  n->item.kind = EMBER_FEED_ITEM_BATCH;
+  n->item.source = c->id;
+  n->item.partition = c->partition;
+  n->item.flags = c->flags;
+  n->item.data = body;
+  n->item.len = c->fh.length;
+  n->conn = c;
+  c->outstanding++;
+  c->batches++;
+  c->records += nr;
+  s->qbytes += c->fh.length;
+  s->stats.batches_received++;
+  s->stats.records_received += nr;
+  s->stats.bytes_received += c->fh.length;
+  queue_push(s, n);
+}
+
+static void handle_end_feed(ember_feed_server *s, feed_conn *c) {
+  if (!s->end_queued && !s->end_returned) {
+    qnode *n = calloc(1, sizeof *n);
+    if (n == NULL) {
+      conn_refuse(s, c, EMBER_ENOMEM, "feed: out of memory queuing END_FEED");
+      return;
+    }
+    n->item.kind = EMBER_FEED_ITEM_END;
+    n->item.source = c->id;
+    n->item.partition = c->partition;
+    n->item.flags = c->flags;
+    s->end_queued = 1;
+    queue_push(s, n);
+    pthread_cond_broadcast(&s->item_cond);
+  }
+  /* ACK tells the driver END_FEED is queued, not merely sent. */
+  if (queue_status_frame(c, EMBER_MSG_ACK, EMBER_OK, "") != EMBER_OK) conn_kill(s, c);
+  else c->state = C_DONE;
+}
+
+/* A whole frame (c->fh, c->body) has arrived. */
+static void conn_frame(ember_feed_server *s, feed_conn *c) {
+  char why[256];
+  c->rx = RX_HDR;
+  c->hdr_have = 0;
+  c->body_have = 0;
+  switch (c->state) {
+    case C_AUTH: handle_auth_frame(s, c); break;
+    case C_HELLO: handle_hello(s, c); break;
+    case C_STREAM:
+      switch (c->fh.type) {
+        case EMBER_MSG_BATCH: handle_batch(s, c); break;
+        case EMBER_MSG_END_PARTITION:
+          if (c->fh.length != 8) {
+            snprintf(why, sizeof why, "feed: END_PARTITION payload is %u bytes, expected 8",
+                     c->fh.length);
+            conn_refuse(s, c, EMBER_EPROTO, why);
+            break;
+          }
+          c->end_count = ember_wire_get_u64(c->body);
+          c->state = C_ENDING; /* the ACK waits for the pops, see loop_progress */
+          break;
+        case EMBER_MSG_END_FEED: handle_end_feed(s, c); break;
+        case EMBER_MSG_FEED_ERROR:
+          /* The producer could not read its partition and says so; it will
+           * not send END_PARTITION.  Its queued batches stay (see
+           * conn_eof), and the Spark task's failure reaches the driver. */
+          conn_kill(s, c);
+          break;
+        default: break; /* filtered in conn_header */
+      }
+      break;
+    default: break;
+  }
+  free(c->body);
+  c->body = NULL;
+}
+
+/* A 12-byte header has arrived: check it against what this state allows
+ * before allocating anything for the payload. */
+static void conn_header(ember_feed_server *s, feed_conn *c) {
+  char why[FEED_REASON_MAX];
+  /* In C_AUTH any header is accepted here: ember_auth_server_check refuses a
+   * wrong type or length itself, without the payload being read. */
+  uint32_t max = c->state == C_STREAM ? s->max_frame
+                 : c->state == C_AUTH ? EMBER_WIRE_ABSOLUTE_MAX
+                                      : FEED_CTL_MAX;
+  int rc = ember_wire_decode_header(c->hdr, EMBER_WIRE_HEADER_LEN, max, &c->fh);
+  if (rc != EMBER_OK) {
+    snprintf(why, sizeof why, "feed: bad frame from %s: %s", c->peer, ember_last_error());
+    conn_refuse(s, c, rc, why);
+    return;
+  }
+  switch (c->state) {
+    case C_AUTH:
+      if (c->fh.type != EMBER_MSG_AUTH || c->fh.length != 2u * EMBER_NONCE_LEN) {
+        c->body = NULL;
+        handle_auth_frame(s, c); /* refuses on type/length alone */
+        return;
+      }
+      break;
+    case C_HELLO:
+      if (c->fh.type != EMBER_MSG_FEED_HELLO) {
+        snprintf(why, sizeof why, "feed: expected FEED_HELLO, got %s",
+                 ember_wire_type_name(c->fh.type));
+        conn_refuse(s, c, EMBER_EPROTO, why);
+        return;
+      }
+      break;
+    case C_STREAM:
+      if (c->fh.type != EMBER_MSG_BATCH && c->fh.type != EMBER_MSG_END_PARTITION &&
+          c->fh.type != EMBER_MSG_END_FEED && c->fh.type != EMBER_MSG_FEED_ERROR) {
+        snprintf(why, sizeof why, "feed: unexpected %s frame from a producer",
+                 ember_wire_type_name(c->fh.type));
+        conn_refuse(s, c, EMBER_EPROTO, why);
+        return;
+      }
+      if (c->fh.type != EMBER_MSG_BATCH && c->fh.length > FEED_CTL_MAX) {
+        snprintf(why, sizeof why, "feed: %s payload of %u bytes exceeds %u",
+                 ember_wire_type_name(c->fh.type), c->fh.length, FEED_CTL_MAX);
+        conn_refuse(s, c, EMBER_ETOOBIG, why);
+        return;
+      }
+      break;
+    default:
+      snprintf(why, sizeof why, "feed: unexpected %s frame after %s",
+               ember_wire_type_name(c->fh.type),
+               c->state == C_DONE ? "the final ACK" : "END_PARTITION");
+      conn_refuse(s, c, EMBER_EPROTO, why);
+      return;
+  }
+  c->body = NULL;
+  c->body_have = 0;
+  if (c->fh.length == 0) {
+    conn_frame(s, c);
+    return;
+  }
+  /* Batches that will be dropped are read into the discard path instead of
+   * a buffer. */
+  if (c->state == C_STREAM && c->fh.type == EMBER_MSG_BATCH && (s->terminated || c->dup)) {
+    c->rx = RX_BODY;
+    return;
+  }
+  c->body = malloc(c->fh.length); /* malloc alignment >= 8, as items promise */
+  if (c->body == NULL) {
+    snprintf(why, sizeof why, "feed: out of memory for a %u-byte %s frame", c->fh.length,
+             ember_wire_type_name(c->fh.type));
+    conn_refuse(s, c, EMBER_ENOMEM, why);
+    return;
+  }
+  c->rx = RX_BODY;
+}
+
+/* Feeds bytes read from the socket through the frame state machine. */
+static void conn_consume(ember_feed_server *s, feed_conn *c, const uint8_t *p, size_t n) {
+  while (n > 0 && (c->state != C_LINGER && c->state != C_DEAD)) {
+    size_t take;
+    if (c->rx == RX_HDR) {
+      take = EMBER_WIRE_HEADER_LEN - c->hdr_have;
+      if (take > n) take = n;
+      memcpy(c->hdr + c->hdr_have, p, take);
+      c->hdr_have += take;
+      if (c->hdr_have == EMBER_WIRE_HEADER_LEN) conn_header(s, c);
+    } else {
+      take = c->fh.length - c->body_have;
+      if (take > n) take = n;
+      if (c->body) memcpy(c->body + c->body_have, p, take);
+      c->body_have += take;
+      if (c->body_have == c->fh.length) conn_frame(s, c);
+    }
+    p += take;
+    n -= take;
+  }
+}
+
+/* The producer closed its end (or reset it). */
+static void conn_eof(ember_feed_server *s, feed_conn *c) {
+  /* A producer gone mid-partition gets no ACK; the batches it already had
+   * queued stay queued and will be delivered.  Known limitation: a retried
+   * task re-sends the partition from the start, so those rows can arrive
+   * twice; the per-partition dedupe here only covers partitions that were
+   * acknowledged whole.  Retries of half-sent partitions are handled a level
+   * up (the driver decides what to re-feed). */
+  if (c->state == C_AUTH || c->state == C_HELLO) s->stats.producers_rejected++;
+  conn_kill(s, c);
+}
+
+/* Reads what c's socket has (up to the fairness budget). */
+static void conn_read(ember_feed_server *s, feed_conn *c) {
+  size_t budget = FEED_READ_BUDGET;
+  while (budget > 0 && conn_wants_read(s, c)) {
+    int direct = c->rx == RX_BODY && c->body != NULL &&
+                 c->fh.length - c->body_have >= FEED_DIRECT_MIN && c->state != C_LINGER;
+    uint8_t *dst = direct ? c->body + c->body_have : s->stage;
+    size_t cap = direct ? c->fh.length - c->body_have : FEED_STAGE_LEN;
+    ssize_t n;
+    int err;
+    if (cap > budget) cap = budget;
+    pthread_mutex_unlock(&s->mu);
+    n = recv(c->fd, dst, cap, MSG_DONTWAIT);
+    err = errno;
+    pthread_mutex_lock(&s->mu);
+    if (c->state == C_DEAD) break;
+    if (n == 0) {
+      conn_eof(s, c);
+      break;
+    }
+    if (n < 0) {
+      if (err == EINTR) continue;
+      if (err == EAGAIN || err == EWOULDBLOCK) break;
+      conn_eof(s, c); /* ECONNRESET and friends: the producer is gone */
+      break;
+    }
+    budget -= (size_t)n;
+    if (c->state == C_LINGER) continue; /* discard */
+    if (direct) {
+      c->body_have += (size_t)n;
+      if (c->body_have == c->fh.length) conn_frame(s, c);
+    } else {
+      conn_consume(s, c, s->stage, (size_t)n);
+    }
+  }
+}
+
+static void accept_new(ember_feed_server *s) {
+  for (;;) {
+    uint8_t chal[EMBER_WIRE_HEADER_LEN + EMBER_NONCE_LEN + 16];
+    size_t clen = 0;
+    feed_conn *c;
+    int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      /* EAGAIN: done.  ECONNABORTED/EMFILE/...: try again next turn; poll
+       * keeps reporting the listener readable, so do not spin on it here. */
+      break;
+    }
+    if (s->nconns >= FEED_MAX_CONNS) {
+      ember_net_close(fd);
+      s->stats.producers_rejected++;
+      continue;
+    }
+    c = calloc(1, sizeof *c);
+    if (c == NULL || ember_auth_server_begin(&c->auth, chal, sizeof chal, &clen) != EMBER_OK ||
+        queue_owned_frame(c, chal, clen) != EMBER_OK) {
+      if (c) free(c->outq);
+      free(c);
+      ember_net_close(fd);
+      continue;
+    }
+    (void)ember_net_tune(fd);
+    c->fd = fd;
+    c->id = ++s->next_id;
+    c->state = C_AUTH;
+    c->rx = RX_HDR;
+    c->deadline = ember_now_ms() + s->io_ms; /* auth + FEED_HELLO */
+    ember_net_peer_name(fd, c->peer, sizeof c->peer);
+    c->next = s->conns;
+    s->conns = c;
+    s->nconns++;
+    if (conn_flush(s, c) != EMBER_OK) conn_kill(s, c);
+  }
+}
+
+/* State changes that do not come from the socket: ACKs that wait for the
+ * consumer, deadlines, lingering closes, reaping. */
+static void loop_progress(ember_feed_server *s) {
+  int64_t now = ember_now_ms();
+  feed_conn **pp = &s->conns;
+  for (feed_conn *c = s->conns; c; c = c->next) {
+    if (c->state == C_DEAD) continue;
+    if (c->abort_req) {
+      conn_kill(s, c);
+      continue;
+    }
+    if (c->state == C_ENDING) {
+      char why[160];
+      int st = EMBER_OK, ready = 1;
+      why[0] = '\0';
+      if (s->terminated) {
+        st = EMBER_EABORTED;
+        snprintf(why, sizeof why, "trainer terminated the feed");
+      } else if (c->dup) {
+        /* already delivered by an earlier connection; data discarded */
+      } else if (c->outstanding > 0) {
+        ready = 0;
+      } else if (c->end_count != c->records) {
+        st = EMBER_EPROTO;
+        snprintf(why, sizeof why,
+                 "partition %u: END_PARTITION says %llu records, the node received %llu",
+                 c->partition, (unsigned long long)c->end_count,
+                 (unsigned long long)c->records);
+      } else if (acked_add(s, c->partition) != EMBER_OK) {
+        st = EMBER_ENOMEM;
+        snprintf(why, sizeof why, "out of memory recording partition %u", c->partition);
+      } else {
+        s->stats.partitions_acked++;
+      }
+      if (ready) {
+        if (queue_status_frame(c, EMBER_MSG_ACK, st, why) != EMBER_OK) {
+          conn_kill(s, c);
+          continue;
+        }
+        c->state = C_DONE;
+      }
+    }
+    if (c->outq && conn_flush(s, c) != EMBER_OK) {
+      conn_kill(s, c);
+      continue;
+    }
+    if (c->shut_after_flush && c->outq == NULL) {
+      shutdown(c->fd, SHUT_WR);
+      c->shut_after_flush = 0;
+      c->deadline = now + FEED_LINGER_MS;
+    }
+    if (c->deadline && now >= c->deadline) {
+      if (c->state == C_AUTH || c->state == C_HELLO) s->stats.producers_rejected++;
+      conn_kill(s, c);
+    }
+  }
+  /* Reap: only here are connections freed, so pointers held across the
+   * unlocked poll() stay valid. */
+  while (*pp) {
+    feed_conn *c = *pp;
+    if (c->state != C_DEAD) {
+      pp = &c->next;
+      continue;
+    }
+    *pp = c->next;
+    s->nconns--;
+    if (c->outstanding)
+      for (qnode *n = s->qhead; n; n = n->next)
+        if (n->conn == c) n->conn = NULL;
+    free(c);
+  }
+}
+
+static void set_fatal(ember_feed_server *s, const char *what, int err) {
+  if (s->fatal) return;
+  s->fatal = EMBER_ESYS;
+  snprintf(s->fatal_msg, sizeof s->fatal_msg, "feed server: %s: %s", what, strerror(err));
+  pthread_cond_broadcast(&s->item_cond);
+}
+
+static void *feed_loop(void *arg) {
+  ember_feed_server *s = arg;
+  pthread_mutex_lock(&s->mu);
+  while (!s->stopping) {
+    size_t n = 0, need = s->nconns + 2;
+    int64_t now = ember_now_ms(), next_deadline = INT64_MAX;
+    int timeout, rc, err;
+    if (need > s->pcap) {
+      struct pollfd *pf = realloc(s->pfds, need * sizeof *pf);
+      feed_conn **pc;
+      if (pf) s->pfds = pf;
+      pc = pf ? realloc(s->pconns, need * sizeof *pc) : NULL;
+      if (pc == NULL) {
+        set_fatal(s, "allocating the poll set", ENOMEM);
+        break;
+      }
+      s->pconns = pc;
+      s->pcap = need;
+    }
+    s->pfds[n++] = (struct pollfd){.fd = s->wake_fd, .events = POLLIN};
+    s->pfds[n++] = (struct pollfd){.fd = s->nconns < FEED_MAX_CONNS ? s->listen_fd : -1,
+                                   .events = POLLIN};
+    for (feed_conn *c = s->conns; c; c = c->next) {
+      short ev = 0;
+      if (c->state == C_DEAD) continue;
+      if (conn_wants_read(s, c)) ev |= POLLIN;
+      if (c->outq) ev |= POLLOUT;
+      s->pconns[n] = c;
+      s->pfds[n++] = (struct pollfd){.fd = c->fd, .events = ev};
+      if (c->deadline && c->deadline < next_deadline) next_deadline = c->deadline;
+    }
+    if (next_deadline == INT64_MAX) timeout = -1;
+    else if (next_deadline <= now) timeout = 0;
+    else timeout = next_deadline - now > INT_MAX ? INT_MAX : (int)(next_deadline - now);
+    pthread_mutex_unlock(&s->mu);
+    rc = poll(s->pfds, (nfds_t)n, timeout);
+    err = errno;
+    pthread_mutex_lock(&s->mu);
+    if (rc < 0 && err != EINTR) {
+      set_fatal(s, "poll", err);
+      break;
+    }
+    if (rc > 0) {
+      if (s->pfds[0].revents) {
+        uint64_t v;
+        ssize_t r = read(s->wake_fd, &v, sizeof v);
+        (void)r;
+      }
+      for (size_t i = 2; i < n; i++) {
+        feed_conn *c = s->pconns[i];
+        short re = s->pfds[i].revents;
+        if (re == 0 || c->state == C_DEAD) continue;
+        /* An error/hang-up on a connection we are not reading (paused by
+         * back-pressure) would make poll return at once forever: the
+         * producer is gone, drop it now. */
+        if ((re & (POLLERR | POLLHUP)) && !conn_wants_read(s, c) && !c->outq) {
+          conn_eof(s, c);
+          continue;
+        }
+        if ((re & (POLLOUT | POLLERR | POLLHUP)) && c->outq && conn_flush(s, c) != EMBER_OK) {
+          conn_kill(s, c);
+          continue;
+        }
+        if (re & (POLLIN | POLLERR | POLLHUP)) conn_read(s, c);
+      }
+      if (s->pfds[1].revents & POLLIN) accept_new(s);
+    }
+    loop_progress(s);
+  }
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}
+
+static void free_queue(ember_feed_server *s) {
+  qnode *n = s->qhead, *nx;
+  for (; n; n = nx) {
+    nx = n->next;
+    if (n->conn) n->conn->outstanding--;
+    free(n->item.data);
+    free(n);
+  }
+  s->qhead = s->qtail = NULL;
+  s->qbytes = 0;
+}
+
+void ember_feed_server_destroy(ember_feed_server *s) {
+  feed_conn *c, *nx;
+  if (s == NULL) return;
+  if (s->thread_started) {
+    pthread_mutex_lock(&s->mu);
+    s->stopping = 1;
+    pthread_mutex_unlock(&s->mu);
+    wake_loop(s);
+    pthread_join(s->thread, NULL);
+  }
+  for (c = s->conns; c; c = nx) {
+    nx = c->next;
+    conn_kill(s, c);
+    free(c);
+  }
+  s->conns = NULL;
+  for (qnode *n = s->qhead; n; n = n->next) n->conn = NULL;
+  free_queue(s);
+  ember_net_close(s->listen_fd);
+  ember_net_close(s->wake_fd);
+  pthread_cond_destroy(&s->item_cond);
+  pthread_cond_destroy(&s->out_cond);
+  pthread_mutex_destroy(&s->mu);
+  if (s->secret) memset(s->secret, 0, s->secret_len);
+  free(s->secret);
+  free(s->acked);
+  free(s->pfds);
+  free(s->pconns);
+  free(s);
+}
+
+int ember_feed_server_create(ember_feed_server **out, const ember_feed_server_config *cfg) {
+  ember_feed_server *s = NULL;
+  pthread_condattr_t ca;
+  int rc = EMBER_OK, fd = cfg ? cfg->listen_fd : -1, inited = 0;
+  char host[64];
+
+  if (out == NULL || cfg == NULL) {
+    rc = ember__set_error(EMBER_EINVAL, "feed server: NULL argument");
+    goto cleanup;
+  }
+  *out = NULL;
+  if (cfg->secret == NULL || cfg->secret_len < EMBER_SECRET_MIN_LEN) {
+    rc = ember__set_error(EMBER_EINVAL, "feed server: secret must be at least %u bytes",
+                          EMBER_SECRET_MIN_LEN);
+    goto cleanup;
+  }
+  s = calloc(1, sizeof *s);
+  if (s == NULL) {
+    rc = ember__set_error(EMBER_ENOMEM, "feed server: out of memory");
+    goto cleanup;
+  }
+  s->listen_fd = -1;
+  s->wake_fd = -1;
+  s->secret = malloc(cfg->secret_len);
+  if (s->secret == NULL) {
+    rc = ember__set_error(EMBER_ENOMEM, "feed server: out of memory");
+    goto cleanup;
+  }
+  memcpy(s->secret, cfg->secret, cfg->secret_len);
+  s->secret_len = cfg->secret_len;
+  s->queue_limit = cfg->queue_bytes ? cfg->queue_bytes : FEED_DEFAULT_QUEUE;
+  s->max_frame = cfg->max_frame ? cfg->max_frame : FEED_DEFAULT_MAX_FRAME;
+  if (s->max_frame > EMBER_WIRE_ABSOLUTE_MAX) s->max_frame = EMBER_WIRE_ABSOLUTE_MAX;
+  s->io_ms = cfg->io_timeout_ms ? cfg->io_timeout_ms : FEED_DEFAULT_IO_MS;
+
+  if (pthread_mutex_init(&s->mu, NULL) != 0) {
+    rc = ember__set_error(EMBER_ESYS, "feed server: pthread_mutex_init failed");
+    goto cleanup;
+  }
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* deadlines use ember_now_ms() */
+  pthread_cond_init(&s->item_cond, &ca);
+  pthread_cond_init(&s->out_cond, &ca);
+  pthread_condattr_destroy(&ca);
+  inited = 1;
+
+  s->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (s->wake_fd < 0) {
+    rc = ember__set_errno(EMBER_ESYS, errno, "feed server: eventfd");
+    goto cleanup;
+  }
+  if (fd >= 0) {
+    int fl;
+    s->listen_fd = fd;
+    fd = -1; /* owned by s now */
+    rc = ember_net_listen_fd(s->listen_fd, 128);
+    if (rc != EMBER_OK) goto cleanup;
+    fl = fcntl(s->listen_fd, F_GETFL);
+    if (fl < 0 || fcntl(s->listen_fd, F_SETFL, fl | O_NONBLOCK) < 0 ||
+        fcntl(s->listen_fd, F_SETFD, FD_CLOEXEC) < 0) {
+      rc = ember__set_errno(EMBER_ESYS, errno, "feed server: fcntl on the listen socket");
+      goto cleanup;
+    }
+    ember_net_local_addr(s->listen_fd, host, sizeof host, &s->port);
+  } else {
+    rc = ember_net_bind(cfg->bind_host, cfg->port, 128, 0, &s->listen_fd, &s->port);
+    if (rc != EMBER_OK) goto cleanup;
+  }
+  if (pthread_create(&s->thread, NULL, feed_loop, s) != 0) {
+    rc = ember__set_error(EMBER_ESYS, "feed server: cannot start its thread");
+    goto cleanup;
+  }
+  s->thread_started = 1;
+  *out = s;
+  s = NULL;
+cleanup:
+  ember_net_close(fd); /* ownership of listen_fd was taken even on failure */
+  if (s) {
+    if (inited) {
+      ember_feed_server_destroy(s);
+    } else {
+      ember_net_close(s->listen_fd);
+      ember_net_close(s->wake_fd);
+      free(s->secret);
+      free(s);
+    }
+  }
+  return rc;
+}
+
+uint16_t ember_feed_server_port(const ember_feed_server *s) { return s ? s->port : 0; }
+
+int ember_feed_server_next(ember_feed_server *s, ember_feed_item **out, int64_t timeout_ms) {
+  int64_t deadline = feed_deadline(timeout_ms);
+  int rc = EMBER_OK, wake = 0;
+  if (s == NULL || out == NULL) return ember__set_error(EMBER_EINVAL, "feed next: NULL argument");
+  *out = NULL;
+  pthread_mutex_lock(&s->mu);
+  for (;;) {
+    qnode *n;
+    if (s->fatal) {
+      rc = ember__set_error(s->fatal, "%s", s->fatal_msg);
+      break;
+    }
+    /* After END (or terminate: the consumer wants no more) every call gets
+     * END at once. */
+    if (s->end_returned || s->terminated) {
+      n = calloc(1, sizeof *n);
+      if (n == NULL) {
+        rc = ember__set_error(EMBER_ENOMEM, "feed next: out of memory");
+        break;
+      }
+      n->item.kind = EMBER_FEED_ITEM_END;
+      *out = &n->item;
+      break;
+    }
+    n = s->qhead;
+    if (n) {
+      int was_full = s->qbytes >= s->queue_limit;
+      s->qhead = n->next;
+      if (s->qhead == NULL) s->qtail = NULL;
+      n->next = NULL;
+      if (n->item.kind == EMBER_FEED_ITEM_END) {
+        s->end_returned = 1;
+        s->end_queued = 0;
+      } else {
+        feed_conn *c = n->conn;
+        s->qbytes -= n->item.len;
+        if (c && --c->outstanding == 0 && c->state == C_ENDING) wake = 1; /* ACK due */
+        if (was_full && s->qbytes < s->queue_limit) wake = 1; /* resume reading */
+      }
+      n->conn = NULL;
+      *out = &n->item;
+      break;
+    }
+    if (s->stopping) {
+      rc = ember__set_error(EMBER_ESTATE, "feed next: server is being destroyed");
+      break;
+    }
+    if (cond_wait_until(&s->item_cond, &s->mu, deadline) == ETIMEDOUT) {
+      rc = ember__set_error(EMBER_ETIMEDOUT, "feed next: no batch arrived within %lld ms",
+                            (long long)timeout_ms);
+      break;
+    }
+  }
+  pthread_mutex_unlock(&s->mu);
+  if (wake) wake_loop(s);
+  return rc;
+}
+
+void ember_feed_item_free(ember_feed_item *item) {
+  if (item == NULL) return;
+  free(item->data);
+  free(item); /* item is the first member of its qnode */
+}
+
+int ember_feed_server_send_results(ember_feed_server *s, uint64_t source, const uint8_t *batch,
+                                   size_t len, int64_t timeout_ms) {
+  int64_t deadline = feed_deadline(timeout_ms);
+  out_req req;
+  feed_conn *c;
+  int rc = EMBER_OK;
+  if (s == NULL || (batch == NULL && len > 0))
+    return ember__set_error(EMBER_EINVAL, "feed send_results: NULL argument");
+  if (len > EMBER_WIRE_ABSOLUTE_MAX)
+    return ember__set_error(EMBER_ETOOBIG, "feed send_results: %zu bytes exceeds the %u limit",
+                            len, EMBER_WIRE_ABSOLUTE_MAX);
+  memset(&req, 0, sizeof req);
+  ember_wire_encode_header(req.hdr, EMBER_MSG_RESULTS, (uint32_t)len);
+  req.seg[0] = req.hdr;
+  req.seglen[0] = EMBER_WIRE_HEADER_LEN;
+  req.seg[1] = batch;
+  req.seglen[1] = len;
+
+  pthread_mutex_lock(&s->mu);
+  for (c = s->conns; c; c = c->next)
+    if (c->id == source) break;
+  if (c == NULL || c->state == C_DEAD || c->state == C_LINGER || c->abort_req) {
+    rc = ember__set_error(EMBER_ENOTFOUND, "feed send_results: producer %llu is gone",
+                          (unsigned long long)source);
+    goto cleanup;
+  }
+  if (!(c->flags & EMBER_FEED_WANT_RESULTS)) {
+    rc = ember__set_error(EMBER_ESTATE,
+                          "feed send_results: producer %llu (%s, partition %u) did not ask for "
+                          "results",
+                          (unsigned long long)source, c->peer, c->partition);
+    goto cleanup;
+  }
+  outq_push(c, &req);
+  /* Try at once (non-blocking, under the lock like every write); the loop
+   * finishes what the socket does not take now. */
+  if (conn_flush(s, c) != EMBER_OK) c->abort_req = 1;
+  if (!req.done) wake_loop(s);
+  while (!req.done) {
+    if (cond_wait_until(&s->out_cond, &s->mu, deadline) == ETIMEDOUT && !req.done) {
+      /* req not done => c is alive and req is still in its queue. */
+      outq_unlink(c, &req);
+      if (req.sent > 0) {
+        /* Half a frame is on the wire; the stream cannot be resumed. */
+        c->abort_req = 1;
+        wake_loop(s);
+        rc = ember__set_error(EMBER_ETIMEDOUT,
+                              "feed send_results to %s (partition %u): timed out after %lld ms "
+                              "mid-frame; connection closed",
+                              c->peer, c->partition, (long long)timeout_ms);
+      } else {
+        rc = ember__set_error(EMBER_ETIMEDOUT,
+                              "feed send_results to %s (partition %u): no socket space within "
+                              "%lld ms",
+                              c->peer, c->partition, (long long)timeout_ms);
+      }
+      goto cleanup;
+    }
+  }
+  if (req.status != EMBER_OK)
+    rc = ember__set_error(req.status, "feed send_results: producer %llu disconnected",
+                          (unsigned long long)source);
+cleanup:
+  pthread_mutex_unlock(&s->mu);
+  return rc;
+}
+
+int ember_feed_server_terminate(ember_feed_server *s) {
+  if (s == NULL) return ember__set_error(EMBER_EINVAL, "feed terminate: NULL server");
+  pthread_mutex_lock(&s->mu);
+  if (!s->terminated) {
+    s->terminated = 1;
+    free_queue(s); /* also zeroes the connections' outstanding counts */
+    s->end_queued = 0;
+  }
+  pthread_cond_broadcast(&s->item_cond);
+  pthread_mutex_unlock(&s->mu);
+  wake_loop(s); /* pending END_PARTITIONs get EABORTED; reading resumes */
+  return EMBER_OK;
+}
+
+/* Counters: batches/records/bytes_received count batches that were queued
+ * for the consumer (duplicates and data after terminate are not counted);
+ * producers_rejected counts connections refused for any reason (bad secret,
+ * handshake timeout, protocol error, malformed batch). */
+void ember_feed_server_stats(ember_feed_server *s, ember_feed_stats *out) {
+  if (s == NULL || out == NULL) return;
+  pthread_mutex_lock(&s->mu);
+  *out = s->stats;
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* ======================================================================
+ * 3. Client
+ * ====================================================================== */
+
+/* RESULTS frames the client accepts; results are trainer output, usually far
+ * smaller than input, but bounded all the same. */
+#define FEED_CLIENT_MAX_FRAME FEED_DEFAULT_MAX_FRAME
+/* iovecs per writev: stays under IOV_MAX (1024). */
+#define FEED_IOV_CHUNK 512
+
+typedef struct pending_result {
+  struct pending_result *next;
+  uint8_t *data;
+  size_t len;
+} pending_result;
+
+struct ember_feed_client {
+  int fd;
+  uint32_t partition, flags;
+  uint64_t rows_sent;
+  int broken; /* a send failed half-way or the server refused us */
+  int ended;  /* END_PARTITION or END_FEED acknowledged */
+  char peer[64];
+  /* RESULTS that arrived while end_partition waited for the ACK; handed out
+   * by recv_results first, in order. */
+  pending_result *res_head, *res_tail;
+  uint8_t *scratch; /* frame header + batch descriptors */
+  size_t scratch_cap;
+  struct iovec *iov;
+  size_t iov_cap;
+};
+
+void ember_feed_client_destroy(ember_feed_client *c) {
+  pending_result *p, *nx;
+  if (c == NULL) return;
+  ember_net_close(c->fd);
+  for (p = c->res_head; p; p = nx) {
+    nx = p->next;
+    free(p->data);
+    free(p);
+  }
+  free(c->scratch);
+  free(c->iov);
+  free(c);
+}
+
+int ember_feed_client_connect(ember_feed_client **out, const char *host, uint16_t port,
+                              const uint8_t *secret, size_t secret_len, uint32_t partition,
+                              uint32_t flags, int64_t timeout_ms) {
+  int64_t deadline = feed_deadline(timeout_ms);
+  ember_feed_client *c = NULL;
+  uint8_t hello[8];
+  int rc = EMBER_OK;
+  if (out == NULL || host == NULL) {
+    rc = ember__set_error(EMBER_EINVAL, "feed connect: NULL argument");
+    goto cleanup;
+  }
+  *out = NULL;
+  if (flags & ~EMBER_FEED_WANT_RESULTS) {
+    rc = ember__set_error(EMBER_EINVAL, "feed connect: unknown flags 0x%x", flags);
+    goto cleanup;
+  }
+  c = calloc(1, sizeof *c);
+  if (c == NULL) {
+    rc = ember__set_error(EMBER_ENOMEM, "feed connect: out of memory");
+    goto cleanup;
+  }
+  c->fd = -1;
+  c->partition = partition;
+  c->flags = flags;
+  rc = ember_net_connect(host, port, deadline, &c->fd);
+  if (rc != EMBER_OK) goto cleanup;
+  (void)ember_net_tune(c->fd);
+  ember_net_peer_name(c->fd, c->peer, sizeof c->peer);
+  rc = ember_auth_client(c->fd, secret, secret_len, deadline);
+  if (rc != EMBER_OK) goto cleanup;
+  ember_wire_put_u32(hello, partition);
+  ember_wire_put_u32(hello + 4, flags);
+  rc = ember_net_send_frame(c->fd, EMBER_MSG_FEED_HELLO, hello, sizeof hello, deadline);
+  if (rc != EMBER_OK) goto cleanup;
+  *out = c;
+  c = NULL;
+cleanup:
+  ember_feed_client_destroy(c);
+  return rc;
+}
+
+/* Turns an ACK/REFUSED payload (u32 status, str reason) into a status code
+ * and the thread's error message. */
+static int client_status(ember_feed_client *c, uint16_t type, const uint8_t *p, uint32_t len) {
+  ember_wire_reader r;
+  char reason[FEED_REASON_MAX + 1];
+  int32_t st;
+  ember_wire_reader_init(&r, p, len);
+  st = (int32_t)ember_wire_read_u32(&r);
+  ember_wire_read_str(&r, reason, sizeof reason);
+  if (ember_wire_reader_finish(&r, 1, ember_wire_type_name(type)) != EMBER_OK) {
+    c->broken = 1;
+    return EMBER_EPROTO; /* reader set the message */
+  }
+  if (type == EMBER_MSG_REFUSED) c->broken = 1;
+  if (st == EMBER_OK && type == EMBER_MSG_ACK) return EMBER_OK;
+  if (st >= 0 || !known_status(st)) st = EMBER_EPROTO;
+  return ember__set_error(st, "feed server %s (partition %u) %s: %s", c->peer, c->partition,
+                          type == EMBER_MSG_REFUSED ? "refused the producer" : "answered",
+                          reason[0] ? reason : ember_strerror(st));
+}
+
+static int client_usable(ember_feed_client *c, const char *what) {
+  if (c == NULL) return ember__set_error(EMBER_EINVAL, "feed %s: NULL client", what);
+  if (c->broken)
+    return ember__set_error(EMBER_ESTATE,
+                            "feed %s: the connection to %s is unusable after an earlier error",
+                            what, c->peer);
+  return EMBER_OK;
+}
+
+/* Before sending more, looks (without blocking) for a REFUSED the server
+ * sent because of an earlier batch, so the producer stops early with the
+ * server's reason instead of streaming into a closing connection.  RESULTS
+ * frames are left for recv_results. */
+static int client_check_refused(ember_feed_client *c, int64_t deadline) {
+  uint8_t hdr[EMBER_WIRE_HEADER_LEN];
+  struct pollfd pfd = {.fd = c->fd, .events = POLLIN};
+  ember_frame_header fh;
+  uint8_t *payload = NULL;
+  ssize_t n;
+  int rc = EMBER_OK;
+  if (poll(&pfd, 1, 0) <= 0) goto cleanup;
+  n = recv(c->fd, hdr, sizeof hdr, MSG_PEEK | MSG_DONTWAIT);
+  if (n == 0) {
+    c->broken = 1;
+    rc = ember__set_error(EMBER_ECLOSED, "feed send to %s (partition %u): server closed the "
+                          "connection", c->peer, c->partition);
+    goto cleanup;
+  }
+  if (n < (ssize_t)sizeof hdr) goto cleanup; /* nothing whole yet, or an error send will see */
+  /* Judge only the type here (a big RESULTS header is fine); a bad header is
+   * left for recv_results or end_partition to report. */
+  if (ember_wire_get_u32(hdr) != EMBER_WIRE_MAGIC) goto cleanup;
+  fh.type = (uint16_t)(hdr[6] | hdr[7] << 8);
+  if (fh.type != EMBER_MSG_REFUSED && fh.type != EMBER_MSG_ACK) goto cleanup;
+  rc = ember_net_recv_frame(c->fd, FEED_CTL_MAX, &fh, &payload, deadline);
+  if (rc != EMBER_OK) {
+    c->broken = 1;
+    goto cleanup;
+  }
+  rc = client_status(c, fh.type, payload, fh.length);
+  if (rc == EMBER_OK) {
+    /* An ACK nobody asked for is a protocol error too. */
+    c->broken = 1;
+    rc = ember__set_error(EMBER_EPROTO, "feed: unexpected ACK from %s", c->peer);
+  }
+cleanup:
+  free(payload);
+  return rc;
+}
+
+int ember_feed_client_send(ember_feed_client *c, const ember_column *cols, uint32_t ncols,
+                           uint32_t nrows, int64_t timeout_ms) {
+  int64_t deadline = feed_deadline(timeout_ms);
+  static const uint8_t zeros[8] = {0};
+  size_t desc_end = 0, total = 0, hlen, pos, niov = 0;
+  int rc = client_usable(c, "send");
+  if (rc != EMBER_OK) goto cleanup;
+  if (c->ended) {
+    rc = ember__set_error(EMBER_ESTATE, "feed send: partition %u already ended", c->partition);
+    goto cleanup;
+  }
+  rc = client_check_refused(c, deadline);
+  if (rc != EMBER_OK) goto cleanup;
+  rc = batch_layout(cols, ncols, nrows, &desc_end, &total);
+  if (rc != EMBER_OK) goto cleanup;
+  if (total > EMBER_WIRE_ABSOLUTE_MAX) {
+    rc = ember__set_error(EMBER_ETOOBIG, "feed send: batch of %zu bytes exceeds the %u-byte "
+                          "frame limit", total, EMBER_WIRE_ABSOLUTE_MAX);
+    goto cleanup;
+  }
+  /* Frame header, batch header, descriptors and the padding after them go
+   * in one small buffer; column bodies are sent from the caller's memory. */
+  hlen = EMBER_WIRE_HEADER_LEN + ((desc_end + 7u) & ~(size_t)7u);
+  if (hlen > c->scratch_cap) {
+    uint8_t *nb = realloc(c->scratch, hlen);
+    if (nb == NULL) {
+      rc = ember__set_error(EMBER_ENOMEM, "feed send: out of memory");
+      goto cleanup;
+    }
+    c->scratch = nb;
+    c->scratch_cap = hlen;
+  }
+  if ((size_t)ncols * 3u + 1u > c->iov_cap) {
+    struct iovec *ni = realloc(c->iov, ((size_t)ncols * 3u + 1u) * sizeof *ni);
+    if (ni == NULL) {
+      rc = ember__set_error(EMBER_ENOMEM, "feed send: out of memory");
+      goto cleanup;
+    }
+    c->iov = ni;
+    c->iov_cap = (size_t)ncols * 3u + 1u;
+  }
+  ember_wire_encode_header(c->scratch, EMBER_MSG_BATCH, (uint32_t)total);
+  write_descriptors(cols, ncols, nrows, c->scratch + EMBER_WIRE_HEADER_LEN);
+  memset(c->scratch + EMBER_WIRE_HEADER_LEN + desc_end, 0,
+         hlen - EMBER_WIRE_HEADER_LEN - desc_end);
+  c->iov[niov++] = (struct iovec){c->scratch, hlen};
+  pos = hlen - EMBER_WIRE_HEADER_LEN;
+  for (uint32_t i = 0; i < ncols; i++) {
+    const ember_column *col = &cols[i];
+    size_t pad = ((pos + 7u) & ~(size_t)7u) - pos;
+    if (pad) c->iov[niov++] = (struct iovec){(void *)(uintptr_t)zeros, pad};
+    pos += pad;
+    if (col->dtype == EMBER_DT_BYTES) {
+      size_t olen = ((size_t)nrows + 1u) * 8u; /* offsets are little-endian in memory */
+      c->iov[niov++] = (struct iovec){(void *)(uintptr_t)col->offsets, olen};
+      pos += olen;
+    }
+    if (col->data_len) {
+      c->iov[niov++] = (struct iovec){(void *)(uintptr_t)col->data, (size_t)col->data_len};
+      pos += (size_t)col->data_len;
+    }
+  }
+  for (size_t at = 0; at < niov; at += FEED_IOV_CHUNK) {
+    size_t cnt = niov - at < FEED_IOV_CHUNK ? niov - at : FEED_IOV_CHUNK;
+    rc = ember_net_sendv_all(c->fd, c->iov + at, (int)cnt, deadline);
+    if (rc != EMBER_OK) {
+      /* Part of a frame may be out: the stream cannot be resumed. */
+      c->broken = 1;
+      goto cleanup;
+    }
+  }
+  c->rows_sent += nrows;
+cleanup:
+  return rc;
+}
+
+/* Receives the next frame; RESULTS are returned to the caller as-is. */
+static int client_recv(ember_feed_client *c, ember_frame_header *fh, uint8_t **payload,
+                       int64_t deadline, const char *what) {
+  int rc = ember_net_recv_frame(c->fd, FEED_CLIENT_MAX_FRAME, fh, payload, deadline);
+  if (rc != EMBER_OK && rc != EMBER_ETIMEDOUT) c->broken = 1;
+  if (rc == EMBER_ECLOSED)
+    rc = ember__set_error(EMBER_ECLOSED, "feed %s: node %s closed the connection (partition %u)",
+                          what, c->peer, c->partition);
+  return rc;
+}
+
+int ember_feed_client_recv_results(ember_feed_client *c, uint8_t **batch, size_t *len,
+                                   int64_t timeout_ms) {
+  int64_t deadline = feed_deadline(timeout_ms);
+  ember_frame_header fh;
+  uint8_t *payload = NULL;
+  int rc = EMBER_OK;
+  if (c == NULL || batch == NULL || len == NULL) {
+    rc = ember__set_error(EMBER_EINVAL, "feed recv_results: NULL argument");
+    goto cleanup;
+  }
+  *batch = NULL;
+  *len = 0;
+  if (c->res_head) { /* buffered during end_partition; hand out even if broken */
+    pending_result *p = c->res_head;
+    c->res_head = p->next;
+    if (c->res_head == NULL) c->res_tail = NULL;
+    *batch = p->data;
+    *len = p->len;
+    free(p);
+    goto cleanup;
+  }
+  rc = client_usable(c, "recv_results");
+  if (rc != EMBER_OK) goto cleanup;
+  if (!(c->flags & EMBER_FEED_WANT_RESULTS)) {
+    rc = ember__set_error(EMBER_ESTATE, "feed recv_results: partition %u did not ask for results",
+                          c->partition);
+    goto cleanup;
+  }
+  rc = client_recv(c, &fh, &payload, deadline, "recv_results");
+  if (rc != EMBER_OK) goto cleanup;
+  if (fh.type == EMBER_MSG_RESULTS) {
+    /* malloc(0) may be NULL: give the caller a real (empty) buffer. */
+    *batch = payload ? payload : malloc(1);
+    *len = fh.length;
+    payload = NULL;
+    if (*batch == NULL) rc = ember__set_error(EMBER_ENOMEM, "feed recv_results: out of memory");
+    goto cleanup;
+  }
+  if (fh.type == EMBER_MSG_REFUSED) {
+    rc = client_status(c, fh.type, payload, fh.length);
+    goto cleanup;
+  }
+  c->broken = 1;
+  rc = ember__set_error(EMBER_EPROTO, "feed recv_results: expected RESULTS from %s, got %s",
+                        c->peer, ember_wire_type_name(fh.type));
+cleanup:
+  free(payload);
+  return rc;
+}
+
+/* Sends a control frame and waits for its ACK; RESULTS arriving meanwhile
+ * are kept for recv_results when the producer asked for them. */
+static int client_request(ember_feed_client *c, uint16_t type, const uint8_t *p, uint32_t len,
+                          int64_t timeout_ms, const char *what) {
+  int64_t deadline = feed_deadline(timeout_ms);
+  int rc = ember_net_send_frame(c->fd, type, p, len, deadline);
+  if (rc != EMBER_OK) {
+    c->broken = 1;
+    goto cleanup;
+  }
+  for (;;) {
+    ember_frame_header fh;
+    uint8_t *payload = NULL;
+    rc = client_recv(c, &fh, &payload, deadline, what);
+    if (rc != EMBER_OK) {
+      if (rc == EMBER_ETIMEDOUT) c->broken = 1; /* an ACK may still come: stream is ambiguous */
+      goto cleanup;
+    }
+    if (fh.type == EMBER_MSG_RESULTS && (c->flags & EMBER_FEED_WANT_RESULTS)) {
+      pending_result *pr = calloc(1, sizeof *pr);
+      if (pr == NULL) {
+        free(payload);
+        c->broken = 1;
+        rc = ember__set_error(EMBER_ENOMEM, "feed %s: out of memory", what);
+        goto cleanup;
+      }
+      pr->data = payload ? payload : malloc(1);
+      pr->len = fh.length;
+      if (pr->data == NULL) {
+        free(pr);
+        c->broken = 1;
+        rc = ember__set_error(EMBER_ENOMEM, "feed %s: out of memory", what);
+        goto cleanup;
+      }
+      if (c->res_tail) c->res_tail->next = pr;
+      else c->res_head = pr;
+      c->res_tail = pr;
+      continue;
+    }
+    if (fh.type == EMBER_MSG_ACK || fh.type == EMBER_MSG_REFUSED) {
+      rc = client_status(c, fh.type, payload, fh.length);
+      free(payload);
+      goto cleanup;
+    }
+    free(payload);
+    c->broken = 1;
+    rc = ember__set_error(EMBER_EPROTO, "feed %s: expected ACK from %s, got %s", what, c->peer,
+                          ember_wire_type_name(fh.type));
+    goto cleanup;
+  }
+cleanup:
+  return rc;
+}
+
+int ember_feed_client_end_partition(ember_feed_client *c, int64_t timeout_ms) {
+  uint8_t cnt[8];
+  int rc = client_usable(c, "end_partition");
+  if (rc != EMBER_OK) goto cleanup;
+  if (c->ended) {
+    rc = ember__set_error(EMBER_ESTATE, "feed end_partition: partition %u already ended",
+                          c->partition);
+    goto cleanup;
+  }
+  ember_wire_put_u64(cnt, c->rows_sent);
+  rc = client_request(c, EMBER_MSG_END_PARTITION, cnt, sizeof cnt, timeout_ms, "end_partition");
+  /* Any answer ends the partition on this connection. */
+  if (rc == EMBER_OK || !c->broken) c->ended = 1;
+cleanup:
+  return rc;
+}
+
+int ember_feed_client_end_feed(ember_feed_client *c, int64_t timeout_ms) {
+  int rc = client_usable(c, "end_feed");
+  if (rc != EMBER_OK) goto cleanup;
+  if (c->ended) {
+    rc = ember__set_error(EMBER_ESTATE, "feed end_feed: this connection already ended");
+    goto cleanup;
+  }
+  rc = client_request(c, EMBER_MSG_END_FEED, NULL, 0, timeout_ms, "end_feed");
+  if (rc == EMBER_OK || !c->broken) c->ended = 1;
+cleanup:
+  return rc;
+}

@@ -1,0 +1,182 @@
+/* ember/feed.h - the data feed: columnar batches from Spark tasks to a trainer.
+ *
+ * A node's trainer runs one feed server on its reserved feed port.  Feeding
+ * tasks (producers) connect, authenticate with the job secret (auth.h), send
+ * FEED_HELLO(partition, flags), then BATCH frames, then END_PARTITION(count).
+ * The server's thread reads frames from any number of producers at once into a
+ * bounded in-memory queue; when the queue is full it stops reading, so TCP
+ * back-pressure blocks the producers (each send has a deadline).  The consumer
+ * (the trainer) pops items with ember_feed_server_next.
+ *
+ * Delivery: END_PARTITION is answered with ACK only once every batch of that
+ * connection has been popped by the consumer and the count matches, so a
+ * producer that saw ACK(EMBER_OK) knows its partition was delivered whole.
+ * A partition id that was already acknowledged in this server's life is
+ * answered ACK(EMBER_OK) without being queued again (a retried task must not
+ * duplicate data); its batches are discarded.
+ * If the consumer called ember_feed_server_terminate, producers get
+ * ACK(EMBER_EABORTED, "trainer terminated the feed") and their data is dropped
+ * (TensorFlowOnSpark's terminate semantics).
+ *
+ * Results (inference): a producer that set EMBER_FEED_WANT_RESULTS receives
+ * RESULTS frames, each an encoded batch, sent by the consumer with
+ * ember_feed_server_send_results(item->source, ...), in the order sent.
+ *
+ * END_FEED (sent by the driver through a client with ember_feed_client_end_feed)
+ * queues an EMBER_FEED_ITEM_END after everything already queued.
+ */
+#ifndef EMBER_FEED_H
+#define EMBER_FEED_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------ batch codec
+ * An encoded batch (payload of BATCH and RESULTS):
+ *   u32 nrows, u32 ncols, then ncols descriptors:
+ *     u8 dtype, u8 name_len, u16 reserved(0), u32 width, u64 nbytes, name bytes
+ *   then, at the next multiple of 8 from the start of the batch, each column's
+ *   body in order, each starting 8-aligned:
+ *     fixed dtypes: nrows * width elements (nbytes must equal that * itemsize)
+ *     EMBER_DT_BYTES: (nrows + 1) u64 offsets, then nbytes - 8*(nrows+1) data
+ *                     bytes; offsets start at 0, never decrease, end at the
+ *                     data length.  width is 0.
+ * Decoding checks every count, size (overflow-checked) and offset, so a hostile
+ * payload yields EMBER_EPROTO with a message naming the column, never an
+ * out-of-bounds read. */
+typedef enum {
+  EMBER_DT_F32 = 1,
+  EMBER_DT_F64 = 2,
+  EMBER_DT_I32 = 3,
+  EMBER_DT_I64 = 4,
+  EMBER_DT_U8 = 5,
+  EMBER_DT_BYTES = 6, /* variable-length bytes per row (also UTF-8 strings) */
+  EMBER_DT_BOOL = 7   /* one byte per element, 0 or 1 */
+} ember_dtype;
+
+#define EMBER_BATCH_MAX_COLS 1024u
+
+typedef struct {
+  uint8_t dtype;      /* ember_dtype */
+  uint8_t name_len;   /* 0..255; name need not be NUL-terminated */
+  const char *name;
+  uint32_t width;     /* elements per row (fixed dtypes), 0 for BYTES */
+  const void *data;   /* fixed: nrows*width elements; BYTES: the data bytes */
+  uint64_t data_len;  /* bytes at data */
+  const uint64_t *offsets; /* BYTES only: nrows + 1 offsets into data */
+} ember_column;
+
+/* Size in bytes of the element type; 0 for BYTES or unknown. */
+size_t ember_dtype_size(uint8_t dtype);
+
+/* Bytes ember_batch_encode will write, or a negative status (EMBER_EINVAL for
+ * inconsistent columns, EMBER_ETOOBIG on overflow). */
+int ember_batch_encoded_size(const ember_column *cols, uint32_t ncols,
+                             uint32_t nrows, size_t *out_size);
+
+/* Encodes into out[0..cap).  Fails with EMBER_EINVAL when a column's sizes do
+ * not match nrows (message names the column). */
+int ember_batch_encode(const ember_column *cols, uint32_t ncols, uint32_t nrows,
+                       uint8_t *out, size_t cap, size_t *written);
+
+/* Decodes buf[0..len) in place: cols[i].data/offsets/name point into buf (no
+ * copy; offsets are only 8-aligned relative to buf).  max_cols bounds ncols. */
+int ember_batch_decode(const uint8_t *buf, size_t len, ember_column *cols,
+                       uint32_t max_cols, uint32_t *ncols, uint32_t *nrows);
+
+/* ------------------------------------------------------------ server */
+
+#define EMBER_FEED_WANT_RESULTS 1u
+
+typedef enum {
+  EMBER_FEED_ITEM_BATCH = 1, /* data = an encoded batch */
+  EMBER_FEED_ITEM_END = 2    /* END_FEED: no more data will come */
+} ember_feed_item_kind;
+
+typedef struct {
+  int kind;
+  uint64_t source;    /* producer connection id, for send_results */
+  uint32_t partition; /* from the producer's FEED_HELLO */
+  uint32_t flags;     /* the producer's FEED_HELLO flags */
+  uint8_t *data;      /* encoded batch (8-aligned malloc), owned by the item */
+  size_t len;
+} ember_feed_item;
+
+typedef struct {
+  const uint8_t *secret;
+  size_t secret_len;
+  int listen_fd;        /* an already-bound socket to listen on (the reserved
+                           feed port), or -1 to bind bind_host:port */
+  const char *bind_host;
+  uint16_t port;
+  size_t queue_bytes;   /* queued payload bytes before back-pressure; 0 = 64 MiB */
+  uint32_t max_frame;   /* largest BATCH accepted; 0 = 256 MiB */
+  uint32_t io_timeout_ms; /* deadline for one blocked send/handshake; 0 = 600000 */
+} ember_feed_server_config;
+
+typedef struct ember_feed_server ember_feed_server;
+
+/* Takes ownership of cfg->listen_fd; starts the server thread. */
+int ember_feed_server_create(ember_feed_server **out, const ember_feed_server_config *cfg);
+uint16_t ember_feed_server_port(const ember_feed_server *s);
+
+/* Pops the next item, waiting up to timeout_ms (EMBER_ETIMEDOUT if none).
+ * The caller owns *out and frees it with ember_feed_item_free.  After an END
+ * item has been returned, further calls return another END at once. */
+int ember_feed_server_next(ember_feed_server *s, ember_feed_item **out, int64_t timeout_ms);
+void ember_feed_item_free(ember_feed_item *item); /* accepts NULL */
+
+/* Sends one RESULTS frame (an encoded batch) to producer `source`; blocks up
+ * to timeout_ms for socket space.  EMBER_ENOTFOUND if that producer is gone. */
+int ember_feed_server_send_results(ember_feed_server *s, uint64_t source,
+                                   const uint8_t *batch, size_t len, int64_t timeout_ms);
+
+/* The consumer will read no more: drops queued items and makes producers'
+ * END_PARTITION answer EMBER_EABORTED. */
+int ember_feed_server_terminate(ember_feed_server *s);
+
+/* Counters since creation (for progress and tests). */
+typedef struct {
+  uint64_t batches_received, records_received, bytes_received;
+  uint64_t partitions_acked, duplicate_partitions, producers_rejected;
+} ember_feed_stats;
+void ember_feed_server_stats(ember_feed_server *s, ember_feed_stats *out);
+
+void ember_feed_server_destroy(ember_feed_server *s); /* accepts NULL */
+
+/* ------------------------------------------------------------ client */
+
+typedef struct ember_feed_client ember_feed_client;
+
+/* Connects, authenticates, sends FEED_HELLO(partition, flags). */
+int ember_feed_client_connect(ember_feed_client **out, const char *host, uint16_t port,
+                              const uint8_t *secret, size_t secret_len,
+                              uint32_t partition, uint32_t flags, int64_t timeout_ms);
+
+/* Encodes and sends one BATCH (header and columns in one writev: no copy of
+ * the column data). */
+int ember_feed_client_send(ember_feed_client *c, const ember_column *cols,
+                           uint32_t ncols, uint32_t nrows, int64_t timeout_ms);
+
+/* Receives the next RESULTS frame; *batch is malloc'd (caller frees). */
+int ember_feed_client_recv_results(ember_feed_client *c, uint8_t **batch, size_t *len,
+                                   int64_t timeout_ms);
+
+/* Sends END_PARTITION(records sent) and waits for the ACK.  EMBER_OK when the
+ * whole partition was delivered; EMBER_EABORTED if the trainer terminated the
+ * feed; EMBER_ECLOSED if the node went away. */
+int ember_feed_client_end_partition(ember_feed_client *c, int64_t timeout_ms);
+
+/* Sends END_FEED (driver only). */
+int ember_feed_client_end_feed(ember_feed_client *c, int64_t timeout_ms);
+
+void ember_feed_client_destroy(ember_feed_client *c); /* accepts NULL */
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* EMBER_FEED_H */

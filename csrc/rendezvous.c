@@ -1,0 +1,1486 @@
+/* rendezvous.c - the reservation server (driver side) and its client (node).
+ *
+ * Server: one background thread runs a poll() loop over a wake pipe, the
+ * listen socket and every connection.  Sockets are non-blocking; each
+ * connection has a small state machine (AUTH -> REGISTER -> NODE, or CLOSING
+ * when it is being refused), its own incremental frame parser and its own
+ * output queue, so a slow or hostile peer only ever costs its own buffers and
+ * never stalls the loop.  The node table, the ready flag and the event queue
+ * are shared with API callers under one mutex + condvar.
+ *
+ * Scale: per loop iteration the work is O(connections) (poll itself is), per
+ * frame O(1), and the SPEC node table is encoded once and queued by reference
+ * to every node behind that node's own 16-byte header + your_index prefix.
+ *
+ * Client: blocking connect/register/wait_spec on the calling thread; then an
+ * optional background thread that sends heartbeats, reads STOP and echoes,
+ * and enforces EMBER_RDV_EXIT_ON_LOSS. */
+#include "ember/rendezvous.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <fcntl.h>
+
+#include "ember/auth.h"
+#include "ember/error.h"
+#include "ember/net.h"
+#include "ember/wire.h"
+#include "rendezvous_codec.h"
+
+#define DEFAULT_HEARTBEAT_TIMEOUT_MS 10000u
+#define DEFAULT_HANDSHAKE_TIMEOUT_MS 10000u
+#define AUTH_FRAME_LEN (EMBER_WIRE_HEADER_LEN + EMBER_NONCE_LEN + EMBER_MAC_LEN)
+#define READ_CHUNK 65536u
+/* Bytes of frames we build for one connection (STOPs, echoes, REFUSED) that
+ * may wait unsent; the shared SPEC is not counted.  A peer that lets this
+ * fill is not reading and is dropped. */
+#define OUT_QUEUE_MAX (1u << 20)
+/* How long a refused connection is kept to deliver its REFUSED frame. */
+#define CLOSE_LINGER_MS 1000
+/* How long destroy() keeps flushing queued STOPs before closing. */
+#define FINAL_FLUSH_MS 500
+/* The event queue is bounded: past these, PROGRESS and REJECTED events (the
+ * ones a peer can generate at will) are dropped and counted. */
+#define EVENT_BYTES_MAX (64u << 20)
+#define EVENT_COUNT_MAX 100000u
+#define ACCEPT_BATCH 256
+#define ACCEPT_PAUSE_MS 100
+#define MAX_IOV 16
+
+/* ================================================================ server */
+
+typedef struct seg {
+  struct seg *next;
+  const uint8_t *data; /* own[] or the server's shared SPEC table */
+  size_t len, off;
+  size_t owned; /* bytes counted against OUT_QUEUE_MAX */
+  uint8_t own[];
+} seg;
+
+enum { C_AUTH, C_REGISTER, C_NODE, C_CLOSING };
+
+typedef struct conn {
+  int fd;
+  int state;
+  int dead; /* closed at the next sweep; handlers never free a conn */
+  char peer[96];
+  char peer_host[96];
+  ember_auth_pending auth;
+  uint8_t authbuf[AUTH_FRAME_LEN];
+  size_t authlen;
+  ember_wire_parser *parser;
+  seg *head, *tail;
+  size_t queued;
+  int64_t deadline;   /* handshake (AUTH/REGISTER) or linger (CLOSING) */
+  int64_t last_heard; /* NODE: time of the last frame received */
+  int32_t node;       /* index once registered, else -1 */
+  int reported;       /* loop-thread copy of node_slot.reported */
+} conn;
+
+typedef struct {
+  ember_rdv_node info;
+  int registered;
+  int connected;
+  int reported; /* DONE/FAILED seen: a later disconnect is not LOST */
+  conn *c;      /* loop thread only */
+} node_slot;
+
+typedef struct ev_item {
+  struct ev_item *next;
+  ember_rdv_event ev;
+  size_t bytes;
+} ev_item;
+
+typedef struct cmd {
+  struct cmd *next;
+  int32_t node;
+  uint32_t grace_ms;
+} cmd;
+
+struct ember_rdv_server {
+  /* immutable after create */
+  uint8_t *secret;
+  size_t secret_len;
+  uint32_t num_nodes, num_ps;
+  int has_chief, has_evaluator;
+  uint32_t hb_ms, hs_ms;
+  uint16_t port;
+  int listen_fd, wake_rd, wake_wr;
+  pthread_t thread;
+  int thread_started;
+
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  /* under mu */
+  node_slot *nodes;
+  uint32_t registered_count;
+  int ready;
+  int fatal;
+  char fatal_msg[512];
+  ev_item *ev_head, *ev_tail;
+  size_t ev_bytes, ev_count;
+  uint64_t ev_dropped;
+  cmd *cmd_head, *cmd_tail;
+  int quit;
+
+  /* loop thread only */
+  struct pollfd *pfds; /* [0] wake pipe, [1] listen, [2 + i] conns[i] */
+  conn **conns;
+  size_t nconns, capconns;
+  uint8_t *spec_table;
+  size_t spec_table_len;
+  int64_t accept_paused_until;
+  int accept_warned;
+  uint8_t rbuf[READ_CHUNK];
+};
+
+/* ---------------------------------------------------------------- helpers */
+
+/* malloc'd printf; NULL on failure (events then carry no text). */
+static char *fmt_alloc(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static char *fmt_alloc(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(NULL, 0, fmt, ap);
+  va_end(ap);
+  if (n < 0) return NULL;
+  char *s = malloc((size_t)n + 1);
+  if (s == NULL) return NULL;
+  va_start(ap, fmt);
+  vsnprintf(s, (size_t)n + 1, fmt, ap);
+  va_end(ap);
+  return s;
+}
+
+static void wake(int fd) {
+  uint8_t b = 1;
+  /* A full pipe already guarantees a wake-up; EAGAIN is fine. */
+  ssize_t n = write(fd, &b, 1);
+  (void)n;
+}
+
+static void drain_fd(int fd) {
+  uint8_t buf[256];
+  while (read(fd, buf, sizeof buf) > 0) {
+  }
+}
+
+/* Bounded: a peer streaming garbage must not keep the loop here. */
+static void drain_socket(int fd) {
+  uint8_t buf[4096];
+  for (int i = 0; i < 16; i++)
+    if (recv(fd, buf, sizeof buf, MSG_DONTWAIT) <= 0) return;
+}
+
+static int make_pipe(int *rd, int *wr) {
+  int p[2];
+  if (pipe2(p, O_NONBLOCK | O_CLOEXEC) != 0)
+    return ember__set_errno(EMBER_ESYS, errno, "pipe2");
+  *rd = p[0];
+  *wr = p[1];
+  return EMBER_OK;
+}
+
+/* Starts a thread with every signal blocked: signals belong to the host
+ * program's threads (CPython handles them on its main thread). */
+static int start_thread(pthread_t *t, void *(*fn)(void *), void *arg) {
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  int err = pthread_create(t, NULL, fn, arg);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  if (err != 0) return ember__set_errno(EMBER_ESYS, err, "pthread_create");
+  return EMBER_OK;
+}
+
+static int64_t abs_deadline_to_ts(int64_t deadline_ms, struct timespec *ts) {
+  /* Condvars use CLOCK_MONOTONIC (set at init), the clock of ember_now_ms. */
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  int64_t left = deadline_ms - ember_now_ms();
+  if (left < 0) left = 0;
+  int64_t ns = (int64_t)now.tv_nsec + (left % 1000) * 1000000;
+  ts->tv_sec = now.tv_sec + (time_t)(left / 1000) + (time_t)(ns / 1000000000);
+  ts->tv_nsec = (long)(ns % 1000000000);
+  return left;
+}
+
+/* ---------------------------------------------------------------- events */
+
+static int droppable(int kind) {
+  return kind == EMBER_RDV_EV_PROGRESS || kind == EMBER_RDV_EV_REJECTED;
+}
+
+/* Takes ownership of text.  Caller holds s->mu. */
+static void push_event_locked(ember_rdv_server *s, int kind, int32_t node, int32_t code,
+                              char *text) {
+  size_t bytes = sizeof(ev_item) + (text ? strlen(text) : 0);
+  if (droppable(kind) &&
+      (s->ev_bytes + bytes > EVENT_BYTES_MAX || s->ev_count >= EVENT_COUNT_MAX)) {
+    s->ev_dropped++;
+    free(text);
+    return;
+  }
+  ev_item *it = calloc(1, sizeof *it);
+  if (it == NULL) {
+    s->ev_dropped++;
+    free(text);
+    return;
+  }
+  it->ev.kind = kind;
+  it->ev.node = node;
+  it->ev.code = code;
+  it->ev.text = text;
+  it->bytes = bytes;
+  if (s->ev_tail) s->ev_tail->next = it;
+  else s->ev_head = it;
+  s->ev_tail = it;
+  s->ev_bytes += bytes;
+  s->ev_count++;
+  pthread_cond_broadcast(&s->cv);
+}
+
+static void push_event(ember_rdv_server *s, int kind, int32_t node, int32_t code,
+                       char *text) {
+  pthread_mutex_lock(&s->mu);
+  push_event_locked(s, kind, node, code, text);
+  pthread_mutex_unlock(&s->mu);
+}
+
+static void set_fatal(ember_rdv_server *s, int code, const char *msg) {
+  pthread_mutex_lock(&s->mu);
+  if (!s->fatal) {
+    s->fatal = code;
+    snprintf(s->fatal_msg, sizeof s->fatal_msg, "rendezvous server failed: %s", msg);
+  }
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* ---------------------------------------------------------------- output */
+
+static int queue_seg(conn *c, const void *owned, size_t owned_len, const uint8_t *shared,
+                     size_t shared_len) {
+  if (owned_len > OUT_QUEUE_MAX - c->queued || owned_len > OUT_QUEUE_MAX)
+    return EMBER_ETOOBIG;
+  seg *g = malloc(sizeof *g + owned_len);
+  if (g == NULL) return EMBER_ENOMEM;
+  g->next = NULL;
+  g->off = 0;
+  g->owned = owned_len;
+  if (shared != NULL) {
+    g->data = shared;
+    g->len = shared_len;
+  } else {
+    memcpy(g->own, owned, owned_len);
+    g->data = g->own;
+    g->len = owned_len;
+  }
+  if (c->tail) c->tail->next = g;
+  else c->head = g;
+  c->tail = g;
+  c->queued += owned_len;
+  return EMBER_OK;
+}
+
+static int queue_frame(conn *c, uint16_t type, const uint8_t *payload, uint32_t len) {
+  uint8_t small[EMBER_WIRE_HEADER_LEN + 64];
+  uint8_t *buf = small;
+  size_t total = (size_t)EMBER_WIRE_HEADER_LEN + len;
+  if (total > sizeof small) {
+    buf = malloc(total);
+    if (buf == NULL) return EMBER_ENOMEM;
+  }
+  ember_wire_encode_header(buf, type, len);
+  if (len > 0) memcpy(buf + EMBER_WIRE_HEADER_LEN, payload, len);
+  int rc = queue_seg(c, buf, total, NULL, 0);
+  if (buf != small) free(buf);
+  return rc;
+}
+
+static void free_segs(conn *c) {
+  seg *g = c->head;
+  while (g) {
+    seg *n = g->next;
+    free(g);
+    g = n;
+  }
+  c->head = c->tail = NULL;
+  c->queued = 0;
+}
+
+/* ---------------------------------------------------------------- conn end */
+
+/* Detaches a registered node from its connection: LOST unless it already
+ * reported DONE/FAILED; before READY its registration is withdrawn so the
+ * index can register again (a retried Spark task) and wait_ready names it. */
+static void node_gone(ember_rdv_server *s, conn *c, const char *reason) {
+  if (c->node < 0) return;
+  pthread_mutex_lock(&s->mu);
+  node_slot *sl = &s->nodes[c->node];
+  sl->connected = 0;
+  sl->c = NULL;
+  if (!sl->reported) {
+    push_event_locked(s, EMBER_RDV_EV_LOST, c->node, 0,
+                      fmt_alloc("node %d (executor '%s' on host %s, pid %u) lost: %s",
+                                (int)c->node, sl->info.executor_id, sl->info.host,
+                                (unsigned)sl->info.pid, reason));
+    if (!s->ready) {
+      sl->registered = 0;
+      s->registered_count--;
+    }
+  }
+  pthread_mutex_unlock(&s->mu);
+  c->node = -1;
+}
+
+/* Ends a connection now.  Registered nodes become LOST (see node_gone);
+ * connections still in the handshake become REJECTED. */
+static void conn_drop(ember_rdv_server *s, conn *c, const char *reason) {
+  if (c->dead) return;
+  if (c->node >= 0) node_gone(s, c, reason);
+  else if (c->state == C_AUTH || c->state == C_REGISTER)
+    push_event(s, EMBER_RDV_EV_REJECTED, -1, 0, fmt_alloc("%s: %s", c->peer, reason));
+  c->dead = 1;
+}
+
+/* Refuses a connection that has not registered: REJECTED event, a REFUSED
+ * frame telling the peer why, then a short linger to deliver it. */
+static void conn_refuse(ember_rdv_server *s, conn *c, int status, int32_t ev_node,
+                        const char *reason, const uint8_t *prebuilt, size_t prebuilt_len) {
+  if (c->dead || c->state == C_CLOSING) return;
+  push_event(s, EMBER_RDV_EV_REJECTED, ev_node, 0, fmt_alloc("%s: %s", c->peer, reason));
+  free_segs(c); /* an unsent CHALLENGE is moot now */
+  int rc;
+  if (prebuilt != NULL) {
+    rc = queue_seg(c, prebuilt, prebuilt_len, NULL, 0);
+  } else {
+    ember_wire_writer w;
+    ember_wire_writer_init(&w);
+    ember__rdv_encode_refused(&w, status, reason);
+    rc = w.err ? w.err : queue_frame(c, EMBER_MSG_REFUSED, w.buf, (uint32_t)w.len);
+    ember_wire_writer_free(&w);
+  }
+  if (rc != EMBER_OK) {
+    c->dead = 1;
+    return;
+  }
+  c->state = C_CLOSING;
+  c->deadline = ember_now_ms() + CLOSE_LINGER_MS;
+}
+
+/* Frees a connection's resources (the sweep's job; never from a handler). */
+static void conn_free(conn *c) {
+  if (c == NULL) return;
+  if (c->fd >= 0) {
+    /* Read what the peer already sent, so close() sends FIN rather than an
+     * RST that could destroy the REFUSED frame in flight. */
+    drain_socket(c->fd);
+    ember_net_close(c->fd);
+  }
+  ember_wire_parser_destroy(c->parser);
+  free_segs(c);
+  free(c);
+}
+
+/* ---------------------------------------------------------------- flush */
+
+static void conn_flush(ember_rdv_server *s, conn *c) {
+  while (c->head != NULL && !c->dead) {
+    struct iovec iov[MAX_IOV];
+    int n = 0;
+    for (seg *g = c->head; g != NULL && n < MAX_IOV; g = g->next, n++) {
+      iov[n].iov_base = (void *)(g->data + g->off);
+      iov[n].iov_len = g->len - g->off;
+    }
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = iov;
+    mh.msg_iovlen = (size_t)n;
+    ssize_t w = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      char why[160];
+      snprintf(why, sizeof why, "send failed: %s", strerror(errno));
+      if (c->state == C_CLOSING) c->dead = 1;
+      else conn_drop(s, c, why);
+      return;
+    }
+    size_t left = (size_t)w;
+    while (c->head != NULL && left > 0) {
+      seg *g = c->head;
+      size_t part = g->len - g->off;
+      if (left < part) {
+        g->off += left;
+        left = 0;
+        break;
+      }
+      left -= part;
+      c->head = g->next;
+      if (c->head == NULL) c->tail = NULL;
+      c->queued -= g->owned;
+      free(g);
+    }
+  }
+  if (c->head == NULL && c->state == C_CLOSING) c->dead = 1;
+}
+
+/* ---------------------------------------------------------------- ready */
+
+/* All nodes are in: assign roles, encode the node table once, queue SPEC to
+ * everyone.  Runs on the loop thread. */
+static void become_ready(ember_rdv_server *s) {
+  ember_wire_writer w;
+  ember_rdv_node *table = NULL;
+  int rc;
+  ember_wire_writer_init(&w);
+
+  pthread_mutex_lock(&s->mu);
+  table = malloc((size_t)s->num_nodes * sizeof *table);
+  if (table == NULL) {
+    rc = ember__set_error(EMBER_ENOMEM, "out of memory building the cluster spec");
+    goto fail_locked;
+  }
+  for (uint32_t i = 0; i < s->num_nodes; i++) table[i] = s->nodes[i].info;
+  rc = ember__rdv_assign_roles(table, s->num_nodes, s->num_ps, s->has_chief,
+                               s->has_evaluator);
+  if (rc != EMBER_OK) goto fail_locked;
+  rc = ember__rdv_encode_spec_table(&w, table, s->num_nodes);
+  if (rc != EMBER_OK) goto fail_locked;
+  if (w.len > EMBER__RDV_SPEC_MAX - 4) {
+    rc = ember__set_error(EMBER_ETOOBIG, "cluster spec of %zu bytes is too large", w.len);
+    goto fail_locked;
+  }
+  for (uint32_t i = 0; i < s->num_nodes; i++) {
+    memcpy(s->nodes[i].info.role, table[i].role, sizeof table[i].role);
+    s->nodes[i].info.task_index = table[i].task_index;
+  }
+  s->spec_table = w.buf;
+  s->spec_table_len = w.len;
+  w.buf = NULL;
+  s->ready = 1;
+  push_event_locked(s, EMBER_RDV_EV_READY, -1, 0,
+                    fmt_alloc("all %u nodes registered; cluster spec sent",
+                              (unsigned)s->num_nodes));
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  free(table);
+
+  /* Conn pointers are loop-thread state; the ready flag is now set, so no
+   * registration can change under us. */
+  int64_t now = ember_now_ms();
+  for (uint32_t i = 0; i < s->num_nodes; i++) {
+    conn *c = s->nodes[i].c;
+    if (c == NULL || c->dead) continue;
+    uint8_t pre[EMBER_WIRE_HEADER_LEN + 4];
+    ember_wire_encode_header(pre, EMBER_MSG_SPEC, (uint32_t)(4 + s->spec_table_len));
+    ember_wire_put_u32(pre + EMBER_WIRE_HEADER_LEN, i);
+    if (queue_seg(c, pre, sizeof pre, NULL, 0) != EMBER_OK ||
+        queue_seg(c, NULL, 0, s->spec_table, s->spec_table_len) != EMBER_OK) {
+      conn_drop(s, c, "out of memory queueing the cluster spec");
+      continue;
+    }
+    /* The heartbeat clock starts with the spec: before it, a node has no
+     * reason to send anything. */
+    c->last_heard = now;
+  }
+  ember_wire_writer_free(&w);
+  return;
+
+fail_locked:
+  pthread_mutex_unlock(&s->mu);
+  free(table);
+  ember_wire_writer_free(&w);
+  set_fatal(s, rc, ember_last_error());
+}
+
+/* ---------------------------------------------------------------- frames */
+
+static void on_register(ember_rdv_server *s, conn *c, const uint8_t *p, uint32_t len) {
+  ember_rdv_node n;
+  char reason[512];
+  if (ember__rdv_decode_register(p, len, &n) != EMBER_OK) {
+    snprintf(reason, sizeof reason, "%s", ember_last_error());
+    conn_refuse(s, c, EMBER_EPROTO, -1, reason, NULL, 0);
+    return;
+  }
+  if (n.index >= s->num_nodes) {
+    snprintf(reason, sizeof reason, "node index %u out of range (num_nodes = %u)",
+             (unsigned)n.index, (unsigned)s->num_nodes);
+    conn_refuse(s, c, EMBER_EINVAL, -1, reason, NULL, 0);
+    return;
+  }
+  if (n.host[0] == '\0') snprintf(n.host, sizeof n.host, "%s", c->peer_host);
+  n.role[0] = '\0';
+  n.task_index = 0;
+
+  pthread_mutex_lock(&s->mu);
+  node_slot *sl = &s->nodes[n.index];
+  if (sl->registered || s->ready) {
+    if (sl->registered)
+      snprintf(reason, sizeof reason,
+               "duplicate node index %u: already registered by executor '%s' on "
+               "host %s (pid %u)",
+               (unsigned)n.index, sl->info.executor_id, sl->info.host,
+               (unsigned)sl->info.pid);
+    else
+      snprintf(reason, sizeof reason,
+               "node index %u: the reservation is already complete", (unsigned)n.index);
+    pthread_mutex_unlock(&s->mu);
+    conn_refuse(s, c, EMBER_ESTATE, (int32_t)n.index, reason, NULL, 0);
+    return;
+  }
+  sl->info = n;
+  sl->registered = 1;
+  sl->connected = 1;
+  sl->reported = 0;
+  sl->c = c;
+  s->registered_count++;
+  int all = s->registered_count == s->num_nodes;
+  push_event_locked(s, EMBER_RDV_EV_REGISTERED, (int32_t)n.index, 0,
+                    fmt_alloc("node %u registered from %s (executor '%s', host %s, pid %u)",
+                              (unsigned)n.index, c->peer, n.executor_id, n.host,
+                              (unsigned)n.pid));
+  pthread_mutex_unlock(&s->mu);
+  c->node = (int32_t)n.index;
+  c->state = C_NODE;
+  c->last_heard = ember_now_ms();
+  if (all) become_ready(s);
+}
+
+static void on_node_frame(ember_rdv_server *s, conn *c, const ember_frame_header *h,
+                          const uint8_t *p) {
+  char reason[512];
+  c->last_heard = ember_now_ms();
+  switch (h->type) {
+  case EMBER_MSG_HEARTBEAT:
+    /* One echo in flight is enough to prove liveness; a peer that does not
+     * read cannot make us queue more. */
+    if (c->head == NULL && queue_frame(c, EMBER_MSG_HEARTBEAT, NULL, 0) != EMBER_OK)
+      conn_drop(s, c, "out of memory queueing a heartbeat echo");
+    return;
+  case EMBER_MSG_REPORT: {
+    uint32_t kind;
+    int32_t code;
+    char *text = NULL;
+    if (ember__rdv_decode_report(p, h->length, &kind, &code, &text) != EMBER_OK) {
+      snprintf(reason, sizeof reason, "protocol error: %s", ember_last_error());
+      conn_drop(s, c, reason);
+      return;
+    }
+    int ev = kind == EMBER_RDV_REPORT_PROGRESS ? EMBER_RDV_EV_PROGRESS
+             : kind == EMBER_RDV_REPORT_DONE   ? EMBER_RDV_EV_DONE
+                                               : EMBER_RDV_EV_FAILED;
+    pthread_mutex_lock(&s->mu);
+    if (ev != EMBER_RDV_EV_PROGRESS) s->nodes[c->node].reported = c->reported = 1;
+    push_event_locked(s, ev, c->node, code, text);
+    pthread_mutex_unlock(&s->mu);
+    return;
+  }
+  default:
+    snprintf(reason, sizeof reason, "protocol error: unexpected %s frame on the control "
+             "channel", ember_wire_type_name(h->type));
+    conn_drop(s, c, reason);
+    return;
+  }
+}
+
+/* ---------------------------------------------------------------- reads */
+
+static void on_auth_bytes(ember_rdv_server *s, conn *c) {
+  /* Read no further than the one AUTH frame: nothing past it is looked at
+   * before the peer is authenticated, and an unauthenticated peer costs us
+   * exactly this 76-byte buffer. */
+  ssize_t n = recv(c->fd, c->authbuf + c->authlen, AUTH_FRAME_LEN - c->authlen, 0);
+  if (n == 0) {
+    conn_drop(s, c, "closed the connection before authenticating");
+    return;
+  }
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
+    char why[160];
+    snprintf(why, sizeof why, "recv failed during authentication: %s", strerror(errno));
+    conn_drop(s, c, why);
+    return;
+  }
+  c->authlen += (size_t)n;
+  if (c->authlen < EMBER_WIRE_HEADER_LEN) return;
+
+  ember_frame_header h;
+  uint8_t reply[EMBER_WIRE_HEADER_LEN + 8 + 256];
+  size_t reply_len = 0;
+  char reason[512];
+  if (ember_wire_decode_header(c->authbuf, c->authlen, EMBER_WIRE_ABSOLUTE_MAX, &h) !=
+      EMBER_OK) {
+    snprintf(reason, sizeof reason, "authentication failed: expected AUTH frame: %s",
+             ember_last_error());
+    conn_refuse(s, c, EMBER_EAUTH, -1, reason, NULL, 0);
+    return;
+  }
+  int well_formed = h.type == EMBER_MSG_AUTH && h.length == AUTH_FRAME_LEN - EMBER_WIRE_HEADER_LEN;
+  if (well_formed && c->authlen < AUTH_FRAME_LEN) return; /* wait for the rest */
+  int rc = ember_auth_server_check(&c->auth, s->secret, s->secret_len, h.type,
+                                   well_formed ? c->authbuf + EMBER_WIRE_HEADER_LEN : NULL,
+                                   h.length, reply, sizeof reply, &reply_len);
+  if (rc == EMBER_OK) {
+    if (queue_seg(c, reply, reply_len, NULL, 0) != EMBER_OK ||
+        ember_wire_parser_create(&c->parser, EMBER__RDV_REPORT_MAX) != EMBER_OK) {
+      conn_drop(s, c, "out of memory after authentication");
+      return;
+    }
+    c->state = C_REGISTER;
+    return;
+  }
+  snprintf(reason, sizeof reason, "%s", ember_last_error());
+  if (rc == EMBER_EAUTH && reply_len > 0)
+    conn_refuse(s, c, EMBER_EAUTH, -1, reason, reply, reply_len);
+  else
+    conn_drop(s, c, reason);
+}
+
+static void on_readable(ember_rdv_server *s, conn *c) {
+  if (c->state == C_AUTH) {
+    on_auth_bytes(s, c);
+    return;
+  }
+  ssize_t n = recv(c->fd, s->rbuf, sizeof s->rbuf, 0);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+  if (c->state == C_CLOSING) {
+    /* Discard: we only wait for our REFUSED to drain or the peer to go. */
+    if (n <= 0) c->dead = 1;
+    return;
+  }
+  if (n == 0) {
+    conn_drop(s, c, c->state == C_REGISTER ? "closed the connection before REGISTER"
+                                           : "connection closed by peer");
+    return;
+  }
+  if (n < 0) {
+    char why[160];
+    snprintf(why, sizeof why, "recv failed: %s", strerror(errno));
+    conn_drop(s, c, why);
+    return;
+  }
+  char reason[512];
+  if (ember_wire_parser_feed(c->parser, s->rbuf, (size_t)n) != EMBER_OK) {
+    snprintf(reason, sizeof reason, "protocol error: %s", ember_last_error());
+    if (c->state == C_REGISTER) conn_refuse(s, c, EMBER_EPROTO, -1, reason, NULL, 0);
+    else conn_drop(s, c, reason);
+    return;
+  }
+  for (;;) {
+    ember_frame_header h;
+    const uint8_t *p;
+    if (c->dead || c->state == C_CLOSING) return;
+    int r = ember_wire_parser_next(c->parser, &h, &p);
+    if (r <= 0) return; /* errors surface in feed, already handled */
+    if (c->state == C_REGISTER) {
+      if (h.type != EMBER_MSG_REGISTER) {
+        snprintf(reason, sizeof reason, "expected REGISTER, got %s",
+                 ember_wire_type_name(h.type));
+        conn_refuse(s, c, EMBER_EPROTO, -1, reason, NULL, 0);
+        return;
+      }
+      on_register(s, c, p, h.length);
+    } else {
+      on_node_frame(s, c, &h, p);
+    }
+  }
+}
+
+/* ---------------------------------------------------------------- accept */
+
+/* "1.2.3.4:5" -> "1.2.3.4", "[::1]:5" -> "::1": the host part alone, for
+ * REGISTER's "empty host means the address this connection came from". */
+static void peer_host_of(const char *peer, char *out, size_t cap) {
+  char tmp[96];
+  snprintf(tmp, sizeof tmp, "%s", peer);
+  char *colon = strrchr(tmp, ':');
+  if (colon != NULL) *colon = '\0';
+  char *h = tmp;
+  size_t hl = strlen(h);
+  if (hl >= 2 && h[0] == '[' && h[hl - 1] == ']') {
+    h[hl - 1] = '\0';
+    h++;
+  }
+  snprintf(out, cap, "%s", h);
+}
+
+static int add_conn(ember_rdv_server *s, conn *c) {
+  if (s->nconns == s->capconns) {
+    size_t ncap = s->capconns ? s->capconns * 2 : 64;
+    conn **nc = realloc(s->conns, ncap * sizeof *nc);
+    if (nc == NULL) return EMBER_ENOMEM;
+    s->conns = nc;
+    struct pollfd *np = realloc(s->pfds, (ncap + 2) * sizeof *np);
+    if (np == NULL) return EMBER_ENOMEM;
+    s->pfds = np;
+    s->capconns = ncap;
+  }
+  s->conns[s->nconns] = c;
+  s->pfds[2 + s->nconns].fd = c->fd;
+  s->pfds[2 + s->nconns].events = POLLIN;
+  s->pfds[2 + s->nconns].revents = 0;
+  s->nconns++;
+  return EMBER_OK;
+}
+
+static void remove_conn(ember_rdv_server *s, size_t i) {
+  conn_free(s->conns[i]);
+  s->nconns--;
+  if (i != s->nconns) {
+    s->conns[i] = s->conns[s->nconns];
+    s->pfds[2 + i] = s->pfds[2 + s->nconns];
+  }
+}
+
+static void accept_some(ember_rdv_server *s) {
+  for (int k = 0; k < ACCEPT_BATCH; k++) {
+    int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      /* Out of fds (or memory): the pending connection stays queued and poll
+       * would report it forever; pause accepting instead of spinning. */
+      int err = errno;
+      s->accept_paused_until = ember_now_ms() + ACCEPT_PAUSE_MS;
+      if (!s->accept_warned) {
+        s->accept_warned = 1;
+        push_event(s, EMBER_RDV_EV_REJECTED, -1, 0,
+                   fmt_alloc("accept failed: %s (raise the open-file limit?)",
+                             strerror(err)));
+      }
+      return;
+    }
+    conn *c = calloc(1, sizeof *c);
+    if (c == NULL) {
+      ember_net_close(fd);
+      continue;
+    }
+    c->fd = fd;
+    c->node = -1;
+    c->state = C_AUTH;
+    c->deadline = ember_now_ms() + (int64_t)s->hs_ms;
+    ember_net_peer_name(fd, c->peer, sizeof c->peer);
+    peer_host_of(c->peer, c->peer_host, sizeof c->peer_host);
+    (void)ember_net_tune(fd);
+    uint8_t ch[EMBER_WIRE_HEADER_LEN + EMBER_NONCE_LEN];
+    size_t chl = 0;
+    if (ember_auth_server_begin(&c->auth, ch, sizeof ch, &chl) != EMBER_OK ||
+        queue_seg(c, ch, chl, NULL, 0) != EMBER_OK || add_conn(s, c) != EMBER_OK) {
+      conn_free(c);
+      continue;
+    }
+    /* Usually completes at once and saves a poll round trip. */
+    conn_flush(s, c);
+  }
+}
+
+/* ---------------------------------------------------------------- commands */
+
+static void apply_stop(ember_rdv_server *s, conn *c, uint32_t grace_ms) {
+  uint8_t p[4];
+  if (c == NULL || c->dead || c->state != C_NODE) return;
+  ember_wire_put_u32(p, grace_ms);
+  if (queue_frame(c, EMBER_MSG_STOP, p, sizeof p) != EMBER_OK)
+    conn_drop(s, c, "not reading its control connection (output queue full)");
+}
+
+static void run_commands(ember_rdv_server *s, cmd *list) {
+  while (list) {
+    cmd *next = list->next;
+    if (list->node >= 0) {
+      apply_stop(s, s->nodes[list->node].c, list->grace_ms);
+    } else {
+      for (size_t i = 0; i < s->nconns; i++) apply_stop(s, s->conns[i], list->grace_ms);
+    }
+    free(list);
+    list = next;
+  }
+}
+
+/* ---------------------------------------------------------------- loop */
+
+/* Checks a connection's timers; returns its next deadline (INT64_MAX if none). */
+static int64_t check_timers(ember_rdv_server *s, conn *c, int64_t now) {
+  char reason[256];
+  if (c->dead) return INT64_MAX;
+  switch (c->state) {
+  case C_AUTH:
+  case C_REGISTER:
+    if (now >= c->deadline) {
+      snprintf(reason, sizeof reason, "handshake not completed within %u ms (%s)",
+               (unsigned)s->hs_ms,
+               c->state == C_AUTH ? "no valid AUTH frame" : "no REGISTER frame");
+      conn_refuse(s, c, EMBER_ETIMEDOUT, -1, reason, NULL, 0);
+      return c->dead ? INT64_MAX : c->deadline;
+    }
+    return c->deadline;
+  case C_CLOSING:
+    if (now >= c->deadline) {
+      c->dead = 1;
+      return INT64_MAX;
+    }
+    return c->deadline;
+  case C_NODE: {
+    /* ready is written only by this thread, so reading it unlocked is safe;
+     * before READY nodes are not expected to heartbeat yet. */
+    if (!s->ready || c->reported) return INT64_MAX;
+    int64_t due = c->last_heard + (int64_t)s->hb_ms;
+    if (now >= due) {
+      snprintf(reason, sizeof reason, "no heartbeat for %lld ms (timeout %u ms)",
+               (long long)(now - c->last_heard), (unsigned)s->hb_ms);
+      conn_drop(s, c, reason);
+      return INT64_MAX;
+    }
+    return due;
+  }
+  default:
+    return INT64_MAX;
+  }
+}
+
+static void final_flush(ember_rdv_server *s) {
+  int64_t deadline = ember_now_ms() + FINAL_FLUSH_MS;
+  for (;;) {
+    size_t pending = 0;
+    for (size_t i = 0; i < s->nconns; i++) {
+      conn *c = s->conns[i];
+      if (!c->dead && c->head != NULL) conn_flush(s, c);
+      int want = !c->dead && c->head != NULL;
+      s->pfds[2 + i].events = want ? POLLOUT : 0;
+      s->pfds[2 + i].fd = want ? c->fd : -1;
+      pending += (size_t)want;
+    }
+    int64_t left = deadline - ember_now_ms();
+    if (pending == 0 || left <= 0) return;
+    (void)poll(s->pfds + 2, s->nconns, (int)left);
+  }
+}
+
+static void *server_main(void *arg) {
+  ember_rdv_server *s = arg;
+  for (;;) {
+    pthread_mutex_lock(&s->mu);
+    int quit = s->quit;
+    cmd *cmds = s->cmd_head;
+    s->cmd_head = s->cmd_tail = NULL;
+    pthread_mutex_unlock(&s->mu);
+    run_commands(s, cmds);
+    if (quit) break;
+
+    int64_t now = ember_now_ms();
+    int64_t next = now + 1000;
+    /* Backwards, so swap-removal only moves already-visited entries. */
+    for (size_t i = s->nconns; i-- > 0;) {
+      conn *c = s->conns[i];
+      int64_t d = check_timers(s, c, now);
+      if (c->dead) {
+        if (c->node >= 0) node_gone(s, c, "connection dropped");
+        remove_conn(s, i);
+        continue;
+      }
+      if (d < next) next = d;
+      s->pfds[2 + i].fd = c->fd;
+      s->pfds[2 + i].events = (short)(POLLIN | (c->head ? POLLOUT : 0));
+      s->pfds[2 + i].revents = 0;
+    }
+    s->pfds[0].fd = s->wake_rd;
+    s->pfds[0].events = POLLIN;
+    s->pfds[1].fd = s->listen_fd;
+    s->pfds[1].events = now >= s->accept_paused_until ? POLLIN : 0;
+    if (s->accept_paused_until > now && s->accept_paused_until < next)
+      next = s->accept_paused_until;
+    int timeout = next <= now ? 0 : (int)(next - now);
+
+    int rc = poll(s->pfds, 2 + s->nconns, timeout);
+    if (rc < 0) {
+      if (errno == EINTR) continue;
+      set_fatal(s, EMBER_ESYS, strerror(errno));
+      break;
+    }
+    if (s->pfds[0].revents) drain_fd(s->wake_rd);
+    size_t polled = s->nconns;
+    for (size_t i = polled; i-- > 0;) {
+      short rev = s->pfds[2 + i].revents;
+      conn *c = s->conns[i];
+      if (rev == 0 || c->dead) continue;
+      if (rev & (POLLIN | POLLHUP | POLLERR)) on_readable(s, c);
+      if (!c->dead && c->head != NULL && (rev & POLLOUT)) conn_flush(s, c);
+    }
+    if (s->pfds[1].revents & POLLIN) accept_some(s);
+  }
+  final_flush(s);
+  return NULL;
+}
+
+/* ---------------------------------------------------------------- API */
+
+/* A reservation of N nodes needs N sockets in the driver (2N when a test or
+ * benchmark runs the nodes in the same process); the common soft limit of
+ * 1024 fds would stop a large job at accept().  Raise the soft limit toward
+ * the hard one, which any process may do; never lower it. */
+static void raise_fd_limit(uint32_t num_nodes) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
+  rlim_t want = (rlim_t)num_nodes * 2 + 256;
+  if (rl.rlim_cur >= want) return;
+  rl.rlim_cur = (rl.rlim_max == RLIM_INFINITY || rl.rlim_max > want) ? want : rl.rlim_max;
+  (void)setrlimit(RLIMIT_NOFILE, &rl);
+}
+
+static void server_free(ember_rdv_server *s) {
+  if (s == NULL) return;
+  for (size_t i = 0; i < s->nconns; i++) conn_free(s->conns[i]);
+  free(s->conns);
+  free(s->pfds);
+  ember_net_close(s->listen_fd);
+  ember_net_close(s->wake_rd);
+  ember_net_close(s->wake_wr);
+  for (ev_item *it = s->ev_head; it;) {
+    ev_item *n = it->next;
+    free(it->ev.text);
+    free(it);
+    it = n;
+  }
+  for (cmd *c = s->cmd_head; c;) {
+    cmd *n = c->next;
+    free(c);
+    c = n;
+  }
+  free(s->spec_table);
+  free(s->nodes);
+  if (s->secret) {
+    memset(s->secret, 0, s->secret_len);
+    free(s->secret);
+  }
+  pthread_mutex_destroy(&s->mu);
+  pthread_cond_destroy(&s->cv);
+  free(s);
+}
+
+int ember_rdv_server_create(ember_rdv_server **out, const ember_rdv_server_config *cfg) {
+  ember_rdv_server *s = NULL;
+  pthread_condattr_t ca;
+  int rc;
+  if (out == NULL || cfg == NULL)
+    return ember__set_error(EMBER_EINVAL, "rdv_server_create: NULL argument");
+  *out = NULL;
+  if (cfg->secret == NULL || cfg->secret_len < EMBER_SECRET_MIN_LEN)
+    return ember__set_error(EMBER_EINVAL, "rdv_server_create: secret of %zu bytes is too "
+                            "short (minimum %u)", cfg->secret ? cfg->secret_len : 0,
+                            (unsigned)EMBER_SECRET_MIN_LEN);
+  if (cfg->num_nodes == 0 || cfg->num_nodes > EMBER_RDV_MAX_NODES)
+    return ember__set_error(EMBER_EINVAL, "rdv_server_create: num_nodes %u not in 1..%u",
+                            (unsigned)cfg->num_nodes, (unsigned)EMBER_RDV_MAX_NODES);
+  if ((uint64_t)cfg->num_ps + (cfg->has_chief ? 1 : 0) + (cfg->has_evaluator ? 1 : 0) >
+      cfg->num_nodes)
+    return ember__set_error(EMBER_EINVAL,
+                            "rdv_server_create: %u nodes cannot hold %u ps%s%s",
+                            (unsigned)cfg->num_nodes, (unsigned)cfg->num_ps,
+                            cfg->has_chief ? " + chief" : "",
+                            cfg->has_evaluator ? " + evaluator" : "");
+
+  s = calloc(1, sizeof *s);
+  if (s == NULL) return ember__set_error(EMBER_ENOMEM, "rdv_server_create: out of memory");
+  s->listen_fd = s->wake_rd = s->wake_wr = -1;
+  pthread_mutex_init(&s->mu, NULL);
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&s->cv, &ca);
+  pthread_condattr_destroy(&ca);
+  s->num_nodes = cfg->num_nodes;
+  s->num_ps = cfg->num_ps;
+  s->has_chief = cfg->has_chief != 0;
+  s->has_evaluator = cfg->has_evaluator != 0;
+  s->hb_ms = cfg->heartbeat_timeout_ms ? cfg->heartbeat_timeout_ms
+                                       : DEFAULT_HEARTBEAT_TIMEOUT_MS;
+  s->hs_ms = cfg->handshake_timeout_ms ? cfg->handshake_timeout_ms
+                                       : DEFAULT_HANDSHAKE_TIMEOUT_MS;
+  s->secret = malloc(cfg->secret_len);
+  s->nodes = calloc(cfg->num_nodes, sizeof *s->nodes);
+  s->pfds = calloc(2, sizeof *s->pfds);
+  if (s->secret == NULL || s->nodes == NULL || s->pfds == NULL) {
+    rc = ember__set_error(EMBER_ENOMEM, "rdv_server_create: out of memory");
+    goto fail;
+  }
+  memcpy(s->secret, cfg->secret, cfg->secret_len);
+  s->secret_len = cfg->secret_len;
+
+  raise_fd_limit(cfg->num_nodes);
+  /* Backlog: all nodes of a gang start at once; the kernel caps it at
+   * net.core.somaxconn. */
+  int backlog = cfg->num_nodes < 128 ? 128 : (int)(cfg->num_nodes > 65535 ? 65535 : cfg->num_nodes);
+  rc = ember_net_bind(cfg->bind_host, cfg->port, backlog, 0, &s->listen_fd, &s->port);
+  if (rc != EMBER_OK) goto fail;
+  rc = make_pipe(&s->wake_rd, &s->wake_wr);
+  if (rc != EMBER_OK) goto fail;
+  rc = start_thread(&s->thread, server_main, s);
+  if (rc != EMBER_OK) goto fail;
+  s->thread_started = 1;
+  *out = s;
+  return EMBER_OK;
+
+fail:
+  server_free(s);
+  return rc;
+}
+
+uint16_t ember_rdv_server_port(const ember_rdv_server *s) { return s ? s->port : 0; }
+
+int ember_rdv_server_wait_ready(ember_rdv_server *s, int64_t timeout_ms) {
+  if (s == NULL) return ember__set_error(EMBER_EINVAL, "wait_ready: NULL server");
+  int64_t deadline = ember_deadline_after(timeout_ms);
+  struct timespec ts;
+  int rc = EMBER_OK;
+  pthread_mutex_lock(&s->mu);
+  while (!s->ready && !s->fatal) {
+    if (abs_deadline_to_ts(deadline, &ts) <= 0) break;
+    pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+  }
+  if (s->ready) {
+    rc = EMBER_OK;
+  } else if (s->fatal) {
+    rc = ember__set_error(s->fatal, "%s", s->fatal_msg);
+  } else {
+    /* Name the missing indexes; a huge job lists the first ones and a count. */
+    char list[1400];
+    size_t used = 0, shown = 0, missing = s->num_nodes - s->registered_count;
+    list[0] = '\0';
+    for (uint32_t i = 0; i < s->num_nodes && used < sizeof list - 32; i++) {
+      if (s->nodes[i].registered) continue;
+      int n = snprintf(list + used, sizeof list - used, "%s%u", shown ? ", " : "",
+                       (unsigned)i);
+      if (n < 0) break;
+      used += (size_t)n;
+      shown++;
+    }
+    if (shown < missing)
+      snprintf(list + used, sizeof list - used, ", ... (%zu more)", missing - shown);
+    rc = ember__set_error(EMBER_ETIMEDOUT,
+                          "reservation timed out after %lld ms: %u of %u nodes "
+                          "registered; missing node(s): %s",
+                          (long long)timeout_ms, (unsigned)s->registered_count,
+                          (unsigned)s->num_nodes, list);
+  }
+  pthread_mutex_unlock(&s->mu);
+  return rc;
+}
+
+int ember_rdv_server_next_event(ember_rdv_server *s, ember_rdv_event *ev,
+                                int64_t timeout_ms) {
+  if (s == NULL || ev == NULL)
+    return ember__set_error(EMBER_EINVAL, "next_event: NULL argument");
+  memset(ev, 0, sizeof *ev);
+  int64_t deadline = ember_deadline_after(timeout_ms);
+  struct timespec ts;
+  int rc;
+  pthread_mutex_lock(&s->mu);
+  while (s->ev_head == NULL && !s->fatal) {
+    if (abs_deadline_to_ts(deadline, &ts) <= 0) break;
+    pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+  }
+  if (s->ev_head != NULL) {
+    ev_item *it = s->ev_head;
+    s->ev_head = it->next;
+    if (s->ev_head == NULL) s->ev_tail = NULL;
+    s->ev_bytes -= it->bytes;
+    s->ev_count--;
+    *ev = it->ev;
+    free(it);
+    rc = EMBER_OK;
+  } else if (s->fatal) {
+    rc = ember__set_error(s->fatal, "%s", s->fatal_msg);
+  } else {
+    rc = ember__set_error(EMBER_ETIMEDOUT, "no rendezvous event within %lld ms",
+                          (long long)timeout_ms);
+  }
+  pthread_mutex_unlock(&s->mu);
+  return rc;
+}
+
+void ember_rdv_event_clear(ember_rdv_event *ev) {
+  if (ev == NULL) return;
+  free(ev->text);
+  memset(ev, 0, sizeof *ev);
+}
+
+int ember_rdv_server_nodes(ember_rdv_server *s, ember_rdv_node **out, uint32_t *count) {
+  if (s == NULL || out == NULL || count == NULL)
+    return ember__set_error(EMBER_EINVAL, "rdv_server_nodes: NULL argument");
+  *out = NULL;
+  *count = 0;
+  int rc = EMBER_OK;
+  pthread_mutex_lock(&s->mu);
+  uint32_t n = s->registered_count;
+  if (n > 0) {
+    ember_rdv_node *t = malloc((size_t)n * sizeof *t);
+    if (t == NULL) {
+      rc = ember__set_error(EMBER_ENOMEM, "rdv_server_nodes: out of memory");
+    } else {
+      uint32_t k = 0;
+      for (uint32_t i = 0; i < s->num_nodes && k < n; i++)
+        if (s->nodes[i].registered) t[k++] = s->nodes[i].info;
+      *out = t;
+      *count = k;
+    }
+  }
+  pthread_mutex_unlock(&s->mu);
+  return rc;
+}
+
+int ember_rdv_server_stop(ember_rdv_server *s, int32_t node, uint32_t grace_ms) {
+  if (s == NULL) return ember__set_error(EMBER_EINVAL, "rdv_server_stop: NULL server");
+  int rc = EMBER_OK;
+  cmd *c = calloc(1, sizeof *c);
+  if (c == NULL) return ember__set_error(EMBER_ENOMEM, "rdv_server_stop: out of memory");
+  c->node = node < 0 ? -1 : node;
+  c->grace_ms = grace_ms;
+  pthread_mutex_lock(&s->mu);
+  if (s->fatal) {
+    rc = ember__set_error(s->fatal, "%s", s->fatal_msg);
+  } else if (node >= 0 && (uint32_t)node >= s->num_nodes) {
+    rc = ember__set_error(EMBER_EINVAL, "stop: node %d out of range (num_nodes = %u)",
+                          (int)node, (unsigned)s->num_nodes);
+  } else if (node >= 0 && !s->nodes[node].connected) {
+    rc = ember__set_error(EMBER_ENOTFOUND, "stop: node %d is not connected", (int)node);
+  } else {
+    if (s->cmd_tail) s->cmd_tail->next = c;
+    else s->cmd_head = c;
+    s->cmd_tail = c;
+    c = NULL;
+  }
+  pthread_mutex_unlock(&s->mu);
+  free(c);
+  if (rc == EMBER_OK) wake(s->wake_wr);
+  return rc;
+}
+
+void ember_rdv_server_destroy(ember_rdv_server *s) {
+  if (s == NULL) return;
+  if (s->thread_started) {
+    pthread_mutex_lock(&s->mu);
+    s->quit = 1;
+    pthread_mutex_unlock(&s->mu);
+    wake(s->wake_wr);
+    pthread_join(s->thread, NULL);
+  }
+  server_free(s);
+}
+
+/* ================================================================ client */
+
+#define CLIENT_DEFAULT_INTERVAL_MS 1000u
+/* After SPEC the server sends only HEARTBEAT, STOP and REFUSED frames. */
+#define CLIENT_CONTROL_MAX 65536u
+
+struct ember_rdv_client {
+  int fd;
+  char peer[96];
+  uint32_t self_index;
+  int registered;
+  pthread_mutex_t wmu; /* serialises writes: report() vs heartbeats */
+  pthread_t thread;
+  int started;
+  int wake_rd, wake_wr;
+  _Atomic int64_t stop_state;
+  atomic_int quit;
+  uint32_t interval_ms, flags;
+};
+
+static void kill_self(const char *why) {
+  fprintf(stderr, "ember: %s; killing this node's processes\n", why);
+  /* The node is its own process-group leader when Ember launched it, and
+   * then the whole group (the trainer and its children) must go.  Otherwise
+   * killing the group would take down whoever else shares it (a Spark
+   * executor, a test runner), so only this process dies. */
+  if (getpgrp() == getpid()) kill(-getpgrp(), SIGKILL);
+  else kill(getpid(), SIGKILL);
+}
+
+int ember_rdv_client_connect(ember_rdv_client **out, const char *host, uint16_t port,
+                             const uint8_t *secret, size_t secret_len,
+                             int64_t timeout_ms) {
+  ember_rdv_client *c = NULL;
+  int rc;
+  if (out == NULL || host == NULL)
+    return ember__set_error(EMBER_EINVAL, "rdv_client_connect: NULL argument");
+  *out = NULL;
+  int64_t deadline = ember_deadline_after(timeout_ms);
+  c = calloc(1, sizeof *c);
+  if (c == NULL) return ember__set_error(EMBER_ENOMEM, "rdv_client_connect: out of memory");
+  c->fd = c->wake_rd = c->wake_wr = -1;
+  pthread_mutex_init(&c->wmu, NULL);
+  atomic_init(&c->stop_state, 0);
+  atomic_init(&c->quit, 0);
+  rc = ember_net_connect(host, port, deadline, &c->fd);
+  if (rc != EMBER_OK) goto fail;
+  (void)ember_net_tune(c->fd);
+  ember_net_peer_name(c->fd, c->peer, sizeof c->peer);
+  rc = ember_auth_client(c->fd, secret, secret_len, deadline);
+  if (rc != EMBER_OK) goto fail;
+  rc = make_pipe(&c->wake_rd, &c->wake_wr);
+  if (rc != EMBER_OK) goto fail;
+  *out = c;
+  return EMBER_OK;
+
+fail:
+  ember_rdv_client_destroy(c);
+  return rc;
+}
+
+int ember_rdv_client_register(ember_rdv_client *c, const ember_rdv_node *self,
+                              int64_t timeout_ms) {
+  ember_wire_writer w;
+  int rc;
+  if (c == NULL || self == NULL)
+    return ember__set_error(EMBER_EINVAL, "rdv_client_register: NULL argument");
+  int64_t deadline = ember_deadline_after(timeout_ms);
+  ember_wire_writer_init(&w);
+  rc = ember__rdv_encode_register(&w, self);
+  if (rc != EMBER_OK) goto out;
+  pthread_mutex_lock(&c->wmu);
+  rc = ember_net_send_frame(c->fd, EMBER_MSG_REGISTER, w.buf, (uint32_t)w.len, deadline);
+  pthread_mutex_unlock(&c->wmu);
+  if (rc == EMBER_OK) {
+    c->self_index = self->index;
+    c->registered = 1;
+  }
+out:
+  ember_wire_writer_free(&w);
+  return rc;
+}
+
+int ember_rdv_client_wait_spec(ember_rdv_client *c, ember_rdv_node **nodes,
+                               uint32_t *count, uint32_t *self_pos, int64_t timeout_ms) {
+  ember_frame_header h;
+  uint8_t *p = NULL;
+  int rc;
+  if (c == NULL || nodes == NULL || count == NULL || self_pos == NULL)
+    return ember__set_error(EMBER_EINVAL, "rdv_client_wait_spec: NULL argument");
+  *nodes = NULL;
+  *count = 0;
+  if (c->started)
+    return ember__set_error(EMBER_ESTATE, "wait_spec: the client thread already owns the "
+                            "connection");
+  int64_t deadline = ember_deadline_after(timeout_ms);
+  for (;;) {
+    free(p);
+    p = NULL;
+    rc = ember_net_recv_frame(c->fd, EMBER__RDV_SPEC_MAX, &h, &p, deadline);
+    if (rc == EMBER_ETIMEDOUT) {
+      rc = ember__set_error(EMBER_ETIMEDOUT,
+                            "no cluster spec from the driver at %s after %lld ms (not all "
+                            "nodes registered?)",
+                            c->peer, (long long)timeout_ms);
+      goto out;
+    }
+    if (rc != EMBER_OK) goto out;
+    switch (h.type) {
+    case EMBER_MSG_SPEC: {
+      uint32_t me = 0;
+      rc = ember__rdv_decode_spec(p, h.length, &me, nodes, count);
+      if (rc != EMBER_OK) goto out;
+      if (c->registered && me != c->self_index) {
+        free(*nodes);
+        *nodes = NULL;
+        *count = 0;
+        rc = ember__set_error(EMBER_EPROTO, "SPEC from %s is for node %u, we are node %u",
+                              c->peer, (unsigned)me, (unsigned)c->self_index);
+        goto out;
+      }
+      *self_pos = me;
+      goto out;
+    }
+    case EMBER_MSG_HEARTBEAT:
+      continue;
+    case EMBER_MSG_STOP: {
+      uint32_t grace = h.length == 4 ? ember_wire_get_u32(p) : 0;
+      atomic_store(&c->stop_state, (int64_t)grace + 1);
+      rc = ember__set_error(EMBER_EABORTED,
+                            "the driver at %s sent STOP (grace %u ms) before the cluster "
+                            "spec",
+                            c->peer, (unsigned)grace);
+      goto out;
+    }
+    case EMBER_MSG_REFUSED: {
+      char reason[EMBER__RDV_REASON_MAX + 1];
+      int st = EMBER_EPROTO;
+      if (ember__rdv_decode_refused(p, h.length, &st, reason, sizeof reason) != EMBER_OK)
+        snprintf(reason, sizeof reason, "(malformed REFUSED frame)");
+      rc = ember__set_error(st, "registration refused by the driver at %s: %s", c->peer,
+                            reason);
+      goto out;
+    }
+    default:
+      rc = ember__set_error(EMBER_EPROTO, "expected SPEC from %s, got %s", c->peer,
+                            ember_wire_type_name(h.type));
+      goto out;
+    }
+  }
+out:
+  free(p);
+  return rc;
+}
+
+/* The client thread: heartbeats out, echoes/STOP in, loss and grace timers. */
+static void *client_main(void *arg) {
+  ember_rdv_client *c = arg;
+  ember_wire_parser *parser = NULL;
+  uint8_t buf[4096];
+  int alive = 1;
+  const int exit_on_loss = (c->flags & EMBER_RDV_EXIT_ON_LOSS) != 0;
+  const int64_t interval = c->interval_ms;
+  const int64_t silence = 3 * interval + 5000;
+  int64_t now = ember_now_ms();
+  int64_t last_heard = now, next_hb = now, stop_deadline = INT64_MAX;
+
+  if (ember_wire_parser_create(&parser, CLIENT_CONTROL_MAX) != EMBER_OK) alive = 0;
+  while (!atomic_load(&c->quit)) {
+    char why[256] = "";
+    now = ember_now_ms();
+    if (alive && now >= next_hb) {
+      int64_t d = now + (interval > 1000 ? interval : 1000);
+      pthread_mutex_lock(&c->wmu);
+      int rc = ember_net_send_frame(c->fd, EMBER_MSG_HEARTBEAT, NULL, 0, d);
+      pthread_mutex_unlock(&c->wmu);
+      if (rc != EMBER_OK) snprintf(why, sizeof why, "%s", ember_last_error());
+      next_hb = now + interval;
+    }
+    if (alive && !why[0] && now - last_heard >= silence)
+      snprintf(why, sizeof why, "driver at %s silent for %lld ms", c->peer,
+               (long long)(now - last_heard));
+
+    if (alive && !why[0]) {
+      struct pollfd pf[2] = {{.fd = c->wake_rd, .events = POLLIN, .revents = 0},
+                             {.fd = c->fd, .events = POLLIN, .revents = 0}};
+      int64_t until = next_hb < last_heard + silence ? next_hb : last_heard + silence;
+      if (exit_on_loss && stop_deadline < until) until = stop_deadline;
+      int timeout = until <= now ? 0 : (int)(until - now > 60000 ? 60000 : until - now);
+      int pr = poll(pf, 2, timeout);
+      if (pr > 0 && pf[0].revents) drain_fd(c->wake_rd);
+      if (pr > 0 && pf[1].revents) {
+        ssize_t n = recv(c->fd, buf, sizeof buf, 0);
+        if (n == 0) {
+          snprintf(why, sizeof why, "driver at %s closed the control connection", c->peer);
+        } else if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          snprintf(why, sizeof why, "recv from driver at %s: %s", c->peer, strerror(errno));
+        } else if (n > 0) {
+          if (ember_wire_parser_feed(parser, buf, (size_t)n) != EMBER_OK) {
+            snprintf(why, sizeof why, "bad frame from driver at %s: %s", c->peer,
+                     ember_last_error());
+          } else {
+            ember_frame_header h;
+            const uint8_t *p;
+            last_heard = ember_now_ms();
+            while (!why[0] && ember_wire_parser_next(parser, &h, &p) == 1) {
+              if (h.type == EMBER_MSG_STOP && h.length == 4) {
+                uint32_t grace = ember_wire_get_u32(p);
+                if (atomic_load(&c->stop_state) <= 0) {
+                  atomic_store(&c->stop_state, (int64_t)grace + 1);
+                  stop_deadline = last_heard + grace;
+                }
+              } else if (h.type == EMBER_MSG_REFUSED) {
+                snprintf(why, sizeof why, "driver at %s refused this node", c->peer);
+              }
+              /* HEARTBEAT echoes only refresh last_heard; other types are
+               * ignored for forward compatibility. */
+            }
+          }
+        }
+      }
+    } else if (!alive) {
+      /* Connection gone: wait for destroy(), or the end of a STOP's grace. */
+      int64_t until = exit_on_loss ? stop_deadline : INT64_MAX;
+      int timeout = until == INT64_MAX ? -1
+                    : until <= now      ? 0
+                                        : (int)(until - now > 60000 ? 60000 : until - now);
+      struct pollfd pf = {.fd = c->wake_rd, .events = POLLIN, .revents = 0};
+      if (poll(&pf, 1, timeout) > 0) drain_fd(c->wake_rd);
+    }
+
+    if (why[0] && alive) {
+      alive = 0;
+      int64_t expect = 0;
+      /* A STOP already received keeps its grace period: the driver closing
+       * the connection after STOP is the normal shutdown path. */
+      if (atomic_compare_exchange_strong(&c->stop_state, &expect, -1) && exit_on_loss)
+        kill_self(why);
+    }
+    if (exit_on_loss && ember_now_ms() >= stop_deadline && !atomic_load(&c->quit))
+      kill_self("the STOP grace period ran out");
+  }
+  ember_wire_parser_destroy(parser);
+  return NULL;
+}
+
+int ember_rdv_client_start(ember_rdv_client *c, uint32_t interval_ms, uint32_t flags) {
+  if (c == NULL) return ember__set_error(EMBER_EINVAL, "rdv_client_start: NULL client");
+  if (c->started) return ember__set_error(EMBER_ESTATE, "rdv_client_start: already started");
+  c->interval_ms = interval_ms ? interval_ms : CLIENT_DEFAULT_INTERVAL_MS;
+  c->flags = flags;
+  int rc = start_thread(&c->thread, client_main, c);
+  if (rc != EMBER_OK) return rc;
+  c->started = 1;
+  return EMBER_OK;
+}
+
+int64_t ember_rdv_client_stop_state(ember_rdv_client *c) {
+  return c ? atomic_load(&c->stop_state) : -1;
+}
+
+int ember_rdv_client_report(ember_rdv_client *c, int kind, int32_t code, const char *text,
+                            int64_t timeout_ms) {
+  ember_wire_writer w;
+  int rc;
+  if (c == NULL) return ember__set_error(EMBER_EINVAL, "rdv_client_report: NULL client");
+  if (kind < EMBER_RDV_REPORT_PROGRESS || kind > EMBER_RDV_REPORT_FAILED)
+    return ember__set_error(EMBER_EINVAL, "rdv_client_report: unknown kind %d", kind);
+  int64_t deadline = ember_deadline_after(timeout_ms);
+  size_t n = text ? strlen(text) : 0;
+  /* A Python traceback ends with the exception and the innermost frames, so
+   * an over-long one keeps its tail; skip UTF-8 continuation bytes so the
+   * text still starts on a character. */
+  if (n > EMBER_RDV_TEXT_MAX) {
+    text += n - EMBER_RDV_TEXT_MAX;
+    n = EMBER_RDV_TEXT_MAX;
+    while (n > 0 && ((uint8_t)*text & 0xC0) == 0x80) {
+      text++;
+      n--;
+    }
+  }
+  ember_wire_writer_init(&w);
+  rc = ember__rdv_encode_report(&w, (uint32_t)kind, code, text, n);
+  if (rc == EMBER_OK) {
+    pthread_mutex_lock(&c->wmu);
+    rc = ember_net_send_frame(c->fd, EMBER_MSG_REPORT, w.buf, (uint32_t)w.len, deadline);
+    pthread_mutex_unlock(&c->wmu);
+  }
+  ember_wire_writer_free(&w);
+  return rc;
+}
+
+void ember_rdv_client_destroy(ember_rdv_client *c) {
+  if (c == NULL) return;
+  if (c->started) {
+    atomic_store(&c->quit, 1);
+    wake(c->wake_wr);
+    pthread_join(c->thread, NULL);
+  }
+  ember_net_close(c->fd);
+  ember_net_close(c->wake_rd);
+  ember_net_close(c->wake_wr);
+  pthread_mutex_destroy(&c->wmu);
+  free(c);
+}

@@ -1,0 +1,242 @@
+"""Fashion-MNIST data: idx parsing and Spark data set-up (CSV and TFRecords).
+
+This module does not import TensorFlow at import time, so the driver stays
+light; ``to_tfrecords`` imports it inside the Spark tasks only.
+
+Record layout used everywhere in the example:
+    image: float32[784], pixels scaled to [0, 1]
+    label: int64 in 0..9
+"""
+
+import gzip
+import os
+
+import numpy as np
+
+NUM_PIXELS = 28 * 28
+NUM_CLASSES = 10
+
+DEFAULT_DIR = os.environ.get("EMBER_FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist")
+
+_SPLIT_FILES = {
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+}
+
+# idx type codes -> big-endian numpy dtype
+_IDX_DTYPES = {
+    0x08: np.dtype(">u1"),
+    0x09: np.dtype(">i1"),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+
+
+class IdxFormatError(ValueError):
+    """The file is not a well-formed idx file."""
+
+
+def read_idx(path):
+    """Read an idx file (gzip-compressed if the name ends in .gz).
+
+    Returns a numpy array in native byte order with the shape stored in the
+    header.  Raises IdxFormatError when the magic number, the type code, the
+    dimension count or the data size do not agree with the header.
+    """
+    opener = gzip.open if str(path).endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise IdxFormatError(f"{path}: cannot read idx file: {e}") from e
+
+    if len(raw) < 4:
+        raise IdxFormatError(f"{path}: file too short for an idx header ({len(raw)} bytes)")
+    if raw[0] != 0 or raw[1] != 0:
+        raise IdxFormatError(
+            f"{path}: bad idx magic {raw[:4].hex()} (first two bytes must be zero)"
+        )
+    code, ndim = raw[2], raw[3]
+    if code not in _IDX_DTYPES:
+        raise IdxFormatError(f"{path}: unknown idx type code 0x{code:02x}")
+    if ndim == 0:
+        raise IdxFormatError(f"{path}: idx file declares zero dimensions")
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise IdxFormatError(
+            f"{path}: truncated idx header: need {header} bytes for {ndim} dims, have {len(raw)}"
+        )
+    dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
+    dtype = _IDX_DTYPES[code]
+    expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    actual = len(raw) - header
+    if actual != expected:
+        raise IdxFormatError(
+            f"{path}: idx data size mismatch: header dims {dims} of {dtype.name} need "
+            f"{expected} bytes, file has {actual}"
+        )
+    arr = np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims)
+    return arr.astype(dtype.newbyteorder("="), copy=False) if dtype.itemsize > 1 else arr
+
+
+def load_split(split, data_dir=None):
+    """Load 'train' or 'test': (images uint8 (n, 28, 28), labels uint8 (n,))."""
+    if split not in _SPLIT_FILES:
+        raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
+    data_dir = data_dir or DEFAULT_DIR
+    img_name, lbl_name = _SPLIT_FILES[split]
+    images = read_idx(os.path.join(data_dir, img_name))
+    labels = read_idx(os.path.join(data_dir, lbl_name))
+    if images.dtype != np.uint8 or images.ndim != 3 or images.shape[1:] != (28, 28):
+        raise IdxFormatError(
+            f"{img_name}: expected uint8 images of shape (n, 28, 28), got "
+            f"{images.dtype} {images.shape}"
+        )
+    if labels.dtype != np.uint8 or labels.ndim != 1:
+        raise IdxFormatError(
+            f"{lbl_name}: expected uint8 labels of shape (n,), got {labels.dtype} {labels.shape}"
+        )
+    if images.shape[0] != labels.shape[0]:
+        raise IdxFormatError(
+            f"{split}: {images.shape[0]} images but {labels.shape[0]} labels"
+        )
+    if labels.size and labels.max() >= NUM_CLASSES:
+        raise IdxFormatError(f"{lbl_name}: label {int(labels.max())} out of range 0..9")
+    return images, labels
+
+
+# ---------------------------------------------------------------- record helpers
+
+def to_records(images, labels):
+    """(images uint8 (n,28,28), labels) -> list of (float32[784] in [0,1], int label).
+
+    The records to feed an InputMode.SPARK job from an RDD
+    (``sc.parallelize(to_records(...))``)."""
+    x = np.asarray(images, dtype=np.float32).reshape(-1, NUM_PIXELS) / 255.0
+    y = np.asarray(labels).reshape(-1)
+    return [(x[i], int(y[i])) for i in range(x.shape[0])]
+
+
+def parse_csv_line(line):
+    """'label,p0,...,p783' (raw pixels 0..255) -> (float32[784] in [0,1], int label)."""
+    try:
+        values = np.array(line.strip().split(","), dtype=np.float32)
+    except ValueError as e:
+        raise ValueError(f"bad Fashion-MNIST CSV line {line[:60]!r}...: {e}") from None
+    if values.shape[0] != NUM_PIXELS + 1:
+        raise ValueError(
+            f"bad Fashion-MNIST CSV line: {values.shape[0]} fields, expected {NUM_PIXELS + 1}"
+        )
+    label = int(values[0])
+    if label != values[0] or not 0 <= label < NUM_CLASSES:
+        raise ValueError(f"bad Fashion-MNIST CSV line: label {values[0]!r} not in 0..9")
+    image = values[1:]
+    image /= 255.0
+    return image, label
+
+
+# ---------------------------------------------------------------- Spark data set-up
+
+def _chunks(images, labels, num_partitions):
+    """Split the arrays into num_partitions contiguous (index, images, labels) chunks."""
+    images = np.ascontiguousarray(np.asarray(images, dtype=np.uint8).reshape(-1, NUM_PIXELS))
+    labels = np.asarray(labels).reshape(-1).astype(np.int64)
+    if images.shape[0] != labels.shape[0]:
+        raise ValueError(f"{images.shape[0]} images but {labels.shape[0]} labels")
+    num_partitions = max(1, min(int(num_partitions), images.shape[0] or 1))
+    bounds = np.linspace(0, images.shape[0], num_partitions + 1).astype(np.int64)
+    return [
+        (i, images[bounds[i]:bounds[i + 1]], labels[bounds[i]:bounds[i + 1]])
+        for i in range(num_partitions)
+    ]
+
+
+def _local_path(path):
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
+def _csv_lines(chunk):
+    _, imgs, lbls = chunk
+    for img, lbl in zip(imgs, lbls):
+        yield str(int(lbl)) + "," + ",".join(map(str, img.tolist()))
+
+
+def to_csv(sc, images, labels, out_dir, num_partitions, overwrite=True):
+    """Write 'label,p0,...,p783' lines (raw pixels 0..255) as a Spark text data set
+    (one part-NNNNN file per partition) under out_dir.  Returns the record count."""
+    import shutil
+
+    local = _local_path(out_dir)
+    if os.path.exists(local):
+        if not overwrite:
+            raise FileExistsError(f"{out_dir} exists")
+        shutil.rmtree(local)
+    chunks = _chunks(images, labels, num_partitions)
+    sc.parallelize(chunks, len(chunks)).flatMap(_csv_lines).saveAsTextFile(out_dir)
+    return int(sum(c[2].shape[0] for c in chunks))
+
+
+def _write_tfrecord_partition(out_dir):
+    """Spark task: write this partition's chunks to out_dir/part-NNNNN.tfrecord."""
+
+    def write(index, chunks):
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        import tensorflow as tf  # imported in the Spark task only
+
+        os.makedirs(out_dir, exist_ok=True)
+        final = os.path.join(out_dir, f"part-{index:05d}.tfrecord")
+        tmp = os.path.join(out_dir, f".part-{index:05d}.tfrecord.tmp-{os.getpid()}")
+        count = 0
+        try:
+            with tf.io.TFRecordWriter(tmp) as writer:
+                for _, imgs, lbls in chunks:
+                    scaled = imgs.astype(np.float32) / 255.0
+                    for img, lbl in zip(scaled, lbls):
+                        example = tf.train.Example(features=tf.train.Features(feature={
+                            "image": tf.train.Feature(float_list=tf.train.FloatList(value=img.tolist())),
+                            "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(lbl)])),
+                        }))
+                        writer.write(example.SerializeToString())
+                        count += 1
+            os.replace(tmp, final)  # a partial file never has the final name
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        yield final, count
+
+    return write
+
+
+def to_tfrecords(sc, images, labels, out_dir, num_partitions, overwrite=True):
+    """Write one TFRecord file per partition, out_dir/part-NNNNN.tfrecord, of
+    tf.train.Example {'image': float_list[784] in [0,1], 'label': int64_list[1]}.
+
+    out_dir must be a path every executor can write (local mode, or a shared
+    file system).  Returns the total record count."""
+    local = _local_path(out_dir)
+    os.makedirs(local, exist_ok=True)
+    existing = [n for n in os.listdir(local) if n.endswith(".tfrecord")]
+    if existing:
+        if not overwrite:
+            raise FileExistsError(f"{out_dir} already holds TFRecord files")
+        for n in existing:
+            os.remove(os.path.join(local, n))
+    chunks = _chunks(images, labels, num_partitions)
+    written = (
+        sc.parallelize(chunks, len(chunks))
+        .mapPartitionsWithIndex(_write_tfrecord_partition(local))
+        .collect()
+    )
+    return int(sum(c for _, c in written))
+
+
+def tfrecord_files(data_dir, split):
+    """Sorted TFRecord files of a split written by to_tfrecords under
+    data_dir/tfrecords/{train,test}."""
+    d = os.path.join(data_dir, "tfrecords", split)
+    if not os.path.isdir(d):
+        return []
+    return sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".tfrecord"))

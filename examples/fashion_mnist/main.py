@@ -1,0 +1,163 @@
+"""The main job: Fashion-MNIST on an embedded local Spark, in both input modes.
+
+    python -m examples.fashion_mnist.main [--epochs 5] [--modes spark,tensorflow]
+
+1. Data setup: a Spark job converts Debian's Fashion-MNIST idx files to CSV and
+   to TFRecords (60,000 train, 10,000 test).
+2. InputMode.SPARK: ``ember.spark.run`` starts 2 nodes; ``cluster.train`` pushes
+   the CSV records through Ember's C feed into a MultiWorkerMirroredStrategy
+   custom training loop (tf_keras); the chief checkpoints and exports a
+   SavedModel.
+3. InputMode.TENSORFLOW: the same model; each worker reads its shard of the
+   TFRecords itself.
+4. After each, ``cluster.inference`` runs the SavedModel over the 10,000 test
+   records, one prediction per record, and the job prints accuracy and
+   ``RESULT demo mode=... accuracy=... train_records_per_s=... wall_s=...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from typing import Any, Tuple
+
+import numpy as np
+
+from ember.spark import InputMode, run
+
+from . import data, model
+
+
+def parse_args(argv: Any = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch-size", dest="batch_size", type=int, default=64,
+                   help="per-worker batch size")
+    p.add_argument("--learning-rate", dest="learning_rate", type=float, default=1e-3)
+    p.add_argument("--num-executors", dest="num_executors", type=int, default=2)
+    p.add_argument("--partitions", type=int, default=8, help="partitions of the CSV data")
+    p.add_argument("--modes", default="spark,tensorflow")
+    p.add_argument("--work-dir", dest="work_dir", default="out/fashion_mnist")
+    p.add_argument("--train-limit", dest="train_limit", type=int, default=0,
+                   help="use only the first N training images (0 = all 60,000)")
+    p.add_argument("--test-limit", dest="test_limit", type=int, default=0)
+    p.add_argument("--require-accuracy", dest="require_accuracy", type=float, default=0.0,
+                   help="exit non-zero if a mode's test accuracy is below this")
+    return p.parse_args(argv)
+
+
+def setup_data(sc: Any, args: argparse.Namespace) -> Tuple[int, int]:
+    """Converts the idx files to CSV and TFRecords with Spark; returns (train, test) sizes."""
+    start = time.monotonic()
+    sizes = []
+    for split, limit in (("train", args.train_limit), ("test", args.test_limit)):
+        images, labels = data.load_split(split)
+        if limit:
+            images, labels = images[:limit], labels[:limit]
+        data.to_csv(sc, images, labels, os.path.join(args.data_dir, "csv", split), args.partitions)
+        data.to_tfrecords(sc, images, labels, os.path.join(args.data_dir, "tfrecords", split),
+                          args.partitions)
+        sizes.append(len(labels))
+    print(f"data: {sizes[0]} train / {sizes[1]} test records as CSV and TFRecords under "
+          f"{args.data_dir} ({time.monotonic() - start:.1f} s)", flush=True)
+    return sizes[0], sizes[1]
+
+
+def csv_rdd(sc: Any, args: argparse.Namespace, split: str) -> Any:
+    return sc.textFile(os.path.join(args.data_dir, "csv", split), args.partitions) \
+        .map(data.parse_csv_line)
+
+
+def evaluate(sc: Any, args: argparse.Namespace, n_test: int) -> float:
+    """Distributed inference with the exported SavedModel; returns test accuracy."""
+    cluster = run(sc, model.infer, args, num_executors=args.num_executors,
+                  input_mode=InputMode.SPARK, master_node=None)
+    try:
+        results = cluster.inference(csv_rdd(sc, args, "test")).collect()
+    finally:
+        cluster.shutdown()
+    if len(results) != n_test:
+        raise RuntimeError(f"inference returned {len(results)} results for {n_test} records")
+    pairs = np.asarray(results, dtype=np.int64).reshape(-1, 2)
+    os.makedirs(args.work_dir, exist_ok=True)
+    np.savetxt(os.path.join(args.out_dir, "predictions.csv"), pairs, fmt="%d",
+               delimiter=",", header="label,prediction", comments="")
+    return float(np.mean(pairs[:, 0] == pairs[:, 1]))
+
+
+def train_and_evaluate(sc: Any, args: argparse.Namespace, mode: str, n_train: int,
+                       n_test: int) -> float:
+    run_args = argparse.Namespace(**vars(args))
+    run_args.out_dir = os.path.abspath(os.path.join(args.work_dir, mode))
+    run_args.model_dir = os.path.join(run_args.out_dir, "model")
+    run_args.export_dir = os.path.join(run_args.out_dir, "export")
+    run_args.train_records = n_train
+    shutil.rmtree(run_args.out_dir, ignore_errors=True)
+    os.makedirs(run_args.out_dir)
+    print(f"\n=== InputMode.{mode.upper()}: training {args.epochs} epoch(s) on "
+          f"{args.num_executors} nodes", flush=True)
+    start = time.monotonic()
+    if mode == "spark":
+        cluster = run(sc, model.train_spark, run_args, num_executors=args.num_executors,
+                      num_ps=0, tensorboard=False, input_mode=InputMode.SPARK)
+        try:
+            cluster.train(csv_rdd(sc, args, "train"), args.epochs)
+        finally:
+            cluster.shutdown()
+    else:
+        cluster = run(sc, model.train_tf, run_args, num_executors=args.num_executors,
+                      num_ps=0, tensorboard=False, input_mode=InputMode.TENSORFLOW)
+        cluster.shutdown()
+    train_secs = time.monotonic() - start
+    print(f"=== inference on {n_test} test records", flush=True)
+    accuracy = evaluate(sc, run_args, n_test)
+    wall = time.monotonic() - start
+    rate = n_train * args.epochs / train_secs
+    print(f"mode={mode}: test accuracy {accuracy:.4f}, {rate:.0f} train records/s, "
+          f"train {train_secs:.1f} s, wall {wall:.1f} s", flush=True)
+    return accuracy, rate, wall
+
+
+def main(argv: Any = None) -> int:
+    args = parse_args(argv)
+    args.work_dir = os.path.abspath(args.work_dir)
+    args.data_dir = os.path.join(args.work_dir, "data")
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+    spark = (SparkSession.builder.master(f"local[{max(2, args.num_executors)}]")
+             .appName("ember-fashion-mnist")
+             .config("spark.driver.host", "127.0.0.1")
+             .config("spark.driver.bindAddress", "127.0.0.1")
+             .config("spark.ui.enabled", "false")
+             .config("spark.driver.memory", "2g")
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("WARN")
+    results = []
+    try:
+        n_train, n_test = setup_data(spark.sparkContext, args)
+        for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+            if mode not in ("spark", "tensorflow"):
+                raise SystemExit(f"unknown mode {mode!r} (spark or tensorflow)")
+            results.append((mode,) + train_and_evaluate(spark.sparkContext, args, mode,
+                                                        n_train, n_test))
+    finally:
+        spark.stop()
+    failed = False
+    print()
+    for mode, accuracy, rate, wall in results:
+        print(f"RESULT demo mode={mode} accuracy={accuracy:.4f} "
+              f"train_records_per_s={rate:.0f} wall_s={wall:.1f}", flush=True)
+        failed |= accuracy < args.require_accuracy
+    if failed:
+        print(f"accuracy below the required {args.require_accuracy}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

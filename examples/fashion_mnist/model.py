@@ -1,0 +1,416 @@
+"""Fashion-MNIST model and Ember node functions (main_fun(args, ctx)).
+
+    train_spark(args, ctx)  InputMode.SPARK: records come from ctx.get_data_feed()
+    train_tf(args, ctx)     InputMode.TENSORFLOW: each worker reads its TFRecord shard
+    infer(args, ctx)        inference over the feed with the exported SavedModel
+
+Training uses tf.distribute.MultiWorkerMirroredStrategy with a custom training
+loop.  The model is a tf_keras model: Keras 3 does not work under MWMS
+(keras-team/keras#20585), so TF_USE_LEGACY_KERAS=1 is set before TensorFlow is
+imported.
+
+MWMS has to be created before TensorFlow executes anything in the process (it
+configures collective ops on the eager context), so nothing here runs a TF op
+at import time, and each training main_fun must run in a fresh process.
+"""
+
+import os
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+NUM_PIXELS = 28 * 28
+NUM_CLASSES = 10
+TRAIN_RECORDS = 60000
+PROGRESS_EVERY = 100
+
+_tf = None
+
+
+def _import_tf():
+    """Import TensorFlow lazily (the driver imports this module too)."""
+    global _tf
+    if _tf is None:
+        import tensorflow as tf
+
+        tf.get_logger().setLevel("ERROR")
+        _tf = tf
+    return _tf
+
+
+def build_model():
+    """784 -> 256 relu -> 128 relu -> 10 logits (tf_keras Sequential)."""
+    _import_tf()
+    import tf_keras as keras
+
+    return keras.Sequential(
+        [
+            keras.Input(shape=(NUM_PIXELS,), dtype="float32", name="image"),
+            keras.layers.Dense(256, activation="relu", name="dense_1"),
+            keras.layers.Dense(128, activation="relu", name="dense_2"),
+            keras.layers.Dense(NUM_CLASSES, name="logits"),
+        ],
+        name="fashion_mnist_mlp",
+    )
+
+
+# ---------------------------------------------------------------- helpers
+
+def _arg(args, name, default=None):
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def _report(ctx, text):
+    report = getattr(ctx, "report_progress", None)
+    if report is not None:
+        try:
+            report(text)
+            return
+        except Exception as e:  # progress is best effort; never fail training on it
+            print(f"report_progress failed ({e}); {text}", flush=True)
+            return
+    print(text, flush=True)
+
+
+def _batch_arrays(batch):
+    """Batch -> (float32 (rows, 784) in [0,1], int64 (rows,)), copied.
+
+    The feed hands out zero-copy views that may be reused by the next
+    next_batch() call, and TensorFlow may alias numpy memory, so copy."""
+    cols = batch.columns
+    x = np.array(cols[0], copy=True)
+    if x.dtype == np.uint8:
+        x = x.astype(np.float32) / 255.0
+    elif x.dtype != np.float32:
+        x = x.astype(np.float32)
+    x = x.reshape(len(batch), NUM_PIXELS)
+    y = np.array(cols[1], dtype=np.int64, copy=True).reshape(-1) if len(cols) > 1 else None
+    return x, y
+
+
+def _drain(feed, chunk=4096):
+    """Consume what is left of the feed so the Spark feeding side never blocks."""
+    drained = 0
+    while not feed.should_stop():
+        n = len(feed.next_batch(chunk))
+        if n == 0:
+            break
+        drained += n
+    return drained
+
+
+def _configure_threads(tf, args):
+    intra = _arg(args, "intra_op_threads")
+    inter = _arg(args, "inter_op_threads")
+    if intra:
+        tf.config.threading.set_intra_op_parallelism_threads(int(intra))
+    if inter:
+        tf.config.threading.set_inter_op_parallelism_threads(int(inter))
+
+
+def _make_strategy(tf, args):
+    """MultiWorkerMirroredStrategy from TF_CONFIG (exported by Ember).
+
+    Creating it starts this task's gRPC server on its TF_CONFIG port."""
+    _configure_threads(tf, args)
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            communication_options=tf.distribute.experimental.CommunicationOptions(
+                implementation=tf.distribute.experimental.CommunicationImplementation.RING
+            )
+        )
+    except (RuntimeError, ValueError) as e:
+        raise RuntimeError(
+            "cannot create MultiWorkerMirroredStrategy: it must be the first TensorFlow "
+            "work in a fresh process, after TF_CONFIG is set "
+            f"(TF_CONFIG={os.environ.get('TF_CONFIG')!r}): {e}"
+        ) from e
+
+
+def _is_chief(strategy):
+    resolver = strategy.cluster_resolver
+    task_type, task_id = resolver.task_type, resolver.task_id
+    if task_type is None or task_type == "chief":
+        return True
+    has_chief = "chief" in resolver.cluster_spec().as_dict()
+    return task_type == "worker" and task_id == 0 and not has_chief
+
+
+class _Trainer:
+    """Model, optimizer and the distributed step functions."""
+
+    def __init__(self, tf, strategy, args):
+        self.tf = tf
+        self.strategy = strategy
+        self.replicas = strategy.num_replicas_in_sync
+        self.global_batch = int(args.batch_size) * self.replicas
+        import tf_keras as keras
+
+        with strategy.scope():
+            self.model = build_model()
+            self.optimizer = keras.optimizers.Adam(learning_rate=float(_arg(args, "learning_rate", 1e-3)))
+
+        model, optimizer, global_batch = self.model, self.optimizer, self.global_batch
+        x_spec = tf.TensorSpec([None, NUM_PIXELS], tf.float32, name="image")
+        y_spec = tf.TensorSpec([None], tf.int64, name="label")
+
+        def step_fn(x, y):
+            with tf.GradientTape() as tape:
+                logits = model(x, training=True)
+                per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))  # all-reduces grads
+            # this worker's mean loss, for progress only (no extra collective)
+            return tf.reduce_mean(per_example)
+
+        @tf.function(input_signature=[x_spec, y_spec])
+        def train_step(x, y):
+            per_replica = strategy.run(step_fn, args=(x, y))
+            return strategy.experimental_local_results(per_replica)[0]
+
+        def count_fn(flag):
+            # tf.identity: MWMS cannot all-reduce a tf.function input directly
+            # ("destinations can not be empty")
+            return tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, tf.identity(flag)
+            )
+
+        @tf.function(input_signature=[tf.TensorSpec([], tf.float32)])
+        def ready_count(flag):
+            per_replica = strategy.run(count_fn, args=(flag,))
+            return strategy.experimental_local_results(per_replica)[0]
+
+        self.train_step = train_step
+        self.ready_count = ready_count
+
+    def all_have_data(self, have):
+        """Collective: True iff every worker has a batch for this step.
+
+        Every worker calls this once per step, so all of them see the same
+        answer and leave the loop at the same step."""
+        total = self.ready_count(self.tf.constant(1.0 if have else 0.0))
+        return int(round(float(total))) == self.replicas
+
+    def save(self, args, chief, step):
+        """Checkpoint to model_dir/checkpoint and export a SavedModel to export_dir.
+
+        All workers must take part (variables may need collectives to read);
+        non-chief workers write to a temporary directory they delete afterwards."""
+        tf, model = self.tf, self.model
+        tmp = None
+        if chief:
+            ckpt_dir = os.path.join(args.model_dir, "checkpoint")
+            export_dir = args.export_dir
+        else:
+            tmp = tempfile.mkdtemp(prefix="ember-fmnist-worker-")
+            ckpt_dir = os.path.join(tmp, "checkpoint")
+            export_dir = os.path.join(tmp, "export")
+        try:
+            ckpt = tf.train.Checkpoint(model=model, optimizer=self.optimizer)
+            manager = tf.train.CheckpointManager(ckpt, ckpt_dir, max_to_keep=1)
+            ckpt_path = manager.save(checkpoint_number=step)
+
+            @tf.function(input_signature=[tf.TensorSpec([None, NUM_PIXELS], tf.float32, name="image")])
+            def serve(image):
+                logits = model(image, training=False)
+                return {
+                    "logits": logits,
+                    "probabilities": tf.nn.softmax(logits),
+                    "classes": tf.argmax(logits, axis=-1),
+                }
+
+            tf.saved_model.save(model, export_dir, signatures={"serving_default": serve})
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return (ckpt_path, export_dir) if chief else (None, None)
+
+
+def _steps_per_epoch(args, global_batch, num_records):
+    spe = _arg(args, "steps_per_epoch")
+    return int(spe) if spe else max(1, num_records // global_batch)
+
+
+def _not_a_trainer(ctx):
+    if ctx.job_name in ("chief", "worker"):
+        return False
+    # MWMS has no parameter servers; an evaluator takes no part in training.
+    _report(ctx, f"{ctx.job_name}:{ctx.task_index} has nothing to do under MultiWorkerMirroredStrategy")
+    return True
+
+
+# ---------------------------------------------------------------- InputMode.SPARK
+
+def train_spark(args, ctx):
+    """InputMode.SPARK main_fun: train on the records Spark feeds this node.
+
+    The loop runs until any worker's feed runs out (or, if args.steps_per_epoch
+    is given, for at most epochs * steps_per_epoch steps); every step starts with
+    a collective that tells all workers whether everyone still has data, so all
+    of them stop at the same step however unevenly the data is spread.  What is
+    left in a worker's feed is then drained.  Nothing is padded."""
+    if _not_a_trainer(ctx):
+        return
+    tf = _import_tf()
+    strategy = _make_strategy(tf, args)
+    trainer = _Trainer(tf, strategy, args)
+    chief = _is_chief(strategy)
+    who = f"{ctx.job_name}:{ctx.task_index}"
+    if trainer.replicas != ctx.num_workers:
+        _report(ctx, f"{who}: warning: {trainer.replicas} replicas in sync but num_workers={ctx.num_workers}")
+
+    feed = ctx.get_data_feed(train_mode=True)
+    batch_size = int(args.batch_size)
+    spe = _steps_per_epoch(args, trainer.global_batch, int(_arg(args, "num_train", TRAIN_RECORDS)))
+    max_steps = int(args.epochs) * spe if _arg(args, "steps_per_epoch") else None
+
+    step = records = 0
+    loss_sum = 0.0
+    loss_n = 0
+    t0 = t_epoch = time.time()
+    while max_steps is None or step < max_steps:
+        batch = feed.next_batch(batch_size)
+        rows = len(batch)
+        if not trainer.all_have_data(rows > 0):
+            break
+        x, y = _batch_arrays(batch)
+        loss = trainer.train_step(x, y)
+        step += 1
+        records += rows
+        loss_sum += float(loss)
+        loss_n += 1
+        if step % PROGRESS_EVERY == 0:
+            _report(ctx, f"{who} epoch {(step - 1) // spe + 1} step {step} loss {loss_sum / loss_n:.4f}")
+            loss_sum, loss_n = 0.0, 0
+        if step % spe == 0:
+            now = time.time()
+            _report(ctx, f"{who} epoch {step // spe} done: step {step} {now - t_epoch:.1f}s")
+            t_epoch = now
+    elapsed = time.time() - t0
+    drained = _drain(feed)
+    per_epoch = elapsed * spe / step if step else 0.0
+    _report(
+        ctx,
+        f"{who} training done: {step} steps, {records} records in {elapsed:.1f}s"
+        f" ({per_epoch:.1f}s per {spe}-step epoch), {drained} records left over and drained",
+    )
+    ckpt_path, export_dir = trainer.save(args, chief, step)
+    if chief:
+        _report(ctx, f"{who} saved checkpoint {ckpt_path} and SavedModel {export_dir}")
+
+
+# ---------------------------------------------------------------- InputMode.TENSORFLOW
+
+def _tfrecord_dataset(tf, files, worker, workers):
+    if len(files) >= workers:
+        ds = tf.data.TFRecordDataset(files[worker::workers])
+    else:  # fewer files than workers: shard records instead
+        ds = tf.data.TFRecordDataset(files).shard(workers, worker)
+    return ds
+
+
+def _parse_examples(tf):
+    spec = {
+        "image": tf.io.FixedLenFeature([NUM_PIXELS], tf.float32),
+        "label": tf.io.FixedLenFeature([1], tf.int64),
+    }
+
+    def parse(serialized):
+        parsed = tf.io.parse_example(serialized, spec)
+        return parsed["image"], tf.reshape(parsed["label"], [-1])
+
+    return parse
+
+
+def train_tf(args, ctx):
+    """InputMode.TENSORFLOW main_fun: each worker reads its shard of the TFRecord
+    files under args.data_dir/tfrecords/train itself.  The shard is repeated and
+    every worker runs exactly epochs * steps_per_epoch steps, where
+    steps_per_epoch = args.steps_per_epoch or (record count // global batch)."""
+    if _not_a_trainer(ctx):
+        return
+    from .data import tfrecord_files
+
+    tf = _import_tf()
+    strategy = _make_strategy(tf, args)
+    trainer = _Trainer(tf, strategy, args)
+    chief = _is_chief(strategy)
+    who = f"{ctx.job_name}:{ctx.task_index}"
+
+    files = tfrecord_files(args.data_dir, "train")
+    if not files:
+        raise FileNotFoundError(f"no TFRecord files under {os.path.join(args.data_dir, 'tfrecords', 'train')}")
+    if _arg(args, "steps_per_epoch"):
+        spe = int(args.steps_per_epoch)
+    else:
+        num_records = _arg(args, "num_train")
+        if not num_records:  # every worker counts the same files: same answer everywhere
+            num_records = int(tf.data.TFRecordDataset(files).reduce(np.int64(0), lambda n, _: n + 1))
+        spe = _steps_per_epoch(args, trainer.global_batch, int(num_records))
+
+    batch_size = int(args.batch_size)
+    ds = (
+        _tfrecord_dataset(tf, files, ctx.worker_num, ctx.num_workers)
+        .repeat()
+        .shuffle(10000, seed=ctx.worker_num)
+        .batch(batch_size, drop_remainder=True)
+        .map(_parse_examples(tf), num_parallel_calls=tf.data.AUTOTUNE)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+    it = iter(ds)
+
+    step = 0
+    t0 = time.time()
+    for epoch in range(1, int(args.epochs) + 1):
+        t_epoch = time.time()
+        loss_sum, loss_n = 0.0, 0
+        for _ in range(spe):
+            x, y = next(it)
+            loss = trainer.train_step(x, y)
+            step += 1
+            loss_sum += float(loss)
+            loss_n += 1
+            if step % PROGRESS_EVERY == 0:
+                _report(ctx, f"{who} epoch {epoch} step {step} loss {loss_sum / loss_n:.4f}")
+                loss_sum, loss_n = 0.0, 0
+        _report(ctx, f"{who} epoch {epoch} done: step {step} {time.time() - t_epoch:.1f}s")
+    _report(ctx, f"{who} training done: {step} steps in {time.time() - t0:.1f}s")
+    ckpt_path, export_dir = trainer.save(args, chief, step)
+    if chief:
+        _report(ctx, f"{who} saved checkpoint {ckpt_path} and SavedModel {export_dir}")
+
+
+# ---------------------------------------------------------------- inference
+
+def infer(args, ctx):
+    """Inference main_fun: for each fed record (image, label) return the int64
+    pair [label, predicted class]; one result per record."""
+    tf = _import_tf()
+    loaded = tf.saved_model.load(args.export_dir)
+    serve = loaded.signatures["serving_default"]
+    feed = ctx.get_data_feed(train_mode=False)
+    batch_size = int(_arg(args, "infer_batch_size", args.batch_size))
+    count = 0
+    while True:
+        batch = feed.next_batch(batch_size)
+        rows = len(batch)
+        if rows == 0:
+            if feed.should_stop():
+                break
+            time.sleep(0.01)
+            continue
+        x, y = _batch_arrays(batch)
+        if y is None:
+            y = np.full(rows, -1, dtype=np.int64)
+        classes = serve(image=tf.constant(x))["classes"].numpy().astype(np.int64)
+        feed.batch_results(np.stack([y, classes], axis=1))
+        count += rows
+    _report(ctx, f"{ctx.job_name}:{ctx.task_index} inferred {count} records")

@@ -1,0 +1,841 @@
+/* python/ember/_ember_feed.c - FeedServer, FeedClient and FeedItem.
+ *
+ * A FeedItem owns one received batch (the C item or a RESULTS buffer) and
+ * exports it through the buffer protocol, read-only, format "B", so
+ * numpy.frombuffer(item, dtype, count, offset) views a column without a copy
+ * and keeps the item alive.  The batch is decoded once, when it is received,
+ * with the GIL still released; .columns lists each column's byte offsets.
+ *
+ * Thread-safety: every ember_feed_server_* call is thread-safe in C (one
+ * mutex guards the queue and the connections), so FeedServer needs no lock of
+ * its own: a consumer may sit in next() while another thread sends results,
+ * terminates or reads stats.  The C feed client is not: send() peeks at the
+ * socket for a REFUSED frame, so it reads the same fd as recv_results and
+ * end_partition, and its state flags are unsynchronized.  FeedClient
+ * therefore serializes all its calls with one per-object lock; a producer
+ * that wants results interleaves send() and recv_results() on one thread
+ * (results that arrive during end_partition are buffered by libember).
+ */
+#include "_ember.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define EMBPY_SLICE_MS 250
+
+enum { ITEM_BATCH = 1, ITEM_END = 2, ITEM_RESULTS = 3 };
+
+static PyObject *self_enter(PyObject *self, PyObject *Py_UNUSED(ignored)) {
+  return Py_NewRef(self);
+}
+
+static int check_u32(Py_ssize_t v, const char *what, uint32_t *out) {
+  if (v < 0 || (unsigned long long)v > UINT32_MAX) {
+    PyErr_Format(PyExc_ValueError, "%s must be in 0..%u, not %zd", what, UINT32_MAX, v);
+    return -1;
+  }
+  *out = (uint32_t)v;
+  return 0;
+}
+
+/* ================================================================ FeedItem */
+
+typedef struct {
+  PyObject_HEAD
+  int kind;
+  uint64_t source;
+  uint32_t partition;
+  uint32_t flags;
+  uint32_t nrows;
+  PyObject *columns;      /* list of column tuples (empty for "end") */
+  const uint8_t *data;    /* the encoded batch; NULL after release() */
+  size_t len;
+  ember_feed_item *item;  /* owner of data for server items, or NULL */
+  uint8_t *raw;           /* owner of data for RESULTS from a client, or NULL */
+  Py_ssize_t exports;     /* live buffer exports */
+  int released;           /* release() was called */
+} FeedItemObject;
+
+/* Takes ownership of item / raw (exactly one non-NULL) whatever happens. */
+static PyObject *FeedItem_create(ember_state *st, int kind, uint64_t source,
+                                 uint32_t partition, uint32_t flags,
+                                 ember_feed_item *item, uint8_t *raw,
+                                 const uint8_t *data, size_t len,
+                                 const embpy_decoded *d) {
+  FeedItemObject *self = NULL;
+  PyObject *cols = d->cols ? embpy_decoded_to_list(data, d) : PyList_New(0);
+  if (cols == NULL)
+    goto err;
+  self = (FeedItemObject *)st->FeedItem_Type->tp_alloc(st->FeedItem_Type, 0);
+  if (self == NULL)
+    goto err;
+  self->kind = kind;
+  self->source = source;
+  self->partition = partition;
+  self->flags = flags;
+  self->nrows = d->nrows;
+  self->columns = cols;
+  self->data = data;
+  self->len = len;
+  self->item = item;
+  self->raw = raw;
+  self->exports = 0;
+  self->released = 0;
+  return (PyObject *)self;
+err:
+  Py_XDECREF(cols);
+  ember_feed_item_free(item);
+  free(raw);
+  return NULL;
+}
+
+static void FeedItem_free_data(FeedItemObject *self) {
+  ember_feed_item_free(self->item);
+  free(self->raw);
+  self->item = NULL;
+  self->raw = NULL;
+  self->data = NULL;
+}
+
+static int FeedItem_traverse(PyObject *op, visitproc visit, void *arg) {
+  Py_VISIT(Py_TYPE(op));
+  Py_VISIT(((FeedItemObject *)op)->columns);
+  return 0;
+}
+
+static int FeedItem_clear(PyObject *op) {
+  Py_CLEAR(((FeedItemObject *)op)->columns);
+  return 0;
+}
+
+static void FeedItem_dealloc(PyObject *op) {
+  PyTypeObject *tp = Py_TYPE(op);
+  PyObject_GC_UnTrack(op);
+  FeedItem_clear(op);
+  FeedItem_free_data((FeedItemObject *)op);
+  tp->tp_free(op);
+  Py_DECREF(tp);
+}
+
+static int FeedItem_getbuffer(PyObject *op, Py_buffer *view, int flags) {
+  FeedItemObject *self = (FeedItemObject *)op;
+  static uint8_t empty[8]; /* a valid pointer for empty (END) items */
+  if (self->released) {
+    PyErr_SetString(PyExc_ValueError, "FeedItem has been released");
+    view->obj = NULL;
+    return -1;
+  }
+  void *buf = self->data != NULL ? (void *)self->data : (void *)empty;
+  size_t len = self->data != NULL ? self->len : 0;
+  if (PyBuffer_FillInfo(view, op, buf, (Py_ssize_t)len, 1, flags) < 0)
+    return -1;
+  self->exports++;
+  return 0;
+}
+
+static void FeedItem_releasebuffer(PyObject *op, Py_buffer *view) {
+  ((FeedItemObject *)op)->exports--;
+}
+
+PyDoc_STRVAR(FeedItem_release_doc,
+             "release() -> None\n\n"
+             "Frees the batch now instead of when the item is collected.  Raises\n"
+             "BufferError while views of it (numpy arrays, memoryviews) are alive.");
+
+static PyObject *FeedItem_release(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  FeedItemObject *self = (FeedItemObject *)op;
+  if (self->exports > 0) {
+    PyErr_Format(PyExc_BufferError,
+                 "FeedItem cannot be released: %zd buffer view(s) of it (numpy "
+                 "arrays, memoryviews) are alive",
+                 self->exports);
+    return NULL;
+  }
+  FeedItem_free_data(self);
+  self->released = 1;
+  Py_RETURN_NONE;
+}
+
+static const char *item_kind_name(int kind) {
+  switch (kind) {
+  case ITEM_BATCH: return "batch";
+  case ITEM_END: return "end";
+  case ITEM_RESULTS: return "results";
+  default: return "unknown";
+  }
+}
+
+static PyObject *FeedItem_get_kind(PyObject *op, void *c) {
+  return PyUnicode_FromString(item_kind_name(((FeedItemObject *)op)->kind));
+}
+static PyObject *FeedItem_get_source(PyObject *op, void *c) {
+  return PyLong_FromUnsignedLongLong(((FeedItemObject *)op)->source);
+}
+static PyObject *FeedItem_get_partition(PyObject *op, void *c) {
+  return PyLong_FromUnsignedLong(((FeedItemObject *)op)->partition);
+}
+static PyObject *FeedItem_get_flags(PyObject *op, void *c) {
+  return PyLong_FromUnsignedLong(((FeedItemObject *)op)->flags);
+}
+static PyObject *FeedItem_get_nrows(PyObject *op, void *c) {
+  return PyLong_FromUnsignedLong(((FeedItemObject *)op)->nrows);
+}
+static PyObject *FeedItem_get_columns(PyObject *op, void *c) {
+  PyObject *cols = ((FeedItemObject *)op)->columns;
+  if (cols == NULL)
+    return PyList_New(0);
+  return PyList_GetSlice(cols, 0, PyList_GET_SIZE(cols)); /* a copy */
+}
+
+static PyObject *FeedItem_repr(PyObject *op) {
+  FeedItemObject *self = (FeedItemObject *)op;
+  return PyUnicode_FromFormat("<ember._ember.FeedItem kind=%s partition=%u nrows=%u "
+                              "nbytes=%zu%s>",
+                              item_kind_name(self->kind), (unsigned)self->partition,
+                              (unsigned)self->nrows, self->len,
+                              self->released ? " released" : "");
+}
+
+static PyMethodDef FeedItem_methods[] = {
+    {"release", FeedItem_release, METH_NOARGS, FeedItem_release_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef FeedItem_getset[] = {
+    {"kind", FeedItem_get_kind, NULL, "'batch', 'end' or 'results'.", NULL},
+    {"source", FeedItem_get_source, NULL,
+     "The producer connection id (for FeedServer.send_results); 0 for results.", NULL},
+    {"partition", FeedItem_get_partition, NULL, "The producer's partition id.", NULL},
+    {"flags", FeedItem_get_flags, NULL, "The producer's FEED_HELLO flags.", NULL},
+    {"nrows", FeedItem_get_nrows, NULL, "Rows in the batch (0 for 'end').", NULL},
+    {"columns", FeedItem_get_columns, NULL,
+     "[(name, dtype, width, offset, nbytes, offsets_offset), ...]: byte offsets\n"
+     "into this item's buffer; offsets_offset is -1 unless dtype is DT_BYTES,\n"
+     "whose nrows + 1 uint64 offsets index the nbytes data bytes at offset.",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(FeedItem_doc,
+             "One item received from the feed: a batch, the end of the feed, or a\n"
+             "batch of results.  Exposes the encoded batch through the buffer\n"
+             "protocol (read-only bytes), e.g.\n"
+             "  name, dt, width, off, nbytes, _ = item.columns[0]\n"
+             "  x = numpy.frombuffer(item, numpy.float32, item.nrows * width, off)\n"
+             "Not constructible from Python.");
+
+static PyType_Slot FeedItem_slots[] = {
+    {Py_tp_doc, (void *)FeedItem_doc},
+    {Py_tp_dealloc, FeedItem_dealloc},
+    {Py_tp_traverse, FeedItem_traverse},
+    {Py_tp_clear, FeedItem_clear},
+    {Py_tp_repr, FeedItem_repr},
+    {Py_tp_methods, FeedItem_methods},
+    {Py_tp_getset, FeedItem_getset},
+    {Py_bf_getbuffer, FeedItem_getbuffer},
+    {Py_bf_releasebuffer, FeedItem_releasebuffer},
+    {0, NULL},
+};
+
+static PyType_Spec FeedItem_spec = {
+    .name = "ember._ember.FeedItem",
+    .basicsize = sizeof(FeedItemObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = FeedItem_slots,
+};
+
+/* ================================================================ FeedServer */
+
+typedef struct {
+  PyObject_HEAD
+  embpy_handle h; /* no lock: the C server is thread-safe */
+  uint16_t port;
+} FeedServerObject;
+
+static void feed_server_destroy(void *p) { ember_feed_server_destroy(p); }
+
+static PyObject *FeedServer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+  static char *kwlist[] = {"secret",      "listen_fd", "host",          "port",
+                           "queue_bytes", "max_frame", "io_timeout_ms", NULL};
+  ember_state *st = embpy_state_of_type(type);
+  if (st == NULL)
+    return NULL;
+  Py_buffer secret;
+  int listen_fd = -1;
+  const char *host = "";
+  uint16_t port = 0;
+  Py_ssize_t queue_bytes = 0, max_frame = 0, io_ms = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|$isO&nnn:FeedServer", kwlist,
+                                   &secret, &listen_fd, &host, embpy_port_conv, &port,
+                                   &queue_bytes, &max_frame, &io_ms))
+    return NULL;
+  FeedServerObject *self = NULL;
+  ember_feed_server_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  if (queue_bytes < 0) {
+    PyErr_Format(PyExc_ValueError, "queue_bytes must be >= 0, not %zd", queue_bytes);
+    goto err;
+  }
+  if (check_u32(max_frame, "max_frame", &cfg.max_frame) < 0 ||
+      check_u32(io_ms, "io_timeout_ms", &cfg.io_timeout_ms) < 0)
+    goto err;
+  cfg.secret = secret.buf;
+  cfg.secret_len = (size_t)secret.len;
+  cfg.listen_fd = listen_fd < 0 ? -1 : listen_fd;
+  cfg.bind_host = host;
+  cfg.port = port;
+  cfg.queue_bytes = (size_t)queue_bytes;
+
+  self = (FeedServerObject *)type->tp_alloc(type, 0);
+  if (self == NULL)
+    goto err;
+  if (embpy_handle_init(&self->h, "FeedServer", feed_server_destroy, 0) < 0)
+    goto err;
+  ember_feed_server *s = NULL;
+  embpy_err e;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  EMBPY_CALL(rc, &e, ember_feed_server_create(&s, &cfg));
+  if (rc == EMBER_OK)
+    self->port = ember_feed_server_port(s);
+  Py_END_ALLOW_THREADS
+  if (rc != EMBER_OK) {
+    embpy_raise(st, &e);
+    goto err;
+  }
+  self->h.ptr = s;
+  PyBuffer_Release(&secret);
+  return (PyObject *)self;
+err:
+  PyBuffer_Release(&secret);
+  Py_XDECREF(self);
+  return NULL;
+}
+
+static int Handle_traverse(PyObject *self, visitproc visit, void *arg) {
+  Py_VISIT(Py_TYPE(self));
+  return 0;
+}
+
+static void FeedServer_dealloc(PyObject *op) {
+  PyTypeObject *tp = Py_TYPE(op);
+  PyObject_GC_UnTrack(op);
+  embpy_handle_dealloc(&((FeedServerObject *)op)->h);
+  tp->tp_free(op);
+  Py_DECREF(tp);
+}
+
+static PyObject *FeedServer_port(PyObject *op, void *closure) {
+  FeedServerObject *self = (FeedServerObject *)op;
+  if (self->h.closed || self->h.ptr == NULL) {
+    PyErr_SetString(PyExc_ValueError, "FeedServer is closed");
+    return NULL;
+  }
+  return PyLong_FromLong(self->port);
+}
+
+/* Pops one item and decodes it; runs without the GIL. */
+static int pop_and_decode(ember_feed_server *s, int64_t ms, ember_feed_item **out,
+                          embpy_decoded *d, embpy_err *e) {
+  int rc;
+  *out = NULL;
+  memset(d, 0, sizeof *d);
+  EMBPY_CALL(rc, e, ember_feed_server_next(s, out, ms));
+  if (rc != EMBER_OK)
+    return rc;
+  if ((*out)->kind == EMBER_FEED_ITEM_BATCH) {
+    EMBPY_CALL(rc, e, embpy_decode((*out)->data, (*out)->len, d));
+    if (rc != EMBER_OK) {
+      ember_feed_item_free(*out);
+      *out = NULL;
+    }
+  }
+  return rc;
+}
+
+PyDoc_STRVAR(FeedServer_next_doc,
+             "next(timeout_s) -> FeedItem or None\n\n"
+             "Pops the next item ('batch' or 'end'), waiting up to timeout_s; None\n"
+             "on timeout.  After 'end', every call returns another 'end' at once.");
+
+static PyObject *FeedServer_next(PyObject *op, PyObject *arg) {
+  FeedServerObject *self = (FeedServerObject *)op;
+  int64_t ms;
+  if (!embpy_timeout_conv(arg, &ms))
+    return NULL;
+  if (embpy_handle_enter(&self->h) < 0)
+    return NULL;
+  ember_feed_server *s = self->h.ptr;
+  int64_t deadline = ember_deadline_after(ms);
+  ember_feed_item *item = NULL;
+  embpy_decoded d;
+  embpy_err e;
+  int rc;
+  for (;;) {
+    int64_t left = deadline - ember_now_ms();
+    if (left < 0)
+      left = 0;
+    int64_t slice = left > EMBPY_SLICE_MS ? EMBPY_SLICE_MS : left;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pop_and_decode(s, slice, &item, &d, &e);
+    Py_END_ALLOW_THREADS
+    if (rc != EMBER_ETIMEDOUT || slice == left)
+      break;
+    if (self->h.closed) {
+      embpy_handle_leave(&self->h);
+      PyErr_SetString(PyExc_ValueError, "FeedServer is closed");
+      return NULL;
+    }
+    if (PyErr_CheckSignals() < 0) {
+      embpy_handle_leave(&self->h);
+      return NULL;
+    }
+  }
+  embpy_handle_leave(&self->h);
+  if (rc == EMBER_ETIMEDOUT)
+    Py_RETURN_NONE;
+  ember_state *st = embpy_state_of_type(Py_TYPE(op));
+  if (rc != EMBER_OK)
+    return embpy_raise(st, &e);
+  if (st == NULL) {
+    ember_feed_item_free(item);
+    embpy_decoded_free(&d);
+    return NULL;
+  }
+  int kind = item->kind == EMBER_FEED_ITEM_END ? ITEM_END : ITEM_BATCH;
+  PyObject *res = FeedItem_create(st, kind, item->source, item->partition, item->flags,
+                                  item, NULL, item->data, item->len, &d);
+  embpy_decoded_free(&d);
+  return res;
+}
+
+/* Converter for a producer id (uint64). */
+static int source_conv(PyObject *obj, void *out) {
+  unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+  if (v == (unsigned long long)-1 && PyErr_Occurred())
+    return 0;
+  *(uint64_t *)out = (uint64_t)v;
+  return 1;
+}
+
+/* Encodes into a fresh buffer and sends it; runs without the GIL. */
+static int encode_and_send(ember_feed_server *s, uint64_t source,
+                           const embpy_columns *cs, int64_t ms, embpy_err *e) {
+  size_t size = 0, written = 0;
+  int rc;
+  EMBPY_CALL(rc, e, ember_batch_encoded_size(cs->cols, cs->ncols, cs->nrows, &size));
+  if (rc != EMBER_OK)
+    return rc;
+  uint8_t *buf = malloc(size ? size : 1);
+  if (buf == NULL) {
+    e->code = EMBER_ENOMEM;
+    snprintf(e->msg, sizeof e->msg, "send_results: cannot allocate %zu bytes", size);
+    return EMBER_ENOMEM;
+  }
+  EMBPY_CALL(rc, e, ember_batch_encode(cs->cols, cs->ncols, cs->nrows, buf, size, &written));
+  if (rc == EMBER_OK)
+    EMBPY_CALL(rc, e, ember_feed_server_send_results(s, source, buf, written, ms));
+  free(buf);
+  return rc;
+}
+
+PyDoc_STRVAR(FeedServer_send_results_doc,
+             "send_results(source, columns, nrows, timeout_s) -> None\n\n"
+             "Encodes columns and sends them as one RESULTS batch to producer\n"
+             "`source` (FeedItem.source).  EmberError EMBER_ENOTFOUND if it is gone.");
+
+static PyObject *FeedServer_send_results(PyObject *op, PyObject *args, PyObject *kwargs) {
+  static char *kwlist[] = {"source", "columns", "nrows", "timeout_s", NULL};
+  FeedServerObject *self = (FeedServerObject *)op;
+  uint64_t source;
+  PyObject *columns;
+  Py_ssize_t nrows;
+  int64_t ms;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&OnO&:send_results", kwlist,
+                                   source_conv, &source, &columns, &nrows,
+                                   embpy_timeout_conv, &ms))
+    return NULL;
+  if (embpy_handle_enter(&self->h) < 0)
+    return NULL;
+  embpy_columns cs;
+  if (embpy_columns_parse(columns, nrows, &cs) < 0) {
+    embpy_handle_leave(&self->h);
+    return NULL;
+  }
+  ember_feed_server *s = self->h.ptr;
+  embpy_err e;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = encode_and_send(s, source, &cs, ms, &e);
+  Py_END_ALLOW_THREADS
+  embpy_columns_release(&cs);
+  embpy_handle_leave(&self->h);
+  if (rc != EMBER_OK)
+    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(FeedServer_terminate_doc,
+             "terminate() -> None\n\n"
+             "The consumer will read no more: drops queued items; producers'\n"
+             "end_partition then raises EmberAborted.  May be called from any thread.");
+
+static PyObject *FeedServer_terminate(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  FeedServerObject *self = (FeedServerObject *)op;
+  if (embpy_handle_enter(&self->h) < 0)
+    return NULL;
+  ember_feed_server *s = self->h.ptr;
+  embpy_err e;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  EMBPY_CALL(rc, &e, ember_feed_server_terminate(s));
+  Py_END_ALLOW_THREADS
+  embpy_handle_leave(&self->h);
+  if (rc != EMBER_OK)
+    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(FeedServer_stats_doc,
+             "stats() -> dict\n\n"
+             "Counters since creation: batches_received, records_received,\n"
+             "bytes_received, partitions_acked, duplicate_partitions,\n"
+             "producers_rejected.");
+
+static PyObject *FeedServer_stats(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  FeedServerObject *self = (FeedServerObject *)op;
+  if (embpy_handle_enter(&self->h) < 0)
+    return NULL;
+  ember_feed_server *s = self->h.ptr;
+  ember_feed_stats fs;
+  memset(&fs, 0, sizeof fs);
+  Py_BEGIN_ALLOW_THREADS
+  ember_feed_server_stats(s, &fs);
+  Py_END_ALLOW_THREADS
+  embpy_handle_leave(&self->h);
+  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K}", "batches_received",
+                       (unsigned long long)fs.batches_received, "records_received",
+                       (unsigned long long)fs.records_received, "bytes_received",
+                       (unsigned long long)fs.bytes_received, "partitions_acked",
+                       (unsigned long long)fs.partitions_acked, "duplicate_partitions",
+                       (unsigned long long)fs.duplicate_partitions,
+                       "producers_rejected", (unsigned long long)fs.producers_rejected);
+}
+
+static PyObject *FeedServer_close(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  embpy_handle_close(&((FeedServerObject *)op)->h);
+  Py_RETURN_NONE;
+}
+
+static PyObject *FeedServer_exit(PyObject *op, PyObject *args) {
+  embpy_handle_close(&((FeedServerObject *)op)->h);
+  Py_RETURN_FALSE;
+}
+
+static PyMethodDef FeedServer_methods[] = {
+    {"next", FeedServer_next, METH_O, FeedServer_next_doc},
+    {"send_results", (PyCFunction)(void (*)(void))FeedServer_send_results,
+     METH_VARARGS | METH_KEYWORDS, FeedServer_send_results_doc},
+    {"terminate", FeedServer_terminate, METH_NOARGS, FeedServer_terminate_doc},
+    {"stats", FeedServer_stats, METH_NOARGS, FeedServer_stats_doc},
+    {"close", FeedServer_close, METH_NOARGS,
+     "close() -> None\n\nStops the server thread and closes every connection.  "
+     "Idempotent."},
+    {"__enter__", self_enter, METH_NOARGS, NULL},
+    {"__exit__", FeedServer_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef FeedServer_getset[] = {
+    {"port", FeedServer_port, NULL, "The TCP port the server listens on.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(FeedServer_doc,
+             "FeedServer(secret, *, listen_fd=-1, host='', port=0, queue_bytes=0,\n"
+             "           max_frame=0, io_timeout_ms=0)\n\n"
+             "A node's feed endpoint.  listen_fd (e.g. from reserve_port) is taken\n"
+             "over and closed by the server; otherwise it binds host:port.  0 picks\n"
+             "libember's defaults (64 MiB queue, 256 MiB frames, 600 s I/O timeout).");
+
+static PyType_Slot FeedServer_slots[] = {
+    {Py_tp_doc, (void *)FeedServer_doc},
+    {Py_tp_new, FeedServer_new},
+    {Py_tp_dealloc, FeedServer_dealloc},
+    {Py_tp_traverse, Handle_traverse},
+    {Py_tp_methods, FeedServer_methods},
+    {Py_tp_getset, FeedServer_getset},
+    {0, NULL},
+};
+
+static PyType_Spec FeedServer_spec = {
+    .name = "ember._ember.FeedServer",
+    .basicsize = sizeof(FeedServerObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = FeedServer_slots,
+};
+
+/* ================================================================ FeedClient */
+
+typedef struct {
+  PyObject_HEAD
+  embpy_handle h; /* h.lock serializes every call */
+  uint32_t partition;
+} FeedClientObject;
+
+static void feed_client_destroy(void *p) { ember_feed_client_destroy(p); }
+
+static PyObject *FeedClient_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+  static char *kwlist[] = {"host",         "port",      "secret", "partition",
+                           "want_results", "timeout_s", NULL};
+  ember_state *st = embpy_state_of_type(type);
+  if (st == NULL)
+    return NULL;
+  const char *host;
+  uint16_t port;
+  Py_buffer secret;
+  Py_ssize_t partition;
+  int want_results = 0;
+  int64_t ms = 60000;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO&y*n|$pO&:FeedClient", kwlist, &host,
+                                   embpy_port_conv, &port, &secret, &partition,
+                                   &want_results, embpy_timeout_conv, &ms))
+    return NULL;
+  FeedClientObject *self = NULL;
+  uint32_t part;
+  if (check_u32(partition, "partition", &part) < 0)
+    goto err;
+  self = (FeedClientObject *)type->tp_alloc(type, 0);
+  if (self == NULL)
+    goto err;
+  if (embpy_handle_init(&self->h, "FeedClient", feed_client_destroy, 1) < 0)
+    goto err;
+  self->partition = part;
+  ember_feed_client *c = NULL;
+  embpy_err e;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  EMBPY_CALL(rc, &e,
+             ember_feed_client_connect(&c, host, port, secret.buf, (size_t)secret.len,
+                                       part, want_results ? EMBER_FEED_WANT_RESULTS : 0u,
+                                       ms));
+  Py_END_ALLOW_THREADS
+  if (rc != EMBER_OK) {
+    embpy_raise(st, &e);
+    goto err;
+  }
+  self->h.ptr = c;
+  PyBuffer_Release(&secret);
+  return (PyObject *)self;
+err:
+  PyBuffer_Release(&secret);
+  Py_XDECREF(self);
+  return NULL;
+}
+
+static void FeedClient_dealloc(PyObject *op) {
+  FeedClientObject *self = (FeedClientObject *)op;
+  PyTypeObject *tp = Py_TYPE(op);
+  PyObject_GC_UnTrack(op);
+  embpy_handle_dealloc(&self->h);
+  tp->tp_free(op);
+  Py_DECREF(tp);
+}
+
+PyDoc_STRVAR(FeedClient_send_doc,
+             "send(columns, nrows, timeout_s) -> None\n\n"
+             "Sends one BATCH; the column buffers are written to the socket\n"
+             "without a copy.  Blocks (back-pressure) up to timeout_s.");
+
+static PyObject *FeedClient_send(PyObject *op, PyObject *args, PyObject *kwargs) {
+  static char *kwlist[] = {"columns", "nrows", "timeout_s", NULL};
+  FeedClientObject *self = (FeedClientObject *)op;
+  PyObject *columns;
+  Py_ssize_t nrows;
+  int64_t ms;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnO&:send", kwlist, &columns, &nrows,
+                                   embpy_timeout_conv, &ms))
+    return NULL;
+  if (embpy_handle_enter(&self->h) < 0)
+    return NULL;
+  embpy_columns cs;
+  if (embpy_columns_parse(columns, nrows, &cs) < 0) {
+    embpy_handle_leave(&self->h);
+    return NULL;
+  }
+  ember_feed_client *c = self->h.ptr;
+  embpy_err e;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  embpy_lock(self->h.lock);
+  EMBPY_CALL(rc, &e, ember_feed_client_send(c, cs.cols, cs.ncols, cs.nrows, ms));
+  embpy_unlock(self->h.lock);
+  Py_END_ALLOW_THREADS
+  embpy_columns_release(&cs);
+  embpy_handle_leave(&self->h);
+  if (rc != EMBER_OK)
+    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(FeedClient_recv_results_doc,
+             "recv_results(timeout_s) -> FeedItem\n\n"
+             "Receives the next RESULTS batch (a FeedItem of kind 'results').\n"
+             "Raises EmberTimeout if none came in time.");
+
+static PyObject *FeedClient_recv_results(PyObject *op, PyObject *arg) {
+  FeedClientObject *self = (FeedClientObject *)op;
+  int64_t ms;
+  if (!embpy_timeout_conv(arg, &ms))
+    return NULL;
+  if (embpy_handle_enter(&self->h) < 0)
+    return NULL;
+  ember_feed_client *c = self->h.ptr;
+  uint8_t *batch = NULL;
+  size_t len = 0;
+  embpy_decoded d;
+  memset(&d, 0, sizeof d);
+  embpy_err e;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  embpy_lock(self->h.lock);
+  EMBPY_CALL(rc, &e, ember_feed_client_recv_results(c, &batch, &len, ms));
+  embpy_unlock(self->h.lock);
+  if (rc == EMBER_OK) {
+    EMBPY_CALL(rc, &e, embpy_decode(batch, len, &d));
+    if (rc != EMBER_OK) {
+      free(batch);
+      batch = NULL;
+    }
+  }
+  Py_END_ALLOW_THREADS
+  embpy_handle_leave(&self->h);
+  ember_state *st = embpy_state_of_type(Py_TYPE(op));
+  if (rc != EMBER_OK)
+    return embpy_raise(st, &e);
+  if (st == NULL) {
+    free(batch);
+    embpy_decoded_free(&d);
+    return NULL;
+  }
+  PyObject *res = FeedItem_create(st, ITEM_RESULTS, 0, self->partition, 0, NULL, batch,
+                                  batch, len, &d);
+  embpy_decoded_free(&d);
+  return res;
+}
+
+PyDoc_STRVAR(FeedClient_end_partition_doc,
+             "end_partition(timeout_s) -> None\n\n"
+             "Sends END_PARTITION and waits until the trainer has consumed every\n"
+             "batch.  Raises EmberAborted if the trainer terminated the feed.");
+
+static PyObject *FeedClient_end_partition(PyObject *op, PyObject *arg) {
+  FeedClientObject *self = (FeedClientObject *)op;
+  int64_t ms;
+  if (!embpy_timeout_conv(arg, &ms))
+    return NULL;
+  if (embpy_handle_enter(&self->h) < 0)
+    return NULL;
+  ember_feed_client *c = self->h.ptr;
+  embpy_err e;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  embpy_lock(self->h.lock);
+  EMBPY_CALL(rc, &e, ember_feed_client_end_partition(c, ms));
+  embpy_unlock(self->h.lock);
+  Py_END_ALLOW_THREADS
+  embpy_handle_leave(&self->h);
+  if (rc != EMBER_OK)
+    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(FeedClient_end_feed_doc,
+             "end_feed(timeout_s) -> None\n\n"
+             "Sends END_FEED (driver only): the trainer's next() yields an 'end'\n"
+             "item after everything already queued.");
+
+static PyObject *FeedClient_end_feed(PyObject *op, PyObject *arg) {
+  FeedClientObject *self = (FeedClientObject *)op;
+  int64_t ms;
+  if (!embpy_timeout_conv(arg, &ms))
+    return NULL;
+  if (embpy_handle_enter(&self->h) < 0)
+    return NULL;
+  ember_feed_client *c = self->h.ptr;
+  embpy_err e;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  embpy_lock(self->h.lock);
+  EMBPY_CALL(rc, &e, ember_feed_client_end_feed(c, ms));
+  embpy_unlock(self->h.lock);
+  Py_END_ALLOW_THREADS
+  embpy_handle_leave(&self->h);
+  if (rc != EMBER_OK)
+    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  Py_RETURN_NONE;
+}
+
+static PyObject *FeedClient_close(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  embpy_handle_close(&((FeedClientObject *)op)->h);
+  Py_RETURN_NONE;
+}
+
+static PyObject *FeedClient_exit(PyObject *op, PyObject *args) {
+  embpy_handle_close(&((FeedClientObject *)op)->h);
+  Py_RETURN_FALSE;
+}
+
+static PyMethodDef FeedClient_methods[] = {
+    {"send", (PyCFunction)(void (*)(void))FeedClient_send, METH_VARARGS | METH_KEYWORDS,
+     FeedClient_send_doc},
+    {"recv_results", FeedClient_recv_results, METH_O, FeedClient_recv_results_doc},
+    {"end_partition", FeedClient_end_partition, METH_O, FeedClient_end_partition_doc},
+    {"end_feed", FeedClient_end_feed, METH_O, FeedClient_end_feed_doc},
+    {"close", FeedClient_close, METH_NOARGS,
+     "close() -> None\n\nCloses the connection.  Idempotent."},
+    {"__enter__", self_enter, METH_NOARGS, NULL},
+    {"__exit__", FeedClient_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(FeedClient_doc,
+             "FeedClient(host, port, secret, partition, *, want_results=False,\n"
+             "           timeout_s=60.0)\n\n"
+             "A producer's connection to a node's feed server; connects,\n"
+             "authenticates and sends FEED_HELLO at once.  Calls are serialized\n"
+             "by a per-object lock.");
+
+static PyType_Slot FeedClient_slots[] = {
+    {Py_tp_doc, (void *)FeedClient_doc},
+    {Py_tp_new, FeedClient_new},
+    {Py_tp_dealloc, FeedClient_dealloc},
+    {Py_tp_traverse, Handle_traverse},
+    {Py_tp_methods, FeedClient_methods},
+    {0, NULL},
+};
+
+static PyType_Spec FeedClient_spec = {
+    .name = "ember._ember.FeedClient",
+    .basicsize = sizeof(FeedClientObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = FeedClient_slots,
+};
+
+/* ================================================================ exec */
+
+int embpy_feed_exec(PyObject *m, ember_state *st) {
+  st->FeedItem_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &FeedItem_spec, NULL);
+  if (st->FeedItem_Type == NULL || PyModule_AddType(m, st->FeedItem_Type) < 0)
+    return -1;
+  st->FeedServer_Type =
+      (PyTypeObject *)PyType_FromModuleAndSpec(m, &FeedServer_spec, NULL);
+  if (st->FeedServer_Type == NULL || PyModule_AddType(m, st->FeedServer_Type) < 0)
+    return -1;
+  st->FeedClient_Type =
+      (PyTypeObject *)PyType_FromModuleAndSpec(m, &FeedClient_spec, NULL);
+  if (st->FeedClient_Type == NULL || PyModule_AddType(m, st->FeedClient_Type) < 0)
+    return -1;
+  return 0;
+}

@@ -1,0 +1,158 @@
+"""The node process: ``python -m ember._trainer`` (started by a barrier task).
+
+Why a detached process: a barrier task that ran the trainer for the cluster's
+whole life would hold its executor slot, leaving no slot for the tasks of
+``cluster.train(rdd)`` (the deadlock TensorFlowOnSpark avoided the same way).
+So the barrier task only launches this process in its own session and process
+group, waits until it has registered, and returns.  From then on the node is
+watched by Ember's control plane, not by Spark: it heartbeats to the driver's
+rendezvous server, reports DONE or FAILED with its traceback, and kills its own
+process group if the driver connection is lost or a STOP's grace runs out (C,
+``ember_rdv_client_start`` with EMBER_RDV_EXIT_ON_LOSS).
+
+Protocol with the launcher: the bootstrap (a cloudpickled dict produced by the
+launcher in the same executor) arrives on stdin; this process answers one line
+on stdout, ``registered`` or ``error: <reason>``, then points stdout at stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Dict, List
+
+FEED_ROLES = ("chief", "worker")
+
+
+def cluster_spec_of(nodes: List[Dict[str, Any]]) -> Dict[str, List[str]]:
+    """TensorFlow's cluster spec: role -> ["host:port"], evaluator excluded."""
+    spec: Dict[str, List[str]] = {}
+    for n in sorted(nodes, key=lambda n: (n["role"], n["task_index"])):
+        if n["role"] != "evaluator":
+            spec.setdefault(n["role"], []).append(f"{n['host']}:{n['ports'][0]}")
+    return spec
+
+
+def framework_env(nodes: List[Dict[str, Any]], me: Dict[str, Any]) -> Dict[str, str]:
+    """TF_CONFIG for TensorFlow and MASTER_ADDR/RANK/... for torch.distributed."""
+    spec = cluster_spec_of(nodes)
+    env = {"TF_CONFIG": json.dumps({"cluster": spec,
+                                    "task": {"type": me["role"], "index": me["task_index"]}})}
+    trainers = [n for n in nodes if n["role"] in FEED_ROLES]  # chief first, then workers
+    trainers.sort(key=lambda n: (n["role"] != "chief", n["task_index"]))
+    if trainers and me["role"] in FEED_ROLES:
+        master = trainers[0]
+        env.update(MASTER_ADDR=master["host"], MASTER_PORT=str(master["ports"][0]),
+                   RANK=str(trainers.index(me)), WORLD_SIZE=str(len(trainers)))
+    return env
+
+
+def _fault(boot: Dict[str, Any], name: str) -> str:
+    """Fault injection for tests (EMBER_FAULT_<NAME>=<node index>[:<arg>])."""
+    value = os.environ.get("EMBER_FAULT_" + name.upper(), "")
+    index, _, arg = value.partition(":")
+    if not value or index != str(boot["index"]):
+        return ""
+    return arg or "1"
+
+
+def main() -> None:
+    boot = pickle.loads(sys.stdin.buffer.read())
+    status = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # from here on, prints go to the executor's stderr
+    sys.path[:0] = [p for p in boot["sys_path"] if p not in sys.path]
+    os.environ.update(boot["env"])
+    try:
+        node = _register(boot, status)
+    except BaseException as exc:  # the launcher turns this line into a task error
+        status.write(f"error: {type(exc).__name__}: {exc}\n")
+        status.close()
+        os._exit(2)
+    code = _run(boot, *node)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _register(boot: Dict[str, Any], status: Any) -> Any:
+    from ember import _ember
+
+    fw_fd, fw_port = _ember.reserve_port("", listen=False)
+    feed_fd, feed_port = _ember.reserve_port("", listen=True)
+    delay = _fault(boot, "delay_register")
+    if delay:
+        time.sleep(float(delay))
+    client = _ember.RendezvousClient(boot["driver_host"], boot["driver_port"], boot["secret"],
+                                     boot["reservation_timeout"])
+    client.register(boot["index"], "", boot["executor_id"], os.getpid(), [fw_port, feed_port],
+                    boot["reservation_timeout"])
+    status.write("registered\n")
+    status.close()
+    return client, fw_fd, feed_fd
+
+
+def _run(boot: Dict[str, Any], client: Any, fw_fd: int, feed_fd: int) -> int:
+    from ember import _ember
+    from ember.node import NodeContext
+
+    nodes, pos = client.wait_spec(boot["reservation_timeout"])
+    client.start(boot["heartbeat_interval_ms"], exit_on_loss=True)
+    me = nodes[pos]
+    os.environ.update(framework_env(nodes, me))
+    feed_server = None
+    if boot["input_mode"] == 1 and me["role"] in FEED_ROLES:
+        feed_server = _ember.FeedServer(boot["secret"], listen_fd=feed_fd)
+    else:
+        os.close(feed_fd)
+    ctx = NodeContext(
+        executor_id=me["index"], worker_num=me["index"], job_name=me["role"],
+        task_index=me["task_index"], cluster_spec=cluster_spec_of(nodes),
+        num_workers=sum(1 for n in nodes if n["role"] in FEED_ROLES),
+        host=me["host"], ports=list(me["ports"]), input_mode=boot["input_mode"],
+        working_dir=boot.get("working_dir") or os.getcwd(), nodes=nodes,
+        _feed_server=feed_server, _control=client, _reserved_fds=[fw_fd])
+    name = f"node {me['index']} ({me['role']}:{me['task_index']} on {socket.gethostname()})"
+    code, text = 0, ""
+    try:
+        if _fault(boot, "raise"):
+            raise RuntimeError(f"injected failure in {name}")
+        boot["main_fun"](boot["args"], ctx)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+        text = "" if code == 0 else f"{name}: main_fun called sys.exit({exc.code!r})"
+    except BaseException:
+        code, text = 1, f"{name}: main_fun raised:\n{traceback.format_exc()}"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    client.report("done" if code == 0 else "failed", code, text, 30.0)
+    if feed_server is not None and code == 0:
+        _linger(client, feed_server)
+    elif feed_server is not None:
+        feed_server.close()  # feeding tasks fail, and train() raises this node's error
+    client.close()
+    ctx.release_port()
+    return code
+
+
+def _linger(client: Any, feed_server: Any) -> None:
+    """Keeps the feed answering after main_fun returned, until shutdown.
+
+    A trainer may stop before the data ends (fixed step count).  Feeding tasks
+    must then finish, not fail, so the feed is terminated (their partitions are
+    acknowledged as dropped) and stays up until the driver's END_FEED or STOP.
+    """
+    feed_server.terminate()
+    while client.stop_state() == 0:
+        item = feed_server.next(0.5)
+        if item is not None and item.kind == "end":
+            break
+    feed_server.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""The per-node context handed to ``main_fun(args, ctx)``, and its data feed.
+
+``ctx`` tells a node who it is in the cluster (``job_name``, ``task_index``,
+``worker_num``, ``cluster_spec``...), and ``ctx.get_data_feed()`` returns the
+:class:`DataFeed` through which ``cluster.train(rdd)`` and
+``cluster.inference(rdd)`` deliver records (InputMode.SPARK).  Batches arrive
+from the C feed server as contiguous buffers and surface as numpy arrays that
+view that memory without a copy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ember import _columns, _ember
+
+
+class Batch(Sequence):
+    """A batch from :meth:`DataFeed.next_batch`.
+
+    It is a sequence of records, as TensorFlowOnSpark's ``next_batch`` returned
+    (``batch[i]`` is a tuple of fields, or the plain value for non-tuple
+    records), and it exposes the fast path: ``batch.columns``, one numpy array
+    per field with the row axis first (zero-copy when the batch lies within one
+    received chunk), and ``batch.names``.
+    """
+
+    __slots__ = ("names", "columns", "_rows")
+
+    def __init__(self, names: List[str], columns: List[Any], rows: int) -> None:
+        self.names = names
+        self.columns = tuple(columns)
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def __getitem__(self, i: Any) -> Any:  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._rows))]
+        if i < 0:
+            i += self._rows
+        if not 0 <= i < self._rows:
+            raise IndexError("batch index out of range")
+        if len(self.columns) == 1 and self.names[0] == _columns.VALUE_FIELD:
+            return self.columns[0][i]
+        return tuple(c[i] for c in self.columns)
+
+    def column(self, name: str) -> Any:
+        """The column of field ``name`` (Row field name or tuple position)."""
+        return self.columns[self.names.index(name)]
+
+
+class _Chunk:
+    """One received feed item and how far the consumer has read into it."""
+
+    __slots__ = ("item", "names", "columns", "rows", "pos", "source", "results", "answered")
+
+    def __init__(self, item: Any) -> None:
+        self.item = item
+        self.names, self.columns = _columns.item_columns(item)
+        self.rows = item.nrows
+        self.pos = 0
+        self.source = item.source
+        self.results: List[Any] = []  # inference results given so far, in order
+        self.answered = 0
+
+
+class DataFeed:
+    """Records pushed into this node by ``cluster.train`` / ``cluster.inference``.
+
+    Typical training loop::
+
+        feed = ctx.get_data_feed()
+        while not feed.should_stop():
+            batch = feed.next_batch(64)
+            if len(batch) == 0:
+                break
+            x, y = batch.columns
+
+    In inference, call :meth:`batch_results` with one result per record of each
+    batch, in order; results travel back to the feeding Spark task.
+    """
+
+    def __init__(self, server: Any, train_mode: bool = True, feed_timeout: float = 600.0,
+                 stop_check: Any = None, node_name: str = "node") -> None:
+        self._server = server
+        self.train_mode = train_mode
+        self._feed_timeout = feed_timeout
+        self._stop_check = stop_check
+        self._node_name = node_name
+        self._chunk: Optional[_Chunk] = None
+        self._ended = False
+        self._terminated = False
+        # inference: chunks whose results are not yet complete, oldest first
+        self._awaiting: Deque[Any] = deque()  # (chunk, rows handed out), oldest first
+
+    # -- reading ----------------------------------------------------------
+    def _next_chunk(self) -> Optional[_Chunk]:
+        deadline = time.monotonic() + self._feed_timeout
+        while True:
+            if self._stop_check is not None and self._stop_check():
+                self._ended = True
+                return None
+            item = self._server.next(1.0)
+            if item is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{self._node_name}: no data arrived on the feed for "
+                        f"{self._feed_timeout:.0f} s (feed_timeout); is cluster.train() running?")
+                continue
+            if item.kind == "end":
+                self._ended = True
+                return None
+            if item.nrows == 0:
+                continue
+            return _Chunk(item)
+
+    def next_batch(self, batch_size: int) -> Batch:
+        """Returns up to ``batch_size`` records; fewer (or none) only at the end.
+
+        In inference mode a batch never spans two feeding tasks' chunks, so
+        results can be routed back; it may then hold fewer records.
+        """
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        parts: List[List[Any]] = []
+        names: List[str] = []
+        need = batch_size
+        while need > 0 and not self._ended:
+            chunk = self._chunk
+            if chunk is None or chunk.pos >= chunk.rows:
+                chunk = self._chunk = self._next_chunk()
+                if chunk is None:
+                    break
+            take = min(need, chunk.rows - chunk.pos)
+            if names and names != chunk.names:
+                if not parts:
+                    break
+                raise ValueError(f"{self._node_name}: feed changed record layout from "
+                                 f"{names} to {chunk.names} within one batch")
+            names = chunk.names
+            parts.append([c[chunk.pos:chunk.pos + take] for c in chunk.columns])
+            chunk.pos += take
+            need -= take
+            if not self.train_mode:
+                self._awaiting.append((chunk, take))
+                break
+        if not parts:
+            return Batch([], [], 0)
+        if len(parts) == 1:
+            columns = parts[0]
+        else:
+            columns = [np.concatenate(cols) if isinstance(cols[0], np.ndarray)
+                       else [v for part in cols for v in part] for cols in zip(*parts)]
+        return Batch(names, columns, batch_size - need)
+
+    def should_stop(self) -> bool:
+        """True once the feed has ended (or was terminated) and nothing is left."""
+        if self._terminated:
+            return True
+        if self._chunk is not None and self._chunk.pos < self._chunk.rows:
+            return False
+        return self._ended
+
+    # -- results ------------------------------------------------------------
+    def batch_results(self, results: Any) -> None:
+        """Returns one result per record of the oldest batch still awaiting results."""
+        if not self._awaiting:
+            raise RuntimeError(f"{self._node_name}: batch_results() without a pending "
+                               "inference batch (is the feed in train_mode?)")
+        chunk, given = self._awaiting.popleft()
+        count = len(results)
+        if count != given:
+            raise ValueError(f"{self._node_name}: batch_results got {count} results for a "
+                             f"batch of {given} records")
+        chunk.results.append(results)
+        chunk.answered += given
+        if chunk.answered == chunk.rows:
+            self._flush(chunk)
+
+    def _flush(self, chunk: _Chunk) -> None:
+        parts, chunk.results = chunk.results, []
+        if all(isinstance(p, np.ndarray) for p in parts):
+            merged: Any = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        else:
+            merged = [r for p in parts for r in (p.tolist() if isinstance(p, np.ndarray) else p)]
+        cols, n = _columns.records_to_columns(merged, where=f"{self._node_name} results")
+        self._server.send_results(chunk.source, cols, n, self._feed_timeout)
+
+    def terminate(self) -> None:
+        """Stops consuming: feeding tasks finish at once and their data is dropped."""
+        self._terminated = True
+        self._chunk = None
+        self._server.terminate()
+
+
+@dataclass
+class NodeContext:
+    """What a node knows about itself and the cluster (TensorFlowOnSpark's ``ctx``)."""
+
+    executor_id: int
+    worker_num: int
+    job_name: str
+    task_index: int
+    cluster_spec: Dict[str, List[str]]
+    num_workers: int
+    host: str
+    ports: List[int]
+    input_mode: int
+    defaultFS: str = "file://"
+    working_dir: str = field(default_factory=os.getcwd)
+    nodes: List[Dict[str, Any]] = field(default_factory=list)
+    _feed_server: Any = None
+    _control: Any = None
+    _reserved_fds: List[int] = field(default_factory=list)
+    _feed: Optional[DataFeed] = None
+
+    @property
+    def framework_port(self) -> int:
+        """The port reserved for the framework's server (TF gRPC, torch MASTER_PORT)."""
+        return self.ports[0]
+
+    def get_data_feed(self, train_mode: bool = True, qname_in: str = "input",
+                      qname_out: str = "output", input_mapping: Any = None,
+                      feed_timeout: float = 600.0) -> DataFeed:
+        """The feed of this node (InputMode.SPARK on chief/worker nodes only)."""
+        if self._feed_server is None:
+            raise RuntimeError(
+                f"{self.job_name}:{self.task_index} has no data feed: only chief and "
+                "worker nodes of an InputMode.SPARK cluster are fed")
+        if self._feed is None or self._feed.train_mode != train_mode:
+            stop = (lambda: self._control.stop_state() != 0) if self._control else None
+            self._feed = DataFeed(self._feed_server, train_mode, feed_timeout, stop,
+                                  f"node {self.worker_num} ({self.job_name}:{self.task_index})")
+        return self._feed
+
+    def absolute_path(self, path: str) -> str:
+        """Qualifies a relative path against the working dir (URIs pass through)."""
+        if "://" in path:
+            return path
+        return "file://" + os.path.abspath(os.path.join(self.working_dir, path))
+
+    def report_progress(self, text: str) -> None:
+        """Sends a progress line to the driver, which prints it with the node's name."""
+        if self._control is not None:
+            self._control.report("progress", 0, text, 10.0)
+
+    def release_port(self) -> None:
+        """Closes Ember's hold on the framework port.
+
+        Not needed with TensorFlow or gRPC: Ember holds the port with
+        SO_REUSEPORT bound but not listening, so the framework can bind it at
+        any time with no window in which a third process could take it."""
+        while self._reserved_fds:
+            os.close(self._reserved_fds.pop())

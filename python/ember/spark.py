@@ -1,0 +1,527 @@
+"""Run a TensorFlow/PyTorch ``main_fun`` on every node of a Spark job.
+
+The 5-line version::
+
+    from ember.spark import run, InputMode
+    cluster = run(sc, main_fun, args, num_executors=2, input_mode=InputMode.SPARK)
+    cluster.train(rdd, num_epochs=3)
+    predictions = cluster.inference(test_rdd)   # (a second cluster, in inference mode)
+    cluster.shutdown()
+
+``run`` starts the C rendezvous server with a fresh secret, launches one node
+per barrier task (gang-scheduled: all start or none), waits until every node
+has registered (or raises naming the missing ones), and returns a
+:class:`Cluster`.  Node failures reach the driver over the control channel:
+their tracebacks are re-raised from ``train``, ``inference`` waits and
+``shutdown``.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Callable, Dict, List, Optional
+
+from ember import _ember
+
+FEED_ROLES = ("chief", "worker")
+_SEQ_BITS = 20  # feed partition key = (feed sequence << 20) | partition index
+
+
+class InputMode(enum.IntEnum):
+    """How data reaches the trainers (TensorFlowOnSpark's InputMode)."""
+
+    TENSORFLOW = 0  #: main_fun reads its own files (TFRecords, ...)
+    SPARK = 1  #: cluster.train(rdd) pushes partitions into the nodes' feeds
+
+
+class EmberNodeError(RuntimeError):
+    """A node failed (its main_fun raised, it exited, or it was lost)."""
+
+    def __init__(self, message: str, node: int) -> None:
+        super().__init__(message)
+        self.node = node
+
+
+def _log(msg: str) -> None:
+    print(f"[ember] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- tasks
+# These functions run on executors; they close over plain data only.
+
+def _launcher(boot: Dict[str, Any], start_timeout: float) -> Callable[[Any], Any]:
+    def launch(_: Any) -> Any:
+        import select
+        import subprocess
+
+        from pyspark import BarrierTaskContext
+        from pyspark import cloudpickle
+
+        tc = BarrierTaskContext.get()
+        index = tc.partitionId()
+        infos = tc.getTaskInfos()
+        node_boot = dict(boot, index=index, sys_path=list(sys.path),
+                         executor_id=infos[index].address if index < len(infos) else str(index))
+        proc = subprocess.Popen([sys.executable, "-m", "ember._trainer"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, start_new_session=True)
+        # reap the node when it exits, so no zombie outlives it
+        threading.Thread(target=proc.wait, name=f"ember-reap-{proc.pid}", daemon=True).start()
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(cloudpickle.dumps(node_boot))
+        proc.stdin.close()
+        ready, _, _ = select.select([proc.stdout], [], [], start_timeout)
+        line = proc.stdout.readline().decode(errors="replace").strip() if ready else ""
+        proc.stdout.close()
+        if line != "registered":
+            if not line:
+                try:
+                    os.killpg(proc.pid, 9)
+                except ProcessLookupError:
+                    pass
+            reason = line or f"no answer within {start_timeout:.0f} s"
+            raise RuntimeError(f"ember node {index} failed to start: {reason}")
+        yield (index, socket.gethostname(), proc.pid)
+    return launch
+
+
+def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
+            chunk_rows: int, want_results: bool) -> Callable[[Any], Any]:
+    def feed(iterator: Any) -> Any:
+        from pyspark import TaskContext
+
+        from ember import _columns
+
+        p = TaskContext.get().partitionId()
+        if p >= (1 << _SEQ_BITS):
+            raise ValueError(f"ember feeds at most {1 << _SEQ_BITS} partitions per call")
+        host, port, name = targets[p % len(targets)]
+        client = _ember.FeedClient(host, port, secret, (seq << _SEQ_BITS) | p,
+                                   want_results=want_results, timeout_s=feed_timeout)
+        sent = 0
+        try:
+            chunk: List[Any] = []
+            for record in iterator:
+                chunk.append(record)
+                if len(chunk) < chunk_rows:
+                    continue
+                yield from _send(client, chunk, p, sent, want_results, feed_timeout)
+                sent += len(chunk)
+                chunk = []
+            if chunk:
+                yield from _send(client, chunk, p, sent, want_results, feed_timeout)
+                sent += len(chunk)
+            client.end_partition(feed_timeout)
+        except _ember.EmberAborted:
+            pass  # the node terminated its feed: TensorFlowOnSpark drops the rest
+        except _ember.EmberError as exc:
+            raise RuntimeError(f"feeding partition {p} to {name} at {host}:{port}: {exc}") from exc
+        finally:
+            client.close()
+        if not want_results:
+            yield sent
+
+    def _send(client: Any, chunk: List[Any], p: int, first: int, want_results: bool,
+              timeout: float) -> Any:
+        from ember import _columns
+
+        cols, n = _columns.records_to_columns(
+            chunk, where=f"partition {p} records {first}..{first + len(chunk) - 1}")
+        client.send(cols, n, timeout)
+        if want_results:
+            got = 0
+            while got < n:
+                item = client.recv_results(timeout)
+                names, columns = _columns.item_columns(item)
+                yield from _columns.rows_of(names, columns, 0, item.nrows)
+                got += item.nrows
+            if got != n:
+                raise RuntimeError(f"partition {p}: node returned {got} results for {n} records")
+    return feed
+
+
+# --------------------------------------------------------------------------- cluster
+
+class Cluster:
+    """A running Ember cluster: one node per barrier task.  Made by :func:`run`."""
+
+    def __init__(self, sc: Any, main_fun: Callable[[Any, Any], Any], args: Any,
+                 num_nodes: int, roles: Dict[str, Any], input_mode: InputMode,
+                 reservation_timeout: float, heartbeat_timeout: float, max_restarts: int,
+                 env: Dict[str, str]) -> None:
+        self.sc = sc
+        self.input_mode = input_mode
+        self.job_id = uuid.uuid4().hex[:12]
+        self.nodes: List[Dict[str, Any]] = []
+        self.chunk_rows = 1024
+        self.restarts = 0
+        self._main_fun, self._args, self._num_nodes, self._roles = main_fun, args, num_nodes, roles
+        self._reservation_timeout = reservation_timeout
+        self._heartbeat_timeout = heartbeat_timeout
+        self._max_restarts = max_restarts
+        self._env = env
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._feed_seq = 0
+        self._server: Any = None
+        self._closed = True
+
+    # -- lifecycle -------------------------------------------------------------
+    def _start(self) -> None:
+        """Starts a rendezvous server, launches the nodes and waits for all of them."""
+        sc, n = self.sc, self._num_nodes
+        self._secret = _ember.random_secret()
+        self._server = server = _ember.RendezvousServer(
+            self._secret, n, heartbeat_timeout_ms=int(self._heartbeat_timeout * 1000),
+            **self._roles)
+        self._state: Dict[int, str] = {}  # node -> running|done|failed|lost|stopping
+        self._failures: List[EmberNodeError] = []
+        self._launch_error: Optional[BaseException] = None
+        self._closed = False
+        self._monitor = threading.Thread(target=self._watch, args=(server,),
+                                         name="ember-monitor", daemon=True)
+        self._monitor.start()
+        driver_host = sc.getConf().get("spark.driver.host", socket.gethostname())
+        boot = dict(driver_host=driver_host, driver_port=server.port, secret=self._secret,
+                    main_fun=self._main_fun, args=self._args, input_mode=int(self.input_mode),
+                    reservation_timeout=float(self._reservation_timeout),
+                    heartbeat_interval_ms=max(100, int(self._heartbeat_timeout * 1000 / 5)),
+                    env=dict(self._env, EMBER_RESTART=str(self.restarts)),
+                    working_dir=os.getcwd(), job_id=self.job_id)
+        group = f"ember-{self.job_id}-launch-{self.restarts}"
+
+        def launch() -> None:
+            sc.setJobGroup(group, f"ember: launch {n} nodes", interruptOnCancel=True)
+            try:
+                (sc.parallelize(range(n), n).barrier()
+                 .mapPartitions(_launcher(boot, self._reservation_timeout)).collect())
+            except BaseException as exc:
+                self._launch_error = exc
+
+        _log(f"job {self.job_id}: launching {n} node(s), rendezvous at {driver_host}:{server.port}"
+             + (f" (restart {self.restarts})" if self.restarts else ""))
+        self._launch_thread = threading.Thread(target=launch, name="ember-launch", daemon=True)
+        self._launch_thread.start()
+        deadline = time.monotonic() + self._reservation_timeout
+        try:
+            while True:
+                try:
+                    server.wait_ready(min(1.0, max(0.0, deadline - time.monotonic())))
+                    break
+                except _ember.EmberTimeout:
+                    if self._launch_error is not None:
+                        raise RuntimeError(f"ember: launching the nodes failed: "
+                                           f"{self._launch_error}") from self._launch_error
+                    if time.monotonic() >= deadline:
+                        raise
+        except BaseException:
+            sc.cancelJobGroup(group)
+            self._stop_all()
+            raise
+        self.nodes = sorted(server.nodes(), key=lambda node: node["index"])
+        with self._lock:
+            for node in self.nodes:
+                self._state.setdefault(node["index"], "running")
+        _log("cluster ready: " + ", ".join(
+            f"{x['role']}:{x['task_index']}@{x['host']}:{x['ports'][0]}" for x in self.nodes))
+
+    def _restart_or_raise(self, failure: EmberNodeError) -> None:
+        """After a node failure: relaunch every node (max_restarts), or raise."""
+        if self.restarts >= self._max_restarts:
+            self._stop_all()
+            raise failure
+        self.restarts += 1
+        _log(f"{failure.args[0].splitlines()[0]}; restarting the cluster "
+             f"({self.restarts} of max_restarts={self._max_restarts}); main_fun resumes "
+             "from its latest checkpoint")
+        self._stop_all()
+        self._start()
+
+    # -- monitoring --------------------------------------------------------
+    def _name(self, i: int) -> str:
+        n = self.nodes[i] if i < len(self.nodes) else None
+        if n is None:
+            return f"node {i}"
+        return f"node {i} ({n['role']}:{n['task_index']}, executor {n['executor_id']}, host {n['host']})"
+
+    def _watch(self, server: Any) -> None:
+        while True:
+            try:
+                ev = server.next_event(0.5)
+            except ValueError:  # server closed
+                return
+            if ev is None:
+                continue
+            kind, node, code, text = ev
+            if kind == "progress":
+                _log(f"{self._name(node)}: {text}")
+            elif kind == "rejected":
+                _log(f"rejected a connection: {text}")
+            elif kind in ("done", "failed", "lost"):
+                with self._lock:
+                    if kind == "done":
+                        self._state[node] = "done"
+                    elif self._state.get(node) != "stopping":
+                        self._state[node] = kind
+                        what = (f"failed with exit code {code}" if kind == "failed"
+                                else "was lost (control connection dropped or heartbeats "
+                                     f"stopped for {self._heartbeat_timeout:.0f} s)")
+                        msg = f"ember {self._name(node)} {what}"
+                        if text:
+                            msg += f":\n{text}"
+                        self._failures.append(EmberNodeError(msg, node))
+                    self._changed.notify_all()
+
+    def _failure(self) -> Optional[EmberNodeError]:
+        with self._lock:
+            return self._failures[0] if self._failures else None
+
+    # -- jobs ----------------------------------------------------------------
+    def _run_job(self, what: str, action: Callable[[], Any]) -> Any:
+        """Runs a Spark action in a thread; cancels it if a node fails meanwhile.
+
+        Raises the node's :class:`EmberNodeError` (with its traceback) in preference
+        to the feeding task's error it caused."""
+        group = f"ember-{self.job_id}-{what.replace(' ', '-')}"
+        result: Dict[str, Any] = {}
+
+        def target() -> None:
+            self.sc.setJobGroup(group, f"ember: {what}", interruptOnCancel=True)
+            try:
+                result["value"] = action()
+            except BaseException as exc:  # re-raised in the caller's thread
+                result["error"] = exc
+
+        t = threading.Thread(target=target, name=f"ember-{what}", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.5)
+            failure = self._failure()
+            if failure is not None:
+                self.sc.cancelJobGroup(group)
+                t.join(60)
+                raise failure
+        failure = self._failure()
+        if failure is not None:
+            raise failure
+        if "error" in result:
+            deadline = time.monotonic() + self._heartbeat_timeout + 2
+            with self._lock:
+                while not self._failures and time.monotonic() < deadline:
+                    self._changed.wait(0.5)
+            failure = self._failure()
+            if failure is not None:
+                raise failure from result["error"]
+            raise result["error"]
+        return result.get("value")
+
+    def _feed_targets(self) -> List[Any]:
+        return [(n["host"], n["ports"][1], self._name(n["index"]))
+                for n in self.nodes if n["role"] in FEED_ROLES]
+
+    def _next_seq(self) -> int:
+        self._feed_seq += 1
+        return self._feed_seq
+
+    def train(self, data: Any, num_epochs: int = 1, feed_timeout: float = 600.0,
+              qname: str = "input") -> int:
+        """Feeds every record of ``data`` (RDD or DataFrame) ``num_epochs`` times.
+
+        Partition ``p`` goes to feeding node ``p % number of chief+worker nodes``;
+        each feeding task returns only once its node has taken the whole
+        partition.  Returns the number of records fed.  If a node fails, raises
+        :class:`EmberNodeError` with its traceback, or with ``max_restarts``
+        relaunches the nodes (main_fun resumes from its checkpoint) and feeds
+        this call's data again from the start.
+        """
+        if self.input_mode != InputMode.SPARK:
+            raise ValueError("train() feeds data only in InputMode.SPARK; in "
+                             "InputMode.TENSORFLOW the nodes read their own input")
+        rdd = _as_rdd(data)
+        if num_epochs <= 0:
+            _log(f"num_epochs={num_epochs}: feeding the data once (TensorFlowOnSpark's meaning)")
+        epochs = max(1, num_epochs)
+        source = self.sc.union([rdd] * epochs) if epochs > 1 else rdd
+        while True:
+            failure = self._failure()
+            if failure is not None:
+                self._restart_or_raise(failure)
+                continue
+            try:
+                return self._feed_once(source, epochs, feed_timeout)
+            except EmberNodeError as exc:
+                self._restart_or_raise(exc)
+
+    def _feed_once(self, source: Any, epochs: int, feed_timeout: float) -> int:
+        seq = self._next_seq()
+        targets = self._feed_targets()
+        fn = _feeder(targets, self._secret, seq, feed_timeout, self.chunk_rows, want_results=False)
+        start = time.monotonic()
+        _log(f"train: feeding {source.getNumPartitions()} partitions ({epochs} epoch(s)) "
+             f"to {len(targets)} node(s)")
+        fed = self._run_job(f"train {seq}", lambda: source.mapPartitions(fn).sum())
+        secs = time.monotonic() - start
+        _log(f"train: fed {fed} records in {secs:.1f} s ({fed / max(secs, 1e-9):.0f} records/s)")
+        return int(fed)
+
+    def inference(self, data: Any, feed_timeout: float = 600.0, qname: str = "input") -> Any:
+        """An RDD of one result per input record, in order within each partition.
+
+        Lazy, like any RDD: records are fed when the result is computed.  The
+        nodes' main_fun reads with ``get_data_feed(train_mode=False)`` and
+        answers with ``batch_results``.
+        """
+        if self.input_mode != InputMode.SPARK:
+            raise ValueError("inference() needs InputMode.SPARK")
+        failure = self._failure()
+        if failure is not None:
+            raise failure
+        fn = _feeder(self._feed_targets(), self._secret, self._next_seq(), feed_timeout,
+                     self.chunk_rows, want_results=True)
+        return _as_rdd(data).mapPartitions(fn)
+
+    # -- shutdown ------------------------------------------------------------
+    def shutdown(self, grace_secs: float = 0, timeout: float = 259200) -> None:
+        """Ends the feed, waits for chief and workers to finish, stops the rest.
+
+        Leaves no node process, port or shared-memory segment behind.  Raises
+        the first node failure, if any (in InputMode.TENSORFLOW a failure
+        before the end restarts the nodes when ``max_restarts`` allows).
+        """
+        if self._closed:
+            return
+        while True:
+            try:
+                self._finish(grace_secs, timeout)
+                break
+            except EmberNodeError as exc:
+                if self.input_mode == InputMode.SPARK:
+                    self._stop_all()
+                    raise
+                self._restart_or_raise(exc)
+        self._stop_all()
+
+    def _finish(self, grace_secs: float, timeout: float) -> None:
+        try:
+            if self.input_mode == InputMode.SPARK:
+                for host, port, name in self._feed_targets():
+                    self._end_feed(host, port, name)
+            trainers = [n["index"] for n in self.nodes if n["role"] in FEED_ROLES]
+            deadline = time.monotonic() + timeout
+            with self._lock:
+                while not self._failures and any(self._state.get(i) != "done" for i in trainers):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        missing = [self._name(i) for i in trainers if self._state.get(i) != "done"]
+                        raise TimeoutError(f"ember shutdown: still running after {timeout} s: "
+                                           + ", ".join(missing))
+                    self._changed.wait(min(left, 0.5))
+            if grace_secs:
+                time.sleep(grace_secs)
+        except TimeoutError:
+            self._stop_all()
+            raise
+        failure = self._failure()
+        if failure is not None:
+            raise failure
+
+    def _end_feed(self, host: str, port: int, name: str) -> None:
+        try:
+            client = _ember.FeedClient(host, port, self._secret, 0xFFFFFFFF, timeout_s=10.0)
+            try:
+                client.end_feed(10.0)
+            finally:
+                client.close()
+        except _ember.EmberError as exc:  # a node that is already gone has nothing to end
+            _log(f"end of feed not delivered to {name}: {exc}")
+
+    def _stop_all(self) -> None:
+        """Stops every node, waits for local node processes to exit, closes the server."""
+        if self._closed:
+            return
+        with self._lock:
+            for i in range(self._num_nodes):
+                if self._state.get(i) not in ("done", "failed", "lost"):
+                    self._state[i] = "stopping"
+        self._server.stop(-1, 5000)
+        self._wait_nodes_exit(15.0)
+        self._closed = True
+        self._server.close()
+        self._monitor.join(5)
+        self._launch_thread.join(10)
+
+    def _wait_nodes_exit(self, timeout: float) -> None:
+        """Waits for this host's node processes to be gone (others exit on STOP)."""
+        local = {"127.0.0.1", "localhost", socket.gethostname()}
+        try:
+            local.add(socket.gethostbyname(socket.gethostname()))
+        except OSError:
+            pass
+        deadline = time.monotonic() + timeout
+        for n in self.nodes:
+            if n["host"] not in local and not n["host"].startswith("127."):
+                continue
+            while time.monotonic() < deadline and _alive(n["pid"]):
+                time.sleep(0.05)
+
+    def tensorboard_url(self) -> Optional[str]:
+        """TensorBoard's URL, when started with tensorboard=True (not yet supported)."""
+        return None
+
+
+def _as_rdd(data: Any) -> Any:
+    """An RDD from an RDD or a DataFrame (whose rows become Row records)."""
+    return data.rdd if hasattr(data, "rdd") and not hasattr(data, "mapPartitions") else data
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+# --------------------------------------------------------------------------- run
+
+def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_executors: int = 1,
+        num_ps: int = 0, tensorboard: bool = False, input_mode: InputMode = InputMode.SPARK,
+        log_dir: Optional[str] = None, driver_ps_nodes: bool = False,
+        master_node: Optional[str] = "chief", reservation_timeout: float = 600,
+        eval_node: bool = False, heartbeat_timeout: float = 10.0, max_restarts: int = 0,
+        env: Optional[Dict[str, str]] = None) -> Cluster:
+    """Starts ``main_fun(args, ctx)`` on ``num_executors`` nodes and returns the cluster.
+
+    :param sc: the SparkContext.
+    :param main_fun: the per-node function; ``ctx`` is an :class:`ember.node.NodeContext`.
+    :param num_executors: number of nodes (one barrier task each).
+    :param num_ps: how many of them are parameter servers (role ``ps``).
+    :param input_mode: :attr:`InputMode.SPARK` (fed by ``train``/``inference``) or
+        :attr:`InputMode.TENSORFLOW` (nodes read their own files).
+    :param master_node: ``"chief"`` to make one node the chief, or None for workers only.
+    :param eval_node: make one node the ``evaluator`` (not in the cluster spec).
+    :param reservation_timeout: seconds to wait for all nodes to register; the
+        error names the missing ones.
+    :param heartbeat_timeout: seconds of silence after which a node counts as lost.
+    :param max_restarts: how many times a node failure relaunches all nodes
+        (main_fun should resume from its latest checkpoint; ``EMBER_RESTART`` in
+        its environment counts the restarts) before the failure is raised.
+    :param env: extra environment variables for the node processes.
+    """
+    if num_executors < 1:
+        raise ValueError(f"num_executors must be >= 1, got {num_executors}")
+    if num_ps + (1 if eval_node else 0) >= num_executors:
+        raise ValueError(f"num_executors={num_executors} leaves no chief/worker after "
+                         f"num_ps={num_ps} and eval_node={eval_node}")
+    if tensorboard or driver_ps_nodes:
+        raise NotImplementedError("tensorboard and driver_ps_nodes are not supported yet")
+    roles = dict(num_ps=num_ps, chief=master_node is not None, evaluator=eval_node)
+    cluster = Cluster(sc, main_fun, args, num_executors, roles, InputMode(input_mode),
+                      reservation_timeout, heartbeat_timeout, max_restarts, dict(env or {}))
+    cluster._start()
+    return cluster

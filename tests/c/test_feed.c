@@ -1,0 +1,1008 @@
+/* test_feed.c - the batch codec, and the feed server and client on loopback.
+ *
+ * Server tests run producers in threads (END_PARTITION blocks until the
+ * consumer has popped the partition) and end with an explicit LeakSanitizer
+ * check: the harness ends each test with _exit, which skips LSan's atexit
+ * check, so leaks would otherwise go unseen. */
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "ember/auth.h"
+#include "ember/feed.h"
+#include "ember/net.h"
+#include "ember/wire.h"
+#include "harness.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#define FEED_TEST_LSAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define FEED_TEST_LSAN 1
+#endif
+#endif
+#ifdef FEED_TEST_LSAN
+#include <sanitizer/lsan_interface.h>
+#define LEAK_CHECK() CHECK(__lsan_do_recoverable_leak_check() == 0)
+#else
+#define LEAK_CHECK() ((void)0)
+#endif
+
+static const uint8_t SECRET[32] = "0123456789abcdef0123456789abcdef";
+static const uint8_t WRONG[32] = "fedcba9876543210fedcba9876543210";
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* ------------------------------------------------------------ codec tests */
+
+/* Copies into an exact-size heap buffer so ASan sees any read past len. */
+static uint8_t *dup_exact(const uint8_t *p, size_t n) {
+  uint8_t *d = malloc(n ? n : 1);
+  CHECK(d != NULL);
+  if (n) memcpy(d, p, n);
+  return d;
+}
+
+typedef struct {
+  float f32[5 * 2];
+  double f64[5];
+  int32_t i32[5 * 3];
+  int64_t i64[5];
+  uint8_t u8[5 * 4];
+  uint8_t b[5];
+  uint64_t off[6];
+  char bytes[32];
+  ember_column cols[7];
+} sample;
+
+/* 7 columns, one per dtype; BYTES rows are "", "a", "", "bcd", "" */
+static void make_sample(sample *s, uint32_t nrows) {
+  static const char *strs[5] = {"", "a", "", "bcd", ""};
+  uint64_t o = 0;
+  memset(s, 0, sizeof *s);
+  for (uint32_t r = 0; r < nrows; r++) {
+    s->f32[2 * r] = (float)r + 0.5f;
+    s->f32[2 * r + 1] = -(float)r;
+    s->f64[r] = r * 1.25;
+    for (int k = 0; k < 3; k++) s->i32[3 * r + k] = (int32_t)(r * 10 + k) - 7;
+    s->i64[r] = (int64_t)r * 1000000007LL - 3;
+    for (int k = 0; k < 4; k++) s->u8[4 * r + k] = (uint8_t)(r * 4 + k + 200);
+    s->b[r] = (uint8_t)(r & 1);
+    s->off[r] = o;
+    memcpy(s->bytes + o, strs[r], strlen(strs[r]));
+    o += strlen(strs[r]);
+  }
+  s->off[nrows] = o;
+  s->cols[0] = (ember_column){EMBER_DT_F32, 3, "f32", 2, s->f32, 8ull * nrows, NULL};
+  s->cols[1] = (ember_column){EMBER_DT_F64, 0, NULL, 1, s->f64, 8ull * nrows, NULL};
+  s->cols[2] = (ember_column){EMBER_DT_I32, 5, "int32", 3, s->i32, 12ull * nrows, NULL};
+  s->cols[3] = (ember_column){EMBER_DT_I64, 3, "i64", 1, s->i64, 8ull * nrows, NULL};
+  s->cols[4] = (ember_column){EMBER_DT_U8, 2, "u8", 4, s->u8, 4ull * nrows, NULL};
+  s->cols[5] = (ember_column){EMBER_DT_BYTES, 5, "bytes", 0, s->bytes, o, s->off};
+  s->cols[6] = (ember_column){EMBER_DT_BOOL, 4, "bool", 1, s->b, nrows, NULL};
+}
+
+static void check_cols_equal(const ember_column *a, const ember_column *b, uint32_t n,
+                             uint32_t nrows) {
+  for (uint32_t i = 0; i < n; i++) {
+    CHECK_EQ_INT(a[i].dtype, b[i].dtype);
+    CHECK_EQ_INT(a[i].name_len, b[i].name_len);
+    if (a[i].name_len) CHECK(memcmp(a[i].name, b[i].name, a[i].name_len) == 0);
+    CHECK_EQ_INT(a[i].width, b[i].width);
+    CHECK_EQ_INT(a[i].data_len, b[i].data_len);
+    if (a[i].data_len) CHECK(memcmp(a[i].data, b[i].data, a[i].data_len) == 0);
+    if (a[i].dtype == EMBER_DT_BYTES)
+      CHECK(memcmp(a[i].offsets, b[i].offsets, ((size_t)nrows + 1) * 8) == 0);
+  }
+}
+
+static uint8_t *encode_sample(sample *s, uint32_t nrows, size_t *len) {
+  size_t need = 0, wrote = 0;
+  uint8_t *buf;
+  make_sample(s, nrows);
+  CHECK_OK(ember_batch_encoded_size(s->cols, 7, nrows, &need));
+  buf = malloc(need);
+  CHECK(buf != NULL);
+  CHECK_OK(ember_batch_encode(s->cols, 7, nrows, buf, need, &wrote));
+  CHECK_EQ_INT(wrote, need);
+  *len = need;
+  return buf;
+}
+
+TEST(dtype_sizes) {
+  CHECK_EQ_INT(ember_dtype_size(EMBER_DT_F32), 4);
+  CHECK_EQ_INT(ember_dtype_size(EMBER_DT_F64), 8);
+  CHECK_EQ_INT(ember_dtype_size(EMBER_DT_I32), 4);
+  CHECK_EQ_INT(ember_dtype_size(EMBER_DT_I64), 8);
+  CHECK_EQ_INT(ember_dtype_size(EMBER_DT_U8), 1);
+  CHECK_EQ_INT(ember_dtype_size(EMBER_DT_BOOL), 1);
+  CHECK_EQ_INT(ember_dtype_size(EMBER_DT_BYTES), 0);
+  CHECK_EQ_INT(ember_dtype_size(0), 0);
+  CHECK_EQ_INT(ember_dtype_size(8), 0);
+}
+
+TEST(codec_roundtrip_every_dtype) {
+  for (uint32_t nrows = 0; nrows <= 5; nrows++) {
+    sample s;
+    ember_column out[8];
+    uint32_t nc = 0, nr = 99;
+    size_t len = 0;
+    uint8_t *buf = encode_sample(&s, nrows, &len);
+    CHECK_OK(ember_batch_decode(buf, len, out, 8, &nc, &nr));
+    CHECK_EQ_INT(nc, 7);
+    CHECK_EQ_INT(nr, nrows);
+    check_cols_equal(s.cols, out, 7, nrows);
+    /* bodies are 8-aligned relative to the buffer */
+    for (int i = 0; i < 7; i++) {
+      const uint8_t *body = out[i].dtype == EMBER_DT_BYTES ? (const uint8_t *)out[i].offsets
+                                                           : (const uint8_t *)out[i].data;
+      CHECK(((size_t)(body - buf) % 8) == 0);
+    }
+    if (nrows == 5) {
+      /* the empty strings survive: rows 0, 2, 4 have zero length */
+      CHECK(out[5].offsets[0] == 0 && out[5].offsets[1] == 0);
+      CHECK(out[5].offsets[2] == 1 && out[5].offsets[3] == 1);
+      CHECK(out[5].offsets[5] == 4 && out[5].data_len == 4);
+      CHECK(memcmp(out[5].data, "abcd", 4) == 0);
+    }
+    free(buf);
+  }
+}
+
+TEST(codec_zero_columns_and_bytes_only) {
+  uint8_t buf[64];
+  size_t wrote = 0;
+  uint32_t nc = 9, nr = 9;
+  ember_column col, out;
+  uint64_t off[3] = {0, 0, 0};
+  CHECK_OK(ember_batch_encode(NULL, 0, 3, buf, sizeof buf, &wrote));
+  CHECK_EQ_INT(wrote, 8);
+  CHECK_OK(ember_batch_decode(buf, wrote, NULL, 0, &nc, &nr));
+  CHECK_EQ_INT(nc, 0);
+  CHECK_EQ_INT(nr, 3);
+  /* A BYTES column of two empty strings: no data bytes at all. */
+  col = (ember_column){EMBER_DT_BYTES, 1, "s", 0, NULL, 0, off};
+  CHECK_OK(ember_batch_encode(&col, 1, 2, buf, sizeof buf, &wrote));
+  CHECK_EQ_INT(wrote, 8 + 16 + 1 + 7 + 24);
+  CHECK_OK(ember_batch_decode(buf, wrote, &out, 1, &nc, &nr));
+  CHECK_EQ_INT(out.data_len, 0);
+  CHECK_EQ_INT(nr, 2);
+  /* Trailing padding up to the next 8-byte boundary is accepted, not more. */
+  col = (ember_column){EMBER_DT_U8, 0, NULL, 3, "abc", 3, NULL};
+  memset(buf, 0, sizeof buf);
+  CHECK_OK(ember_batch_encode(&col, 1, 1, buf, sizeof buf, &wrote));
+  CHECK_EQ_INT(wrote, 8 + 16 + 3);
+  CHECK_OK(ember_batch_decode(buf, wrote + 5, &out, 1, &nc, &nr));
+  CHECK_EQ_INT(ember_batch_decode(buf, wrote + 6, &out, 1, &nc, &nr), EMBER_EPROTO);
+}
+
+TEST(codec_encode_rejects_inconsistent_columns) {
+  sample s;
+  uint8_t buf[1024];
+  size_t n = 0;
+  ember_column c[1];
+  uint64_t bad_off[3] = {0, 5, 3};
+  uint8_t b2[2] = {1, 2};
+  make_sample(&s, 5);
+  c[0] = s.cols[2];
+  c[0].data_len -= 4;
+  CHECK_EQ_INT(ember_batch_encoded_size(c, 1, 5, &n), EMBER_EINVAL);
+  CHECK(strstr(ember_last_error(), "column 0 ('int32')") != NULL);
+  c[0] = (ember_column){EMBER_DT_BYTES, 1, "s", 0, "abcde", 5, bad_off};
+  CHECK_EQ_INT(ember_batch_encode(c, 1, 2, buf, sizeof buf, &n), EMBER_EINVAL);
+  c[0] = (ember_column){EMBER_DT_BYTES, 1, "s", 1, "abcde", 5, (uint64_t[]){0, 2, 5}};
+  CHECK_EQ_INT(ember_batch_encode(c, 1, 2, buf, sizeof buf, &n), EMBER_EINVAL); /* width */
+  c[0] = (ember_column){9, 1, "s", 1, "ab", 2, NULL};
+  CHECK_EQ_INT(ember_batch_encode(c, 1, 2, buf, sizeof buf, &n), EMBER_EINVAL);
+  c[0] = (ember_column){EMBER_DT_BOOL, 1, "b", 1, b2, 2, NULL};
+  CHECK_EQ_INT(ember_batch_encode(c, 1, 2, buf, sizeof buf, &n), EMBER_EINVAL);
+  c[0] = (ember_column){EMBER_DT_F64, 1, "x", 0xffffffffu, NULL, 0, NULL};
+  CHECK_EQ_INT(ember_batch_encoded_size(c, 1, 0xffffffffu, &n), EMBER_ETOOBIG);
+  CHECK_EQ_INT(ember_batch_encode(s.cols, 7, 5, buf, 16, &n), EMBER_ETOOBIG); /* cap */
+  CHECK_EQ_INT(ember_batch_encoded_size(s.cols, EMBER_BATCH_MAX_COLS + 1, 5, &n), EMBER_EINVAL);
+}
+
+TEST(decode_rejects_every_truncation) {
+  sample s;
+  ember_column out[7];
+  uint32_t nc, nr;
+  size_t len = 0;
+  uint8_t *buf = encode_sample(&s, 5, &len);
+  for (size_t cut = 0; cut < len; cut++) {
+    uint8_t *p = dup_exact(buf, cut);
+    int rc = ember_batch_decode(p, cut, out, 7, &nc, &nr);
+    if (rc != EMBER_EPROTO) {
+      fprintf(stderr, "prefix %zu of %zu: rc %d\n", cut, len, rc);
+      CHECK(0);
+    }
+    free(p);
+  }
+  free(buf);
+}
+
+/* Byte offset of column i's descriptor in a sample batch. */
+static size_t desc_at(const sample *s, int i) {
+  size_t p = 8;
+  for (int k = 0; k < i; k++) p += 16 + s->cols[k].name_len;
+  return p;
+}
+
+TEST(decode_rejects_bad_fields) {
+  sample s;
+  ember_column out[7];
+  uint32_t nc, nr;
+  size_t len = 0, d;
+  uint8_t *buf = encode_sample(&s, 5, &len), *p;
+  /* locate BYTES offsets: decode the good batch */
+  CHECK_OK(ember_batch_decode(buf, len, out, 7, &nc, &nr));
+  size_t offs_at = (size_t)((const uint8_t *)out[5].offsets - buf);
+  size_t bool_at = (size_t)((const uint8_t *)out[6].data - buf);
+
+#define MUTATE(stmt, needle)                                                   \
+  do {                                                                         \
+    p = dup_exact(buf, len);                                                   \
+    stmt;                                                                      \
+    CHECK_EQ_INT(ember_batch_decode(p, len, out, 7, &nc, &nr), EMBER_EPROTO);  \
+    if (strstr(ember_last_error(), needle) == NULL) {                          \
+      fprintf(stderr, "message '%s' lacks '%s'\n", ember_last_error(), needle); \
+      CHECK(0);                                                                \
+    }                                                                          \
+    free(p);                                                                   \
+  } while (0)
+
+  /* offsets: first not 0, decreasing, past the data, last != data length */
+  MUTATE(ember_wire_put_u64(p + offs_at, 1), "column 5 ('bytes')");
+  MUTATE(ember_wire_put_u64(p + offs_at + 8 * 3, 0), "bad offset[3] = 0 (previous 1");
+  MUTATE(ember_wire_put_u64(p + offs_at + 8 * 3, 1000), "column 5");
+  MUTATE((ember_wire_put_u64(p + offs_at + 8 * 4, 3), ember_wire_put_u64(p + offs_at + 8 * 5, 3)),
+         "last offset 3 != data length 4");
+  /* unknown dtypes, reserved bits */
+  d = desc_at(&s, 1);
+  MUTATE(p[d] = 0, "column 1 (''): unknown dtype 0");
+  MUTATE(p[d] = 8, "unknown dtype 8");
+  MUTATE(p[d] = 255, "unknown dtype 255");
+  MUTATE(p[d + 2] = 1, "reserved");
+  /* nbytes not matching nrows * width * itemsize; overflowing width */
+  d = desc_at(&s, 2);
+  MUTATE(ember_wire_put_u64(p + d + 8, 64), "column 2 ('int32'): nbytes 64");
+  MUTATE(ember_wire_put_u32(p + d + 4, 0xffffffffu), "column 2");
+  MUTATE(ember_wire_put_u64(p + d + 8, UINT64_MAX), "column 2");
+  /* nrows so large the sizes overflow or the bodies cannot fit */
+  MUTATE(ember_wire_put_u32(p, 0xffffffffu), "column 0");
+  /* BYTES: width must be 0, nbytes must cover the offsets, body must fit */
+  d = desc_at(&s, 5);
+  MUTATE(ember_wire_put_u32(p + d + 4, 1), "BYTES width");
+  MUTATE(ember_wire_put_u64(p + d + 8, 8), "less than");
+  MUTATE(ember_wire_put_u64(p + d + 8, UINT64_MAX - 3), "runs past");
+  /* a name running off the end; ncols over every limit */
+  MUTATE(ember_wire_put_u32(p + 4, EMBER_BATCH_MAX_COLS + 1), "exceeds the limit");
+  MUTATE(ember_wire_put_u32(p + 4, 0xffffffffu), "exceeds the limit");
+  /* BOOL values other than 0/1 */
+  MUTATE(p[bool_at + 1] = 2, "column 6 ('bool'): BOOL element 1 is 2");
+#undef MUTATE
+  /* the caller's max_cols is honoured */
+  CHECK_EQ_INT(ember_batch_decode(buf, len, out, 6, &nc, &nr), EMBER_EPROTO);
+  /* trailing garbage */
+  p = calloc(1, len + 8);
+  memcpy(p, buf, len);
+  CHECK_EQ_INT(ember_batch_decode(p, len + 8, out, 7, &nc, &nr), EMBER_EPROTO);
+  free(p);
+  /* a name that runs off the end of a tiny batch */
+  {
+    uint8_t t[24] = {0};
+    ember_wire_put_u32(t, 1);
+    ember_wire_put_u32(t + 4, 1);
+    t[8] = EMBER_DT_U8;
+    t[9] = 200;
+    CHECK_EQ_INT(ember_batch_decode(t, sizeof t, out, 7, &nc, &nr), EMBER_EPROTO);
+    CHECK(strstr(ember_last_error(), "column 0: name") != NULL);
+  }
+  free(buf);
+}
+
+/* ------------------------------------------------------------ server helpers */
+
+static ember_feed_server *start_server_max(size_t queue_bytes, uint32_t io_ms,
+                                           uint32_t max_frame) {
+  ember_feed_server_config cfg;
+  ember_feed_server *s = NULL;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.secret = SECRET;
+  cfg.secret_len = sizeof SECRET;
+  cfg.listen_fd = -1;
+  cfg.bind_host = "127.0.0.1";
+  cfg.queue_bytes = queue_bytes;
+  cfg.io_timeout_ms = io_ms;
+  cfg.max_frame = max_frame;
+  CHECK_OK(ember_feed_server_create(&s, &cfg));
+  CHECK(ember_feed_server_port(s) != 0);
+  return s;
+}
+
+static ember_feed_server *start_server(size_t queue_bytes, uint32_t io_ms) {
+  return start_server_max(queue_bytes, io_ms, 0);
+}
+
+/* A batch for partition p whose rows carry (p, row index) so the consumer can
+ * verify order and content; `extra` pads each row to make batches big. */
+typedef struct {
+  int32_t *part;
+  int64_t *row;
+  uint8_t *pad;
+  uint64_t *off;
+  char *str;
+  ember_column cols[4];
+  uint32_t nrows;
+} gen_batch;
+
+static void gen_make(gen_batch *g, uint32_t p, uint64_t first, uint32_t nrows, uint32_t extra) {
+  size_t o = 0;
+  g->nrows = nrows;
+  g->part = malloc(sizeof(int32_t) * (nrows + 1));
+  g->row = malloc(sizeof(int64_t) * (nrows + 1));
+  g->pad = calloc((size_t)nrows * extra + 1, 1);
+  g->off = malloc(sizeof(uint64_t) * (nrows + 1));
+  g->str = malloc((size_t)nrows * 24 + 1);
+  CHECK(g->part && g->row && g->pad && g->off && g->str);
+  for (uint32_t r = 0; r < nrows; r++) {
+    g->part[r] = (int32_t)p;
+    g->row[r] = (int64_t)(first + r);
+    g->off[r] = o;
+    o += (size_t)sprintf(g->str + o, "%u-%llu", p, (unsigned long long)(first + r));
+  }
+  g->off[nrows] = o;
+  g->cols[0] = (ember_column){EMBER_DT_I32, 4, "part", 1, g->part, 4ull * nrows, NULL};
+  g->cols[1] = (ember_column){EMBER_DT_I64, 3, "row", 1, g->row, 8ull * nrows, NULL};
+  g->cols[2] = (ember_column){EMBER_DT_U8, 3, "pad", extra, g->pad, (uint64_t)extra * nrows,
+                              NULL};
+  g->cols[3] = (ember_column){EMBER_DT_BYTES, 3, "str", 0, g->str, o, g->off};
+}
+
+static void gen_free(gen_batch *g) {
+  free(g->part);
+  free(g->row);
+  free(g->pad);
+  free(g->off);
+  free(g->str);
+}
+
+/* Checks a popped batch: every row belongs to partition p and rows continue
+ * from *next (in order, nothing lost or repeated). */
+static uint32_t verify_item(const ember_feed_item *it, uint32_t p, uint64_t *next) {
+  ember_column c[4];
+  uint32_t nc = 0, nr = 0;
+  char want[48];
+  CHECK_EQ_INT(it->kind, EMBER_FEED_ITEM_BATCH);
+  CHECK_EQ_INT(it->partition, p);
+  CHECK(((uintptr_t)it->data % 8) == 0);
+  CHECK_OK(ember_batch_decode(it->data, it->len, c, 4, &nc, &nr));
+  CHECK_EQ_INT(nc, 4);
+  for (uint32_t r = 0; r < nr; r++) {
+    const int32_t *pp = c[0].data;
+    const int64_t *rr = c[1].data;
+    int n;
+    CHECK_EQ_INT(pp[r], p);
+    CHECK_EQ_INT(rr[r], *next);
+    n = sprintf(want, "%u-%llu", p, (unsigned long long)*next);
+    CHECK_EQ_INT(c[3].offsets[r + 1] - c[3].offsets[r], n);
+    CHECK(memcmp((const char *)c[3].data + c[3].offsets[r], want, (size_t)n) == 0);
+    (*next)++;
+  }
+  return nr;
+}
+
+typedef struct {
+  uint16_t port;
+  uint32_t partition, flags;
+  uint32_t nbatches, rows_per_batch, extra;
+  int64_t send_timeout_ms;
+  int end;             /* call end_partition at the end */
+  int results;         /* receive one RESULTS per batch (after all sends) */
+  int end_then_results; /* end_partition first, then receive results */
+  atomic_uint sent;    /* batches sent so far */
+  int send_rc, end_rc, results_rc;
+  char end_msg[512];
+} producer_args;
+
+static void *producer(void *arg) {
+  producer_args *a = arg;
+  ember_feed_client *c = NULL;
+  uint64_t row = 0;
+  int rc = ember_feed_client_connect(&c, "127.0.0.1", a->port, SECRET, sizeof SECRET,
+                                     a->partition, a->flags, 5000);
+  a->send_rc = rc;
+  if (rc != EMBER_OK) return NULL;
+  for (uint32_t b = 0; b < a->nbatches; b++) {
+    gen_batch g;
+    gen_make(&g, a->partition, row, a->rows_per_batch, a->extra);
+    rc = ember_feed_client_send(c, g.cols, 4, g.nrows, a->send_timeout_ms);
+    gen_free(&g);
+    if (rc != EMBER_OK) {
+      a->send_rc = rc;
+      snprintf(a->end_msg, sizeof a->end_msg, "%s", ember_last_error());
+      goto out;
+    }
+    row += a->rows_per_batch;
+    atomic_fetch_add(&a->sent, 1);
+  }
+  if (a->end_then_results) {
+    a->end_rc = ember_feed_client_end_partition(c, 10000);
+    snprintf(a->end_msg, sizeof a->end_msg, "%s", ember_last_error());
+  }
+  if (a->results || a->end_then_results) {
+    uint64_t want = 0;
+    for (uint32_t b = 0; b < a->nbatches && a->results_rc == 0; b++) {
+      uint8_t *res = NULL;
+      size_t len = 0;
+      ember_column col;
+      uint32_t nc = 0, nr = 0;
+      rc = ember_feed_client_recv_results(c, &res, &len, 10000);
+      if (rc == EMBER_OK) rc = ember_batch_decode(res, len, &col, 1, &nc, &nr);
+      if (rc == EMBER_OK) {
+        const int64_t *v = col.data;
+        for (uint32_t r = 0; r < nr; r++, want++)
+          if (v[r] != (int64_t)want * 2) rc = EMBER_ECORRUPT;
+      }
+      free(res);
+      a->results_rc = rc;
+    }
+    if (a->results_rc == EMBER_OK && want != (uint64_t)a->nbatches * a->rows_per_batch)
+      a->results_rc = EMBER_ECORRUPT;
+  }
+  if (a->end && !a->end_then_results) {
+    a->end_rc = ember_feed_client_end_partition(c, 10000);
+    snprintf(a->end_msg, sizeof a->end_msg, "%s", ember_last_error());
+  }
+out:
+  ember_feed_client_destroy(c);
+  return NULL;
+}
+
+static void producer_init(producer_args *a, uint16_t port, uint32_t partition,
+                          uint32_t nbatches, uint32_t rows) {
+  memset(a, 0, sizeof *a);
+  a->port = port;
+  a->partition = partition;
+  a->nbatches = nbatches;
+  a->rows_per_batch = rows;
+  a->send_timeout_ms = 10000;
+  a->end = 1;
+  atomic_init(&a->sent, 0);
+}
+
+/* A raw producer: authenticated, FEED_HELLO sent, then the test writes frames
+ * by hand (malformed ones included). */
+static int raw_producer(uint16_t port, uint32_t partition) {
+  int fd = -1;
+  uint8_t hello[8];
+  CHECK_OK(ember_net_connect("127.0.0.1", port, ember_deadline_after(5000), &fd));
+  CHECK_OK(ember_auth_client(fd, SECRET, sizeof SECRET, ember_deadline_after(5000)));
+  ember_wire_put_u32(hello, partition);
+  ember_wire_put_u32(hello + 4, 0);
+  CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_FEED_HELLO, hello, 8, ember_deadline_after(5000)));
+  return fd;
+}
+
+/* Reads one status frame (ACK/REFUSED) off a raw producer. */
+static int32_t raw_status(int fd, uint16_t want_type, char *reason, size_t cap) {
+  ember_frame_header h;
+  uint8_t *p = NULL;
+  ember_wire_reader r;
+  int32_t st;
+  CHECK_OK(ember_net_recv_frame(fd, 4096, &h, &p, ember_deadline_after(5000)));
+  CHECK_EQ_INT(h.type, want_type);
+  ember_wire_reader_init(&r, p, h.length);
+  st = (int32_t)ember_wire_read_u32(&r);
+  ember_wire_read_str(&r, reason, cap);
+  CHECK_OK(ember_wire_reader_finish(&r, 1, "status"));
+  free(p);
+  return st;
+}
+
+/* Pops n batches of partition p (any interleaving with others is the
+ * caller's business); returns rows. */
+static uint64_t pop_partition(ember_feed_server *s, uint32_t p, uint32_t n, uint64_t *next) {
+  uint64_t rows = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    ember_feed_item *it = NULL;
+    CHECK_OK(ember_feed_server_next(s, &it, 10000));
+    rows += verify_item(it, p, next);
+    ember_feed_item_free(it);
+  }
+  return rows;
+}
+
+/* ------------------------------------------------------------ server tests */
+
+TEST(one_producer_in_order) {
+  ember_feed_server *s = start_server(0, 0);
+  producer_args a;
+  pthread_t t;
+  ember_feed_stats st;
+  ember_feed_item *it = NULL;
+  uint64_t next = 0;
+  producer_init(&a, ember_feed_server_port(s), 3, 50, 100);
+  CHECK(pthread_create(&t, NULL, producer, &a) == 0);
+  CHECK_EQ_INT(pop_partition(s, 3, 50, &next), 5000);
+  pthread_join(t, NULL);
+  CHECK_OK(a.send_rc);
+  CHECK_OK(a.end_rc);
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 50), EMBER_ETIMEDOUT);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.batches_received, 50);
+  CHECK_EQ_INT(st.records_received, 5000);
+  CHECK_EQ_INT(st.partitions_acked, 1);
+  CHECK_EQ_INT(st.producers_rejected, 0);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+TEST(four_concurrent_producers) {
+  ember_feed_server *s = start_server(256 * 1024, 0);
+  producer_args a[4];
+  pthread_t t[4];
+  uint64_t next[4] = {0}, total = 0;
+  ember_feed_stats st;
+  for (int i = 0; i < 4; i++) {
+    producer_init(&a[i], ember_feed_server_port(s), 10 + (uint32_t)i, 30, 50 + 10 * (uint32_t)i);
+    a[i].extra = 64;
+    CHECK(pthread_create(&t[i], NULL, producer, &a[i]) == 0);
+  }
+  for (int n = 0; n < 4 * 30; n++) {
+    ember_feed_item *it = NULL;
+    CHECK_OK(ember_feed_server_next(s, &it, 10000));
+    CHECK(it->partition >= 10 && it->partition < 14);
+    total += verify_item(it, it->partition, &next[it->partition - 10]);
+    ember_feed_item_free(it);
+  }
+  for (int i = 0; i < 4; i++) {
+    pthread_join(t[i], NULL);
+    CHECK_OK(a[i].send_rc);
+    CHECK_OK(a[i].end_rc);
+    CHECK_EQ_INT(next[i], 30 * a[i].rows_per_batch);
+  }
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.records_received, total);
+  CHECK_EQ_INT(st.partitions_acked, 4);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+TEST(backpressure_blocks_until_pop) {
+  /* queue_bytes 1: one queued batch fills the queue; 40 batches of ~1 MiB
+   * overflow the loopback socket buffers, so the producer must block. */
+  ember_feed_server *s = start_server(1, 0);
+  producer_args a;
+  pthread_t t;
+  ember_feed_stats st;
+  uint64_t next = 0;
+  producer_init(&a, ember_feed_server_port(s), 1, 40, 1024);
+  a.extra = 1024;
+  CHECK(pthread_create(&t, NULL, producer, &a) == 0);
+  sleep_ms(600);
+  ember_feed_server_stats(s, &st);
+  CHECK(atomic_load(&a.sent) < 40);
+  CHECK(st.batches_received <= 2);
+  CHECK(st.batches_received >= 1);
+  CHECK_EQ_INT(pop_partition(s, 1, 40, &next), 40 * 1024);
+  pthread_join(t, NULL);
+  CHECK_OK(a.send_rc);
+  CHECK_OK(a.end_rc);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+TEST(backpressure_deadline_times_out) {
+  ember_feed_server *s = start_server(1, 0);
+  producer_args a;
+  ember_feed_stats st;
+  producer_init(&a, ember_feed_server_port(s), 2, 200, 1024);
+  a.extra = 1024;
+  a.send_timeout_ms = 300;
+  producer(&a); /* the consumer never pops */
+  CHECK_EQ_INT(a.send_rc, EMBER_ETIMEDOUT);
+  CHECK(atomic_load(&a.sent) < 200);
+  ember_feed_server_stats(s, &st);
+  CHECK(st.batches_received <= 2);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+TEST(duplicate_partition_discarded) {
+  ember_feed_server *s = start_server(0, 0);
+  producer_args a, b;
+  pthread_t t;
+  ember_feed_stats st;
+  ember_feed_item *it = NULL;
+  uint64_t next = 0;
+  producer_init(&a, ember_feed_server_port(s), 7, 3, 10);
+  CHECK(pthread_create(&t, NULL, producer, &a) == 0);
+  pop_partition(s, 7, 3, &next);
+  pthread_join(t, NULL);
+  CHECK_OK(a.end_rc);
+  /* the retried task: its data is dropped, and it hears OK */
+  producer_init(&b, ember_feed_server_port(s), 7, 3, 10);
+  producer(&b);
+  CHECK_OK(b.send_rc);
+  CHECK_OK(b.end_rc);
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 100), EMBER_ETIMEDOUT);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.duplicate_partitions, 1);
+  CHECK_EQ_INT(st.batches_received, 3);
+  CHECK_EQ_INT(st.partitions_acked, 1);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+TEST(wrong_secret_rejected_others_served) {
+  ember_feed_server *s = start_server(0, 0);
+  producer_args a;
+  pthread_t t;
+  ember_feed_client *bad = NULL;
+  ember_feed_stats st;
+  uint64_t next = 0;
+  int silent = -1;
+  /* A client that connects and never speaks must not stall anyone. */
+  CHECK_OK(ember_net_connect("127.0.0.1", ember_feed_server_port(s), ember_deadline_after(2000),
+                             &silent));
+  producer_init(&a, ember_feed_server_port(s), 5, 20, 10);
+  CHECK(pthread_create(&t, NULL, producer, &a) == 0);
+  pop_partition(s, 5, 10, &next);
+  CHECK_EQ_INT(ember_feed_client_connect(&bad, "127.0.0.1", ember_feed_server_port(s), WRONG,
+                                         sizeof WRONG, 6, 0, 2000),
+               EMBER_EAUTH);
+  CHECK(bad == NULL);
+  CHECK(strstr(ember_last_error(), "bad MAC") != NULL);
+  pop_partition(s, 5, 10, &next);
+  pthread_join(t, NULL);
+  CHECK_OK(a.end_rc);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.producers_rejected, 1);
+  CHECK_EQ_INT(st.partitions_acked, 1);
+  ember_net_close(silent);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+TEST(handshake_deadline_drops_silent_client) {
+  ember_feed_server *s = start_server(0, 200);
+  ember_feed_stats st;
+  int fd = -1;
+  uint8_t buf[256];
+  ssize_t n, total = 0;
+  CHECK_OK(ember_net_connect("127.0.0.1", ember_feed_server_port(s), ember_deadline_after(2000),
+                             &fd));
+  /* read the CHALLENGE, then wait for the close */
+  for (;;) {
+    struct pollfd pfd = {fd, POLLIN, 0};
+    CHECK(poll(&pfd, 1, 3000) == 1);
+    n = recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    total += n;
+  }
+  CHECK_EQ_INT(total, EMBER_WIRE_HEADER_LEN + EMBER_NONCE_LEN);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.producers_rejected, 1);
+  ember_net_close(fd);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+TEST(malformed_batch_closes_only_that_producer) {
+  ember_feed_server *s = start_server(0, 0);
+  producer_args a;
+  pthread_t t;
+  ember_feed_stats st;
+  uint64_t next = 0;
+  char reason[1100];
+  uint8_t junk[64], tmp[16];
+  int fd;
+  producer_init(&a, ember_feed_server_port(s), 8, 20, 10);
+  CHECK(pthread_create(&t, NULL, producer, &a) == 0);
+  fd = raw_producer(ember_feed_server_port(s), 9);
+  /* claims 1 column of 1000 rows of F64 in a 64-byte batch */
+  memset(junk, 0, sizeof junk);
+  ember_wire_put_u32(junk, 1000);
+  ember_wire_put_u32(junk + 4, 1);
+  junk[8] = EMBER_DT_F64;
+  junk[9] = 1;
+  ember_wire_put_u32(junk + 12, 1);
+  ember_wire_put_u64(junk + 16, 8000);
+  junk[24] = 'x';
+  CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_BATCH, junk, sizeof junk, ember_deadline_after(2000)));
+  CHECK_EQ_INT(raw_status(fd, EMBER_MSG_REFUSED, reason, sizeof reason), EMBER_EPROTO);
+  CHECK(strstr(reason, "partition 9, batch 1 rejected") != NULL);
+  CHECK(strstr(reason, "column 0 ('x')") != NULL);
+  /* then the server closes that connection */
+  CHECK_EQ_INT(ember_net_recv_all(fd, tmp, 1, ember_deadline_after(5000)), EMBER_ECLOSED);
+  ember_net_close(fd);
+  /* the good producer is unaffected */
+  pop_partition(s, 8, 20, &next);
+  pthread_join(t, NULL);
+  CHECK_OK(a.send_rc);
+  CHECK_OK(a.end_rc);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.producers_rejected, 1);
+  CHECK_EQ_INT(st.partitions_acked, 1);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+TEST(client_send_sees_refusal) {
+  /* A batch over the server's max_frame is refused from its header alone;
+   * the client's next send reports the server's reason instead of
+   * streaming on into a closing connection. */
+  ember_feed_server *s = start_server_max(0, 0, 4096);
+  ember_feed_client *c = NULL;
+  gen_batch big, small;
+  ember_feed_stats st;
+  int rc = EMBER_OK;
+  CHECK_OK(ember_feed_client_connect(&c, "127.0.0.1", ember_feed_server_port(s), SECRET,
+                                     sizeof SECRET, 4, 0, 5000));
+  gen_make(&big, 4, 0, 10, 1000);
+  gen_make(&small, 4, 10, 5, 0);
+  CHECK_OK(ember_feed_client_send(c, big.cols, 4, big.nrows, 2000));
+  for (int i = 0; i < 100 && rc == EMBER_OK; i++) {
+    rc = ember_feed_client_send(c, small.cols, 4, small.nrows, 2000);
+    if (rc == EMBER_OK) sleep_ms(10);
+  }
+  gen_free(&big);
+  gen_free(&small);
+  CHECK_EQ_INT(rc, EMBER_ETOOBIG);
+  CHECK(strstr(ember_last_error(), "refused the producer") != NULL);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.producers_rejected, 1);
+  CHECK_EQ_INT(st.batches_received, 0);
+  CHECK_EQ_INT(ember_feed_client_end_partition(c, 1000), EMBER_ESTATE);
+  ember_feed_client_destroy(c);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+TEST(record_count_mismatch_acks_eproto) {
+  ember_feed_server *s = start_server(0, 0);
+  gen_batch g;
+  uint8_t *buf, cnt[8];
+  size_t len = 0;
+  char reason[1100];
+  ember_feed_item *it = NULL;
+  int fd = raw_producer(ember_feed_server_port(s), 12);
+  gen_make(&g, 12, 0, 5, 0);
+  CHECK_OK(ember_batch_encoded_size(g.cols, 4, 5, &len));
+  buf = malloc(len);
+  CHECK_OK(ember_batch_encode(g.cols, 4, 5, buf, len, &len));
+  CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_BATCH, buf, (uint32_t)len, ember_deadline_after(2000)));
+  ember_wire_put_u64(cnt, 7);
+  CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_END_PARTITION, cnt, 8, ember_deadline_after(2000)));
+  CHECK_OK(ember_feed_server_next(s, &it, 5000));
+  ember_feed_item_free(it);
+  CHECK_EQ_INT(raw_status(fd, EMBER_MSG_ACK, reason, sizeof reason), EMBER_EPROTO);
+  CHECK(strstr(reason, "says 7 records, the node received 5") != NULL);
+  ember_net_close(fd);
+  free(buf);
+  gen_free(&g);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+TEST(terminate_aborts_and_never_blocks_producers) {
+  ember_feed_server *s = start_server(1, 0);
+  producer_args a;
+  pthread_t t;
+  ember_feed_item *it = NULL;
+  uint64_t next = 0;
+  producer_init(&a, ember_feed_server_port(s), 2, 40, 1024);
+  a.extra = 1024; /* ~1 MiB batches against a 1-byte queue */
+  CHECK(pthread_create(&t, NULL, producer, &a) == 0);
+  pop_partition(s, 2, 2, &next);
+  CHECK_OK(ember_feed_server_terminate(s));
+  pthread_join(t, NULL); /* returns only if producers are not blocked */
+  CHECK_OK(a.send_rc);
+  CHECK_EQ_INT(atomic_load(&a.sent), 40);
+  CHECK_EQ_INT(a.end_rc, EMBER_EABORTED);
+  CHECK(strstr(a.end_msg, "trainer terminated the feed") != NULL);
+  CHECK_OK(ember_feed_server_next(s, &it, 0));
+  CHECK_EQ_INT(it->kind, EMBER_FEED_ITEM_END);
+  ember_feed_item_free(it);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+/* The consumer of the results test: answers each batch with one I64 column
+ * holding row * 2. */
+static void answer(ember_feed_server *s, const ember_feed_item *it) {
+  ember_column c[4], out;
+  uint32_t nc = 0, nr = 0;
+  int64_t *v;
+  uint8_t *buf;
+  size_t len = 0;
+  CHECK_OK(ember_batch_decode(it->data, it->len, c, 4, &nc, &nr));
+  v = malloc(8 * (size_t)nr + 8);
+  for (uint32_t r = 0; r < nr; r++) v[r] = ((const int64_t *)c[1].data)[r] * 2;
+  out = (ember_column){EMBER_DT_I64, 4, "pred", 1, v, 8ull * nr, NULL};
+  CHECK_OK(ember_batch_encoded_size(&out, 1, nr, &len));
+  buf = malloc(len);
+  CHECK_OK(ember_batch_encode(&out, 1, nr, buf, len, &len));
+  CHECK_OK(ember_feed_server_send_results(s, it->source, buf, len, 5000));
+  free(buf);
+  free(v);
+}
+
+TEST(results_round_trip_in_order) {
+  ember_feed_server *s = start_server(0, 0);
+  producer_args a, b;
+  pthread_t ta, tb;
+  uint64_t next[2] = {0, 0};
+  /* a: sends all, receives all results, then ends; b: ends first (its ACK
+   * can overtake the last RESULTS), then receives the results. */
+  producer_init(&a, ember_feed_server_port(s), 20, 12, 7);
+  a.flags = EMBER_FEED_WANT_RESULTS;
+  a.results = 1;
+  producer_init(&b, ember_feed_server_port(s), 21, 12, 5);
+  b.flags = EMBER_FEED_WANT_RESULTS;
+  b.end_then_results = 1;
+  CHECK(pthread_create(&ta, NULL, producer, &a) == 0);
+  CHECK(pthread_create(&tb, NULL, producer, &b) == 0);
+  for (int n = 0; n < 24; n++) {
+    ember_feed_item *it = NULL;
+    CHECK_OK(ember_feed_server_next(s, &it, 10000));
+    CHECK(it->flags & EMBER_FEED_WANT_RESULTS);
+    verify_item(it, it->partition, &next[it->partition - 20]);
+    answer(s, it);
+    ember_feed_item_free(it);
+  }
+  pthread_join(ta, NULL);
+  pthread_join(tb, NULL);
+  CHECK_OK(a.send_rc);
+  CHECK_OK(a.results_rc);
+  CHECK_OK(a.end_rc);
+  CHECK_OK(b.send_rc);
+  CHECK_OK(b.end_rc);
+  CHECK_OK(b.results_rc);
+  /* results to a gone producer / to a producer that did not ask */
+  CHECK_EQ_INT(ember_feed_server_send_results(s, 9999, (const uint8_t *)"", 0, 100),
+               EMBER_ENOTFOUND);
+  {
+    producer_args c;
+    ember_feed_item *it = NULL;
+    uint64_t n3 = 0;
+    pthread_t tc;
+    producer_init(&c, ember_feed_server_port(s), 22, 1, 3);
+    CHECK(pthread_create(&tc, NULL, producer, &c) == 0);
+    CHECK_OK(ember_feed_server_next(s, &it, 10000));
+    CHECK_EQ_INT(ember_feed_server_send_results(s, it->source, it->data, it->len, 100),
+                 EMBER_ESTATE);
+    verify_item(it, 22, &n3);
+    ember_feed_item_free(it);
+    pthread_join(tc, NULL);
+    CHECK_OK(c.end_rc);
+  }
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+TEST(end_feed_item_after_queued_batches) {
+  ember_feed_server *s = start_server(0, 0);
+  producer_args a;
+  pthread_t t;
+  ember_feed_client *driver = NULL;
+  ember_feed_stats st;
+  ember_feed_item *it = NULL;
+  uint64_t next = 0;
+  producer_init(&a, ember_feed_server_port(s), 0, 2, 10);
+  CHECK(pthread_create(&t, NULL, producer, &a) == 0);
+  for (int i = 0; i < 500; i++) {
+    ember_feed_server_stats(s, &st);
+    if (st.batches_received == 2) break;
+    sleep_ms(5);
+  }
+  CHECK_EQ_INT(st.batches_received, 2);
+  CHECK_OK(ember_feed_client_connect(&driver, "127.0.0.1", ember_feed_server_port(s), SECRET,
+                                     sizeof SECRET, UINT32_MAX, 0, 5000));
+  CHECK_OK(ember_feed_client_end_feed(driver, 5000));
+  ember_feed_client_destroy(driver);
+  pop_partition(s, 0, 2, &next);
+  CHECK_OK(ember_feed_server_next(s, &it, 5000));
+  CHECK_EQ_INT(it->kind, EMBER_FEED_ITEM_END);
+  CHECK(it->data == NULL);
+  ember_feed_item_free(it);
+  /* END again, at once */
+  for (int i = 0; i < 3; i++) {
+    CHECK_OK(ember_feed_server_next(s, &it, 0));
+    CHECK_EQ_INT(it->kind, EMBER_FEED_ITEM_END);
+    ember_feed_item_free(it);
+  }
+  pthread_join(t, NULL);
+  CHECK_OK(a.end_rc);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+TEST(destroy_with_connected_producers_leaks_nothing) {
+  ember_feed_server *s = start_server(1, 0);
+  producer_args a, b;
+  pthread_t ta, tb;
+  ember_feed_stats st;
+  ember_feed_item *it = NULL;
+  uint8_t half[6] = {'E', 'M', 'B', 'R', 1, 0};
+  int silent = -1, partial;
+  /* a: blocked by back-pressure with a batch queued and one half read */
+  producer_init(&a, ember_feed_server_port(s), 30, 30, 1024);
+  a.extra = 1024;
+  a.send_timeout_ms = 3000;
+  /* b: waits for its END_PARTITION ACK, which never comes */
+  producer_init(&b, ember_feed_server_port(s), 31, 1, 5);
+  CHECK(pthread_create(&ta, NULL, producer, &a) == 0);
+  CHECK_OK(ember_net_connect("127.0.0.1", ember_feed_server_port(s), ember_deadline_after(2000),
+                             &silent));
+  partial = raw_producer(ember_feed_server_port(s), 32);
+  CHECK_OK(ember_net_send_all(partial, half, sizeof half, ember_deadline_after(1000)));
+  for (int i = 0; i < 400; i++) {
+    ember_feed_server_stats(s, &st);
+    if (st.batches_received >= 1) break; /* one fills the 1-byte queue */
+    sleep_ms(5);
+  }
+  CHECK(st.batches_received >= 1);
+  /* b starts once a's batch fills the queue, so the one pop below is a's */
+  CHECK(pthread_create(&tb, NULL, producer, &b) == 0);
+  for (int i = 0; i < 400 && atomic_load(&b.sent) < 1; i++) sleep_ms(5);
+  CHECK_EQ_INT(atomic_load(&b.sent), 1);
+  CHECK_OK(ember_feed_server_next(s, &it, 1000)); /* popped, freed: not the server's */
+  CHECK_EQ_INT(it->partition, 30);
+  ember_feed_item_free(it);
+  sleep_ms(100);
+  ember_feed_server_destroy(s);
+  pthread_join(ta, NULL);
+  pthread_join(tb, NULL);
+  CHECK(a.send_rc != EMBER_OK || a.end_rc != EMBER_OK);
+  if (b.end_rc != EMBER_ECLOSED && b.end_rc != EMBER_EIO) {
+    fprintf(stderr, "b: send %d end %d (%s)\n", b.send_rc, b.end_rc, b.end_msg);
+    CHECK(0);
+  }
+  ember_net_close(silent);
+  ember_net_close(partial);
+  LEAK_CHECK();
+}
+
+TEST(create_rejects_bad_config) {
+  ember_feed_server_config cfg;
+  ember_feed_server *s = NULL;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.listen_fd = -1;
+  cfg.secret = SECRET;
+  cfg.secret_len = 8;
+  CHECK_EQ_INT(ember_feed_server_create(&s, &cfg), EMBER_EINVAL);
+  CHECK(s == NULL);
+  /* an already-bound socket (the reserved feed port) is adopted */
+  {
+    int fd = -1;
+    uint16_t port = 0;
+    CHECK_OK(ember_net_bind("127.0.0.1", 0, 0, 0, &fd, &port));
+    cfg.secret_len = sizeof SECRET;
+    cfg.listen_fd = fd;
+    CHECK_OK(ember_feed_server_create(&s, &cfg));
+    CHECK_EQ_INT(ember_feed_server_port(s), port);
+    ember_feed_server_destroy(s);
+  }
+  ember_feed_server_destroy(NULL);
+  ember_feed_client_destroy(NULL);
+  ember_feed_item_free(NULL);
+  LEAK_CHECK();
+}
+
+RUN_TESTS(T(dtype_sizes), T(codec_roundtrip_every_dtype), T(codec_zero_columns_and_bytes_only),
+          T(codec_encode_rejects_inconsistent_columns), T(decode_rejects_every_truncation),
+          T(decode_rejects_bad_fields), T(one_producer_in_order), T(four_concurrent_producers),
+          T(backpressure_blocks_until_pop), T(backpressure_deadline_times_out),
+          T(duplicate_partition_discarded), T(wrong_secret_rejected_others_served),
+          T(handshake_deadline_drops_silent_client), T(malformed_batch_closes_only_that_producer),
+          T(client_send_sees_refusal), T(record_count_mismatch_acks_eproto),
+          T(terminate_aborts_and_never_blocks_producers), T(results_round_trip_in_order),
+          T(end_feed_item_after_queued_batches), T(destroy_with_connected_producers_leaks_nothing),
+          T(create_rejects_bad_config))

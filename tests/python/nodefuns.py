@@ -1,0 +1,78 @@
+"""main_fun bodies used by the integration tests (imported by node processes).
+
+Each writes what it observed to ``args["out"]/node-<index>.json`` so the test
+can assert on real outputs after ``shutdown()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict
+
+
+def _write(args: Dict[str, Any], ctx: Any, **extra: Any) -> None:
+    info = dict(index=ctx.worker_num, job_name=ctx.job_name, task_index=ctx.task_index,
+                num_workers=ctx.num_workers, cluster_spec=ctx.cluster_spec,
+                tf_config=os.environ.get("TF_CONFIG"), pid=os.getpid(), ports=ctx.ports,
+                host=ctx.host, executor_id=ctx.executor_id, **extra)
+    path = os.path.join(args["out"], f"node-{ctx.worker_num}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(info, f)
+    os.replace(path + ".tmp", path)
+
+
+def report_ctx(args: Dict[str, Any], ctx: Any) -> None:
+    _write(args, ctx)
+
+
+def raise_on_node(args: Dict[str, Any], ctx: Any) -> None:
+    if ctx.worker_num == args["bad"]:
+        raise ValueError(f"boom from node {ctx.worker_num}")
+    _write(args, ctx)
+
+
+def count_records(args: Dict[str, Any], ctx: Any) -> None:
+    """Consumes the whole feed; records which ids arrived and in what batch sizes."""
+    feed = ctx.get_data_feed()
+    ids, sizes = [], []
+    while not feed.should_stop():
+        batch = feed.next_batch(args.get("batch", 32))
+        if len(batch) == 0:
+            break
+        ids.extend(int(i) for i in batch.columns[0])
+        sizes.append(len(batch))
+        if args.get("check_rows"):
+            rec = batch[0]
+            assert float(rec[1][0]) == float(rec[0]), rec
+    if args.get("slow"):
+        time.sleep(args["slow"])
+    _write(args, ctx, ids=ids, sizes=sizes)
+
+
+def train_then_raise(args: Dict[str, Any], ctx: Any) -> None:
+    feed = ctx.get_data_feed()
+    feed.next_batch(10)
+    raise RuntimeError("trainer exploded after its first batch")
+
+
+def double_it(args: Dict[str, Any], ctx: Any) -> None:
+    """Inference: answers each record (id, value) with [id, 2 * value]."""
+    feed = ctx.get_data_feed(train_mode=False)
+    while not feed.should_stop():
+        batch = feed.next_batch(args.get("batch", 50))
+        if len(batch) == 0:
+            break
+        ids, values = batch.columns
+        feed.batch_results([[int(i), 2 * float(v)] for i, v in zip(ids, values)])
+
+
+def sleep_in_feed(args: Dict[str, Any], ctx: Any) -> None:
+    """Reads a little, then keeps reading slowly: lets a test kill it mid-training."""
+    feed = ctx.get_data_feed()
+    _write(args, ctx)
+    while not feed.should_stop():
+        if len(feed.next_batch(8)) == 0:
+            break
+        time.sleep(0.05)

@@ -1,0 +1,169 @@
+"""Ember on an embedded local[4] Spark: reservation, roles, feed, failures."""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import time
+
+import pytest
+
+import nodefuns
+from conftest import read_json_files
+from ember import _ember
+from ember.spark import EmberNodeError, InputMode, run
+
+
+def _live_sockets_on(ports):
+    """Sockets bound to any of these local ports, except TIME_WAIT leftovers."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                port, state = int(fields[1].rsplit(":", 1)[1], 16), fields[3]
+                if port in ports and state != "06":  # 06 = TIME_WAIT
+                    found.append((table, port, state))
+    return found
+
+
+def _wait_gone(pids, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if os.path.exists(f"/proc/{p}")
+                 and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+        time.sleep(0.1)
+    return alive
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_reservation_assigns_roles_and_tf_config(local_spark, tmp_path, n):
+    sc = local_spark.sparkContext
+    num_ps = 1 if n == 4 else 0
+    cluster = run(sc, nodefuns.report_ctx, {"out": str(tmp_path)}, num_executors=n,
+                  num_ps=num_ps, eval_node=(n == 4), input_mode=InputMode.TENSORFLOW,
+                  reservation_timeout=60)
+    cluster.shutdown(timeout=60)
+    infos = read_json_files(str(tmp_path))
+    assert sorted(i["index"] for i in infos) == list(range(n))
+    roles = {i["index"]: (i["job_name"], i["task_index"]) for i in infos}
+    if n == 2:
+        assert roles == {0: ("chief", 0), 1: ("worker", 0)}
+    else:  # TensorFlowOnSpark's order: ps, chief, evaluator, workers
+        assert roles == {0: ("ps", 0), 1: ("chief", 0), 2: ("evaluator", 0), 3: ("worker", 0)}
+    for info in infos:
+        tf_config = json.loads(info["tf_config"])
+        assert tf_config["task"] == {"type": info["job_name"], "index": info["task_index"]}
+        assert "evaluator" not in tf_config["cluster"]
+        assert tf_config["cluster"] == info["cluster_spec"]
+        assert info["num_workers"] == (2 if n == 2 else 2)
+    # ports are distinct per node and were really reserved
+    ports = [p for i in infos for p in i["ports"]]
+    assert len(ports) == len(set(ports)) == 2 * n
+
+
+def test_node_exception_is_raised_on_driver(local_spark, tmp_path):
+    sc = local_spark.sparkContext
+    cluster = run(sc, nodefuns.raise_on_node, {"out": str(tmp_path), "bad": 1},
+                  num_executors=2, input_mode=InputMode.TENSORFLOW, reservation_timeout=60)
+    with pytest.raises(EmberNodeError) as err:
+        cluster.shutdown(timeout=60)
+    text = str(err.value)
+    assert "node 1" in text and "boom from node 1" in text
+    assert "Traceback" in text and "ValueError" in text
+    assert err.value.node == 1
+
+
+def test_node_exception_during_train_stops_the_feed(local_spark, tmp_path):
+    sc = local_spark.sparkContext
+    cluster = run(sc, nodefuns.train_then_raise, {}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=60)
+    rdd = sc.parallelize([(i, [float(i)]) for i in range(20000)], 4)
+    start = time.monotonic()
+    with pytest.raises(EmberNodeError) as err:
+        cluster.train(rdd, num_epochs=3, feed_timeout=60)
+    assert time.monotonic() - start < 45
+    assert "trainer exploded after its first batch" in str(err.value)
+    assert "Traceback" in str(err.value)
+    # the failure already stopped every node; shutdown() is then a no-op
+    assert _wait_gone([n["pid"] for n in cluster.nodes]) == []
+    cluster.shutdown(timeout=30)
+
+
+def test_reservation_timeout_names_the_missing_node(local_spark):
+    sc = local_spark.sparkContext
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as err:
+        run(sc, nodefuns.report_ctx, {"out": "/nonexistent"}, num_executors=2,
+            input_mode=InputMode.TENSORFLOW, reservation_timeout=4,
+            env={"EMBER_FAULT_DELAY_REGISTER": "1:8"})
+    assert time.monotonic() - start < 30
+    assert "missing node(s): 1" in str(err.value)
+
+
+def test_train_delivers_every_record_once_per_epoch(local_spark, tmp_path):
+    sc = local_spark.sparkContext
+    n, epochs = 5000, 3
+    # uneven partitions on purpose (one is empty)
+    data = [(i, [float(i)] * 4) for i in range(n)]
+    rdd = sc.parallelize(data, 7).mapPartitionsWithIndex(
+        lambda p, it: it if p != 3 else iter(()))
+    expected = collections.Counter(r[0] for r in rdd.collect())
+    cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path), "check_rows": True},
+                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60)
+    fed = cluster.train(rdd, num_epochs=epochs)
+    cluster.shutdown(timeout=60)
+    assert fed == sum(expected.values()) * epochs
+    infos = read_json_files(str(tmp_path))
+    assert len(infos) == 2
+    got = collections.Counter(i for info in infos for i in info["ids"])
+    assert got == collections.Counter({k: v * epochs for k, v in expected.items()})
+    # both feeding nodes got data, and batches were full except at the end
+    assert all(info["ids"] for info in infos)
+    for info in infos:
+        assert all(s == 32 for s in info["sizes"][:-1])
+
+
+def test_inference_returns_one_result_per_record_in_order(local_spark):
+    sc = local_spark.sparkContext
+    cluster = run(sc, nodefuns.double_it, {"batch": 37}, num_executors=2,
+                  input_mode=InputMode.SPARK, master_node=None, reservation_timeout=60)
+    try:
+        rdd = sc.parallelize([(i, float(i) / 2) for i in range(3001)], 5)
+        out = cluster.inference(rdd).collect()
+    finally:
+        cluster.shutdown(timeout=60)
+    assert out == [[i, float(i)] for i in range(3001)]
+
+
+def test_shutdown_leaves_no_process_port_or_segment(local_spark, tmp_path):
+    sc = local_spark.sparkContext
+    cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=60)
+    cluster.train(sc.parallelize([(i, [1.0]) for i in range(100)], 2))
+    cluster.shutdown(timeout=60)
+    infos = read_json_files(str(tmp_path))
+    assert _wait_gone([i["pid"] for i in infos]) == []
+    ports = {p for info in infos for p in info["ports"]}
+    assert _live_sockets_on(ports) == []
+    assert glob.glob("/dev/shm/ember*") == []
+
+
+def test_wrong_secret_is_rejected_and_cluster_keeps_working(local_spark, tmp_path):
+    sc = local_spark.sparkContext
+    cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=60)
+    try:
+        port = cluster._server.port
+        with pytest.raises(_ember.EmberAuthError):
+            _ember.RendezvousClient("127.0.0.1", port, b"not the secret, 32 bytes long!!", 5.0)
+        node = cluster.nodes[0]
+        with pytest.raises(_ember.EmberAuthError):
+            _ember.FeedClient(node["host"], node["ports"][1], b"x" * 32, 1, timeout_s=5.0)
+        assert cluster.train(sc.parallelize([(i, [1.0]) for i in range(500)], 3)) == 500
+    finally:
+        cluster.shutdown(timeout=60)
+    assert sum(len(i["ids"]) for i in read_json_files(str(tmp_path))) == 500
