@@ -182,7 +182,8 @@ int ember_auth_server_check(const ember_auth_pending *st, const uint8_t *secret,
              (unsigned)payload_len, (unsigned)AUTH_PAYLOAD_LEN);
     goto refuse;
   }
-  if (payload == NULL) return ember__set_error(EMBER_EINVAL, "auth_server_check: NULL payload");
+  if (payload == NULL)
+    return ember__set_error(EMBER_EINVAL, "auth_server_check: NULL payload");
   const uint8_t *cn = payload, *mac = payload + EMBER_NONCE_LEN;
   rc = ember_auth_hmac(secret, secret_len, CLIENT_LABEL, strlen(CLIENT_LABEL),
                        st->server_nonce, EMBER_NONCE_LEN, cn, EMBER_NONCE_LEN, expect);

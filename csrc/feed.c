@@ -12,8 +12,8 @@
  *   - after ember_feed_server_terminate, next() returns END at once;
  *   - ember_feed_server_next, _send_results, _terminate and _stats may be
  *     called from any threads concurrently; _destroy must not race them.
- *     A client handle is for one thread at a time, except that one thread
- *     may send while another receives results (distinct directions).
+ *     A client handle is for one thread at a time: send() also reads the
+ *     socket (client_check_refused) and the handle's flags are unlocked.
  *   - BATCH frames are read with ember_wire_decode_header (bounded by
  *     max_frame) and the payload is received straight into the item's
  *     buffer, rather than through ember_wire_parser: the parser would copy

@@ -1,6 +1,6 @@
 /* rendezvous.c - the reservation server (driver side) and its client (node).
  *
- * Server: one background thread runs a poll() loop over a wake pipe, the
+ * Server: one background thread runs a poll() loop over a wake eventfd, the
  * listen socket and every connection.  Sockets are non-blocking; each
  * connection has a small state machine (AUTH -> REGISTER -> NODE, or CLOSING
  * when it is being refused), its own incremental frame parser and its own
@@ -26,10 +26,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
-#include <fcntl.h>
 
 #include "ember/auth.h"
 #include "ember/error.h"
@@ -115,7 +115,7 @@ struct ember_rdv_server {
   int has_chief, has_evaluator;
   uint32_t hb_ms, hs_ms;
   uint16_t port;
-  int listen_fd, wake_rd, wake_wr;
+  int listen_fd, wake_fd;
   pthread_t thread;
   int thread_started;
 
@@ -134,7 +134,7 @@ struct ember_rdv_server {
   int quit;
 
   /* loop thread only */
-  struct pollfd *pfds; /* [0] wake pipe, [1] listen, [2 + i] conns[i] */
+  struct pollfd *pfds; /* [0] wake eventfd, [1] listen, [2 + i] conns[i] */
   conn **conns;
   size_t nconns, capconns;
   uint8_t *spec_table;
@@ -162,10 +162,12 @@ static char *fmt_alloc(const char *fmt, ...) {
   return s;
 }
 
+/* Wake-ups use an eventfd: one fd instead of a pipe's two matters when a
+ * benchmark runs a thousand clients in one process. */
 static void wake(int fd) {
-  uint8_t b = 1;
-  /* A full pipe already guarantees a wake-up; EAGAIN is fine. */
-  ssize_t n = write(fd, &b, 1);
+  uint64_t one = 1;
+  /* A saturated counter already guarantees a wake-up; EAGAIN is fine. */
+  ssize_t n = write(fd, &one, sizeof one);
   (void)n;
 }
 
@@ -182,12 +184,9 @@ static void drain_socket(int fd) {
     if (recv(fd, buf, sizeof buf, MSG_DONTWAIT) <= 0) return;
 }
 
-static int make_pipe(int *rd, int *wr) {
-  int p[2];
-  if (pipe2(p, O_NONBLOCK | O_CLOEXEC) != 0)
-    return ember__set_errno(EMBER_ESYS, errno, "pipe2");
-  *rd = p[0];
-  *wr = p[1];
+static int make_wakefd(int *out) {
+  *out = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (*out < 0) return ember__set_errno(EMBER_ESYS, errno, "eventfd");
   return EMBER_OK;
 }
 
@@ -319,6 +318,21 @@ static void free_segs(conn *c) {
   c->queued = 0;
 }
 
+/* Drops queued frames that have not started to go out; a partly sent one
+ * must finish or the peer's framing would break. */
+static void drop_unsent(conn *c) {
+  seg *keep = (c->head != NULL && c->head->off > 0) ? c->head : NULL;
+  seg *g = keep ? keep->next : c->head;
+  while (g) {
+    seg *n = g->next;
+    c->queued -= g->owned;
+    free(g);
+    g = n;
+  }
+  if (keep) keep->next = NULL;
+  c->head = c->tail = keep;
+}
+
 /* ---------------------------------------------------------------- conn end */
 
 /* Detaches a registered node from its connection: LOST unless it already
@@ -360,7 +374,7 @@ static void conn_refuse(ember_rdv_server *s, conn *c, int status, int32_t ev_nod
                         const char *reason, const uint8_t *prebuilt, size_t prebuilt_len) {
   if (c->dead || c->state == C_CLOSING) return;
   push_event(s, EMBER_RDV_EV_REJECTED, ev_node, 0, fmt_alloc("%s: %s", c->peer, reason));
-  free_segs(c); /* an unsent CHALLENGE is moot now */
+  drop_unsent(c); /* an unsent CHALLENGE is moot now */
   int rc;
   if (prebuilt != NULL) {
     rc = queue_seg(c, prebuilt, prebuilt_len, NULL, 0);
@@ -628,7 +642,8 @@ static void on_auth_bytes(ember_rdv_server *s, conn *c) {
     conn_refuse(s, c, EMBER_EAUTH, -1, reason, NULL, 0);
     return;
   }
-  int well_formed = h.type == EMBER_MSG_AUTH && h.length == AUTH_FRAME_LEN - EMBER_WIRE_HEADER_LEN;
+  int well_formed =
+      h.type == EMBER_MSG_AUTH && h.length == AUTH_FRAME_LEN - EMBER_WIRE_HEADER_LEN;
   if (well_formed && c->authlen < AUTH_FRAME_LEN) return; /* wait for the rest */
   int rc = ember_auth_server_check(&c->auth, s->secret, s->secret_len, h.type,
                                    well_formed ? c->authbuf + EMBER_WIRE_HEADER_LEN : NULL,
@@ -896,7 +911,7 @@ static void *server_main(void *arg) {
       s->pfds[2 + i].events = (short)(POLLIN | (c->head ? POLLOUT : 0));
       s->pfds[2 + i].revents = 0;
     }
-    s->pfds[0].fd = s->wake_rd;
+    s->pfds[0].fd = s->wake_fd;
     s->pfds[0].events = POLLIN;
     s->pfds[1].fd = s->listen_fd;
     s->pfds[1].events = now >= s->accept_paused_until ? POLLIN : 0;
@@ -910,7 +925,7 @@ static void *server_main(void *arg) {
       set_fatal(s, EMBER_ESYS, strerror(errno));
       break;
     }
-    if (s->pfds[0].revents) drain_fd(s->wake_rd);
+    if (s->pfds[0].revents) drain_fd(s->wake_fd);
     size_t polled = s->nconns;
     for (size_t i = polled; i-- > 0;) {
       short rev = s->pfds[2 + i].revents;
@@ -927,14 +942,15 @@ static void *server_main(void *arg) {
 
 /* ---------------------------------------------------------------- API */
 
-/* A reservation of N nodes needs N sockets in the driver (2N when a test or
- * benchmark runs the nodes in the same process); the common soft limit of
- * 1024 fds would stop a large job at accept().  Raise the soft limit toward
- * the hard one, which any process may do; never lower it. */
+/* A reservation of N nodes needs N sockets in the driver, and up to 3N more
+ * when a test or benchmark runs the N clients (socket + eventfd each) in the
+ * same process; the common soft limit of 1024 fds would stop a large job at
+ * accept().  Raise the soft limit toward the hard one, which any process may
+ * do; never lower it. */
 static void raise_fd_limit(uint32_t num_nodes) {
   struct rlimit rl;
   if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
-  rlim_t want = (rlim_t)num_nodes * 2 + 256;
+  rlim_t want = (rlim_t)num_nodes * 4 + 256;
   if (rl.rlim_cur >= want) return;
   rl.rlim_cur = (rl.rlim_max == RLIM_INFINITY || rl.rlim_max > want) ? want : rl.rlim_max;
   (void)setrlimit(RLIMIT_NOFILE, &rl);
@@ -946,8 +962,7 @@ static void server_free(ember_rdv_server *s) {
   free(s->conns);
   free(s->pfds);
   ember_net_close(s->listen_fd);
-  ember_net_close(s->wake_rd);
-  ember_net_close(s->wake_wr);
+  ember_net_close(s->wake_fd);
   for (ev_item *it = s->ev_head; it;) {
     ev_item *n = it->next;
     free(it->ev.text);
@@ -994,7 +1009,7 @@ int ember_rdv_server_create(ember_rdv_server **out, const ember_rdv_server_confi
 
   s = calloc(1, sizeof *s);
   if (s == NULL) return ember__set_error(EMBER_ENOMEM, "rdv_server_create: out of memory");
-  s->listen_fd = s->wake_rd = s->wake_wr = -1;
+  s->listen_fd = s->wake_fd = -1;
   pthread_mutex_init(&s->mu, NULL);
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -1018,13 +1033,27 @@ int ember_rdv_server_create(ember_rdv_server **out, const ember_rdv_server_confi
   memcpy(s->secret, cfg->secret, cfg->secret_len);
   s->secret_len = cfg->secret_len;
 
+  /* Initialise OpenSSL (config load, DRBG, HMAC fetch) on the caller's
+   * thread, not lazily on the loop thread: a host program that forks while
+   * another thread is inside OpenSSL's one-time init leaves the child stuck
+   * on a lock that will never be released. */
+  {
+    uint8_t warm[EMBER_MAC_LEN];
+    rc = ember_auth_random(warm, sizeof warm);
+    if (rc == EMBER_OK)
+      rc = ember_auth_hmac(s->secret, s->secret_len, warm, sizeof warm, NULL, 0, NULL, 0,
+                           warm);
+    if (rc != EMBER_OK) goto fail;
+  }
   raise_fd_limit(cfg->num_nodes);
   /* Backlog: all nodes of a gang start at once; the kernel caps it at
    * net.core.somaxconn. */
-  int backlog = cfg->num_nodes < 128 ? 128 : (int)(cfg->num_nodes > 65535 ? 65535 : cfg->num_nodes);
+  int backlog = cfg->num_nodes < 128     ? 128
+                : cfg->num_nodes > 65535 ? 65535
+                                         : (int)cfg->num_nodes;
   rc = ember_net_bind(cfg->bind_host, cfg->port, backlog, 0, &s->listen_fd, &s->port);
   if (rc != EMBER_OK) goto fail;
-  rc = make_pipe(&s->wake_rd, &s->wake_wr);
+  rc = make_wakefd(&s->wake_fd);
   if (rc != EMBER_OK) goto fail;
   rc = start_thread(&s->thread, server_main, s);
   if (rc != EMBER_OK) goto fail;
@@ -1163,7 +1192,7 @@ int ember_rdv_server_stop(ember_rdv_server *s, int32_t node, uint32_t grace_ms) 
   }
   pthread_mutex_unlock(&s->mu);
   free(c);
-  if (rc == EMBER_OK) wake(s->wake_wr);
+  if (rc == EMBER_OK) wake(s->wake_fd);
   return rc;
 }
 
@@ -1173,7 +1202,7 @@ void ember_rdv_server_destroy(ember_rdv_server *s) {
     pthread_mutex_lock(&s->mu);
     s->quit = 1;
     pthread_mutex_unlock(&s->mu);
-    wake(s->wake_wr);
+    wake(s->wake_fd);
     pthread_join(s->thread, NULL);
   }
   server_free(s);
@@ -1193,7 +1222,7 @@ struct ember_rdv_client {
   pthread_mutex_t wmu; /* serialises writes: report() vs heartbeats */
   pthread_t thread;
   int started;
-  int wake_rd, wake_wr;
+  int wake_fd; /* created by start(): clients that never start cost one fd */
   _Atomic int64_t stop_state;
   atomic_int quit;
   uint32_t interval_ms, flags;
@@ -1220,7 +1249,7 @@ int ember_rdv_client_connect(ember_rdv_client **out, const char *host, uint16_t 
   int64_t deadline = ember_deadline_after(timeout_ms);
   c = calloc(1, sizeof *c);
   if (c == NULL) return ember__set_error(EMBER_ENOMEM, "rdv_client_connect: out of memory");
-  c->fd = c->wake_rd = c->wake_wr = -1;
+  c->fd = c->wake_fd = -1;
   pthread_mutex_init(&c->wmu, NULL);
   atomic_init(&c->stop_state, 0);
   atomic_init(&c->quit, 0);
@@ -1229,8 +1258,6 @@ int ember_rdv_client_connect(ember_rdv_client **out, const char *host, uint16_t 
   (void)ember_net_tune(c->fd);
   ember_net_peer_name(c->fd, c->peer, sizeof c->peer);
   rc = ember_auth_client(c->fd, secret, secret_len, deadline);
-  if (rc != EMBER_OK) goto fail;
-  rc = make_pipe(&c->wake_rd, &c->wake_wr);
   if (rc != EMBER_OK) goto fail;
   *out = c;
   return EMBER_OK;
@@ -1363,13 +1390,13 @@ static void *client_main(void *arg) {
                (long long)(now - last_heard));
 
     if (alive && !why[0]) {
-      struct pollfd pf[2] = {{.fd = c->wake_rd, .events = POLLIN, .revents = 0},
+      struct pollfd pf[2] = {{.fd = c->wake_fd, .events = POLLIN, .revents = 0},
                              {.fd = c->fd, .events = POLLIN, .revents = 0}};
       int64_t until = next_hb < last_heard + silence ? next_hb : last_heard + silence;
       if (exit_on_loss && stop_deadline < until) until = stop_deadline;
       int timeout = until <= now ? 0 : (int)(until - now > 60000 ? 60000 : until - now);
       int pr = poll(pf, 2, timeout);
-      if (pr > 0 && pf[0].revents) drain_fd(c->wake_rd);
+      if (pr > 0 && pf[0].revents) drain_fd(c->wake_fd);
       if (pr > 0 && pf[1].revents) {
         ssize_t n = recv(c->fd, buf, sizeof buf, 0);
         if (n == 0) {
@@ -1406,8 +1433,8 @@ static void *client_main(void *arg) {
       int timeout = until == INT64_MAX ? -1
                     : until <= now      ? 0
                                         : (int)(until - now > 60000 ? 60000 : until - now);
-      struct pollfd pf = {.fd = c->wake_rd, .events = POLLIN, .revents = 0};
-      if (poll(&pf, 1, timeout) > 0) drain_fd(c->wake_rd);
+      struct pollfd pf = {.fd = c->wake_fd, .events = POLLIN, .revents = 0};
+      if (poll(&pf, 1, timeout) > 0) drain_fd(c->wake_fd);
     }
 
     if (why[0] && alive) {
@@ -1430,7 +1457,9 @@ int ember_rdv_client_start(ember_rdv_client *c, uint32_t interval_ms, uint32_t f
   if (c->started) return ember__set_error(EMBER_ESTATE, "rdv_client_start: already started");
   c->interval_ms = interval_ms ? interval_ms : CLIENT_DEFAULT_INTERVAL_MS;
   c->flags = flags;
-  int rc = start_thread(&c->thread, client_main, c);
+  int rc = c->wake_fd >= 0 ? EMBER_OK : make_wakefd(&c->wake_fd);
+  if (rc != EMBER_OK) return rc;
+  rc = start_thread(&c->thread, client_main, c);
   if (rc != EMBER_OK) return rc;
   c->started = 1;
   return EMBER_OK;
@@ -1475,12 +1504,11 @@ void ember_rdv_client_destroy(ember_rdv_client *c) {
   if (c == NULL) return;
   if (c->started) {
     atomic_store(&c->quit, 1);
-    wake(c->wake_wr);
+    wake(c->wake_fd);
     pthread_join(c->thread, NULL);
   }
   ember_net_close(c->fd);
-  ember_net_close(c->wake_rd);
-  ember_net_close(c->wake_wr);
+  ember_net_close(c->wake_fd);
   pthread_mutex_destroy(&c->wmu);
   free(c);
 }

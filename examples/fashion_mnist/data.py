@@ -78,7 +78,8 @@ def read_idx(path):
             f"{expected} bytes, file has {actual}"
         )
     arr = np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims)
-    return arr.astype(dtype.newbyteorder("="), copy=False) if dtype.itemsize > 1 else arr
+    # a writable array in native byte order (frombuffer over bytes is read-only)
+    return arr.astype(dtype.newbyteorder("="), copy=True)
 
 
 def load_split(split, data_dir=None):
@@ -131,7 +132,7 @@ def parse_csv_line(line):
         )
     label = int(values[0])
     if label != values[0] or not 0 <= label < NUM_CLASSES:
-        raise ValueError(f"bad Fashion-MNIST CSV line: label {values[0]!r} not in 0..9")
+        raise ValueError(f"bad Fashion-MNIST CSV line: label {float(values[0])!r} not in 0..9")
     image = values[1:]
     image /= 255.0
     return image, label

@@ -119,18 +119,18 @@ def _make_strategy(tf, args):
     """MultiWorkerMirroredStrategy from TF_CONFIG (exported by Ember).
 
     Creating it starts this task's gRPC server on its TF_CONFIG port."""
-    _configure_threads(tf, args)
     try:
+        _configure_threads(tf, args)
         return tf.distribute.MultiWorkerMirroredStrategy(
             communication_options=tf.distribute.experimental.CommunicationOptions(
                 implementation=tf.distribute.experimental.CommunicationImplementation.RING
             )
         )
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, tf.errors.OpError) as e:
         raise RuntimeError(
-            "cannot create MultiWorkerMirroredStrategy: it must be the first TensorFlow "
-            "work in a fresh process, after TF_CONFIG is set "
-            f"(TF_CONFIG={os.environ.get('TF_CONFIG')!r}): {e}"
+            f"cannot create MultiWorkerMirroredStrategy ({e}). It must be the first "
+            "TensorFlow work in a fresh process, TF_CONFIG must be set, and this task's "
+            f"port must be free (TF_CONFIG={os.environ.get('TF_CONFIG')!r})"
         ) from e
 
 
@@ -160,44 +160,63 @@ class _Trainer:
         model, optimizer, global_batch = self.model, self.optimizer, self.global_batch
         x_spec = tf.TensorSpec([None, NUM_PIXELS], tf.float32, name="image")
         y_spec = tf.TensorSpec([None], tf.int64, name="label")
+        flag_spec = tf.TensorSpec([], tf.float32, name="have_next")
+        SUM = tf.distribute.ReduceOp.SUM
 
-        def step_fn(x, y):
+        def flag_vector(flag):
+            # tf.identity: MWMS cannot all-reduce a tf.function input directly
+            # ("destinations can not be empty")
+            return tf.reshape(tf.identity(flag), [1])
+
+        def step_fn(x, y, have_next):
             with tf.GradientTape() as tape:
                 logits = model(x, training=True)
                 per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
                 loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
             grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))  # all-reduces grads
-            # this worker's mean loss, for progress only (no extra collective)
-            return tf.reduce_mean(per_example)
+            # One batched all-reduce carries the gradients and the "I have a
+            # batch for the next step" flag: no extra round trip per step.
+            reduced = tf.distribute.get_replica_context().all_reduce(
+                SUM, list(grads) + [flag_vector(have_next)]
+            )
+            optimizer.apply_gradients(
+                zip(reduced[:-1], model.trainable_variables), skip_gradients_aggregation=True
+            )
+            # this worker's mean loss (progress only) and the ready count
+            return tf.reduce_mean(per_example), reduced[-1][0]
 
-        @tf.function(input_signature=[x_spec, y_spec])
-        def train_step(x, y):
-            per_replica = strategy.run(step_fn, args=(x, y))
-            return strategy.experimental_local_results(per_replica)[0]
+        @tf.function(input_signature=[x_spec, y_spec, flag_spec])
+        def train_step(x, y, have_next):
+            loss, ready = strategy.run(step_fn, args=(x, y, have_next))
+            local = strategy.experimental_local_results
+            return local(loss)[0], local(ready)[0]
 
         def count_fn(flag):
-            # tf.identity: MWMS cannot all-reduce a tf.function input directly
-            # ("destinations can not be empty")
-            return tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, tf.identity(flag)
-            )
+            return tf.distribute.get_replica_context().all_reduce(SUM, flag_vector(flag))[0]
 
-        @tf.function(input_signature=[tf.TensorSpec([], tf.float32)])
+        @tf.function(input_signature=[flag_spec])
         def ready_count(flag):
-            per_replica = strategy.run(count_fn, args=(flag,))
-            return strategy.experimental_local_results(per_replica)[0]
+            return strategy.experimental_local_results(strategy.run(count_fn, args=(flag,)))[0]
 
-        self.train_step = train_step
-        self.ready_count = ready_count
+        self._train_step = train_step
+        self._ready_count = ready_count
+
+    def _flag(self, have):
+        return self.tf.constant(1.0 if have else 0.0)
 
     def all_have_data(self, have):
-        """Collective: True iff every worker has a batch for this step.
+        """Collective: True iff every worker passed have=True (used before the
+        first step, and with have=True as a barrier)."""
+        return int(round(float(self._ready_count(self._flag(have))))) == self.replicas
 
-        Every worker calls this once per step, so all of them see the same
-        answer and leave the loop at the same step."""
-        total = self.ready_count(self.tf.constant(1.0 if have else 0.0))
-        return int(round(float(total))) == self.replicas
+    def step(self, x, y, have_next=True):
+        """One training step on this worker's batch (x, y); collective.
+
+        have_next says whether this worker has a batch for the step after;
+        returns (this worker's mean loss, whether every worker has one), the
+        same answer on every worker."""
+        loss, ready = self._train_step(x, y, self._flag(have_next))
+        return float(loss), int(round(float(ready))) == self.replicas
 
     def save(self, args, chief, step):
         """Checkpoint to model_dir/checkpoint and export a SavedModel to export_dir.
@@ -233,6 +252,23 @@ class _Trainer:
                 shutil.rmtree(tmp, ignore_errors=True)
         return (ckpt_path, export_dir) if chief else (None, None)
 
+    def barrier(self):
+        """Collective no-op: returns once every worker got here.
+
+        Used as the last thing in a training main_fun: a worker whose process
+        exits (taking its gRPC server and coordination-service heartbeats
+        with it) while another is still inside TensorFlow can stall that one
+        for the ~10 s heartbeat timeout and make it log 'tasks are unhealthy'."""
+        import gc
+
+        gc.collect()  # release datasets/iterators/functions while everyone is still up
+        self.all_have_data(True)
+
+
+def _train_records(args):
+    """Training-set size if the job passed it (args.train_records), else None."""
+    return _arg(args, "train_records", _arg(args, "num_train"))
+
 
 def _steps_per_epoch(args, global_batch, num_records):
     spe = _arg(args, "steps_per_epoch")
@@ -253,10 +289,13 @@ def train_spark(args, ctx):
     """InputMode.SPARK main_fun: train on the records Spark feeds this node.
 
     The loop runs until any worker's feed runs out (or, if args.steps_per_epoch
-    is given, for at most epochs * steps_per_epoch steps); every step starts with
-    a collective that tells all workers whether everyone still has data, so all
-    of them stop at the same step however unevenly the data is spread.  What is
-    left in a worker's feed is then drained.  Nothing is padded."""
+    is given, for at most epochs * steps_per_epoch steps).  Each step's gradient
+    all-reduce also sums a per-worker "I have my next batch" flag, so all
+    workers learn together whether everyone can take another step and stop at
+    the same step however unevenly the data is spread (no extra round trip).
+    What is left in a worker's feed is then drained.  Nothing is padded; a
+    short last batch is trained on as it is (the loss is still divided by the
+    global batch size)."""
     if _not_a_trainer(ctx):
         return
     tf = _import_tf()
@@ -269,23 +308,31 @@ def train_spark(args, ctx):
 
     feed = ctx.get_data_feed(train_mode=True)
     batch_size = int(args.batch_size)
-    spe = _steps_per_epoch(args, trainer.global_batch, int(_arg(args, "num_train", TRAIN_RECORDS)))
+    spe = _steps_per_epoch(args, trainer.global_batch, int(_train_records(args) or TRAIN_RECORDS))
     max_steps = int(args.epochs) * spe if _arg(args, "steps_per_epoch") else None
 
     step = records = 0
     loss_sum = 0.0
     loss_n = 0
     t0 = t_epoch = time.time()
-    while max_steps is None or step < max_steps:
-        batch = feed.next_batch(batch_size)
-        rows = len(batch)
-        if not trainer.all_have_data(rows > 0):
-            break
-        x, y = _batch_arrays(batch)
-        loss = trainer.train_step(x, y)
+    # Every worker fetches its next batch before a step and tells the others,
+    # inside that step's gradient all-reduce, whether it got one; all of them
+    # stop after the first step where any worker did not.
+    batch = feed.next_batch(batch_size) if max_steps != 0 else None
+    pending = len(batch) if batch is not None else 0  # fetched, not yet trained on
+    go = trainer.all_have_data(pending > 0)
+    while go:
+        rows = pending
+        x, y = _batch_arrays(batch)  # a copy: safe to fetch the next batch now
+        pending = 0
+        if max_steps is None or step + 1 < max_steps:
+            batch = feed.next_batch(batch_size)
+            pending = len(batch)
+        have_next = pending > 0
+        loss, go = trainer.step(x, y, have_next)
         step += 1
         records += rows
-        loss_sum += float(loss)
+        loss_sum += loss
         loss_n += 1
         if step % PROGRESS_EVERY == 0:
             _report(ctx, f"{who} epoch {(step - 1) // spe + 1} step {step} loss {loss_sum / loss_n:.4f}")
@@ -295,7 +342,7 @@ def train_spark(args, ctx):
             _report(ctx, f"{who} epoch {step // spe} done: step {step} {now - t_epoch:.1f}s")
             t_epoch = now
     elapsed = time.time() - t0
-    drained = _drain(feed)
+    drained = pending + _drain(feed)
     per_epoch = elapsed * spe / step if step else 0.0
     _report(
         ctx,
@@ -305,6 +352,7 @@ def train_spark(args, ctx):
     ckpt_path, export_dir = trainer.save(args, chief, step)
     if chief:
         _report(ctx, f"{who} saved checkpoint {ckpt_path} and SavedModel {export_dir}")
+    trainer.barrier()
 
 
 # ---------------------------------------------------------------- InputMode.TENSORFLOW
@@ -339,21 +387,27 @@ def train_tf(args, ctx):
         return
     from .data import tfrecord_files
 
+    # check inputs before joining the cluster: a worker failing later would
+    # leave the others waiting in a collective
+    files = tfrecord_files(args.data_dir, "train")
+    if not files:
+        raise FileNotFoundError(f"no TFRecord files under {os.path.join(args.data_dir, 'tfrecords', 'train')}")
+
     tf = _import_tf()
     strategy = _make_strategy(tf, args)
     trainer = _Trainer(tf, strategy, args)
     chief = _is_chief(strategy)
     who = f"{ctx.job_name}:{ctx.task_index}"
-
-    files = tfrecord_files(args.data_dir, "train")
-    if not files:
-        raise FileNotFoundError(f"no TFRecord files under {os.path.join(args.data_dir, 'tfrecords', 'train')}")
     if _arg(args, "steps_per_epoch"):
         spe = int(args.steps_per_epoch)
     else:
-        num_records = _arg(args, "num_train")
+        num_records = _train_records(args)
         if not num_records:  # every worker counts the same files: same answer everywhere
-            num_records = int(tf.data.TFRecordDataset(files).reduce(np.int64(0), lambda n, _: n + 1))
+            num_records = int(
+                tf.data.TFRecordDataset(files)
+                .batch(4096)
+                .reduce(np.int64(0), lambda n, b: n + tf.size(b, out_type=tf.int64))
+            )
         spe = _steps_per_epoch(args, trainer.global_batch, int(num_records))
 
     batch_size = int(args.batch_size)
@@ -374,9 +428,9 @@ def train_tf(args, ctx):
         loss_sum, loss_n = 0.0, 0
         for _ in range(spe):
             x, y = next(it)
-            loss = trainer.train_step(x, y)
+            loss, _ = trainer.step(x, y)
             step += 1
-            loss_sum += float(loss)
+            loss_sum += loss
             loss_n += 1
             if step % PROGRESS_EVERY == 0:
                 _report(ctx, f"{who} epoch {epoch} step {step} loss {loss_sum / loss_n:.4f}")
@@ -386,6 +440,8 @@ def train_tf(args, ctx):
     ckpt_path, export_dir = trainer.save(args, chief, step)
     if chief:
         _report(ctx, f"{who} saved checkpoint {ckpt_path} and SavedModel {export_dir}")
+    del it, ds
+    trainer.barrier()
 
 
 # ---------------------------------------------------------------- inference

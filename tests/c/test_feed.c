@@ -748,7 +748,7 @@ TEST(client_send_sees_refusal) {
   gen_make(&big, 4, 0, 10, 1000);
   gen_make(&small, 4, 10, 5, 0);
   CHECK_OK(ember_feed_client_send(c, big.cols, 4, big.nrows, 2000));
-  for (int i = 0; i < 100 && rc == EMBER_OK; i++) {
+  for (int i = 0; i < 500 && rc == EMBER_OK; i++) {
     rc = ember_feed_client_send(c, small.cols, 4, small.nrows, 2000);
     if (rc == EMBER_OK) sleep_ms(10);
   }
@@ -873,13 +873,16 @@ TEST(results_round_trip_in_order) {
     ember_feed_item *it = NULL;
     uint64_t n3 = 0;
     pthread_t tc;
-    producer_init(&c, ember_feed_server_port(s), 22, 1, 3);
+    /* two batches: while the second is unpopped the producer is alive,
+     * waiting for its ACK */
+    producer_init(&c, ember_feed_server_port(s), 22, 2, 3);
     CHECK(pthread_create(&tc, NULL, producer, &c) == 0);
     CHECK_OK(ember_feed_server_next(s, &it, 10000));
     CHECK_EQ_INT(ember_feed_server_send_results(s, it->source, it->data, it->len, 100),
                  EMBER_ESTATE);
     verify_item(it, 22, &n3);
     ember_feed_item_free(it);
+    pop_partition(s, 22, 1, &n3);
     pthread_join(tc, NULL);
     CHECK_OK(c.end_rc);
   }

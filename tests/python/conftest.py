@@ -70,8 +70,8 @@ class _Sessions:
             self.spark = (_base_builder("ember-tests-standalone")
                           .master(self.standalone.url)
                           .config("spark.executor.memory", "768m")
-                          .config("spark.executor.cores", "2")
-                          .config("spark.cores.max", "4")
+                          .config("spark.executor.cores", "1")
+                          .config("spark.cores.max", "2")
                           .getOrCreate())
             self.standalone.wait_executors(self.spark, 2)
         self.spark.sparkContext.setLogLevel("WARN")
@@ -112,7 +112,7 @@ class Standalone:
                     "--port", str(self.port), "--webui-port", str(self.ui_port))
         for i in range(2):
             self._spawn(f"worker{i}", "org.apache.spark.deploy.worker.Worker", "--host",
-                        "127.0.0.1", "--webui-port", str(free_port()), "--cores", "2",
+                        "127.0.0.1", "--webui-port", str(free_port()), "--cores", "1",
                         "--memory", "1g", self.url)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
@@ -131,7 +131,7 @@ class Standalone:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             # the driver itself is listed as one "executor" in the status tracker
-            if len(sc._jsc.sc().getExecutorMemoryStatus()) - 1 >= n:
+            if sc._jsc.sc().getExecutorMemoryStatus().size() - 1 >= n:
                 return
             time.sleep(0.5)
         raise RuntimeError(f"fewer than {n} executors registered; logs in {self.root}")

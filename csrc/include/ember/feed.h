@@ -24,6 +24,11 @@
  *
  * END_FEED (sent by the driver through a client with ember_feed_client_end_feed)
  * queues an EMBER_FEED_ITEM_END after everything already queued.
+ *
+ * Timeouts: a negative timeout_ms means no limit.  Thread-safety: the codec is
+ * pure; server calls other than destroy may run concurrently from any
+ * threads; a client is used by one thread at a time (send also reads the
+ * socket, to notice a REFUSED early).
  */
 #ifndef EMBER_FEED_H
 #define EMBER_FEED_H

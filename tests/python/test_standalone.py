@@ -1,0 +1,85 @@
+"""Ember on a real Spark standalone cluster (Master + 2 Workers on loopback).
+
+Each Worker runs its own executor JVM with one slot, so the two barrier tasks
+land on different executors, and the feeding tasks of ``train`` can only run
+because the nodes were detached from their launching tasks.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import nodefuns
+from conftest import read_json_files
+from ember import _ember
+from ember.spark import EmberNodeError, InputMode, run
+
+
+def test_two_node_training_on_two_executors(cluster_spark, tmp_path):
+    sc = cluster_spark.sparkContext
+    cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=120)
+    try:
+        assert len({n["executor_id"] for n in cluster.nodes}) == 2
+        rdd = sc.parallelize([(i, [float(i)] * 8) for i in range(4000)], 6)
+        assert cluster.train(rdd, num_epochs=2) == 8000
+    finally:
+        cluster.shutdown(timeout=120)
+    got = collections.Counter(i for info in read_json_files(str(tmp_path)) for i in info["ids"])
+    assert got == collections.Counter({i: 2 for i in range(4000)})
+
+
+def test_reservation_timeout_names_missing_node_on_cluster(cluster_spark):
+    with pytest.raises(TimeoutError) as err:
+        run(cluster_spark.sparkContext, nodefuns.report_ctx, {"out": "/nonexistent"},
+            num_executors=2, input_mode=InputMode.TENSORFLOW, reservation_timeout=5,
+            env={"EMBER_FAULT_DELAY_REGISTER": "0:10"})
+    assert "missing node(s): 0" in str(err.value)
+
+
+def test_wrong_secret_rejected_on_cluster(cluster_spark, tmp_path):
+    sc = cluster_spark.sparkContext
+    cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=120)
+    try:
+        with pytest.raises(_ember.EmberAuthError):
+            _ember.RendezvousClient("127.0.0.1", cluster._server.port, os.urandom(32), 5.0)
+        assert cluster.train(sc.parallelize([(i, [0.5]) for i in range(300)], 2)) == 300
+    finally:
+        cluster.shutdown(timeout=120)
+
+
+def _kill_when_ready(path: str, holder: dict, delay: float = 1.0) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        infos = read_json_files(path)
+        if len(infos) == 2:
+            time.sleep(delay)
+            victim = [i for i in infos if i["index"] == 1][0]
+            holder["killed_at"] = time.monotonic()
+            os.kill(victim["pid"], signal.SIGKILL)
+            return
+        time.sleep(0.2)
+
+
+def test_killed_trainer_is_seen_within_the_heartbeat_bound(cluster_spark, tmp_path):
+    sc = cluster_spark.sparkContext
+    cluster = run(sc, nodefuns.sleep_in_feed, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=120, heartbeat_timeout=4)
+    holder: dict = {}
+    killer = threading.Thread(target=_kill_when_ready, args=(str(tmp_path), holder))
+    killer.start()
+    rdd = sc.parallelize([(i, [1.0]) for i in range(200000)], 4)
+    with pytest.raises(EmberNodeError) as err:
+        cluster.train(rdd, feed_timeout=60)
+    seen = time.monotonic()
+    killer.join()
+    assert "node 1" in str(err.value) and "lost" in str(err.value)
+    assert seen - holder["killed_at"] < 4 + 10  # heartbeat bound + job cancellation
+    cluster.shutdown()
