@@ -16,7 +16,7 @@ SAN    := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanit
 LIBS   := -lcrypto -lz -lpthread
 
 LIB_SRCS  := $(wildcard csrc/*.c)
-LIB_HDRS  := $(wildcard csrc/include/ember/*.h)
+LIB_HDRS  := $(wildcard csrc/include/ember/*.h csrc/*.h)
 LIB_OBJS  := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(LIB_SRCS))
 SAN_OBJS  := $(patsubst csrc/%.c,$(BUILD)/san/%.o,$(LIB_SRCS))
 CTESTS    := $(patsubst tests/c/%.c,$(BUILD)/san/%,$(wildcard tests/c/test_*.c))
