@@ -23,7 +23,8 @@ run through the same harness:
   registered/ready during the trial and done at teardown.
 
 Ember node:  RendezvousClient(host, port, secret) (connect + authenticate),
-             register(...), wait_spec() -> (list of node dicts with roles, pos).
+             register(...), wait_spec() -> (ClusterSpec: the node table held in C, rows
+             decoded to dicts on access, pos).
 TFoS node:   reservation.Client(addr) (connect), register(meta),
              await_reservations() -> list of metas, exactly as TFSparkNode does
              (it polls QUERY then sleeps 1 s, then QINFO).  TFSparkNode also

@@ -218,39 +218,60 @@ class _Trainer:
         loss, ready = self._train_step(x, y, self._flag(have_next))
         return float(loss), int(round(float(ready))) == self.replicas
 
-    def save(self, args, chief, step):
-        """Checkpoint to model_dir/checkpoint and export a SavedModel to export_dir.
-
-        All workers must take part (variables may need collectives to read);
-        non-chief workers write to a temporary directory they delete afterwards."""
-        tf, model = self.tf, self.model
-        tmp = None
+    def _checkpoint_dir(self, args, chief):
+        """The chief checkpoints to model_dir/checkpoint; the others must take
+        part (variables may need collectives to read) but write to a private
+        temporary directory, deleted by cleanup()."""
         if chief:
-            ckpt_dir = os.path.join(args.model_dir, "checkpoint")
+            return os.path.join(args.model_dir, "checkpoint")
+        if getattr(self, "_tmp", None) is None:
+            self._tmp = tempfile.mkdtemp(prefix="ember-fmnist-worker-")
+        return os.path.join(self._tmp, "checkpoint")
+
+    def restore(self, args):
+        """Restores the latest checkpoint in model_dir (every worker reads the
+        chief's); returns its step, 0 when starting fresh."""
+        tf = self.tf
+        path = tf.train.latest_checkpoint(os.path.join(args.model_dir, "checkpoint"))
+        if not path:
+            return 0
+        tf.train.Checkpoint(model=self.model, optimizer=self.optimizer).restore(path)
+        return int(path.rsplit("-", 1)[1])
+
+    def checkpoint(self, args, chief, step):
+        """Saves model and optimizer as checkpoint number ``step``; collective."""
+        tf = self.tf
+        if getattr(self, "_manager", None) is None:
+            ckpt = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
+            self._manager = tf.train.CheckpointManager(
+                ckpt, self._checkpoint_dir(args, chief), max_to_keep=2)
+        return self._manager.save(checkpoint_number=step)
+
+    def save(self, args, chief, step):
+        """Final checkpoint to model_dir/checkpoint and a SavedModel to export_dir."""
+        tf, model = self.tf, self.model
+        ckpt_path = self.checkpoint(args, chief, step)
+        if chief:
             export_dir = args.export_dir
         else:
-            tmp = tempfile.mkdtemp(prefix="ember-fmnist-worker-")
-            ckpt_dir = os.path.join(tmp, "checkpoint")
-            export_dir = os.path.join(tmp, "export")
-        try:
-            ckpt = tf.train.Checkpoint(model=model, optimizer=self.optimizer)
-            manager = tf.train.CheckpointManager(ckpt, ckpt_dir, max_to_keep=1)
-            ckpt_path = manager.save(checkpoint_number=step)
+            export_dir = os.path.join(os.path.dirname(self._checkpoint_dir(args, chief)), "export")
 
-            @tf.function(input_signature=[tf.TensorSpec([None, NUM_PIXELS], tf.float32, name="image")])
-            def serve(image):
-                logits = model(image, training=False)
-                return {
-                    "logits": logits,
-                    "probabilities": tf.nn.softmax(logits),
-                    "classes": tf.argmax(logits, axis=-1),
-                }
+        @tf.function(input_signature=[tf.TensorSpec([None, NUM_PIXELS], tf.float32, name="image")])
+        def serve(image):
+            logits = model(image, training=False)
+            return {
+                "logits": logits,
+                "probabilities": tf.nn.softmax(logits),
+                "classes": tf.argmax(logits, axis=-1),
+            }
 
-            tf.saved_model.save(model, export_dir, signatures={"serving_default": serve})
-        finally:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
+        tf.saved_model.save(model, export_dir, signatures={"serving_default": serve})
         return (ckpt_path, export_dir) if chief else (None, None)
+
+    def cleanup(self):
+        if getattr(self, "_tmp", None) is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
 
     def barrier(self):
         """Collective no-op: returns once every worker got here.
@@ -311,7 +332,12 @@ def train_spark(args, ctx):
     spe = _steps_per_epoch(args, trainer.global_batch, int(_train_records(args) or TRAIN_RECORDS))
     max_steps = int(args.epochs) * spe if _arg(args, "steps_per_epoch") else None
 
-    step = records = 0
+    # After a restart (run(..., max_restarts=K)), continue from the latest checkpoint.
+    step = start_step = trainer.restore(args)
+    if step:
+        _report(ctx, f"{who}: resumed from the checkpoint of step {step}")
+    every = int(_arg(args, "checkpoint_steps", 0))
+    records = 0
     loss_sum = 0.0
     loss_n = 0
     t0 = t_epoch = time.time()
@@ -341,18 +367,22 @@ def train_spark(args, ctx):
             now = time.time()
             _report(ctx, f"{who} epoch {step // spe} done: step {step} {now - t_epoch:.1f}s")
             t_epoch = now
+        if every and step % every == 0 and go:
+            trainer.checkpoint(args, chief, step)
     elapsed = time.time() - t0
     drained = pending + _drain(feed)
-    per_epoch = elapsed * spe / step if step else 0.0
+    trained = step - start_step
+    per_epoch = elapsed * spe / trained if trained else 0.0
     _report(
         ctx,
-        f"{who} training done: {step} steps, {records} records in {elapsed:.1f}s"
+        f"{who} training done: {trained} steps, {records} records in {elapsed:.1f}s"
         f" ({per_epoch:.1f}s per {spe}-step epoch), {drained} records left over and drained",
     )
     ckpt_path, export_dir = trainer.save(args, chief, step)
     if chief:
         _report(ctx, f"{who} saved checkpoint {ckpt_path} and SavedModel {export_dir}")
     trainer.barrier()
+    trainer.cleanup()
 
 
 # ---------------------------------------------------------------- InputMode.TENSORFLOW
@@ -421,27 +451,35 @@ def train_tf(args, ctx):
     )
     it = iter(ds)
 
-    step = 0
-    t0 = time.time()
-    for epoch in range(1, int(args.epochs) + 1):
-        t_epoch = time.time()
-        loss_sum, loss_n = 0.0, 0
-        for _ in range(spe):
-            x, y = next(it)
-            loss, _ = trainer.step(x, y)
-            step += 1
-            loss_sum += loss
-            loss_n += 1
-            if step % PROGRESS_EVERY == 0:
-                _report(ctx, f"{who} epoch {epoch} step {step} loss {loss_sum / loss_n:.4f}")
-                loss_sum, loss_n = 0.0, 0
-        _report(ctx, f"{who} epoch {epoch} done: step {step} {time.time() - t_epoch:.1f}s")
+    # After a restart (run(..., max_restarts=K)), continue from the latest checkpoint.
+    step = trainer.restore(args)
+    if step:
+        _report(ctx, f"{who}: resumed from the checkpoint of step {step}")
+    every = int(_arg(args, "checkpoint_steps", 0))
+    total = int(args.epochs) * spe
+    t0 = t_epoch = time.time()
+    loss_sum, loss_n = 0.0, 0
+    while step < total:
+        x, y = next(it)
+        loss, _ = trainer.step(x, y)
+        step += 1
+        loss_sum += loss
+        loss_n += 1
+        if step % PROGRESS_EVERY == 0:
+            _report(ctx, f"{who} epoch {(step - 1) // spe + 1} step {step} loss {loss_sum / loss_n:.4f}")
+            loss_sum, loss_n = 0.0, 0
+        if step % spe == 0:
+            _report(ctx, f"{who} epoch {step // spe} done: step {step} {time.time() - t_epoch:.1f}s")
+            t_epoch = time.time()
+        if every and step % every == 0 and step < total:
+            trainer.checkpoint(args, chief, step)
     _report(ctx, f"{who} training done: {step} steps in {time.time() - t0:.1f}s")
     ckpt_path, export_dir = trainer.save(args, chief, step)
     if chief:
         _report(ctx, f"{who} saved checkpoint {ckpt_path} and SavedModel {export_dir}")
     del it, ds
     trainer.barrier()
+    trainer.cleanup()
 
 
 # ---------------------------------------------------------------- inference

@@ -83,6 +83,95 @@ static PyObject *self_enter(PyObject *self, PyObject *Py_UNUSED(ignored)) {
   return Py_NewRef(self);
 }
 
+/* ================================================================ ClusterSpec */
+
+/* The node table a client received, held as the C array: rows become dicts
+ * only when read.  A node process reads its own row and perhaps walks the
+ * table once, so decoding all N rows into N dicts up front (what an unpickled
+ * list costs) would be paid N times over on a host running many nodes, for
+ * objects nobody looks at. */
+typedef struct {
+  PyObject_HEAD
+  ember_rdv_node *nodes; /* owned, malloc'd by ember_rdv_client_wait_spec */
+  uint32_t count;
+} ClusterSpecObject;
+
+static void ClusterSpec_dealloc(PyObject *op) {
+  ClusterSpecObject *self = (ClusterSpecObject *)op;
+  PyTypeObject *tp = Py_TYPE(op);
+  free(self->nodes);
+  tp->tp_free(op);
+  Py_DECREF(tp);
+}
+
+static Py_ssize_t ClusterSpec_len(PyObject *op) {
+  return (Py_ssize_t)((ClusterSpecObject *)op)->count;
+}
+
+static PyObject *ClusterSpec_item(PyObject *op, Py_ssize_t i) {
+  ClusterSpecObject *self = (ClusterSpecObject *)op;
+  if (i < 0 || i >= (Py_ssize_t)self->count) {
+    PyErr_SetString(PyExc_IndexError, "ClusterSpec index out of range");
+    return NULL;
+  }
+  return node_to_dict(&self->nodes[i]);
+}
+
+static PyObject *ClusterSpec_tolist(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  ClusterSpecObject *self = (ClusterSpecObject *)op;
+  return nodes_to_list(self->nodes, self->count);
+}
+
+static PyObject *ClusterSpec_repr(PyObject *op) {
+  return PyUnicode_FromFormat("<ember ClusterSpec of %u nodes>",
+                              (unsigned int)((ClusterSpecObject *)op)->count);
+}
+
+static PyMethodDef ClusterSpec_methods[] = {
+    {"tolist", ClusterSpec_tolist, METH_NOARGS,
+     PyDoc_STR("tolist() -> list of dict: every row decoded")},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot ClusterSpec_slots[] = {
+    {Py_tp_doc, PyDoc_STR("The cluster spec a node received: a read-only sequence of node\n"
+                          "dicts (index, host, executor_id, pid, ports, role, task_index),\n"
+                          "in index order, decoded row by row on access.")},
+    {Py_tp_dealloc, ClusterSpec_dealloc},
+    {Py_tp_repr, ClusterSpec_repr},
+    {Py_tp_methods, ClusterSpec_methods},
+    {Py_sq_length, ClusterSpec_len},
+    {Py_sq_item, ClusterSpec_item},
+    {0, NULL},
+};
+
+static PyType_Spec ClusterSpec_spec = {
+    .name = "ember._ember.ClusterSpec",
+    .basicsize = sizeof(ClusterSpecObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = ClusterSpec_slots,
+};
+
+/* Takes ownership of nodes (freed here on failure too). */
+static PyObject *cluster_spec_new(PyTypeObject *client_type, ember_rdv_node *nodes,
+                                  uint32_t count) {
+  PyObject *m = PyType_GetModuleByDef(client_type, &embpy_module);
+  PyObject *tp = m ? PyObject_GetAttrString(m, "ClusterSpec") : NULL;
+  if (tp == NULL) {
+    free(nodes);
+    return NULL;
+  }
+  ClusterSpecObject *self = PyObject_New(ClusterSpecObject, (PyTypeObject *)tp);
+  Py_DECREF(tp); /* instances hold their own reference (taken by PyObject_New for heap types) */
+  if (self == NULL) {
+    free(nodes);
+    return NULL;
+  }
+  self->nodes = nodes;
+  self->count = count;
+  return (PyObject *)self;
+}
+
 /* ================================================================ RendezvousServer */
 
 typedef struct {
@@ -518,9 +607,10 @@ static PyObject *RdvClient_register(PyObject *op, PyObject *args, PyObject *kwar
 }
 
 PyDoc_STRVAR(RdvClient_wait_spec_doc,
-             "wait_spec(timeout_s) -> (nodes, self_pos)\n\n"
-             "Waits for the cluster spec: the node table (list of dict, as\n"
-             "RendezvousServer.nodes) and this node's position in it.");
+             "wait_spec(timeout_s) -> (spec, self_pos)\n\n"
+             "Waits for the cluster spec: the node table (a ClusterSpec, a sequence\n"
+             "of dicts as RendezvousServer.nodes, decoded on access) and this\n"
+             "node's position in it.");
 
 static PyObject *RdvClient_wait_spec(PyObject *op, PyObject *arg) {
   RdvClientObject *self = (RdvClientObject *)op;
@@ -542,11 +632,10 @@ static PyObject *RdvClient_wait_spec(PyObject *op, PyObject *arg) {
   embpy_handle_leave(&self->h);
   if (rc != EMBER_OK)
     return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
-  PyObject *list = nodes_to_list(nodes, count);
-  free(nodes);
-  if (list == NULL)
+  PyObject *spec = cluster_spec_new(Py_TYPE(op), nodes, count);
+  if (spec == NULL)
     return NULL;
-  return Py_BuildValue("(NI)", list, (unsigned int)pos);
+  return Py_BuildValue("(NI)", spec, (unsigned int)pos);
 }
 
 PyDoc_STRVAR(RdvClient_start_doc,
@@ -723,5 +812,11 @@ int embpy_rdv_exec(PyObject *m, ember_state *st) {
   if (st->RendezvousClient_Type == NULL ||
       PyModule_AddType(m, st->RendezvousClient_Type) < 0)
     return -1;
-  return 0;
+  /* found again through the module attribute by cluster_spec_new */
+  PyObject *spec_type = PyType_FromModuleAndSpec(m, &ClusterSpec_spec, NULL);
+  if (spec_type == NULL)
+    return -1;
+  int rc = PyModule_AddType(m, (PyTypeObject *)spec_type);
+  Py_DECREF(spec_type);
+  return rc;
 }

@@ -84,23 +84,43 @@ def _register(boot: Dict[str, Any], status: Any) -> Any:
 
     fw_fd, fw_port = _ember.reserve_port("", listen=False)
     feed_fd, feed_port = _ember.reserve_port("", listen=True)
+    ports, held = [fw_port, feed_port], [fw_fd]
+    if boot.get("tensorboard") and boot.get("tensorboard_node") == boot["index"]:
+        tb_fd, tb_port = _ember.reserve_port("", listen=False)
+        ports.append(tb_port)
+        held.append(tb_fd)
     delay = _fault(boot, "delay_register")
     if delay:
         time.sleep(float(delay))
     client = _ember.RendezvousClient(boot["driver_host"], boot["driver_port"], boot["secret"],
                                      boot["reservation_timeout"])
-    client.register(boot["index"], "", boot["executor_id"], os.getpid(), [fw_port, feed_port],
+    client.register(boot["index"], "", boot["executor_id"], os.getpid(), ports,
                     boot["reservation_timeout"])
     status.write("registered\n")
     status.close()
-    return client, fw_fd, feed_fd
+    return client, held, feed_fd
 
 
-def _run(boot: Dict[str, Any], client: Any, fw_fd: int, feed_fd: int) -> int:
+def _start_tensorboard(log_dir: str, port_fd: int, port: int) -> Any:
+    """TensorBoard on the reserved port, in this node's process group.
+
+    TensorBoard's server does not set SO_REUSEPORT, so Ember's hold on the port
+    is dropped right before TensorBoard binds it (a window of one exec)."""
+    import subprocess
+
+    os.makedirs(log_dir, exist_ok=True)
+    os.close(port_fd)
+    return subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", log_dir,
+                             "--port", str(port), "--bind_all"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int) -> int:
     from ember import _ember
     from ember.node import NodeContext
 
-    nodes, pos = client.wait_spec(boot["reservation_timeout"])
+    spec, pos = client.wait_spec(boot["reservation_timeout"])
+    nodes = spec.tolist()
     client.start(boot["heartbeat_interval_ms"], exit_on_loss=True)
     me = nodes[pos]
     os.environ.update(framework_env(nodes, me))
@@ -115,7 +135,13 @@ def _run(boot: Dict[str, Any], client: Any, fw_fd: int, feed_fd: int) -> int:
         num_workers=sum(1 for n in nodes if n["role"] in FEED_ROLES),
         host=me["host"], ports=list(me["ports"]), input_mode=boot["input_mode"],
         working_dir=boot.get("working_dir") or os.getcwd(), nodes=nodes,
-        _feed_server=feed_server, _control=client, _reserved_fds=[fw_fd])
+        _feed_server=feed_server, _control=client, _reserved_fds=held[:1])
+    tensorboard = None
+    if len(held) > 1:
+        log_dir = boot["log_dir"]
+        tensorboard = _start_tensorboard(log_dir.split("://", 1)[-1] if log_dir.startswith(
+            "file://") else log_dir, held[1], me["ports"][2])
+        ctx.report_progress(f"TensorBoard at http://{me['host']}:{me['ports'][2]} ({log_dir})")
     name = f"node {me['index']} ({me['role']}:{me['task_index']} on {socket.gethostname()})"
     code, text = 0, ""
     try:
@@ -136,6 +162,9 @@ def _run(boot: Dict[str, Any], client: Any, fw_fd: int, feed_fd: int) -> int:
         feed_server.close()  # feeding tasks fail, and train() raises this node's error
     client.close()
     ctx.release_port()
+    if tensorboard is not None:
+        tensorboard.terminate()
+        tensorboard.wait(10)
     return code
 
 

@@ -46,6 +46,7 @@ class EmberNodeError(RuntimeError):
     def __init__(self, message: str, node: int) -> None:
         super().__init__(message)
         self.node = node
+        self.seen_at = time.monotonic()  #: when the driver learnt of it (time.monotonic)
 
 
 def _log(msg: str) -> None:
@@ -55,38 +56,58 @@ def _log(msg: str) -> None:
 # --------------------------------------------------------------------------- tasks
 # These functions run on executors; they close over plain data only.
 
-def _launcher(boot: Dict[str, Any], start_timeout: float) -> Callable[[Any], Any]:
-    def launch(_: Any) -> Any:
-        import select
-        import subprocess
+def _spawn_node(node_boot: Dict[str, Any], start_timeout: float) -> int:
+    """Starts one detached node process and waits until it has registered; returns its pid.
 
+    The node runs ``python -m ember._trainer`` in its own session (so a STOP can
+    kill its whole process group); a reaper thread collects its exit status so
+    no zombie outlives it.  The boot record crosses a local pipe, never a socket.
+    """
+    import select
+    import subprocess
+
+    from pyspark import cloudpickle
+
+    index = node_boot["index"]
+    # main_fun may live in a module only this process can import: give the
+    # node this process's path before it unpickles its boot record
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in node_boot["sys_path"] if p))
+    proc = subprocess.Popen([sys.executable, "-m", "ember._trainer"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, start_new_session=True, env=env)
+    threading.Thread(target=proc.wait, name=f"ember-reap-{proc.pid}", daemon=True).start()
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(cloudpickle.dumps(node_boot))
+    proc.stdin.close()
+    ready, _, _ = select.select([proc.stdout], [], [], start_timeout)
+    line = proc.stdout.readline().decode(errors="replace").strip() if ready else ""
+    proc.stdout.close()
+    if line != "registered":
+        if not line:
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+        code = proc.poll()
+        reason = line or (f"no answer within {start_timeout:.0f} s" if code is None else
+                          f"exited with code {code} before registering (its stderr is in "
+                          "the executor's log)")
+        raise RuntimeError(f"ember node {index} failed to start: {reason}")
+    return proc.pid
+
+
+def _launcher(boot: Dict[str, Any], start_timeout: float) -> Callable[[Any], Any]:
+    """The barrier task: node ``index_offset + partition id`` on this executor."""
+    def launch(_: Any) -> Any:
         from pyspark import BarrierTaskContext
-        from pyspark import cloudpickle
 
         tc = BarrierTaskContext.get()
-        index = tc.partitionId()
+        part = tc.partitionId()
+        index = boot.get("index_offset", 0) + part
         infos = tc.getTaskInfos()
         node_boot = dict(boot, index=index, sys_path=list(sys.path),
-                         executor_id=infos[index].address if index < len(infos) else str(index))
-        proc = subprocess.Popen([sys.executable, "-m", "ember._trainer"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, start_new_session=True)
-        # reap the node when it exits, so no zombie outlives it
-        threading.Thread(target=proc.wait, name=f"ember-reap-{proc.pid}", daemon=True).start()
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(cloudpickle.dumps(node_boot))
-        proc.stdin.close()
-        ready, _, _ = select.select([proc.stdout], [], [], start_timeout)
-        line = proc.stdout.readline().decode(errors="replace").strip() if ready else ""
-        proc.stdout.close()
-        if line != "registered":
-            if not line:
-                try:
-                    os.killpg(proc.pid, 9)
-                except ProcessLookupError:
-                    pass
-            reason = line or f"no answer within {start_timeout:.0f} s"
-            raise RuntimeError(f"ember node {index} failed to start: {reason}")
-        yield (index, socket.gethostname(), proc.pid)
+                         executor_id=infos[part].address if part < len(infos) else str(index))
+        pid = _spawn_node(node_boot, start_timeout)
+        yield (index, socket.gethostname(), pid)
     return launch
 
 
@@ -153,18 +174,25 @@ class Cluster:
     def __init__(self, sc: Any, main_fun: Callable[[Any, Any], Any], args: Any,
                  num_nodes: int, roles: Dict[str, Any], input_mode: InputMode,
                  reservation_timeout: float, heartbeat_timeout: float, max_restarts: int,
-                 env: Dict[str, str]) -> None:
+                 env: Dict[str, str], driver_ps_nodes: bool = False,
+                 tensorboard: bool = False, log_dir: Optional[str] = None) -> None:
         self.sc = sc
         self.input_mode = input_mode
         self.job_id = uuid.uuid4().hex[:12]
         self.nodes: List[Dict[str, Any]] = []
         self.chunk_rows = 1024
         self.restarts = 0
+        self.restart_causes: List[EmberNodeError] = []  # the failures that caused restarts
         self._main_fun, self._args, self._num_nodes, self._roles = main_fun, args, num_nodes, roles
         self._reservation_timeout = reservation_timeout
         self._heartbeat_timeout = heartbeat_timeout
         self._max_restarts = max_restarts
         self._env = env
+        # TensorFlowOnSpark's driver_ps_nodes: the ps nodes (indexes 0..num_ps-1,
+        # roles go in index order) run on the driver host, not in the barrier job
+        self._driver_nodes = roles["num_ps"] if driver_ps_nodes else 0
+        self._tensorboard = tensorboard
+        self._log_dir = log_dir
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._feed_seq = 0
@@ -192,13 +220,20 @@ class Cluster:
                     reservation_timeout=float(self._reservation_timeout),
                     heartbeat_interval_ms=max(100, int(self._heartbeat_timeout * 1000 / 5)),
                     env=dict(self._env, EMBER_RESTART=str(self.restarts)),
-                    working_dir=os.getcwd(), job_id=self.job_id)
+                    working_dir=os.getcwd(), job_id=self.job_id,
+                    index_offset=self._driver_nodes, tensorboard=self._tensorboard,
+                    tensorboard_node=self._tensorboard_node(),
+                    log_dir=self._log_dir or os.path.join(os.getcwd(), "tensorboard"))
         group = f"ember-{self.job_id}-launch-{self.restarts}"
+        on_executors = n - self._driver_nodes
 
         def launch() -> None:
-            sc.setJobGroup(group, f"ember: launch {n} nodes", interruptOnCancel=True)
+            sc.setJobGroup(group, f"ember: launch {on_executors} nodes", interruptOnCancel=True)
             try:
-                (sc.parallelize(range(n), n).barrier()
+                for i in range(self._driver_nodes):
+                    _spawn_node(dict(boot, index=i, sys_path=list(sys.path),
+                                     executor_id="driver"), self._reservation_timeout)
+                (sc.parallelize(range(on_executors), on_executors).barrier()
                  .mapPartitions(_launcher(boot, self._reservation_timeout)).collect())
             except BaseException as exc:
                 self._launch_error = exc
@@ -236,6 +271,7 @@ class Cluster:
             self._stop_all()
             raise failure
         self.restarts += 1
+        self.restart_causes.append(failure)
         _log(f"{failure.args[0].splitlines()[0]}; restarting the cluster "
              f"({self.restarts} of max_restarts={self._max_restarts}); main_fun resumes "
              "from its latest checkpoint")
@@ -469,9 +505,20 @@ class Cluster:
             while time.monotonic() < deadline and _alive(n["pid"]):
                 time.sleep(0.05)
 
+    def _tensorboard_node(self) -> int:
+        """The index of the node that serves TensorBoard: the chief, else worker 0.
+
+        Roles go in index order (ps, chief, evaluator, workers), so this is known
+        before anyone registers."""
+        r = self._roles
+        return r["num_ps"] + (0 if r["chief"] else (1 if r["evaluator"] else 0))
+
     def tensorboard_url(self) -> Optional[str]:
-        """TensorBoard's URL, when started with tensorboard=True (not yet supported)."""
-        return None
+        """TensorBoard's URL (``http://host:port``) when started with tensorboard=True."""
+        if not self._tensorboard or not self.nodes:
+            return None
+        node = self.nodes[self._tensorboard_node()]
+        return f"http://{node['host']}:{node['ports'][2]}"
 
 
 def _as_rdd(data: Any) -> Any:
@@ -501,6 +548,11 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
     :param main_fun: the per-node function; ``ctx`` is an :class:`ember.node.NodeContext`.
     :param num_executors: number of nodes (one barrier task each).
     :param num_ps: how many of them are parameter servers (role ``ps``).
+    :param tensorboard: start TensorBoard on the chief (worker 0 without a chief)
+        over ``log_dir``; :meth:`Cluster.tensorboard_url` gives its address.
+    :param log_dir: TensorBoard's log dir (default ``<working dir>/tensorboard``).
+    :param driver_ps_nodes: run the ps nodes as processes on the driver host
+        instead of in the barrier job (which then has ``num_executors - num_ps`` tasks).
     :param input_mode: :attr:`InputMode.SPARK` (fed by ``train``/``inference``) or
         :attr:`InputMode.TENSORFLOW` (nodes read their own files).
     :param master_node: ``"chief"`` to make one node the chief, or None for workers only.
@@ -518,10 +570,9 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
     if num_ps + (1 if eval_node else 0) >= num_executors:
         raise ValueError(f"num_executors={num_executors} leaves no chief/worker after "
                          f"num_ps={num_ps} and eval_node={eval_node}")
-    if tensorboard or driver_ps_nodes:
-        raise NotImplementedError("tensorboard and driver_ps_nodes are not supported yet")
     roles = dict(num_ps=num_ps, chief=master_node is not None, evaluator=eval_node)
     cluster = Cluster(sc, main_fun, args, num_executors, roles, InputMode(input_mode),
-                      reservation_timeout, heartbeat_timeout, max_restarts, dict(env or {}))
+                      reservation_timeout, heartbeat_timeout, max_restarts, dict(env or {}),
+                      driver_ps_nodes=driver_ps_nodes, tensorboard=tensorboard, log_dir=log_dir)
     cluster._start()
     return cluster

@@ -16,7 +16,10 @@ def _write(args: Dict[str, Any], ctx: Any, **extra: Any) -> None:
     info = dict(index=ctx.worker_num, job_name=ctx.job_name, task_index=ctx.task_index,
                 num_workers=ctx.num_workers, cluster_spec=ctx.cluster_spec,
                 tf_config=os.environ.get("TF_CONFIG"), pid=os.getpid(), ports=ctx.ports,
-                host=ctx.host, executor_id=ctx.executor_id, **extra)
+                host=ctx.host, executor_id=ctx.executor_id,
+                torch_env={k: os.environ.get(k) for k in
+                           ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")},
+                spark_executor=ctx.nodes[ctx.worker_num]["executor_id"], **extra)
     path = os.path.join(args["out"], f"node-{ctx.worker_num}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(info, f)
@@ -76,3 +79,13 @@ def sleep_in_feed(args: Dict[str, Any], ctx: Any) -> None:
         if len(feed.next_batch(8)) == 0:
             break
         time.sleep(0.05)
+
+
+def wait_for_feed_end(args: Dict[str, Any], ctx: Any) -> None:
+    """Chief/worker: drain the feed until shutdown ends it; ps: return at once."""
+    _write(args, ctx)
+    if ctx.job_name in ("chief", "worker"):
+        feed = ctx.get_data_feed()
+        while not feed.should_stop():
+            if len(feed.next_batch(64)) == 0:
+                break

@@ -224,7 +224,10 @@ def test_reservation_two_nodes():
 
         for i, (client, nodes, pos) in enumerate(results):
             assert pos == i
-            assert nodes == table
+            assert list(nodes) == nodes.tolist() == table  # a ClusterSpec: rows decoded on access
+            assert len(nodes) == 2 and nodes[-1] == table[-1]
+            with pytest.raises(IndexError):
+                nodes[2]
             assert client.stop_state() == 0
 
         # Reports travel to the driver as events.

@@ -60,6 +60,16 @@ def test_reservation_assigns_roles_and_tf_config(local_spark, tmp_path, n):
         assert "evaluator" not in tf_config["cluster"]
         assert tf_config["cluster"] == info["cluster_spec"]
         assert info["num_workers"] == (2 if n == 2 else 2)
+    # torch.distributed: chief and workers are ranks 0..W-1, rank 0 is the master
+    trainers = sorted((i for i in infos if i["job_name"] in ("chief", "worker")),
+                      key=lambda i: i["index"])
+    for rank, info in enumerate(trainers):
+        env = info["torch_env"]
+        assert (env["RANK"], env["WORLD_SIZE"]) == (str(rank), str(len(trainers)))
+        assert env["MASTER_PORT"] == str(trainers[0]["ports"][0])
+    for info in infos:
+        if info["job_name"] not in ("chief", "worker"):
+            assert info["torch_env"]["RANK"] is None
     # ports are distinct per node and were really reserved
     ports = [p for i in infos for p in i["ports"]]
     assert len(ports) == len(set(ports)) == 2 * n
@@ -167,3 +177,50 @@ def test_wrong_secret_is_rejected_and_cluster_keeps_working(local_spark, tmp_pat
     finally:
         cluster.shutdown(timeout=60)
     assert sum(len(i["ids"]) for i in read_json_files(str(tmp_path))) == 500
+
+
+def test_driver_ps_nodes_run_on_the_driver(local_spark, tmp_path):
+    sc = local_spark.sparkContext
+    cluster = run(sc, nodefuns.wait_for_feed_end, {"out": str(tmp_path)}, num_executors=3,
+                  num_ps=1, driver_ps_nodes=True, input_mode=InputMode.SPARK,
+                  reservation_timeout=60)
+    try:
+        fed = cluster.train(sc.parallelize([[i] for i in range(100)], 4), 1)
+    finally:
+        cluster.shutdown(timeout=60)
+    assert fed == 100
+    infos = {i["index"]: i for i in read_json_files(str(tmp_path))}
+    assert infos[0]["job_name"] == "ps" and infos[0]["spark_executor"] == "driver"
+    assert {infos[1]["job_name"], infos[2]["job_name"]} == {"chief", "worker"}
+    assert all(infos[i]["spark_executor"] != "driver" for i in (1, 2))
+    assert not _wait_gone([i["pid"] for i in infos.values()])
+
+
+def test_tensorboard_served_by_the_chief_until_shutdown(local_spark, tmp_path):
+    import urllib.request
+
+    sc = local_spark.sparkContext
+    log_dir = tmp_path / "tb"
+    cluster = run(sc, nodefuns.wait_for_feed_end, {"out": str(tmp_path)}, num_executors=2,
+                  tensorboard=True, log_dir=str(log_dir), input_mode=InputMode.SPARK,
+                  reservation_timeout=60)
+    try:
+        url = cluster.tensorboard_url()
+        chief = next(n for n in cluster.nodes if n["role"] == "chief")
+        assert url == f"http://{chief['host']}:{chief['ports'][2]}"
+        deadline, body = time.monotonic() + 90, b""
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url + "/data/logdir", timeout=5) as r:
+                    body = r.read()
+                break
+            except OSError:
+                time.sleep(0.5)
+        assert str(log_dir).encode() in body, f"TensorBoard did not answer at {url}"
+    finally:
+        cluster.shutdown(timeout=60)
+    port = int(url.rsplit(":", 1)[1])
+    deadline = time.monotonic() + 15
+    while _live_sockets_on({port}) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _live_sockets_on({port}), "TensorBoard outlived shutdown"

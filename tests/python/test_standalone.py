@@ -83,3 +83,69 @@ def test_killed_trainer_is_seen_within_the_heartbeat_bound(cluster_spark, tmp_pa
     assert "node 1" in str(err.value) and "lost" in str(err.value)
     assert seen - holder["killed_at"] < 4 + 10  # heartbeat bound + job cancellation
     cluster.shutdown()
+
+
+def _kill_after_checkpoint(ckpt_dir: str, pid: int, holder: dict) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if os.path.exists(os.path.join(ckpt_dir, "checkpoint")):  # TF's checkpoint index
+            holder["killed_at"] = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(0.1)
+
+
+def test_killed_trainer_restarts_from_checkpoint(cluster_spark, tmp_path):
+    """SIGKILL the worker mid-training: with max_restarts=1 the cluster is
+    relaunched, training resumes from the chief's checkpoint and completes,
+    and the model still classifies Fashion-MNIST far above chance."""
+    import argparse
+
+    import numpy as np
+    from examples.fashion_mnist import data, model
+
+    sc = cluster_spark.sparkContext
+    n_train, n_test, epochs = 4000, 1000, 2
+    images, labels = data.load_split("train")
+    train = [((images[i].reshape(-1) / 255.0).astype(np.float32), int(labels[i]))
+             for i in range(n_train)]
+    images, labels = data.load_split("test")
+    test = [((images[i].reshape(-1) / 255.0).astype(np.float32), int(labels[i]))
+            for i in range(n_test)]
+    args = argparse.Namespace(batch_size=64, learning_rate=2e-3, epochs=epochs,
+                              train_records=n_train, checkpoint_steps=5,
+                              model_dir=str(tmp_path / "model"), export_dir=str(tmp_path / "export"),
+                              intra_op_threads=1, inter_op_threads=1)
+    cluster = run(sc, model.train_spark, args, num_executors=2, input_mode=InputMode.SPARK,
+                  reservation_timeout=120, heartbeat_timeout=4, max_restarts=1)
+    holder: dict = {}
+    try:
+        worker = next(n for n in cluster.nodes if n["role"] == "worker")
+        killer = threading.Thread(target=_kill_after_checkpoint,
+                                  args=(str(tmp_path / "model" / "checkpoint"), worker["pid"], holder))
+        killer.start()
+        fed = cluster.train(sc.parallelize(train, 4), num_epochs=epochs)
+        killer.join()
+    finally:
+        cluster.shutdown(timeout=300)
+    assert "killed_at" in holder, "no checkpoint appeared before training ended"
+    assert cluster.restarts == 1
+    cause = cluster.restart_causes[0]
+    assert f"node {worker['index']}" in str(cause) and "lost" in str(cause)
+    assert cause.seen_at - holder["killed_at"] < 4 + 3  # within the heartbeat bound
+    assert fed == n_train * epochs  # the restarted run was fed the whole data again
+    import tensorflow as tf
+
+    final = tf.train.latest_checkpoint(str(tmp_path / "model" / "checkpoint"))
+    steps_one_run = epochs * (n_train // (64 * 2))
+    assert int(final.rsplit("-", 1)[1]) > steps_one_run  # resumed, not started over
+
+    infer = run(sc, model.infer, args, num_executors=2, input_mode=InputMode.SPARK,
+                master_node=None, reservation_timeout=120)
+    try:
+        pairs = np.asarray(infer.inference(sc.parallelize(test, 2)).collect()).reshape(-1, 2)
+    finally:
+        infer.shutdown(timeout=120)
+    assert len(pairs) == n_test
+    accuracy = float(np.mean(pairs[:, 0] == pairs[:, 1]))
+    assert accuracy > 0.6, f"accuracy {accuracy} after restart (chance is 0.1)"
