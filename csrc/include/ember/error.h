@@ -36,8 +36,9 @@ extern "C" {
   X(ENOTFOUND, -12, "not found")                                    \
   X(ECORRUPT, -13, "corrupt data (bad checksum or layout)")         \
   X(ESYS, -14, "system call failed")                                \
-  X(ENODE, -15, "a node failed")                                  \
-  X(ETRUNCATED, -16, "truncated data (input ended inside a record)")
+  X(ENODE, -15, "a node failed")                                    \
+  X(ETRUNCATED, -16, "truncated data (input ended inside a record)")\
+  X(ESCHEMA, -17, "data does not match the expected schema")
 
 typedef enum {
 #define EMBER__ERR_ENUM(name, value, desc) EMBER_##name = (value),
