@@ -188,3 +188,95 @@ def rows_of(names: Sequence[str], columns: Sequence[Any], start: int, stop: int)
     else:
         for i in range(start, stop):
             yield tuple(plain(c, i) for c in columns)
+
+
+# ------------------------------------------------------------------ Arrow (DataFrames)
+
+def _arrow_values(col: Any, field: str, where: str) -> np.ndarray:
+    """A null-free primitive Arrow array as a numpy view (no copy)."""
+    import pyarrow as pa
+
+    if col.null_count:
+        row = next(i for i, v in enumerate(col.is_null().to_pylist()) if v)
+        raise ValueError(f"{where}: column {field!r} has a null at row {row}; "
+                         "fill or drop nulls before feeding")
+    if pa.types.is_boolean(col.type):
+        return col.to_numpy(zero_copy_only=False)  # Arrow packs booleans in bits
+    return col.to_numpy(zero_copy_only=True)
+
+
+def _arrow_column(col: Any, field: str, where: str) -> ColumnSpec:
+    import pyarrow as pa
+
+    t = col.type
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        return array_column(field, _arrow_values(col, field, where), where)
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or \
+            pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        if col.null_count:
+            _arrow_values(col, field, where)  # raises, naming the row
+        is_str = pa.types.is_string(t) or pa.types.is_large_string(t)
+        offsets_type = np.int64 if (pa.types.is_large_string(t) or
+                                    pa.types.is_large_binary(t)) else np.int32
+        offs = np.frombuffer(col.buffers()[1], dtype=offsets_type,
+                             count=len(col) + 1, offset=col.offset * np.dtype(offsets_type).itemsize)
+        start, end = int(offs[0]), int(offs[-1])
+        data = memoryview(col.buffers()[2])[start:end] if end > start else b""
+        return (_encode_name(field, (), is_str), _ember.DT_BYTES, 0, data,
+                (offs - start).astype(np.uint64))
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _arrow_list_column(col, field, where)
+    if pa.types.is_struct(t) and {f.name for f in t} == {"type", "size", "indices", "values"}:
+        return _arrow_vector_column(col, field, where)
+    raise TypeError(f"{where}: column {field!r} has Arrow type {t}, which the feed does not "
+                    "carry (numbers, strings, binary, arrays of numbers, ML vectors)")
+
+
+def _arrow_list_column(col: Any, field: str, where: str) -> ColumnSpec:
+    """array<number> rows of one length -> a (rows, width) column."""
+    import pyarrow as pa
+
+    if col.null_count:
+        _arrow_values(col, field, where)
+    n = len(col)
+    if pa.types.is_fixed_size_list(col.type):
+        width = col.type.list_size
+    else:
+        offs = col.offsets.to_numpy()
+        lengths = np.diff(offs)
+        width = int(lengths[0]) if n else 0
+        bad = np.flatnonzero(lengths != width)
+        if bad.size:
+            raise ValueError(f"{where}: column {field!r} has arrays of different lengths "
+                             f"(row 0 has {width}, row {int(bad[0])} has {int(lengths[bad[0]])}); "
+                             "the feed carries one fixed width per column")
+    values = col.flatten()
+    if pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+        raise TypeError(f"{where}: column {field!r} is a nested array; flatten it first")
+    flat = _arrow_values(values, field, where)
+    return array_column(field, flat.reshape(n, width), where)
+
+
+def _arrow_vector_column(col: Any, field: str, where: str) -> ColumnSpec:
+    """Spark ML vectors (VectorUDT: struct<type,size,indices,values>) -> float64 rows."""
+    kinds = col.field("type").to_numpy(zero_copy_only=False)
+    values = col.field("values")
+    if (kinds == 1).all():  # all dense: one values array per row
+        return _arrow_list_column(values, field, where)
+    sizes = col.field("size").to_numpy(zero_copy_only=False)
+    width = int(sizes[kinds == 0][0])
+    out = np.zeros((len(col), width), dtype=np.float64)
+    indices = col.field("indices")
+    for i in range(len(col)):  # sparse rows: scatter (rare in feeds; no hot path)
+        v = np.asarray(values[i].values, dtype=np.float64)
+        if kinds[i] == 0:
+            out[i, np.asarray(indices[i].values, dtype=np.int64)] = v
+        else:
+            out[i, :] = v
+    return array_column(field, out, where)
+
+
+def arrow_to_columns(batch: Any, where: str = "batch") -> Tuple[List[ColumnSpec], int]:
+    """Columns (views of the Arrow buffers where the layout allows) of a RecordBatch."""
+    return ([_arrow_column(batch.column(i), name, where)
+             for i, name in enumerate(batch.schema.names)], batch.num_rows)

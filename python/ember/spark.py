@@ -166,6 +166,47 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
     return feed
 
 
+def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
+                  chunk_bytes: int) -> Callable[[Any], Any]:
+    """The feeding task of a DataFrame (``mapInArrow``): Arrow record batches go
+    to the node as columnar batches, their buffers encoded straight from Arrow
+    memory (no Python object per value).  Yields one row: the records fed."""
+    def feed(batches: Any) -> Any:
+        import pyarrow as pa
+        from pyspark import TaskContext
+
+        from ember import _columns
+
+        p = TaskContext.get().partitionId()
+        if p >= (1 << _SEQ_BITS):
+            raise ValueError(f"ember feeds at most {1 << _SEQ_BITS} partitions per call")
+        host, port, name = targets[p % len(targets)]
+        client = _ember.FeedClient(host, port, secret, (seq << _SEQ_BITS) | p,
+                                   want_results=False, timeout_s=feed_timeout)
+        sent = 0
+        try:
+            for rb in batches:
+                if rb.num_rows == 0:
+                    continue
+                row_bytes = max(1, rb.nbytes // rb.num_rows)
+                step = max(1, chunk_bytes // row_bytes)
+                for off in range(0, rb.num_rows, step):
+                    part = rb.slice(off, step)
+                    cols, n = _columns.arrow_to_columns(
+                        part, where=f"partition {p} rows {sent}..{sent + part.num_rows - 1}")
+                    client.send(cols, n, feed_timeout)
+                    sent += n
+            client.end_partition(feed_timeout)
+        except _ember.EmberAborted:
+            pass  # the node terminated its feed: TensorFlowOnSpark drops the rest
+        except _ember.EmberError as exc:
+            raise RuntimeError(f"feeding partition {p} to {name} at {host}:{port}: {exc}") from exc
+        finally:
+            client.close()
+        yield pa.RecordBatch.from_pydict({"fed": pa.array([sent], pa.int64())})
+    return feed
+
+
 # --------------------------------------------------------------------------- cluster
 
 class Cluster:
@@ -180,7 +221,8 @@ class Cluster:
         self.input_mode = input_mode
         self.job_id = uuid.uuid4().hex[:12]
         self.nodes: List[Dict[str, Any]] = []
-        self.chunk_rows = 1024
+        self.chunk_rows = 1024  # records per feed batch from an RDD
+        self.chunk_bytes = 4 << 20  # bytes per feed batch from a DataFrame's Arrow batches
         self.restarts = 0
         self.restart_causes: List[EmberNodeError] = []  # the failures that caused restarts
         self._main_fun, self._args, self._num_nodes, self._roles = main_fun, args, num_nodes, roles
@@ -368,6 +410,14 @@ class Cluster:
               qname: str = "input") -> int:
         """Feeds every record of ``data`` (RDD or DataFrame) ``num_epochs`` times.
 
+        An RDD's records arrive as TensorFlowOnSpark's records (``batch[i]``)
+        and as columns; a DataFrame goes through Spark's Arrow path
+        (``mapInArrow``) and arrives as named columns (``batch.column(name)``):
+        numbers, strings/binary, arrays of numbers (one length per column) and
+        ML vectors, each a numpy array with the row axis first.  With
+        ``num_epochs > 1`` an uncached ``data`` is persisted for the call (so
+        the upstream lineage runs once) and unpersisted after.
+
         Partition ``p`` goes to feeding node ``p % number of chief+worker nodes``;
         each feeding task returns only once its node has taken the whole
         partition.  Returns the number of records fed.  If a node fails, raises
@@ -378,29 +428,55 @@ class Cluster:
         if self.input_mode != InputMode.SPARK:
             raise ValueError("train() feeds data only in InputMode.SPARK; in "
                              "InputMode.TENSORFLOW the nodes read their own input")
-        rdd = _as_rdd(data)
         if num_epochs <= 0:
             _log(f"num_epochs={num_epochs}: feeding the data once (TensorFlowOnSpark's meaning)")
         epochs = max(1, num_epochs)
-        source = self.sc.union([rdd] * epochs) if epochs > 1 else rdd
-        while True:
-            failure = self._failure()
-            if failure is not None:
-                self._restart_or_raise(failure)
-                continue
-            try:
-                return self._feed_once(source, epochs, feed_timeout)
-            except EmberNodeError as exc:
-                self._restart_or_raise(exc)
+        # k epochs are one Spark job over k copies of the data; the copies read
+        # a cached dataset, so the upstream lineage runs once, not k times
+        # (Spark's block manager makes a task wait for a partition another task
+        # is caching rather than compute it twice).
+        cached = epochs > 1 and not data.is_cached if _is_dataframe(data) else \
+            epochs > 1 and not data.getStorageLevel().useMemory and \
+            not data.getStorageLevel().useDisk
+        if cached:
+            from pyspark import StorageLevel
+
+            data = data.persist(StorageLevel.MEMORY_AND_DISK)
+        try:
+            if _is_dataframe(data):
+                source = data
+                for _ in range(epochs - 1):
+                    source = source.unionAll(data)
+            else:
+                source = self.sc.union([data] * epochs) if epochs > 1 else data
+            while True:
+                failure = self._failure()
+                if failure is not None:
+                    self._restart_or_raise(failure)
+                    continue
+                try:
+                    return self._feed_once(source, epochs, feed_timeout)
+                except EmberNodeError as exc:
+                    self._restart_or_raise(exc)
+        finally:
+            if cached:
+                data.unpersist()
 
     def _feed_once(self, source: Any, epochs: int, feed_timeout: float) -> int:
         seq = self._next_seq()
         targets = self._feed_targets()
-        fn = _feeder(targets, self._secret, seq, feed_timeout, self.chunk_rows, want_results=False)
         start = time.monotonic()
-        _log(f"train: feeding {source.getNumPartitions()} partitions ({epochs} epoch(s)) "
-             f"to {len(targets)} node(s)")
-        fed = self._run_job(f"train {seq}", lambda: source.mapPartitions(fn).sum())
+        if _is_dataframe(source):
+            fn = _arrow_feeder(targets, self._secret, seq, feed_timeout, self.chunk_bytes)
+            parts = source.rdd.getNumPartitions()
+            action = lambda: sum(r[0] for r in source.mapInArrow(fn, "fed long").collect())  # noqa: E731
+        else:
+            fn = _feeder(targets, self._secret, seq, feed_timeout, self.chunk_rows,
+                         want_results=False)
+            parts = source.getNumPartitions()
+            action = lambda: source.mapPartitions(fn).sum()  # noqa: E731
+        _log(f"train: feeding {parts} partitions ({epochs} epoch(s)) to {len(targets)} node(s)")
+        fed = self._run_job(f"train {seq}", action)
         secs = time.monotonic() - start
         _log(f"train: fed {fed} records in {secs:.1f} s ({fed / max(secs, 1e-9):.0f} records/s)")
         return int(fed)
@@ -519,6 +595,10 @@ class Cluster:
             return None
         node = self.nodes[self._tensorboard_node()]
         return f"http://{node['host']}:{node['ports'][2]}"
+
+
+def _is_dataframe(data: Any) -> bool:
+    return hasattr(data, "mapInArrow")
 
 
 def _as_rdd(data: Any) -> Any:

@@ -89,3 +89,29 @@ def wait_for_feed_end(args: Dict[str, Any], ctx: Any) -> None:
         while not feed.should_stop():
             if len(feed.next_batch(64)) == 0:
                 break
+
+
+def collect_columns(args: Dict[str, Any], ctx: Any) -> None:
+    """Consumes the feed of a DataFrame; records ids, column names/dtypes/shapes
+    and whether every column agrees with the id it came with."""
+    import numpy as np
+
+    feed = ctx.get_data_feed()
+    ids, layout, bad = [], None, []
+    while not feed.should_stop():
+        batch = feed.next_batch(args.get("batch", 100))
+        if len(batch) == 0:
+            break
+        cols = {name: batch.column(name) for name in batch.names}
+        layout = {name: [str(np.asarray(c).dtype) if not isinstance(c, list) else "list",
+                         list(np.asarray(c).shape[1:]) if not isinstance(c, list) else []]
+                  for name, c in cols.items()}
+        for j, i in enumerate(cols["id"].tolist()):
+            ids.append(i)
+            if "image" in cols and cols["image"][j].tolist() != [i * 0.5] * 4:
+                bad.append(("image", i))
+            if "name" in cols and cols["name"][j] != f"r{i}":
+                bad.append(("name", i))
+            if "vec" in cols and cols["vec"][j].tolist() != [float(i), 1.0]:
+                bad.append(("vec", i))
+    _write(args, ctx, ids=ids, layout=layout, bad=bad[:10])

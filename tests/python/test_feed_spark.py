@@ -1,0 +1,89 @@
+"""The data feed on real Spark: DataFrames as named columns through Arrow,
+epochs without re-running the lineage, bad input named precisely."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+import nodefuns
+from conftest import read_json_files
+from ember.spark import InputMode, run
+
+
+def _frame(spark, n, parts):
+    from pyspark.ml.linalg import Vectors, VectorUDT
+    from pyspark.sql.types import (ArrayType, FloatType, IntegerType, LongType, StringType,
+                                   StructField, StructType)
+
+    rows = [(i, [i * 0.5] * 4, i % 10, f"r{i}", Vectors.dense([float(i), 1.0]))
+            for i in range(n)]
+    schema = StructType([StructField("id", LongType()), StructField("image", ArrayType(FloatType())),
+                         StructField("label", IntegerType()), StructField("name", StringType()),
+                         StructField("vec", VectorUDT())])
+    return spark.createDataFrame(rows, schema).repartition(parts)
+
+
+def test_dataframe_arrives_as_named_columns(local_spark, tmp_path):
+    spark = local_spark
+    df = _frame(spark, 3000, 5)
+    cluster = run(spark.sparkContext, nodefuns.collect_columns, {"out": str(tmp_path)},
+                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60)
+    try:
+        assert cluster.train(df, num_epochs=2) == 6000
+    finally:
+        cluster.shutdown(timeout=60)
+    infos = read_json_files(str(tmp_path))
+    got = collections.Counter(i for info in infos for i in info["ids"])
+    assert got == collections.Counter({i: 2 for i in range(3000)})
+    for info in infos:
+        assert info["bad"] == []
+        assert info["layout"] == {"id": ["int64", []], "image": ["float32", [4]],
+                                  "label": ["int32", []], "name": ["list", []],
+                                  "vec": ["float64", [2]]}
+
+
+def test_epochs_run_the_lineage_once(local_spark, tmp_path):
+    sc = local_spark.sparkContext
+    computed = sc.accumulator(0)
+
+    def touch(i):
+        computed.add(1)
+        return (i, [float(i)])
+
+    rdd = sc.parallelize(range(2000), 4).map(touch)
+    cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=60)
+    try:
+        assert cluster.train(rdd, num_epochs=3) == 6000
+    finally:
+        cluster.shutdown(timeout=60)
+    assert computed.value == 2000  # not 6000: the epochs read a cached copy
+    assert not rdd.getStorageLevel().useMemory  # and it was unpersisted after
+    got = collections.Counter(i for info in read_json_files(str(tmp_path)) for i in info["ids"])
+    assert got == collections.Counter({i: 3 for i in range(2000)})
+
+
+@pytest.mark.parametrize("case, message", [
+    ("null", "column 'x' has a null at row"),
+    ("ragged", "column 'v' has arrays of different lengths"),
+    ("nested", "column 'm' has Arrow type"),
+])
+def test_dataframe_bad_input_names_the_column(local_spark, tmp_path, case, message):
+    spark = local_spark
+    if case == "null":
+        df = spark.createDataFrame([(1, 1.0), (2, None), (3, 3.0)], "id long, x double")
+    elif case == "ragged":
+        df = spark.createDataFrame([(1, [1.0, 2.0]), (2, [1.0])], "id long, v array<double>")
+    else:
+        df = spark.createDataFrame([(1, {"a": 1})], "id long, m map<string,int>")
+    df = df.coalesce(1)
+    cluster = run(spark.sparkContext, nodefuns.count_records, {"out": str(tmp_path)},
+                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60)
+    try:
+        with pytest.raises(Exception) as err:
+            cluster.train(df)
+        assert message in str(err.value) and "partition 0" in str(err.value)
+    finally:
+        cluster._stop_all()
