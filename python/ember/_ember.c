@@ -32,6 +32,11 @@ static PyObject *error_class(ember_state *st, int code) {
     return st->EmberAuthError;
   case EMBER_EABORTED:
     return st->EmberAborted;
+  case EMBER_ECORRUPT:
+  case EMBER_ETRUNCATED:
+    return st->EmberCorruptError ? st->EmberCorruptError : st->EmberError;
+  case EMBER_ESCHEMA:
+    return st->EmberSchemaError ? st->EmberSchemaError : st->EmberError;
   default:
     return st->EmberError;
   }
@@ -760,7 +765,7 @@ static int module_exec(PyObject *m) {
     return -1;
   if (add_exceptions(m, st) < 0)
     return -1;
-  if (embpy_rdv_exec(m, st) < 0 || embpy_feed_exec(m, st) < 0)
+  if (embpy_rdv_exec(m, st) < 0 || embpy_feed_exec(m, st) < 0 || embpy_tfrecord_exec(m, st) < 0)
     return -1;
   return 0;
 }
@@ -776,6 +781,12 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
   Py_VISIT(st->FeedServer_Type);
   Py_VISIT(st->FeedClient_Type);
   Py_VISIT(st->FeedItem_Type);
+  Py_VISIT(st->EmberCorruptError);
+  Py_VISIT(st->EmberSchemaError);
+  Py_VISIT(st->Buffer_Type);
+  Py_VISIT(st->ExampleDecoder_Type);
+  Py_VISIT(st->TFRecordReader_Type);
+  Py_VISIT(st->TFRecordWriter_Type);
   return 0;
 }
 
@@ -790,6 +801,12 @@ static int module_clear(PyObject *m) {
   Py_CLEAR(st->FeedServer_Type);
   Py_CLEAR(st->FeedClient_Type);
   Py_CLEAR(st->FeedItem_Type);
+  Py_CLEAR(st->EmberCorruptError);
+  Py_CLEAR(st->EmberSchemaError);
+  Py_CLEAR(st->Buffer_Type);
+  Py_CLEAR(st->ExampleDecoder_Type);
+  Py_CLEAR(st->TFRecordReader_Type);
+  Py_CLEAR(st->TFRecordWriter_Type);
   return 0;
 }
 

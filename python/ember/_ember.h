@@ -54,6 +54,13 @@ typedef struct {
   PyTypeObject *FeedServer_Type;
   PyTypeObject *FeedClient_Type;
   PyTypeObject *FeedItem_Type;
+  /* _ember_tfrecord.c */
+  PyObject *EmberCorruptError; /* EMBER_ECORRUPT, EMBER_ETRUNCATED */
+  PyObject *EmberSchemaError;  /* EMBER_ESCHEMA; also a ValueError */
+  PyTypeObject *Buffer_Type;
+  PyTypeObject *ExampleDecoder_Type;
+  PyTypeObject *TFRecordReader_Type;
+  PyTypeObject *TFRecordWriter_Type;
 } ember_state;
 
 extern PyModuleDef embpy_module;
@@ -181,5 +188,6 @@ PyObject *embpy_decoded_to_list(const uint8_t *base, const embpy_decoded *d);
 
 int embpy_rdv_exec(PyObject *m, ember_state *st);
 int embpy_feed_exec(PyObject *m, ember_state *st);
+int embpy_tfrecord_exec(PyObject *m, ember_state *st);
 
 #endif /* EMBER_PY_EMBER_H */
