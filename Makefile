@@ -13,7 +13,7 @@ WARN   := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wno-unused-paramet
 BASE   := -std=c11 -D_GNU_SOURCE -Icsrc/include -pthread $(WARN)
 OPT    := -O2 -g -fPIC
 SAN    := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
-LIBS   := -lcrypto -lz -lpthread
+LIBS   := -lcrypto -lz -lcurl -lpthread
 
 LIB_SRCS  := $(wildcard csrc/*.c)
 LIB_HDRS  := $(wildcard csrc/include/ember/*.h csrc/*.h)
@@ -24,8 +24,9 @@ FUZZERS   := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(wildcard tests/fuzz/fuz
 EXT_SRCS  := $(wildcard python/ember/_ember*.c)
 EXT_HDRS  := $(wildcard python/ember/_ember*.h)
 
-APT_PACKAGES := dataset-fashion-mnist clang libssl-dev zlib1g-dev
+APT_PACKAGES := dataset-fashion-mnist clang libssl-dev zlib1g-dev libcurl4-openssl-dev maven
 
+.PHONY: hadoop
 .PHONY: help setup apt venv build lib ext test test-c test-py fuzz fuzz-smoke demo demo-quick \
         bench-reservation clean format-check
 
@@ -75,6 +76,23 @@ ext: $(VENV)/.stamp $(BUILD)/libember.a
 python/ember/_ember%.so: $(EXT_SRCS) $(EXT_HDRS) $(BUILD)/libember.a
 	$(CC) $(BASE) $(OPT) -fvisibility=hidden -shared -I$(PY_INC) $(EXT_SRCS) $(BUILD)/libember.a $(LIBS) -o $@
 
+# ---------------------------------------------------------------- test Hadoop (HDFS + YARN)
+# hadoop/minicluster: one JVM with a MiniDFSCluster and a MiniYARNCluster, for
+# tests (tests/python/hadoop_fixture.py).  Maven's local repository is
+# build/m2 (filled from Maven Central on the first build; later builds run
+# offline); the fixture runs build/hadoop/ember-minicluster.jar with the jars
+# listed in build/hadoop/classpath.txt.
+MVN       ?= mvn
+M2_REPO   ?= $(abspath $(BUILD)/m2)
+HADOOP_MVN = $(MVN) -B -q -f hadoop/minicluster/pom.xml -Dmaven.repo.local=$(M2_REPO) \
+             -Dember.out=$(abspath $(BUILD)/hadoop) package
+hadoop: apt $(BUILD)/hadoop/classpath.txt
+$(BUILD)/hadoop/classpath.txt: hadoop/minicluster/pom.xml $(shell find hadoop/minicluster/src -type f 2>/dev/null)
+	@java -version >/dev/null 2>&1 || { echo "Java 17 is required (java not found)"; exit 1; }
+	@command -v $(MVN) >/dev/null || { echo "Maven is required ($(MVN) not found; apt-get install maven)"; exit 1; }
+	@nice -n 10 $(HADOOP_MVN) -o >/dev/null 2>&1 || nice -n 10 $(HADOOP_MVN)
+	@touch $@
+
 # ---------------------------------------------------------------- C tests (ASan + UBSan)
 $(BUILD)/san/%.o: csrc/%.c $(LIB_HDRS)
 	@mkdir -p $(@D)
@@ -104,7 +122,7 @@ fuzz: apt $(FUZZERS)
 	done
 
 # ---------------------------------------------------------------- Python tests and the main job
-test-py: setup
+test-py: setup hadoop
 	$(PY) -m pytest -q tests/python
 
 demo: setup
@@ -114,7 +132,7 @@ demo: setup
 demo-quick: setup
 	PYTHONUNBUFFERED=1 $(PY) -m examples.fashion_mnist.main --epochs 3 --require-accuracy 0.85
 
-test: setup
+test: setup hadoop
 	$(MAKE) --no-print-directory test-c
 	$(MAKE) --no-print-directory fuzz
 	$(PY) -m pytest -q tests/python

@@ -1,0 +1,207 @@
+"""A real Hadoop for tests: HDFS and YARN mini clusters in one JVM on loopback.
+
+``hadoop_cluster`` is a session fixture, started the first time a test asks
+for it (never otherwise) and shared by every test after that.  It runs
+``org.ember.hadoop.MiniHadoop`` (hadoop/minicluster, built by ``make hadoop``;
+the fixture runs that make target itself, a no-op when it is up to date):
+a MiniDFSCluster (NameNode + 1 DataNode, WebHDFS on, 1 MiB blocks) and a
+MiniYARNCluster (ResourceManager + 1 NodeManager) from Hadoop 3.4.2.  It
+yields a :class:`HadoopCluster` with the addresses and a client
+configuration directory, and sets nothing global: a test that wants
+``HADOOP_CONF_DIR`` takes it from ``cluster.env()`` or sets it with
+``monkeypatch``.
+
+The JVM runs until its stdin closes, so it also goes away if pytest is
+killed; teardown closes stdin, waits for a clean stop, and removes the
+cluster's temporary directory.
+
+Register it in conftest.py with ``from hadoop_fixture import hadoop_cluster``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from typing import Dict, Iterator, List, Optional
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD_DIR = os.path.join(REPO, "build", "hadoop")
+
+#: Seconds to wait for the READY line (it comes in ~25 s on 2 busy cores).
+START_TIMEOUT_S = float(os.environ.get("EMBER_HADOOP_START_TIMEOUT", "180"))
+
+# Java 17 closes the JDK internals that Hadoop (and its shaded Guice, Jersey,
+# protobuf) reach into; the same list Spark passes to its JVMs.
+JAVA17_OPENS = [
+    f"--add-opens=java.base/{pkg}=ALL-UNNAMED"
+    for pkg in ("java.lang", "java.lang.invoke", "java.lang.reflect", "java.io", "java.net",
+                "java.nio", "java.util", "java.util.concurrent",
+                "java.util.concurrent.atomic", "sun.nio.ch", "sun.nio.cs",
+                "sun.security.action", "sun.util.calendar")
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class HadoopCluster:
+    """Addresses of the running mini clusters.
+
+    Attributes:
+        fs: the default file system URI, ``hdfs://127.0.0.1:<rpc port>``.
+        webhdfs: the NameNode's HTTP address, ``http://127.0.0.1:<port>``
+            (WebHDFS is under ``/webhdfs/v1``).
+        rm: the ResourceManager's client RPC address, ``127.0.0.1:<port>``.
+        rm_web: the ResourceManager's web address (REST under ``/ws/v1``).
+        conf_dir: a ``HADOOP_CONF_DIR`` with core-site.xml, hdfs-site.xml and
+            yarn-site.xml for these clusters.
+        user: the user the clusters run as (the HDFS superuser).
+        root: the cluster's temporary directory (removed at teardown).
+        log: the JVM's log file, inside ``root``.
+    """
+
+    fs: str
+    webhdfs: str
+    rm: str
+    rm_web: str
+    conf_dir: str
+    user: str
+    root: str
+    log: str
+
+    def env(self) -> Dict[str, str]:
+        """``os.environ`` plus ``HADOOP_CONF_DIR`` pointing at :attr:`conf_dir`."""
+        return dict(os.environ, HADOOP_CONF_DIR=self.conf_dir)
+
+    def hdfs_url(self, path: str) -> str:
+        """``hdfs://127.0.0.1:<port>/<path>`` for an absolute HDFS path."""
+        if not path.startswith("/"):
+            raise ValueError(f"HDFS path must be absolute, not {path!r}")
+        return self.fs + path
+
+
+def _java() -> str:
+    home = os.environ.get("JAVA_HOME")
+    if home and os.access(os.path.join(home, "bin", "java"), os.X_OK):
+        return os.path.join(home, "bin", "java")
+    java = shutil.which("java")
+    if java is None:
+        raise RuntimeError("java not found (Java 17 is needed for the test Hadoop)")
+    return java
+
+
+def _build() -> List[str]:
+    """Runs ``make hadoop`` (a no-op when up to date); returns the classpath."""
+    r = subprocess.run(["make", "--no-print-directory", "-s", "hadoop"], cwd=REPO,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"`make hadoop` failed (exit {r.returncode}):\n{r.stdout[-4000:]}")
+    with open(os.path.join(BUILD_DIR, "classpath.txt")) as f:
+        deps = f.read().strip()
+    return [os.path.join(BUILD_DIR, "ember-minicluster.jar")] + deps.split(os.pathsep)
+
+
+def _tail(path: str, n: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+class MiniHadoop:
+    """Owns the MiniHadoop JVM: start() waits for READY, stop() tears down."""
+
+    def __init__(self, root: Optional[str] = None) -> None:
+        self.root = root or tempfile.mkdtemp(prefix="ember-hadoop-")
+        self.conf_dir = os.path.join(self.root, "conf")
+        self.work_dir = os.path.join(self.root, "work")
+        self.log_path = os.path.join(self.root, "minihadoop.log")
+        self.proc: Optional[subprocess.Popen] = None
+        self._lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        self.startup_s = 0.0
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def start(self) -> HadoopCluster:
+        classpath = _build()
+        os.makedirs(self.work_dir, exist_ok=True)
+        cmd = [_java(), "-Xmx1g", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
+               "-Djava.net.preferIPv4Stack=true", *JAVA17_OPENS,
+               "-cp", os.pathsep.join(classpath), "org.ember.hadoop.MiniHadoop",
+               "--conf-dir", self.conf_dir, "--work-dir", self.work_dir]
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            # cwd: MiniYARNCluster works under ./target; start_new_session: a
+            # Ctrl-C in pytest reaches pytest, which then tears us down.
+            self.proc = subprocess.Popen(cmd, cwd=self.work_dir, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, text=True,
+                                         start_new_session=True)
+        threading.Thread(target=self._pump, name="minihadoop-stdout", daemon=True).start()
+        deadline = t0 + START_TIMEOUT_S
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.stop()
+                raise RuntimeError(f"the test Hadoop did not print READY within "
+                                   f"{START_TIMEOUT_S:.0f}s; log {self.log_path}:\n"
+                                   f"{_tail(self.log_path)}")
+            try:
+                line = self._lines.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            if line is None or line.startswith("EMBER-HADOOP FAILED"):
+                tail = _tail(self.log_path)
+                self.stop()
+                raise RuntimeError(f"the test Hadoop failed to start: "
+                                   f"{line or 'JVM exited'}; log:\n{tail}")
+            if line.startswith("EMBER-HADOOP READY "):
+                break
+        self.startup_s = time.monotonic() - t0
+        fields = dict(kv.split("=", 1) for kv in line.split()[2:] if "=" in kv)
+        return HadoopCluster(fs=fields["fs"], webhdfs=fields["webhdfs"], rm=fields["rm"],
+                             rm_web=fields["rm_web"], conf_dir=fields["conf"],
+                             user=fields["user"], root=self.root, log=self.log_path)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        p = self.proc
+        if p is not None and p.poll() is None:
+            try:
+                assert p.stdin is not None
+                p.stdin.close()  # MiniHadoop stops both clusters on EOF
+            except OSError:
+                pass
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        self.proc = None
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def hadoop_cluster() -> Iterator[HadoopCluster]:
+    """HDFS + YARN mini clusters on 127.0.0.1, shared by the session."""
+    mh = MiniHadoop()
+    cluster = mh.start()
+    print(f"\n[hadoop_cluster] up in {mh.startup_s:.1f}s: fs={cluster.fs} "
+          f"webhdfs={cluster.webhdfs} rm={cluster.rm}")
+    try:
+        yield cluster
+    finally:
+        mh.stop()
