@@ -56,7 +56,14 @@ typedef enum {
   EMBER_MSG_ACK = 35,           /* node->producer: u32 status, string reason */
   EMBER_MSG_RESULTS = 36,       /* node->producer: an encoded batch */
   EMBER_MSG_END_FEED = 37,      /* driver->node: no more partitions will come */
-  EMBER_MSG_FEED_ERROR = 38     /* producer->node: string reason (bad partition) */
+  EMBER_MSG_FEED_ERROR = 38,    /* producer->node: string reason (bad partition) */
+
+  /* collectives, set-up only (see collective.h; data flows unframed) */
+  EMBER_MSG_COLL_HELLO = 48,  /* both ways: u32 rank, u32 size */
+  EMBER_MSG_COLL_SHM = 49,    /* both ways: str segment name ("" = none),
+                                 32-byte token, u64 segment bytes, u64 pipe
+                                 offset, u64 pipe capacity */
+  EMBER_MSG_COLL_SHM_ACK = 50 /* both ways: u32 1 if the segment was mapped */
 } ember_msg_type;
 
 typedef struct {

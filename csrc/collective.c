@@ -1,0 +1,1490 @@
+/* collective.c - allreduce, broadcast, allgather and barrier over a mesh of
+ * authenticated TCP connections, with shared-memory pipes between ranks on
+ * the same host (see collective.h for the contract).
+ *
+ * File order:
+ *   1. reduction kernels (GCC/clang vector extensions: SSE2-wide, any
+ *      alignment, vectorized whatever the -O level);
+ *   2. shared-memory pipes and doorbells;
+ *   3. channels: one non-blocking send and one non-blocking receive primitive
+ *      over either transport;
+ *   4. the step engine: runs a list of (send region, receive region) steps
+ *      against one peer to send to and one to receive from, overlapping the
+ *      two on one thread, with the send of a step gated on how much of an
+ *      earlier step's receive has been reduced (this is the pipelining);
+ *   5. the algorithms (ring, recursive doubling, chain) on top of it;
+ *   6. communicator set-up (mesh, auth, shared-memory negotiation).
+ *
+ * Why one thread and no helper: a blocked send and a blocked receive are both
+ * waited for in one poll() (or one futex for shared memory), so the process
+ * never stops sending while it reduces, and there is no thread handoff on the
+ * hot path.  Why pipes in shared memory rather than one shared buffer per
+ * rank: a pipe is a bounded SPSC byte stream, so the ring algorithm is the same
+ * code on both transports, data passes through the cache-resident pipe
+ * (one copy in by the sender, the receiver reduces straight out of it) and a
+ * segment of a few MiB serves buffers of any size.
+ */
+#include "ember/collective.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ember/auth.h"
+#include "ember/error.h"
+#include "ember/net.h"
+#include "ember/wire.h"
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "libember's collectives move elements in host order: little-endian only"
+#endif
+
+#define COLL_MAGIC 0x4C4F4345u   /* bytes 'E' 'C' 'O' 'L' */
+#define INBOX_MAGIC 0x584F424E494C4F43ull /* "COLINBOX" */
+#define OPHDR_LEN 24u
+#define HOST_CAP 256u
+#define ADDR_CAP 300u
+#define SHM_NAME_CAP 64u
+#define SET_UP_FRAME_MAX 512u
+#define RING_PIPE_CAP (2u * 1024u * 1024u)
+#define SIDE_PIPE_CAP (256u * 1024u)
+#define SHM_CHUNK (256u * 1024u)   /* most bytes copied per pipe operation */
+#define TCP_TMP_CAP (256u * 1024u) /* receive-then-reduce staging for TCP */
+#define SMALL_MAX_DEFAULT (64u * 1024u)
+#define SOCK_BUF_BYTES (4 * 1024 * 1024)
+#define POLL_SLICE_MS 100  /* abort flag and liveness are checked this often */
+#define FUTEX_SLICE_MS 10
+#define AUTH_TIMEOUT_MS 10000
+
+/* ======================================================================
+ * 1. Reduction kernels: d[i] = d[i] OP s[i], n in bytes (a multiple of the
+ *    element size).  Loads and stores go through memcpy, so neither pointer
+ *    needs alignment.
+ * ====================================================================== */
+
+typedef float v4f __attribute__((vector_size(16)));
+typedef double v2d __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+typedef int64_t v2l __attribute__((vector_size(16)));
+typedef uint32_t v4u __attribute__((vector_size(16)));
+typedef uint64_t v2u __attribute__((vector_size(16)));
+
+typedef void (*reduce_fn)(uint8_t *d, const uint8_t *s, size_t n);
+
+/* One 16-byte vector per iteration (the compiler unrolls), then scalars.
+ * BODY sees VT a, b and leaves the result in a; SCALAR sees T x, y and leaves
+ * it in x. */
+#define DEF_KERNEL(NAME, T, VT, BODY, SCALAR)                \
+  static void NAME(uint8_t *d, const uint8_t *s, size_t n) { \
+    size_t i = 0;                                            \
+    for (; i + 16 <= n; i += 16) {                           \
+      VT a, b;                                               \
+      memcpy(&a, d + i, 16);                                 \
+      memcpy(&b, s + i, 16);                                 \
+      BODY;                                                  \
+      memcpy(d + i, &a, 16);                                 \
+    }                                                        \
+    for (; i + sizeof(T) <= n; i += sizeof(T)) {             \
+      T x, y;                                                \
+      memcpy(&x, d + i, sizeof x);                           \
+      memcpy(&y, s + i, sizeof y);                           \
+      SCALAR;                                                \
+      memcpy(d + i, &x, sizeof x);                           \
+    }                                                        \
+  }
+
+/* Floats: min/max return NaN if either input is NaN, in either order (so the
+ * operation is commutative and every rank computes the same bits). */
+#define FMIN_V(MT) { MT m_ = (MT)(a < b) | (MT)(a != a); a = (__typeof__(a))(((MT)a & m_) | ((MT)b & ~m_)); }
+#define FMAX_V(MT) { MT m_ = (MT)(a > b) | (MT)(a != a); a = (__typeof__(a))(((MT)a & m_) | ((MT)b & ~m_)); }
+#define IMIN_V { __typeof__(a) m_ = (__typeof__(a))(a < b); a = (a & m_) | (b & ~m_); }
+#define IMAX_V { __typeof__(a) m_ = (__typeof__(a))(a > b); a = (a & m_) | (b & ~m_); }
+
+DEF_KERNEL(sum_f32, float, v4f, a = a + b, x = x + y)
+DEF_KERNEL(min_f32, float, v4f, FMIN_V(v4i), x = (x < y || x != x) ? x : y)
+DEF_KERNEL(max_f32, float, v4f, FMAX_V(v4i), x = (x > y || x != x) ? x : y)
+DEF_KERNEL(sum_f64, double, v2d, a = a + b, x = x + y)
+DEF_KERNEL(min_f64, double, v2d, FMIN_V(v2l), x = (x < y || x != x) ? x : y)
+DEF_KERNEL(max_f64, double, v2d, FMAX_V(v2l), x = (x > y || x != x) ? x : y)
+/* Integer sums wrap: computed unsigned (signed overflow is undefined). */
+DEF_KERNEL(sum_i32, int32_t, v4i, a = (v4i)((v4u)a + (v4u)b),
+           x = (int32_t)((uint32_t)x + (uint32_t)y))
+DEF_KERNEL(min_i32, int32_t, v4i, IMIN_V, x = x < y ? x : y)
+DEF_KERNEL(max_i32, int32_t, v4i, IMAX_V, x = x > y ? x : y)
+DEF_KERNEL(sum_i64, int64_t, v2l, a = (v2l)((v2u)a + (v2u)b),
+           x = (int64_t)((uint64_t)x + (uint64_t)y))
+DEF_KERNEL(min_i64, int64_t, v2l, IMIN_V, x = x < y ? x : y)
+DEF_KERNEL(max_i64, int64_t, v2l, IMAX_V, x = x > y ? x : y)
+
+static reduce_fn pick_kernel(int dtype, int op) {
+  int sum = op == EMBER_RED_SUM || op == EMBER_RED_AVG;
+  switch (dtype) {
+  case EMBER_DT_F32: return sum ? sum_f32 : op == EMBER_RED_MIN ? min_f32 : max_f32;
+  case EMBER_DT_F64: return sum ? sum_f64 : op == EMBER_RED_MIN ? min_f64 : max_f64;
+  case EMBER_DT_I32: return sum ? sum_i32 : op == EMBER_RED_MIN ? min_i32 : max_i32;
+  case EMBER_DT_I64: return sum ? sum_i64 : op == EMBER_RED_MIN ? min_i64 : max_i64;
+  default: return NULL;
+  }
+}
+
+/* avg: divides n bytes of elements by the number of ranks (integers truncate
+ * toward zero, as C division does). */
+static void scale_avg(uint8_t *d, size_t n, int dtype, uint32_t ranks) {
+  size_t i = 0;
+  switch (dtype) {
+  case EMBER_DT_F32: {
+    float k = (float)ranks;
+    for (; i + 16 <= n; i += 16) {
+      v4f a;
+      memcpy(&a, d + i, 16);
+      a = a / k;
+      memcpy(d + i, &a, 16);
+    }
+    for (; i + 4 <= n; i += 4) {
+      float x;
+      memcpy(&x, d + i, 4);
+      x /= k;
+      memcpy(d + i, &x, 4);
+    }
+    break;
+  }
+  case EMBER_DT_F64: {
+    double k = (double)ranks;
+    for (; i + 16 <= n; i += 16) {
+      v2d a;
+      memcpy(&a, d + i, 16);
+      a = a / k;
+      memcpy(d + i, &a, 16);
+    }
+    for (; i + 8 <= n; i += 8) {
+      double x;
+      memcpy(&x, d + i, 8);
+      x /= k;
+      memcpy(d + i, &x, 8);
+    }
+    break;
+  }
+  case EMBER_DT_I32:
+    for (; i + 4 <= n; i += 4) {
+      int32_t x;
+      memcpy(&x, d + i, 4);
+      x = (int32_t)((int64_t)x / (int64_t)ranks);
+      memcpy(d + i, &x, 4);
+    }
+    break;
+  case EMBER_DT_I64:
+    for (; i + 8 <= n; i += 8) {
+      int64_t x;
+      memcpy(&x, d + i, 8);
+      x = x / (int64_t)ranks;
+      memcpy(d + i, &x, 8);
+    }
+    break;
+  default:
+    break;
+  }
+}
+
+static const char *dtype_str(int dtype) {
+  switch (dtype) {
+  case EMBER_DT_F32: return "float32";
+  case EMBER_DT_F64: return "float64";
+  case EMBER_DT_I32: return "int32";
+  case EMBER_DT_I64: return "int64";
+  default: return "bytes";
+  }
+}
+
+static const char *op_str(int op) {
+  switch (op) {
+  case EMBER_RED_SUM: return "sum";
+  case EMBER_RED_AVG: return "avg";
+  case EMBER_RED_MIN: return "min";
+  case EMBER_RED_MAX: return "max";
+  default: return "?";
+  }
+}
+
+/* ======================================================================
+ * 2. Shared memory: every rank owns one "inbox" segment holding its doorbell
+ *    and one pipe from each peer.  A pipe is an SPSC byte ring: the sender
+ *    advances head, the receiver tail (free-running u64 positions).  A waiting
+ *    rank sleeps on its own doorbell (a futex word); whoever changes a pipe
+ *    end that the rank waits on rings it.
+ * ====================================================================== */
+
+typedef struct {
+  _Atomic uint64_t head;
+  char pad0[56];
+  _Atomic uint64_t tail;
+  char pad1[56];
+  uint64_t cap; /* data bytes, a multiple of 4096 */
+  uint32_t from_rank, to_rank;
+  char pad2[48];
+} pipe_hdr; /* data follows at PIPE_HDR_LEN */
+#define PIPE_HDR_LEN 256u
+
+typedef struct {
+  uint64_t magic;
+  uint8_t token[32];
+  uint32_t owner_rank, size;
+  char pad0[16];
+  _Atomic uint32_t bell;       /* the futex word */
+  _Atomic uint32_t waiting;    /* the owner may be asleep on bell */
+  _Atomic uint32_t aborted_by; /* 1 + rank of a rank that broke the comm */
+  char pad1[52];
+} inbox_hdr;
+#define INBOX_HDR_LEN 4096u
+
+_Static_assert(sizeof(pipe_hdr) <= PIPE_HDR_LEN, "pipe header layout");
+_Static_assert(sizeof(inbox_hdr) <= INBOX_HDR_LEN, "inbox header layout");
+_Static_assert(ATOMIC_LLONG_LOCK_FREE == 2 && ATOMIC_INT_LOCK_FREE == 2,
+               "shared-memory pipes need lock-free atomics");
+
+static long futex_wait(_Atomic uint32_t *w, uint32_t val, int ms) {
+  struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
+  return syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT, val, &ts, NULL, 0);
+}
+
+static void futex_wake(_Atomic uint32_t *w) {
+  syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Rings `ib`'s doorbell if its owner may be asleep.  The fence pairs with the
+ * one in shm_sleep: either we see waiting == 1, or the sleeper sees our
+ * pipe update before it goes to sleep. */
+static void ring(inbox_hdr *ib) {
+  atomic_thread_fence(memory_order_seq_cst);
+  if (atomic_load_explicit(&ib->waiting, memory_order_relaxed)) {
+    atomic_fetch_add_explicit(&ib->bell, 1, memory_order_relaxed);
+    futex_wake(&ib->bell);
+  }
+}
+
+static void ring_always(inbox_hdr *ib) {
+  atomic_fetch_add_explicit(&ib->bell, 1, memory_order_seq_cst);
+  futex_wake(&ib->bell);
+}
+
+static inline uint64_t used_bytes(uint64_t head, uint64_t tail) {
+  return head >= tail ? head - tail : 0; /* tail > head: receiver aligned first */
+}
+
+static inline uint64_t align8(uint64_t v) { return (v + 7u) & ~(uint64_t)7u; }
+
+/* ======================================================================
+ * Communicator
+ * ====================================================================== */
+
+typedef struct {
+  uint32_t rank;
+  int fd;
+  char host[HOST_CAP];
+  uint16_t port;
+  char desc[ADDR_CAP + 32]; /* "rank 2 (127.0.0.1:5002)" */
+  int shm;
+  pipe_hdr *in;       /* peer -> me, in my inbox */
+  uint8_t *in_data;
+  pipe_hdr *out;      /* me -> peer, in the peer's inbox */
+  uint8_t *out_data;
+  inbox_hdr *peer_ib; /* the peer's inbox (its doorbell) */
+  void *peer_map;
+  size_t peer_map_len;
+  uint64_t in_seen, out_seen; /* pipe ends observed when we last found no progress */
+} peer_t;
+
+struct ember_comm {
+  uint32_t rank, size;
+  peer_t *peers; /* size entries; peers[rank] is this rank (fd -1) */
+  int listen_fd;
+  inbox_hdr *inbox;
+  size_t inbox_len;
+  uint8_t *tmp;
+  size_t tmp_cap, tmp_fill;
+  size_t small_max;
+  uint32_t seq;
+  int spin_us;
+  _Atomic int abort_req;
+  int broken;
+  char broken_msg[1024];
+};
+
+/* ======================================================================
+ * 3. Channels
+ * ====================================================================== */
+
+/* What a failed channel call means, with the peer named. */
+static int io_fail(peer_t *p, const char *what, int err) {
+  int code = (err == EPIPE || err == ECONNRESET || err == ENOTCONN || err == ESHUTDOWN)
+                 ? EMBER_ECLOSED
+                 : EMBER_EIO;
+  if (code == EMBER_ECLOSED)
+    return ember__set_errno(code, err, "%s %s (the peer failed, was killed or left)", what,
+                            p->desc);
+  return ember__set_errno(code, err, "%s %s", what, p->desc);
+}
+
+/* Sends up to alen bytes of a then blen bytes of b without blocking; returns
+ * the bytes taken (0: no room now) or a negative status. */
+static long ch_send(ember_comm *c, peer_t *p, const uint8_t *a, size_t alen,
+                    const uint8_t *b, size_t blen) {
+  if (!p->shm) {
+    struct iovec iov[2];
+    int cnt = 0;
+    if (alen > 0) iov[cnt++] = (struct iovec){.iov_base = (void *)a, .iov_len = alen};
+    if (blen > 0) iov[cnt++] = (struct iovec){.iov_base = (void *)b, .iov_len = blen};
+    if (cnt == 0) return 0;
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = iov;
+    mh.msg_iovlen = (size_t)cnt;
+    for (;;) {
+      ssize_t n = sendmsg(p->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n >= 0) return (long)n;
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+      return io_fail(p, "send to", errno);
+    }
+  }
+  pipe_hdr *h = p->out;
+  uint64_t head = atomic_load_explicit(&h->head, memory_order_relaxed);
+  uint64_t tail = atomic_load_explicit(&h->tail, memory_order_acquire);
+  uint64_t used = used_bytes(head, tail);
+  uint64_t space = used >= h->cap ? 0 : h->cap - used;
+  if (space > SHM_CHUNK) space = SHM_CHUNK;
+  if (space == 0) {
+    p->out_seen = tail;
+    return 0;
+  }
+  size_t done = 0;
+  const uint8_t *parts[2] = {a, b};
+  size_t lens[2] = {alen, blen};
+  for (int k = 0; k < 2 && space > 0; k++) {
+    size_t n = lens[k] < space ? lens[k] : (size_t)space;
+    size_t off = 0;
+    while (off < n) {
+      uint64_t pos = (head + done + off) % h->cap;
+      size_t run = (size_t)(h->cap - pos);
+      if (run > n - off) run = n - off;
+      memcpy(p->out_data + pos, parts[k] + off, run);
+      off += run;
+    }
+    done += n;
+    space -= n;
+  }
+  if (done == 0) return 0;
+  atomic_store_explicit(&h->head, head + done, memory_order_release);
+  ring(p->peer_ib);
+  return (long)done;
+}
+
+/* Receives up to len bytes into dst (copy) or reduces them into dst
+ * (fn != NULL).  Returns the bytes of dst completed; *moved is set when any
+ * byte was taken off the channel (a TCP read may end inside an element,
+ * which is kept in c->tmp until the rest arrives). */
+static long ch_recv(ember_comm *c, peer_t *p, uint8_t *dst, size_t len, reduce_fn fn,
+                    size_t esz, int *moved) {
+  *moved = 0;
+  if (len == 0) return 0;
+  if (!p->shm) {
+    uint8_t *into = dst;
+    size_t want = len;
+    if (fn != NULL) {
+      want = (len < c->tmp_cap ? len : c->tmp_cap) - c->tmp_fill;
+      into = c->tmp + c->tmp_fill;
+    }
+    for (;;) {
+      ssize_t n = recv(p->fd, into, want, MSG_DONTWAIT);
+      if (n > 0) {
+        *moved = 1;
+        if (fn == NULL) return (long)n;
+        size_t have = c->tmp_fill + (size_t)n;
+        size_t whole = have - have % esz;
+        fn(dst, c->tmp, whole);
+        c->tmp_fill = have - whole;
+        if (c->tmp_fill > 0) memmove(c->tmp, c->tmp + whole, c->tmp_fill);
+        return (long)whole;
+      }
+      if (n == 0)
+        return ember__set_error(EMBER_ECLOSED,
+                                "recv from %s: connection closed (the peer failed, was "
+                                "killed or left)",
+                                p->desc);
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+      return io_fail(p, "recv from", errno);
+    }
+  }
+  pipe_hdr *h = p->in;
+  uint64_t tail = atomic_load_explicit(&h->tail, memory_order_relaxed);
+  uint64_t head = atomic_load_explicit(&h->head, memory_order_acquire);
+  uint64_t avail = used_bytes(head, tail);
+  if (avail > h->cap) avail = h->cap; /* a corrupt peer cannot make us overrun */
+  if (avail > len) avail = len;
+  if (avail > SHM_CHUNK) avail = SHM_CHUNK;
+  if (fn != NULL) avail -= avail % esz; /* elements never straddle the wrap */
+  if (avail == 0) {
+    p->in_seen = head;
+    return 0;
+  }
+  size_t off = 0;
+  while (off < avail) {
+    uint64_t pos = (tail + off) % h->cap;
+    size_t run = (size_t)(h->cap - pos);
+    if (run > avail - off) run = (size_t)avail - off;
+    if (fn != NULL)
+      fn(dst + off, p->in_data + pos, run);
+    else
+      memcpy(dst + off, p->in_data + pos, run);
+    off += run;
+  }
+  atomic_store_explicit(&h->tail, tail + avail, memory_order_release);
+  ring(p->peer_ib);
+  *moved = 1;
+  return (long)avail;
+}
+
+/* ======================================================================
+ * 4. The step engine
+ * ====================================================================== */
+
+enum { K_ALLREDUCE = 1, K_BROADCAST = 2, K_ALLGATHER = 3, K_BARRIER = 4 };
+
+static const char *kind_str(int k) {
+  switch (k) {
+  case K_ALLREDUCE: return "allreduce";
+  case K_BROADCAST: return "broadcast";
+  case K_ALLGATHER: return "allgather";
+  case K_BARRIER: return "barrier";
+  default: return "unknown";
+  }
+}
+
+typedef struct {
+  ember_comm *c;
+  int kind, dtype, op;
+  uint32_t root;
+  uint64_t nbytes;
+  uint32_t seq;
+  size_t esz;
+  reduce_fn fn;
+  int64_t start_ms, deadline_ms, timeout_ms;
+  char what[160]; /* "allreduce #3 (float32 sum, 4096 bytes)" */
+} op_ctx;
+
+typedef struct {
+  size_t send_off, send_len;
+  size_t recv_off, recv_len;
+  int gate;   /* -1, or the step whose receive progress gates this send */
+  int reduce; /* receive mode: reduce into the region (else copy) */
+  int scale;  /* avg: divide the reduced bytes by the number of ranks */
+} step_t;
+
+static void encode_ophdr(const op_ctx *o, int step, uint8_t out[OPHDR_LEN]) {
+  ember_wire_put_u32(out, COLL_MAGIC);
+  ember_wire_put_u32(out + 4, o->seq);
+  out[8] = (uint8_t)o->kind;
+  out[9] = (uint8_t)o->dtype;
+  out[10] = (uint8_t)o->op;
+  out[11] = (uint8_t)step;
+  ember_wire_put_u32(out + 12, o->root);
+  ember_wire_put_u64(out + 16, o->nbytes);
+}
+
+static void describe_ophdr(const uint8_t *h, char *out, size_t cap) {
+  int kind = h[8];
+  if (kind == K_ALLREDUCE)
+    snprintf(out, cap, "allreduce #%u (%s %s, %llu bytes)", (unsigned)ember_wire_get_u32(h + 4),
+             dtype_str(h[9]), op_str(h[10]),
+             (unsigned long long)ember_wire_get_u64(h + 16));
+  else if (kind == K_BROADCAST)
+    snprintf(out, cap, "broadcast #%u (root %u, %llu bytes)",
+             (unsigned)ember_wire_get_u32(h + 4), (unsigned)ember_wire_get_u32(h + 12),
+             (unsigned long long)ember_wire_get_u64(h + 16));
+  else
+    snprintf(out, cap, "%s #%u (%llu bytes)", kind_str(kind),
+             (unsigned)ember_wire_get_u32(h + 4),
+             (unsigned long long)ember_wire_get_u64(h + 16));
+}
+
+static int check_ophdr(const op_ctx *o, peer_t *from, int step, const uint8_t *got) {
+  uint8_t want[OPHDR_LEN];
+  encode_ophdr(o, step, want);
+  if (memcmp(want, got, OPHDR_LEN) == 0) return EMBER_OK;
+  if (ember_wire_get_u32(got) != COLL_MAGIC)
+    return ember__set_error(EMBER_EPROTO,
+                            "%s: %s sent bytes that are not a collective header (magic "
+                            "0x%08x): the ranks' calls are out of step",
+                            o->what, from->desc, (unsigned)ember_wire_get_u32(got));
+  char theirs[160];
+  describe_ophdr(got, theirs, sizeof theirs);
+  if (got[11] != (uint8_t)step && memcmp(want, got, 11) == 0)
+    return ember__set_error(EMBER_EPROTO, "%s: %s is at step %u, this rank at step %d",
+                            o->what, from->desc, (unsigned)got[11], step);
+  return ember__set_error(EMBER_EPROTO,
+                          "mismatched collectives: this rank called %s but %s called %s "
+                          "(all ranks must make the same calls in the same order)",
+                          o->what, from->desc, theirs);
+}
+
+/* Is the peer's end of the connection gone?  (POLLRDHUP: it shut down or
+ * exited; data it sent before that can still be read.) */
+static int peer_hung_up(short revents) {
+  return (revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
+static int timeout_error(op_ctx *o, peer_t *to, peer_t *from, const char *progress) {
+  char who[2 * sizeof to->desc + 64];
+  if (to != NULL && from != NULL && to != from)
+    snprintf(who, sizeof who, "%s (to receive) and %s (to send)", from->desc, to->desc);
+  else
+    snprintf(who, sizeof who, "%s", from != NULL ? from->desc : to != NULL ? to->desc : "?");
+  return ember__set_error(EMBER_ETIMEDOUT, "%s: timed out after %lld ms waiting for %s (%s)",
+                          o->what, (long long)(ember_now_ms() - o->start_ms), who,
+                          progress);
+}
+
+static int aborted_error(op_ctx *o) {
+  ember_comm *c = o->c;
+  if (atomic_load(&c->abort_req))
+    return ember__set_error(EMBER_EABORTED, "%s: aborted on this rank (ember_comm_abort)",
+                            o->what);
+  uint32_t by = c->inbox ? atomic_load(&c->inbox->aborted_by) : 0;
+  if (by >= 1 && by <= c->size)
+    return ember__set_error(EMBER_EABORTED,
+                            "%s: %s aborted the collective (it failed or was closed)",
+                            o->what, c->peers[by - 1].desc);
+  return ember__set_error(EMBER_EABORTED, "%s: aborted", o->what);
+}
+
+static int shm_ready(const peer_t *to, const peer_t *from) {
+  return (to != NULL && to->shm &&
+          atomic_load_explicit(&to->out->tail, memory_order_acquire) != to->out_seen) ||
+         (from != NULL && from->shm &&
+          atomic_load_explicit(&from->in->head, memory_order_acquire) != from->in_seen);
+}
+
+static int64_t mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Blocks until `to` can take more bytes or `from` has more (either may be
+ * NULL: not waited for), the deadline passes (EMBER_ETIMEDOUT), or a peer we
+ * still depend on is gone: to_live (we still have bytes for it) and from_live
+ * (we still need bytes from it) are watched for hang-ups. */
+static int wait_io(op_ctx *o, peer_t *to, peer_t *from, peer_t *to_live, peer_t *from_live,
+                   const char *progress) {
+  ember_comm *c = o->c;
+  int any_shm = (to != NULL && to->shm) || (from != NULL && from->shm);
+  int any_tcp = (to != NULL && !to->shm) || (from != NULL && !from->shm);
+  for (;;) {
+    if (atomic_load_explicit(&c->abort_req, memory_order_relaxed) ||
+        (c->inbox != NULL && atomic_load_explicit(&c->inbox->aborted_by, memory_order_relaxed)))
+      return aborted_error(o);
+    int64_t now = ember_now_ms();
+    if (now >= o->deadline_ms) return timeout_error(o, to_live, from_live, progress);
+    int64_t left = o->deadline_ms - now;
+
+    if (any_shm) {
+      /* Spin briefly (a peer on another core answers within microseconds),
+       * then sleep on our doorbell in short slices. */
+      int64_t until = mono_ns() + (int64_t)c->spin_us * 1000;
+      for (unsigned it = 0;; it++) {
+        if (shm_ready(to, from)) return EMBER_OK;
+        if ((it & 63u) == 63u && mono_ns() >= until) break;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+      }
+      atomic_store_explicit(&c->inbox->waiting, 1, memory_order_seq_cst);
+      uint32_t bell = atomic_load_explicit(&c->inbox->bell, memory_order_seq_cst);
+      atomic_thread_fence(memory_order_seq_cst);
+      if (!shm_ready(to, from)) {
+        int ms = left < FUTEX_SLICE_MS ? (int)left : FUTEX_SLICE_MS;
+        if (any_tcp) ms = 1; /* a socket in the mix cannot be slept on */
+        (void)futex_wait(&c->inbox->bell, bell, ms > 0 ? ms : 1);
+      }
+      atomic_store_explicit(&c->inbox->waiting, 0, memory_order_relaxed);
+      if (shm_ready(to, from)) return EMBER_OK;
+    }
+
+    /* Socket readiness, and hang-ups of the peers we depend on. */
+    struct pollfd pf[2];
+    peer_t *who[2];
+    int n = 0;
+    peer_t *cand[2] = {to_live, from_live};
+    for (int k = 0; k < 2; k++) {
+      peer_t *p = cand[k];
+      if (p == NULL || (n == 1 && who[0] == p)) continue;
+      pf[n] = (struct pollfd){.fd = p->fd, .events = POLLRDHUP, .revents = 0};
+      who[n++] = p;
+    }
+    if (to != NULL && !to->shm) {
+      for (int i = 0; i < n; i++)
+        if (who[i] == to) pf[i].events |= POLLOUT;
+    }
+    if (from != NULL && !from->shm) {
+      for (int i = 0; i < n; i++)
+        if (who[i] == from) pf[i].events |= POLLIN;
+    }
+    int ms = any_shm ? 0 : (left < POLL_SLICE_MS ? (int)left : POLL_SLICE_MS);
+    int rc = poll(pf, (nfds_t)n, ms);
+    if (rc < 0) {
+      if (errno == EINTR) continue;
+      return ember__set_errno(EMBER_ESYS, errno, "%s: poll", o->what);
+    }
+    int ready = 0;
+    for (int i = 0; i < n; i++) {
+      short ev = pf[i].revents;
+      if (ev == 0) continue;
+      if (peer_hung_up(ev)) {
+        /* What the peer sent before it left is still ours to take: let the
+         * receive drain it (and find the end of the stream). */
+        if (who[i] == from_live && (!from_live->shm || shm_ready(NULL, from_live))) {
+          ready = 1;
+          continue;
+        }
+        return ember__set_error(EMBER_ECLOSED,
+                                "%s: %s closed its connection (it failed, was killed or "
+                                "left) while this rank still %s it",
+                                o->what, who[i]->desc,
+                                who[i] == to_live ? "had data for" : "waited on");
+      }
+      if (ev & (POLLIN | POLLOUT)) ready = 1;
+    }
+    if (ready) return EMBER_OK;
+  }
+}
+
+/* Runs steps against `to` (may be NULL: nothing to send) and `from` (may be
+ * NULL: nothing to receive).  Sends read sbuf, receives write rbuf. */
+static int run_steps_(op_ctx *o, int step_id, peer_t *to, peer_t *from,
+                      const uint8_t *sbuf, uint8_t *rbuf, const step_t *st, int nsteps) {
+  ember_comm *c = o->c;
+  uint8_t shdr[OPHDR_LEN], rhdr[OPHDR_LEN];
+  size_t hs = 0, hr = 0, sdone = 0, rdone = 0;
+  int ss = 0, rs = 0;
+  char progress[128];
+  encode_ophdr(o, step_id, shdr);
+  c->tmp_fill = 0;
+  /* Each run starts its pipe streams on an 8-byte boundary, on both sides,
+   * so reduced elements never straddle the end of a pipe. */
+  if (to != NULL && to->shm) {
+    uint64_t h = atomic_load_explicit(&to->out->head, memory_order_relaxed);
+    atomic_store_explicit(&to->out->head, align8(h), memory_order_release);
+  }
+  if (from != NULL && from->shm) {
+    uint64_t t = atomic_load_explicit(&from->in->tail, memory_order_relaxed);
+    atomic_store_explicit(&from->in->tail, align8(t), memory_order_release);
+  }
+  if (to == NULL) hs = OPHDR_LEN, ss = nsteps;
+  if (from == NULL) hr = OPHDR_LEN, rs = nsteps;
+
+  for (unsigned iter = 0;; iter++) {
+    int progressed = 0, want_out = 0, want_in = 0;
+    /* ---- send */
+    while (ss < nsteps && hs == OPHDR_LEN && sdone >= st[ss].send_len) {
+      ss++;
+      sdone = 0;
+    }
+    if (to != NULL && (hs < OPHDR_LEN || ss < nsteps)) {
+      size_t avail = 0;
+      const uint8_t *p = NULL;
+      if (ss < nsteps) {
+        const step_t *s = &st[ss];
+        size_t lim = s->send_len;
+        if (s->gate >= 0) {
+          if (rs < s->gate) lim = 0;
+          else if (rs == s->gate && rdone < lim) lim = rdone;
+        }
+        avail = lim > sdone ? lim - sdone : 0;
+        if (avail > 0) p = sbuf + s->send_off + sdone;
+      }
+      if (hs < OPHDR_LEN || avail > 0) {
+        long n = ch_send(c, to, shdr + hs, OPHDR_LEN - hs, p, avail);
+        if (n < 0) return ember__set_error((int)n, "%s: %s", o->what, ember_last_error());
+        if (n == 0) {
+          want_out = 1;
+        } else {
+          size_t k = (size_t)n < OPHDR_LEN - hs ? (size_t)n : OPHDR_LEN - hs;
+          hs += k;
+          sdone += (size_t)n - k;
+          progressed = 1;
+        }
+      }
+    }
+    /* ---- receive */
+    if (from != NULL && hr < OPHDR_LEN) {
+      int moved = 0;
+      long n = ch_recv(c, from, rhdr + hr, OPHDR_LEN - hr, NULL, 1, &moved);
+      if (n < 0) return ember__set_error((int)n, "%s: %s", o->what, ember_last_error());
+      if (n == 0) want_in = 1;
+      hr += (size_t)n;
+      if (n > 0) progressed = 1;
+      if (hr == OPHDR_LEN) {
+        int rc = check_ophdr(o, from, step_id, rhdr);
+        if (rc != EMBER_OK) return rc;
+      }
+    } else if (from != NULL) {
+      while (rs < nsteps && rdone >= st[rs].recv_len) {
+        rs++;
+        rdone = 0;
+      }
+      if (rs < nsteps) {
+        const step_t *s = &st[rs];
+        int moved = 0;
+        uint8_t *dst = rbuf + s->recv_off + rdone;
+        long n = ch_recv(c, from, dst, s->recv_len - rdone, s->reduce ? o->fn : NULL, o->esz,
+                         &moved);
+        if (n < 0) return ember__set_error((int)n, "%s: %s", o->what, ember_last_error());
+        if (n > 0 && s->scale) scale_avg(dst, (size_t)n, o->dtype, c->size);
+        rdone += (size_t)n;
+        if (moved) progressed = 1;
+        else want_in = 1;
+        while (rs < nsteps && rdone >= st[rs].recv_len) {
+          rs++;
+          rdone = 0;
+        }
+      }
+    }
+    int send_open = to != NULL && (hs < OPHDR_LEN || ss < nsteps);
+    int recv_open = from != NULL && (hr < OPHDR_LEN || rs < nsteps);
+    if (!send_open && !recv_open) return EMBER_OK;
+    if ((iter & 255u) == 255u) {
+      if (atomic_load_explicit(&c->abort_req, memory_order_relaxed)) return aborted_error(o);
+      if (ember_now_ms() >= o->deadline_ms) {
+        snprintf(progress, sizeof progress, "step %d of %d", rs < ss ? rs + 1 : ss + 1, nsteps);
+        return timeout_error(o, send_open ? to : NULL, recv_open ? from : NULL, progress);
+      }
+    }
+    if (progressed) continue;
+    if (!want_out && !want_in)
+      return ember__set_error(EMBER_ESTATE, "%s: internal error: no progress possible", o->what);
+    if (recv_open && rs < nsteps)
+      snprintf(progress, sizeof progress, "step %d of %d: %zu of %zu bytes received", rs + 1,
+               nsteps, rdone, st[rs].recv_len);
+    else if (send_open && ss < nsteps)
+      snprintf(progress, sizeof progress, "step %d of %d: %zu of %zu bytes sent", ss + 1,
+               nsteps, sdone, st[ss].send_len);
+    else
+      snprintf(progress, sizeof progress, "waiting for the collective header");
+    int rc = wait_io(o, want_out ? to : NULL, want_in ? from : NULL, send_open ? to : NULL,
+                     recv_open ? from : NULL, progress);
+    if (rc != EMBER_OK) return rc;
+  }
+}
+
+/* A failure seen after ember_comm_abort (our own shut-down sockets) is the
+ * abort, not a peer's fault. */
+static int run_steps(op_ctx *o, int step_id, peer_t *to, peer_t *from, const uint8_t *sbuf,
+                     uint8_t *rbuf, const step_t *st, int nsteps) {
+  int rc = run_steps_(o, step_id, to, from, sbuf, rbuf, st, nsteps);
+  if (rc != EMBER_OK && atomic_load(&o->c->abort_req)) return aborted_error(o);
+  return rc;
+}
+
+/* ======================================================================
+ * 5. Algorithms
+ * ====================================================================== */
+
+static size_t seg_off(size_t count, uint32_t n, uint32_t k, size_t esz) {
+  size_t base = count / n, rem = count % n;
+  return (base * k + (k < rem ? k : rem)) * esz;
+}
+
+static size_t seg_len(size_t count, uint32_t n, uint32_t k, size_t esz) {
+  size_t base = count / n, rem = count % n;
+  return (base + (k < rem ? 1 : 0)) * esz;
+}
+
+static int ring_allreduce(op_ctx *o, uint8_t *buf, size_t count) {
+  ember_comm *c = o->c;
+  uint32_t n = c->size, r = c->rank;
+  int nsteps = 2 * (int)(n - 1);
+  step_t *st = calloc((size_t)nsteps, sizeof *st);
+  if (st == NULL) return ember__set_error(EMBER_ENOMEM, "%s: out of memory", o->what);
+  for (int s = 0; s < nsteps; s++) {
+    uint32_t send_seg, recv_seg;
+    if (s < (int)n - 1) { /* reduce-scatter */
+      send_seg = (r + n - (uint32_t)s % n) % n;
+      recv_seg = (r + 2 * n - (uint32_t)s - 1) % n;
+      st[s].reduce = 1;
+      st[s].scale = (s == (int)n - 2) && o->op == EMBER_RED_AVG;
+    } else { /* allgather */
+      uint32_t a = (uint32_t)s - (n - 1);
+      send_seg = (r + 1 + n - a) % n;
+      recv_seg = (r + n - a) % n;
+    }
+    st[s].send_off = seg_off(count, n, send_seg, o->esz);
+    st[s].send_len = seg_len(count, n, send_seg, o->esz);
+    st[s].recv_off = seg_off(count, n, recv_seg, o->esz);
+    st[s].recv_len = seg_len(count, n, recv_seg, o->esz);
+    st[s].gate = s - 1;
+  }
+  peer_t *next = &c->peers[(r + 1) % n], *prev = &c->peers[(r + n - 1) % n];
+  int rc = run_steps(o, 0, next, prev, buf, buf, st, nsteps);
+  free(st);
+  return rc;
+}
+
+/* One full-buffer exchange with `partner` (to and/or from). */
+static int exchange(op_ctx *o, int step_id, peer_t *to, peer_t *from, const uint8_t *sbuf,
+                    uint8_t *rbuf, size_t len) {
+  step_t st = {.send_off = 0, .send_len = to ? len : 0, .recv_off = 0,
+               .recv_len = from ? len : 0, .gate = -1};
+  return run_steps(o, step_id, to, from, sbuf, rbuf, &st, 1);
+}
+
+/* Recursive doubling, with the usual fold for a non power of two: ranks
+ * >= p2 hand their data to rank - p2 first and get the result back last. */
+static int rd_allreduce(op_ctx *o, uint8_t *buf, size_t len) {
+  ember_comm *c = o->c;
+  uint32_t n = c->size, r = c->rank, p2 = 1;
+  int rc, step = 0, logp = 0;
+  while (p2 * 2 <= n) p2 *= 2, logp++;
+  uint32_t extra = n - p2;
+  if (r >= p2) {
+    peer_t *partner = &c->peers[r - p2];
+    rc = exchange(o, 0, partner, NULL, buf, NULL, len);
+    if (rc == EMBER_OK) rc = exchange(o, 1 + logp, NULL, partner, NULL, buf, len);
+    return rc;
+  }
+  if (r < extra) {
+    rc = exchange(o, 0, NULL, &c->peers[r + p2], NULL, c->tmp, len);
+    if (rc != EMBER_OK) return rc;
+    if (o->fn) o->fn(buf, c->tmp, len);
+  }
+  step = 1;
+  for (uint32_t mask = 1; mask < p2; mask <<= 1, step++) {
+    peer_t *partner = &c->peers[r ^ mask];
+    rc = exchange(o, step, partner, partner, buf, c->tmp, len);
+    if (rc != EMBER_OK) return rc;
+    if (o->fn) o->fn(buf, c->tmp, len);
+  }
+  if (o->op == EMBER_RED_AVG && len > 0) scale_avg(buf, len, o->dtype, n);
+  if (r < extra) return exchange(o, step, &c->peers[r + p2], NULL, buf, NULL, len);
+  return EMBER_OK;
+}
+
+static int begin_op(ember_comm *c, op_ctx *o, int kind, int dtype, int op, uint32_t root,
+                    uint64_t nbytes, int64_t timeout_ms) {
+  memset(o, 0, sizeof *o);
+  o->c = c;
+  o->kind = kind;
+  o->dtype = kind == K_ALLREDUCE ? dtype : 0;
+  o->op = kind == K_ALLREDUCE ? op : 0;
+  o->root = root;
+  o->nbytes = nbytes;
+  o->esz = kind == K_ALLREDUCE ? ember_dtype_size((uint8_t)dtype) : 1;
+  o->fn = kind == K_ALLREDUCE ? pick_kernel(dtype, op) : NULL;
+  o->seq = ++c->seq;
+  o->timeout_ms = timeout_ms;
+  o->start_ms = ember_now_ms();
+  o->deadline_ms = timeout_ms < 0 ? INT64_MAX : ember_deadline_after(timeout_ms);
+  if (kind == K_ALLREDUCE)
+    snprintf(o->what, sizeof o->what, "allreduce #%u (%s %s, %llu bytes)", o->seq,
+             dtype_str(dtype), op_str(op), (unsigned long long)nbytes);
+  else if (kind == K_BROADCAST)
+    snprintf(o->what, sizeof o->what, "broadcast #%u (root %u, %llu bytes)", o->seq, root,
+             (unsigned long long)nbytes);
+  else
+    snprintf(o->what, sizeof o->what, "%s #%u (%llu bytes)", kind_str(kind), o->seq,
+             (unsigned long long)nbytes);
+  if (c->broken)
+    return ember__set_error(EMBER_ESTATE, "%s: the communicator is broken by an earlier "
+                            "failure: %s", o->what, c->broken_msg);
+  if (atomic_load(&c->abort_req)) return aborted_error(o);
+  return EMBER_OK;
+}
+
+/* Shuts every connection and marks our pipes aborted so that the other ranks
+ * stop waiting on us at once; fds stay open (no reuse race) until destroy. */
+static void break_links(ember_comm *c) {
+  for (uint32_t j = 0; j < c->size; j++) {
+    peer_t *p = &c->peers[j];
+    if (j == c->rank) continue;
+    if (p->peer_ib != NULL) {
+      uint32_t zero = 0;
+      atomic_compare_exchange_strong(&p->peer_ib->aborted_by, &zero, c->rank + 1);
+      ring_always(p->peer_ib);
+    }
+    if (p->fd >= 0) shutdown(p->fd, SHUT_RDWR);
+  }
+}
+
+static int end_op(ember_comm *c, int rc) {
+  if (rc == EMBER_OK || c->broken) return rc;
+  c->broken = 1;
+  snprintf(c->broken_msg, sizeof c->broken_msg, "%s", ember_last_error());
+  break_links(c);
+  return rc;
+}
+
+static int check_comm(const ember_comm *c, const char *what) {
+  if (c == NULL) return ember__set_error(EMBER_EINVAL, "%s: communicator is NULL", what);
+  return EMBER_OK;
+}
+
+int ember_comm_allreduce(ember_comm *c, void *buf, size_t count, int dtype, int op,
+                         int64_t timeout_ms) {
+  op_ctx o;
+  int rc = check_comm(c, "allreduce");
+  if (rc != EMBER_OK) return rc;
+  if (pick_kernel(dtype, EMBER_RED_SUM) == NULL)
+    return ember__set_error(EMBER_EINVAL,
+                            "allreduce: unsupported dtype %d (float32, float64, int32 or "
+                            "int64)", dtype);
+  if (op < EMBER_RED_SUM || op > EMBER_RED_MAX)
+    return ember__set_error(EMBER_EINVAL, "allreduce: unknown op %d (sum, avg, min, max)", op);
+  size_t esz = ember_dtype_size((uint8_t)dtype), nbytes = 0;
+  if (__builtin_mul_overflow(count, esz, &nbytes))
+    return ember__set_error(EMBER_ETOOBIG, "allreduce: %zu elements overflow size_t", count);
+  if (buf == NULL && nbytes > 0) return ember__set_error(EMBER_EINVAL, "allreduce: buf is NULL");
+  rc = begin_op(c, &o, K_ALLREDUCE, dtype, op, 0, nbytes, timeout_ms);
+  if (rc != EMBER_OK) return rc;
+  if (c->size == 1) return EMBER_OK; /* avg over one rank is the identity */
+  if (nbytes <= c->small_max || count < c->size)
+    rc = rd_allreduce(&o, buf, nbytes);
+  else
+    rc = ring_allreduce(&o, buf, count);
+  return end_op(c, rc);
+}
+
+int ember_comm_broadcast(ember_comm *c, void *buf, size_t nbytes, uint32_t root,
+                         int64_t timeout_ms) {
+  op_ctx o;
+  int rc = check_comm(c, "broadcast");
+  if (rc != EMBER_OK) return rc;
+  if (root >= c->size)
+    return ember__set_error(EMBER_EINVAL, "broadcast: root %u is not a rank (size %u)", root,
+                            c->size);
+  if (buf == NULL && nbytes > 0) return ember__set_error(EMBER_EINVAL, "broadcast: buf is NULL");
+  rc = begin_op(c, &o, K_BROADCAST, 0, 0, root, nbytes, timeout_ms);
+  if (rc != EMBER_OK || c->size == 1) return rc;
+  uint32_t n = c->size, pos = (c->rank + n - root) % n;
+  peer_t *next = pos + 1 < n ? &c->peers[(c->rank + 1) % n] : NULL;
+  peer_t *prev = pos > 0 ? &c->peers[(c->rank + n - 1) % n] : NULL;
+  step_t st = {.send_off = 0, .send_len = next ? nbytes : 0, .recv_off = 0,
+               .recv_len = prev ? nbytes : 0, .gate = prev ? 0 : -1};
+  rc = run_steps(&o, 0, next, prev, buf, buf, &st, 1);
+  return end_op(c, rc);
+}
+
+int ember_comm_allgather(ember_comm *c, const void *sendbuf, void *recvbuf, size_t nbytes,
+                         int64_t timeout_ms) {
+  op_ctx o;
+  int rc = check_comm(c, "allgather");
+  if (rc != EMBER_OK) return rc;
+  size_t total = 0;
+  if (__builtin_mul_overflow(nbytes, (size_t)c->size, &total))
+    return ember__set_error(EMBER_ETOOBIG, "allgather: %zu bytes x %u ranks overflows", nbytes,
+                            c->size);
+  if (recvbuf == NULL && total > 0) return ember__set_error(EMBER_EINVAL, "allgather: recvbuf is NULL");
+  uint8_t *rb = recvbuf;
+  uint8_t *mine = total > 0 ? rb + (size_t)c->rank * nbytes : NULL;
+  if (sendbuf != NULL && sendbuf != mine && nbytes > 0) {
+    const uint8_t *sb = sendbuf;
+    if (sb < rb + total && rb < sb + nbytes)
+      return ember__set_error(EMBER_EINVAL,
+                              "allgather: sendbuf overlaps recvbuf other than at this rank's "
+                              "block");
+  }
+  rc = begin_op(c, &o, K_ALLGATHER, 0, 0, 0, total, timeout_ms);
+  if (rc != EMBER_OK) return rc;
+  if (sendbuf != NULL && sendbuf != mine && nbytes > 0) memcpy(mine, sendbuf, nbytes);
+  if (c->size == 1) return EMBER_OK;
+  uint32_t n = c->size, r = c->rank;
+  int nsteps = (int)n - 1;
+  step_t *st = calloc((size_t)nsteps, sizeof *st);
+  if (st == NULL) return end_op(c, ember__set_error(EMBER_ENOMEM, "%s: out of memory", o.what));
+  for (int s = 0; s < nsteps; s++) {
+    st[s].send_off = (size_t)((r + n - (uint32_t)s) % n) * nbytes;
+    st[s].send_len = nbytes;
+    st[s].recv_off = (size_t)((r + 2 * n - (uint32_t)s - 1) % n) * nbytes;
+    st[s].recv_len = nbytes;
+    st[s].gate = s - 1;
+  }
+  rc = run_steps(&o, 0, &c->peers[(r + 1) % n], &c->peers[(r + n - 1) % n], rb, rb, st,
+                 nsteps);
+  free(st);
+  return end_op(c, rc);
+}
+
+int ember_comm_barrier(ember_comm *c, int64_t timeout_ms) {
+  op_ctx o;
+  int rc = check_comm(c, "barrier");
+  if (rc != EMBER_OK) return rc;
+  rc = begin_op(c, &o, K_BARRIER, 0, 0, 0, 0, timeout_ms);
+  if (rc != EMBER_OK || c->size == 1) return rc;
+  rc = rd_allreduce(&o, NULL, 0);
+  return end_op(c, rc);
+}
+
+void ember_comm_abort(ember_comm *c) {
+  if (c == NULL) return;
+  atomic_store(&c->abort_req, 1);
+  if (c->inbox != NULL) ring_always(c->inbox);
+  break_links(c);
+}
+
+uint32_t ember_comm_rank(const ember_comm *c) { return c ? c->rank : 0; }
+uint32_t ember_comm_size(const ember_comm *c) { return c ? c->size : 0; }
+
+int ember_comm_peer_is_shm(const ember_comm *c, uint32_t peer) {
+  if (c == NULL || peer >= c->size || peer == c->rank) return 0;
+  return c->peers[peer].shm;
+}
+
+/* ======================================================================
+ * 6. Set-up
+ * ====================================================================== */
+
+/* "host:port" or "[v6]:port" -> host, port (1..65535). */
+static int parse_address(const char *s, uint32_t idx, char *host, size_t cap, uint16_t *port) {
+  if (s == NULL) return ember__set_error(EMBER_EINVAL, "comm: address of rank %u is NULL", idx);
+  size_t len = strnlen(s, ADDR_CAP);
+  if (len >= ADDR_CAP)
+    return ember__set_error(EMBER_EINVAL, "comm: address of rank %u is longer than %u bytes",
+                            idx, ADDR_CAP - 1);
+  const char *h = s, *colon;
+  size_t hlen;
+  if (s[0] == '[') {
+    const char *close = memchr(s, ']', len);
+    if (close == NULL || close[1] != ':')
+      return ember__set_error(EMBER_EINVAL, "comm: address of rank %u ('%s') is not "
+                              "'[v6addr]:port'", idx, s);
+    h = s + 1;
+    hlen = (size_t)(close - h);
+    colon = close + 1;
+  } else {
+    colon = strrchr(s, ':');
+    if (colon == NULL || memchr(s, ':', (size_t)(colon - s)) != NULL)
+      return ember__set_error(EMBER_EINVAL, "comm: address of rank %u ('%s') is not "
+                              "'host:port' (IPv6 addresses go in brackets)", idx, s);
+    hlen = (size_t)(colon - s);
+  }
+  if (hlen == 0 || hlen >= cap)
+    return ember__set_error(EMBER_EINVAL, "comm: address of rank %u ('%s') has no valid host",
+                            idx, s);
+  char *end = NULL;
+  errno = 0;
+  unsigned long p = strtoul(colon + 1, &end, 10);
+  if (colon[1] < '0' || colon[1] > '9' || *end != '\0' || errno != 0 || p == 0 || p > 65535)
+    return ember__set_error(EMBER_EINVAL, "comm: address of rank %u ('%s') has no valid port "
+                            "(1..65535)", idx, s);
+  memcpy(host, h, hlen);
+  host[hlen] = '\0';
+  *port = (uint16_t)p;
+  return EMBER_OK;
+}
+
+/* Large socket buffers when the kernel allows them (setting a size turns off
+ * autotuning, so a size capped by a small net.core.*mem_max would hurt). */
+static void tune_socket(int fd) {
+  (void)ember_net_tune(fd);
+  static int allowed = -1;
+  if (allowed < 0) {
+    long wmax = 0, rmax = 0;
+    FILE *f = fopen("/proc/sys/net/core/wmem_max", "r");
+    if (f != NULL) {
+      if (fscanf(f, "%ld", &wmax) != 1) wmax = 0;
+      fclose(f);
+    }
+    f = fopen("/proc/sys/net/core/rmem_max", "r");
+    if (f != NULL) {
+      if (fscanf(f, "%ld", &rmax) != 1) rmax = 0;
+      fclose(f);
+    }
+    allowed = wmax >= SOCK_BUF_BYTES && rmax >= SOCK_BUF_BYTES;
+  }
+  if (allowed) {
+    int v = SOCK_BUF_BYTES;
+    (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, sizeof v);
+    (void)setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &v, sizeof v);
+  }
+}
+
+static int send_hello(int fd, const ember_comm *c, int64_t deadline) {
+  uint8_t b[8];
+  ember_wire_put_u32(b, c->rank);
+  ember_wire_put_u32(b + 4, c->size);
+  return ember_net_send_frame(fd, EMBER_MSG_COLL_HELLO, b, sizeof b, deadline);
+}
+
+static int recv_hello(int fd, const ember_comm *c, const char *peer, uint32_t *rank,
+                      int64_t deadline) {
+  ember_frame_header hdr;
+  uint8_t *pl = NULL;
+  int rc = ember_net_recv_frame(fd, SET_UP_FRAME_MAX, &hdr, &pl, deadline);
+  if (rc != EMBER_OK) return rc;
+  if (hdr.type != EMBER_MSG_COLL_HELLO || hdr.length != 8) {
+    rc = ember__set_error(EMBER_EPROTO, "comm: %s sent %s of %u bytes, expected COLL_HELLO",
+                          peer, ember_wire_type_name(hdr.type), (unsigned)hdr.length);
+    goto out;
+  }
+  *rank = ember_wire_get_u32(pl);
+  uint32_t size = ember_wire_get_u32(pl + 4);
+  if (size != c->size) {
+    rc = ember__set_error(EMBER_EPROTO, "comm: %s (rank %u) has size %u, this rank has %u",
+                          peer, (unsigned)*rank, (unsigned)size, (unsigned)c->size);
+    goto out;
+  }
+  if (*rank >= c->size) {
+    rc = ember__set_error(EMBER_EPROTO, "comm: %s claims rank %u of %u", peer,
+                          (unsigned)*rank, (unsigned)c->size);
+    goto out;
+  }
+out:
+  free(pl);
+  return rc;
+}
+
+/* Connects to every lower rank and accepts every higher one.  Waits only go
+ * to lower ranks, and rank 0 only accepts, so there is no cycle. */
+static int build_mesh(ember_comm *c, const uint8_t *secret, size_t secret_len,
+                      int64_t deadline) {
+  int rc;
+  for (uint32_t j = 0; j < c->rank; j++) {
+    peer_t *p = &c->peers[j];
+    uint32_t got = 0;
+    rc = ember_net_connect(p->host, p->port, deadline, &p->fd);
+    if (rc != EMBER_OK)
+      return ember__set_error(rc, "comm: connecting to %s: %s", p->desc, ember_last_error());
+    rc = ember_auth_client(p->fd, secret, secret_len, deadline);
+    if (rc == EMBER_OK) rc = send_hello(p->fd, c, deadline);
+    if (rc == EMBER_OK) rc = recv_hello(p->fd, c, p->desc, &got, deadline);
+    if (rc == EMBER_OK && got != j)
+      rc = ember__set_error(EMBER_EPROTO, "comm: the address of rank %u (%s:%u) is served "
+                            "by rank %u", j, p->host, (unsigned)p->port, (unsigned)got);
+    if (rc != EMBER_OK)
+      return ember__set_error(rc, "comm: with %s: %s", p->desc, ember_last_error());
+    tune_socket(p->fd);
+  }
+  uint32_t missing = c->size - 1 - c->rank;
+  char rejected[512] = "";
+  while (missing > 0) {
+    int fd = -1;
+    char peer[96];
+    uint32_t got = 0;
+    rc = ember_net_accept(c->listen_fd, deadline, &fd);
+    if (rc == EMBER_ETIMEDOUT) {
+      char list[256] = "";
+      size_t used = 0;
+      for (uint32_t j = c->rank + 1; j < c->size && used + 16 < sizeof list; j++)
+        if (c->peers[j].fd < 0)
+          used += (size_t)snprintf(list + used, sizeof list - used, "%s%u", used ? ", " : "", j);
+      return ember__set_error(EMBER_ETIMEDOUT, "comm: rank %u timed out waiting for rank(s) "
+                              "%s to connect%s%s", c->rank, list,
+                              rejected[0] ? "; " : "", rejected);
+    }
+    if (rc != EMBER_OK) return rc;
+    ember_net_peer_name(fd, peer, sizeof peer);
+    int64_t d = ember_deadline_after(AUTH_TIMEOUT_MS);
+    if (d > deadline) d = deadline;
+    rc = ember_auth_server(fd, secret, secret_len, d);
+    if (rc == EMBER_OK) rc = recv_hello(fd, c, peer, &got, d);
+    if (rc == EMBER_OK && (got <= c->rank || c->peers[got].fd >= 0))
+      rc = ember__set_error(EMBER_EPROTO, "comm: %s claims rank %u, which does not connect "
+                            "to rank %u or is already connected", peer, (unsigned)got,
+                            (unsigned)c->rank);
+    if (rc == EMBER_OK) rc = send_hello(fd, c, d);
+    if (rc != EMBER_OK) {
+      /* A stranger or a misconfigured peer: drop it, keep waiting for the
+       * real ranks, and say so if they never come. */
+      snprintf(rejected, sizeof rejected, "a connection from %s was rejected: %s", peer,
+               ember_last_error());
+      ember_net_close(fd);
+      continue;
+    }
+    tune_socket(fd);
+    c->peers[got].fd = fd;
+    missing--;
+  }
+  return EMBER_OK;
+}
+
+static size_t pipe_cap_for(const ember_comm *c, uint32_t from) {
+  return from == (c->rank + c->size - 1) % c->size ? RING_PIPE_CAP : SIDE_PIPE_CAP;
+}
+
+/* Offset of the pipe from `from` in this rank's inbox. */
+static size_t pipe_off_for(const ember_comm *c, uint32_t from) {
+  size_t off = INBOX_HDR_LEN;
+  for (uint32_t j = 0; j < from; j++)
+    if (j != c->rank) off += PIPE_HDR_LEN + pipe_cap_for(c, j);
+  return off;
+}
+
+static int send_shm_offer(int fd, const char *name, const uint8_t *token, uint64_t seg_len,
+                          uint64_t off, uint64_t cap, int64_t deadline) {
+  ember_wire_writer w;
+  ember_wire_writer_init(&w);
+  ember_wire_write_str(&w, name);
+  ember_wire_write_raw(&w, token, 32);
+  ember_wire_write_u64(&w, seg_len);
+  ember_wire_write_u64(&w, off);
+  ember_wire_write_u64(&w, cap);
+  int rc = w.err ? w.err : ember_net_send_frame(fd, EMBER_MSG_COLL_SHM, w.buf, (uint32_t)w.len, deadline);
+  ember_wire_writer_free(&w);
+  return rc;
+}
+
+/* Maps a peer's inbox from its offer; 1 on success, 0 if it cannot be used
+ * here (another host, or no shared memory), negative on a protocol error. */
+static int map_peer_inbox(ember_comm *c, peer_t *p, const uint8_t *pl, uint32_t len) {
+  ember_wire_reader r;
+  char name[SHM_NAME_CAP];
+  const uint8_t *token = NULL;
+  ember_wire_reader_init(&r, pl, len);
+  ember_wire_read_str(&r, name, sizeof name);
+  ember_wire_read_raw(&r, &token, 32);
+  uint64_t seg_len = ember_wire_read_u64(&r);
+  uint64_t off = ember_wire_read_u64(&r);
+  uint64_t cap = ember_wire_read_u64(&r);
+  int rc = ember_wire_reader_finish(&r, 1, "COLL_SHM");
+  if (rc != EMBER_OK)
+    return ember__set_error(rc, "comm: from %s: %s", p->desc, ember_last_error());
+  if (name[0] == '\0') return 0; /* the peer offers no shared memory */
+  if (name[0] != '/' || strchr(name + 1, '/') != NULL || seg_len < INBOX_HDR_LEN ||
+      seg_len > ((uint64_t)1 << 36) || cap == 0 || cap % 4096 != 0 || off % 64 != 0 ||
+      off < INBOX_HDR_LEN || off > seg_len || seg_len - off < PIPE_HDR_LEN + cap)
+    return ember__set_error(EMBER_EPROTO, "comm: %s offered an invalid shared-memory "
+                            "segment ('%s', %llu bytes, pipe at %llu of %llu bytes)",
+                            p->desc, name, (unsigned long long)seg_len,
+                            (unsigned long long)off, (unsigned long long)cap);
+  int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) return 0; /* not on this host (or no /dev/shm): TCP */
+  struct stat stt;
+  void *m = MAP_FAILED;
+  if (fstat(fd, &stt) == 0 && stt.st_uid == geteuid() && (uint64_t)stt.st_size == seg_len)
+    m = mmap(NULL, (size_t)seg_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (m == MAP_FAILED) return 0;
+  inbox_hdr *ib = m;
+  pipe_hdr *ph = (pipe_hdr *)((uint8_t *)m + off);
+  if (ib->magic != INBOX_MAGIC || memcmp(ib->token, token, 32) != 0 ||
+      ib->owner_rank != p->rank || ib->size != c->size || ph->cap != cap ||
+      ph->from_rank != c->rank || ph->to_rank != p->rank) {
+    munmap(m, (size_t)seg_len);
+    return 0; /* a same-named segment of someone else: never trust it */
+  }
+  p->peer_map = m;
+  p->peer_map_len = (size_t)seg_len;
+  p->peer_ib = ib;
+  p->out = ph;
+  p->out_data = (uint8_t *)ph + PIPE_HDR_LEN;
+  return 1;
+}
+
+static int setup_shm(ember_comm *c, uint32_t flags, int64_t deadline) {
+  char name[SHM_NAME_CAP] = "";
+  uint8_t token[32] = {0};
+  int rc = EMBER_OK, unlinked = 1;
+  uint8_t *ok = calloc(c->size, 1);
+  if (ok == NULL) return ember__set_error(EMBER_ENOMEM, "comm: out of memory");
+
+  if (!(flags & EMBER_COMM_TCP_ONLY)) {
+    uint8_t rnd[16];
+    size_t len = pipe_off_for(c, c->size); /* end of the last pipe */
+    rc = ember_auth_random(rnd, sizeof rnd);
+    if (rc == EMBER_OK) rc = ember_auth_random(token, sizeof token);
+    if (rc != EMBER_OK) goto out;
+    int n = snprintf(name, sizeof name, "/ember-coll-");
+    for (size_t i = 0; i < sizeof rnd; i++)
+      n += snprintf(name + n, sizeof name - (size_t)n, "%02x", rnd[i]);
+    int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd >= 0) {
+      unlinked = 0;
+      void *m = MAP_FAILED;
+      if (ftruncate(fd, (off_t)len) == 0)
+        m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      close(fd);
+      if (m != MAP_FAILED) {
+        c->inbox = m;
+        c->inbox_len = len;
+        c->inbox->magic = INBOX_MAGIC;
+        memcpy(c->inbox->token, token, 32);
+        c->inbox->owner_rank = c->rank;
+        c->inbox->size = c->size;
+        for (uint32_t j = 0; j < c->size; j++) {
+          if (j == c->rank) continue;
+          pipe_hdr *ph = (pipe_hdr *)((uint8_t *)m + pipe_off_for(c, j));
+          ph->cap = pipe_cap_for(c, j);
+          ph->from_rank = j;
+          ph->to_rank = c->rank;
+          c->peers[j].in = ph;
+          c->peers[j].in_data = (uint8_t *)ph + PIPE_HDR_LEN;
+        }
+      } else {
+        shm_unlink(name);
+        unlinked = 1;
+        name[0] = '\0';
+      }
+    } else {
+      name[0] = '\0'; /* no shared memory here: TCP only */
+    }
+  }
+  for (uint32_t j = 0; j < c->size && rc == EMBER_OK; j++) {
+    if (j == c->rank) continue;
+    rc = send_shm_offer(c->peers[j].fd, c->inbox ? name : "", token, c->inbox_len,
+                        c->inbox ? pipe_off_for(c, j) : 0, c->inbox ? pipe_cap_for(c, j) : 0,
+                        deadline);
+  }
+  for (uint32_t j = 0; j < c->size && rc == EMBER_OK; j++) {
+    if (j == c->rank) continue;
+    ember_frame_header hdr;
+    uint8_t *pl = NULL;
+    rc = ember_net_recv_frame(c->peers[j].fd, SET_UP_FRAME_MAX, &hdr, &pl, deadline);
+    if (rc != EMBER_OK) break;
+    if (hdr.type != EMBER_MSG_COLL_SHM)
+      rc = ember__set_error(EMBER_EPROTO, "comm: %s sent %s, expected COLL_SHM",
+                            c->peers[j].desc, ember_wire_type_name(hdr.type));
+    else if (flags & EMBER_COMM_TCP_ONLY)
+      ok[j] = 0;
+    else {
+      int m = map_peer_inbox(c, &c->peers[j], pl, hdr.length);
+      if (m < 0) rc = m;
+      ok[j] = m > 0;
+    }
+    free(pl);
+  }
+  for (uint32_t j = 0; j < c->size && rc == EMBER_OK; j++) {
+    if (j == c->rank) continue;
+    uint8_t b[4];
+    ember_wire_put_u32(b, ok[j]);
+    rc = ember_net_send_frame(c->peers[j].fd, EMBER_MSG_COLL_SHM_ACK, b, 4, deadline);
+  }
+  for (uint32_t j = 0; j < c->size && rc == EMBER_OK; j++) {
+    if (j == c->rank) continue;
+    ember_frame_header hdr;
+    uint8_t *pl = NULL;
+    rc = ember_net_recv_frame(c->peers[j].fd, SET_UP_FRAME_MAX, &hdr, &pl, deadline);
+    if (rc != EMBER_OK) break;
+    if (hdr.type != EMBER_MSG_COLL_SHM_ACK || hdr.length != 4)
+      rc = ember__set_error(EMBER_EPROTO, "comm: %s sent %s, expected COLL_SHM_ACK",
+                            c->peers[j].desc, ember_wire_type_name(hdr.type));
+    else
+      c->peers[j].shm = ok[j] && ember_wire_get_u32(pl) == 1 && c->inbox != NULL;
+    free(pl);
+  }
+out:
+  /* Every peer that will map our segment has mapped it by now (or failed
+   * to): the name goes, the memory stays until the last unmap. */
+  if (!unlinked) shm_unlink(name);
+  free(ok);
+  return rc;
+}
+
+void ember_comm_destroy(ember_comm *c) {
+  if (c == NULL) return;
+  if (c->peers != NULL) {
+    for (uint32_t j = 0; j < c->size; j++) {
+      peer_t *p = &c->peers[j];
+      ember_net_close(p->fd);
+      if (p->peer_map != NULL) munmap(p->peer_map, p->peer_map_len);
+    }
+  }
+  if (c->inbox != NULL) munmap(c->inbox, c->inbox_len);
+  ember_net_close(c->listen_fd);
+  free(c->peers);
+  free(c->tmp);
+  free(c);
+}
+
+int ember_comm_create(ember_comm **out, const ember_comm_config *cfg, int64_t timeout_ms) {
+  ember_comm *c = NULL;
+  int rc = EMBER_OK;
+  int listen_fd = cfg != NULL ? cfg->listen_fd : -1;
+  if (out == NULL || cfg == NULL) {
+    ember_net_close(listen_fd);
+    return ember__set_error(EMBER_EINVAL, "comm_create: out and cfg are required");
+  }
+  *out = NULL;
+  int64_t deadline = timeout_ms < 0 ? INT64_MAX : ember_deadline_after(timeout_ms);
+  if (cfg->size == 0 || cfg->size > EMBER_COMM_MAX_RANKS) {
+    rc = ember__set_error(EMBER_EINVAL, "comm_create: size %u is not in 1..%u", cfg->size,
+                          EMBER_COMM_MAX_RANKS);
+    goto fail;
+  }
+  if (cfg->rank >= cfg->size) {
+    rc = ember__set_error(EMBER_EINVAL, "comm_create: rank %u is not below size %u", cfg->rank,
+                          cfg->size);
+    goto fail;
+  }
+  if (cfg->addresses == NULL) {
+    rc = ember__set_error(EMBER_EINVAL, "comm_create: addresses is NULL");
+    goto fail;
+  }
+  if (cfg->secret == NULL || cfg->secret_len < EMBER_SECRET_MIN_LEN) {
+    rc = ember__set_error(EMBER_EINVAL, "comm_create: the job secret must have at least %u "
+                          "bytes", (unsigned)EMBER_SECRET_MIN_LEN);
+    goto fail;
+  }
+  c = calloc(1, sizeof *c);
+  if (c == NULL) {
+    rc = ember__set_error(EMBER_ENOMEM, "comm_create: out of memory");
+    goto fail;
+  }
+  c->rank = cfg->rank;
+  c->size = cfg->size;
+  c->listen_fd = -1;
+  c->small_max = cfg->small_max ? cfg->small_max : SMALL_MAX_DEFAULT;
+  c->peers = calloc(c->size, sizeof *c->peers);
+  c->tmp_cap = c->small_max > TCP_TMP_CAP ? c->small_max : TCP_TMP_CAP;
+  c->tmp = malloc(c->tmp_cap);
+  if (c->peers == NULL || c->tmp == NULL) {
+    rc = ember__set_error(EMBER_ENOMEM, "comm_create: out of memory");
+    goto fail;
+  }
+  for (uint32_t j = 0; j < c->size; j++) {
+    peer_t *p = &c->peers[j];
+    p->fd = -1;
+    p->rank = j;
+    rc = parse_address(cfg->addresses[j], j, p->host, sizeof p->host, &p->port);
+    if (rc != EMBER_OK) goto fail;
+    snprintf(p->desc, sizeof p->desc, "rank %u (%s)", j, cfg->addresses[j]);
+  }
+  /* Spinning only pays when every local rank can have a core. */
+  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+  c->spin_us = (ncpu > 0 && (long)c->size <= ncpu) ? 50 : 2;
+
+  if (c->size > 1) {
+    if (listen_fd >= 0) {
+      c->listen_fd = listen_fd;
+      listen_fd = -1;
+      rc = ember_net_listen_fd(c->listen_fd, (int)(c->size + 16));
+    } else {
+      rc = ember_net_bind(cfg->bind_host, c->peers[c->rank].port, (int)(c->size + 16), 0,
+                          &c->listen_fd, NULL);
+    }
+    if (rc != EMBER_OK) goto fail;
+    rc = build_mesh(c, cfg->secret, cfg->secret_len, deadline);
+    if (rc != EMBER_OK) goto fail;
+    rc = setup_shm(c, cfg->flags, deadline);
+    if (rc != EMBER_OK) goto fail;
+    ember_net_close(c->listen_fd); /* the mesh is complete: no one else may join */
+    c->listen_fd = -1;
+  }
+  ember_net_close(listen_fd);
+  *out = c;
+  return EMBER_OK;
+fail:
+  ember_net_close(listen_fd);
+  ember_comm_destroy(c);
+  return rc;
+}

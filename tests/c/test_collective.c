@@ -1,0 +1,523 @@
+/* test_collective.c - the collectives with 2, 3 and 4 ranks as forked
+ * processes on loopback, over shared memory and over TCP.
+ *
+ * Every rank fills its buffer with values that are a function of (rank,
+ * index), so each rank can compute the exact expected result on its own:
+ * float inputs are small integers and quarters, whose sums are exact, so
+ * results are compared bit for bit (which also proves that every rank got the
+ * same bits).  Integer inputs are large enough to wrap around in int32 sums.
+ *
+ * The parent binds one listening socket per rank before forking (no port
+ * race) and hands rank i its socket through ember_comm_config.listen_fd. */
+#include <dirent.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "ember/collective.h"
+#include "ember/net.h"
+#include "harness.h"
+
+static const uint8_t SECRET[32] = "0123456789abcdef0123456789abcdef";
+static const uint8_t WRONG[32] = "fedcba9876543210fedcba9876543210";
+
+#define MAX_RANKS 4
+#define RANK_TIMEOUT_MS 30000
+
+typedef struct {
+  uint32_t flags;
+  size_t small_max;
+  const uint8_t *secret_of[MAX_RANKS]; /* NULL: SECRET */
+} world_opts;
+
+typedef int (*rank_fn)(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *arg);
+
+static char g_addr[MAX_RANKS][32];
+static const char *g_addrs[MAX_RANKS];
+
+/* Forks n ranks; each runs fn with a ready config.  Returns the number of
+ * ranks that failed. */
+static int run_world(uint32_t n, const world_opts *wo, rank_fn fn, void *arg) {
+  int fds[MAX_RANKS];
+  pid_t pids[MAX_RANKS];
+  for (uint32_t i = 0; i < n; i++) {
+    uint16_t port = 0;
+    CHECK_OK(ember_net_bind("127.0.0.1", 0, 16, 0, &fds[i], &port));
+    snprintf(g_addr[i], sizeof g_addr[i], "127.0.0.1:%u", (unsigned)port);
+    g_addrs[i] = g_addr[i];
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    pids[i] = fork();
+    CHECK(pids[i] >= 0);
+    if (pids[i] == 0) {
+      alarm(50);
+      for (uint32_t j = 0; j < n; j++)
+        if (j != i) close(fds[j]);
+      ember_comm_config cfg = {.rank = i, .size = n, .addresses = g_addrs,
+                               .secret = SECRET, .secret_len = sizeof SECRET,
+                               .listen_fd = fds[i], .flags = wo ? wo->flags : 0,
+                               .small_max = wo ? wo->small_max : 0};
+      if (wo && wo->secret_of[i]) cfg.secret = wo->secret_of[i];
+      int rc = fn(i, n, &cfg, arg);
+      fflush(stderr);
+      _exit(rc == 0 ? 0 : 1);
+    }
+  }
+  for (uint32_t i = 0; i < n; i++) close(fds[i]);
+  int failed = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    int status = 0;
+    CHECK(waitpid(pids[i], &status, 0) == pids[i]);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      fprintf(stderr, "rank %u failed (status 0x%x)\n", i, status);
+      failed++;
+    }
+  }
+  return failed;
+}
+
+#define RCHECK(cond)                                                             \
+  do {                                                                           \
+    if (!(cond)) {                                                               \
+      fprintf(stderr, "rank %u: %s:%d: CHECK failed: %s (last error: %s)\n",     \
+              rank, __FILE__, __LINE__, #cond, ember_last_error());              \
+      return 1;                                                                  \
+    }                                                                            \
+  } while (0)
+
+static int64_t now_ms(void) { return ember_now_ms(); }
+
+/* ------------------------------------------------------------ values */
+
+static const int DTYPES[4] = {EMBER_DT_F32, EMBER_DT_F64, EMBER_DT_I32, EMBER_DT_I64};
+static const int OPS[4] = {EMBER_RED_SUM, EMBER_RED_AVG, EMBER_RED_MIN, EMBER_RED_MAX};
+
+static double fval(uint32_t rank, size_t i) {
+  return (double)((int64_t)((i * 7 + rank * 13) % 101) - 50) + 0.25 * rank;
+}
+static int64_t ival(uint32_t rank, size_t i) {
+  return (int64_t)((uint64_t)i * 2654435761u + (uint64_t)rank * 0x9E3779B97F4Aull) ^
+         (int64_t)rank << 33;
+}
+
+/* memcpy stores: the buffers are deliberately misaligned. */
+static void fill(int dtype, uint32_t rank, size_t count, uint8_t *buf) {
+  for (size_t i = 0; i < count; i++) {
+    float f;
+    double d;
+    int32_t a;
+    int64_t b;
+    switch (dtype) {
+    case EMBER_DT_F32: f = (float)fval(rank, i); memcpy(buf + 4 * i, &f, 4); break;
+    case EMBER_DT_F64: d = fval(rank, i); memcpy(buf + 8 * i, &d, 8); break;
+    case EMBER_DT_I32: a = (int32_t)(uint32_t)ival(rank, i); memcpy(buf + 4 * i, &a, 4); break;
+    case EMBER_DT_I64: b = ival(rank, i); memcpy(buf + 8 * i, &b, 8); break;
+    }
+  }
+}
+
+/* The expected value of element i, in the element type, written to out. */
+static void expect(int dtype, int op, uint32_t n, size_t i, void *out) {
+  if (dtype == EMBER_DT_F32 || dtype == EMBER_DT_F64) {
+    double acc = fval(0, i);
+    for (uint32_t r = 1; r < n; r++) {
+      double v = fval(r, i);
+      if (op == EMBER_RED_MIN) acc = v < acc ? v : acc;
+      else if (op == EMBER_RED_MAX) acc = v > acc ? v : acc;
+      else acc += v; /* exact: small integers and quarters */
+    }
+    if (dtype == EMBER_DT_F32) {
+      float f = (float)acc;
+      if (op == EMBER_RED_AVG) f = f / (float)n;
+      memcpy(out, &f, 4);
+    } else {
+      if (op == EMBER_RED_AVG) acc = acc / (double)n;
+      memcpy(out, &acc, 8);
+    }
+    return;
+  }
+  if (dtype == EMBER_DT_I32) {
+    int32_t acc = (int32_t)(uint32_t)ival(0, i);
+    for (uint32_t r = 1; r < n; r++) {
+      int32_t v = (int32_t)(uint32_t)ival(r, i);
+      if (op == EMBER_RED_MIN) acc = v < acc ? v : acc;
+      else if (op == EMBER_RED_MAX) acc = v > acc ? v : acc;
+      else acc = (int32_t)((uint32_t)acc + (uint32_t)v);
+    }
+    if (op == EMBER_RED_AVG) acc = (int32_t)(acc / (int32_t)n);
+    memcpy(out, &acc, 4);
+    return;
+  }
+  int64_t acc = ival(0, i);
+  for (uint32_t r = 1; r < n; r++) {
+    int64_t v = ival(r, i);
+    if (op == EMBER_RED_MIN) acc = v < acc ? v : acc;
+    else if (op == EMBER_RED_MAX) acc = v > acc ? v : acc;
+    else acc = (int64_t)((uint64_t)acc + (uint64_t)v);
+  }
+  if (op == EMBER_RED_AVG) acc = acc / (int64_t)n;
+  memcpy(out, &acc, 8);
+}
+
+static size_t esize(int dtype) { return ember_dtype_size((uint8_t)dtype); }
+
+/* Allreduces count elements and compares with expect(); 0 on success. */
+static int check_allreduce(uint32_t rank, uint32_t n, ember_comm *c, int dtype, int op,
+                           size_t count, size_t misalign) {
+  size_t es = esize(dtype);
+  uint8_t *raw = malloc(count * es + 16);
+  RCHECK(raw != NULL);
+  uint8_t *buf = raw + misalign; /* the API needs no alignment */
+  fill(dtype, rank, count, buf);
+  int rc = ember_comm_allreduce(c, count ? buf : NULL, count, dtype, op, RANK_TIMEOUT_MS);
+  if (rc != 0) {
+    fprintf(stderr, "rank %u: allreduce dtype %d op %d count %zu: %s\n", rank, dtype, op,
+            count, ember_last_error());
+    free(raw);
+    return 1;
+  }
+  for (size_t i = 0; i < count; i++) {
+    uint8_t want[8];
+    expect(dtype, op, n, i, want);
+    if (memcmp(want, buf + i * es, es) != 0) {
+      fprintf(stderr, "rank %u: allreduce dtype %d op %d count %zu: element %zu differs\n",
+              rank, dtype, op, count, i);
+      free(raw);
+      return 1;
+    }
+  }
+  free(raw);
+  return 0;
+}
+
+/* ------------------------------------------------------------ every op */
+
+typedef struct {
+  int want_shm;
+} all_ops_arg;
+
+static int rank_all_ops(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *argp) {
+  all_ops_arg *arg = argp;
+  ember_comm *c = NULL;
+  RCHECK(ember_comm_create(&c, cfg, RANK_TIMEOUT_MS) == 0);
+  RCHECK(ember_comm_rank(c) == rank && ember_comm_size(c) == n);
+  for (uint32_t j = 0; j < n; j++)
+    if (j != rank) RCHECK(ember_comm_peer_is_shm(c, j) == arg->want_shm);
+  RCHECK(ember_comm_peer_is_shm(c, rank) == 0);
+  if (rank == 0 && arg->want_shm) {
+    /* Segments are unlinked once mapped: nothing is left in /dev/shm. */
+    RCHECK(ember_comm_barrier(c, RANK_TIMEOUT_MS) == 0);
+    DIR *d = opendir("/dev/shm");
+    if (d != NULL) {
+      struct dirent *e;
+      while ((e = readdir(d)) != NULL) RCHECK(strncmp(e->d_name, "ember-coll-", 11) != 0);
+      closedir(d);
+    }
+  } else if (arg->want_shm) {
+    RCHECK(ember_comm_barrier(c, RANK_TIMEOUT_MS) == 0);
+  }
+
+  const size_t counts[] = {0, 1, 7, 1000, 100003};
+  for (size_t ci = 0; ci < sizeof counts / sizeof counts[0]; ci++)
+    for (int d = 0; d < 4; d++)
+      for (int o = 0; o < 4; o++)
+        if (check_allreduce(rank, n, c, DTYPES[d], OPS[o], counts[ci], (ci + d) % 3) != 0)
+          return 1;
+
+  /* NaN propagates through min and max, whichever rank holds it. */
+  float fb[5] = {1, 2, 3, 4, 5};
+  fb[2] = rank == n - 1 ? NAN : (float)rank;
+  RCHECK(ember_comm_allreduce(c, fb, 5, EMBER_DT_F32, EMBER_RED_MAX, RANK_TIMEOUT_MS) == 0);
+  RCHECK(isnan(fb[2]) && fb[0] == 1 && fb[4] == 5);
+
+  /* broadcast from every root, several sizes */
+  const size_t bsizes[] = {0, 1, 13, 300001};
+  for (uint32_t root = 0; root < n; root++) {
+    for (size_t bi = 0; bi < 4; bi++) {
+      size_t len = bsizes[bi];
+      uint8_t *b = malloc(len + 1);
+      RCHECK(b != NULL);
+      for (size_t i = 0; i < len; i++)
+        b[i] = rank == root ? (uint8_t)(i * 31 + root) : 0xEE;
+      RCHECK(ember_comm_broadcast(c, len ? b : NULL, len, root, RANK_TIMEOUT_MS) == 0);
+      for (size_t i = 0; i < len; i++) RCHECK(b[i] == (uint8_t)(i * 31 + root));
+      free(b);
+    }
+  }
+  RCHECK(ember_comm_broadcast(c, fb, 4, n, 1000) == EMBER_EINVAL);
+
+  /* allgather, separate and in place */
+  const size_t gsizes[] = {0, 1, 13, 100001};
+  for (size_t gi = 0; gi < 4; gi++) {
+    size_t len = gsizes[gi];
+    uint8_t *send = malloc(len + 1), *recv = malloc(len * n + 1);
+    RCHECK(send && recv);
+    for (size_t i = 0; i < len; i++) send[i] = (uint8_t)(i + 17 * rank);
+    memset(recv, 0xEE, len * n);
+    RCHECK(ember_comm_allgather(c, send, recv, len, RANK_TIMEOUT_MS) == 0);
+    for (uint32_t r = 0; r < n; r++)
+      for (size_t i = 0; i < len; i++) RCHECK(recv[r * len + i] == (uint8_t)(i + 17 * r));
+    memset(recv, 0xEE, len * n);
+    memcpy(recv + rank * len, send, len);
+    RCHECK(ember_comm_allgather(c, NULL, recv, len, RANK_TIMEOUT_MS) == 0);
+    for (uint32_t r = 0; r < n; r++)
+      for (size_t i = 0; i < len; i++) RCHECK(recv[r * len + i] == (uint8_t)(i + 17 * r));
+    free(send);
+    free(recv);
+  }
+
+  for (int i = 0; i < 5; i++) RCHECK(ember_comm_barrier(c, RANK_TIMEOUT_MS) == 0);
+  /* Bad arguments fail locally and leave the communicator usable. */
+  RCHECK(ember_comm_allreduce(c, fb, 1, EMBER_DT_U8, EMBER_RED_SUM, 1000) == EMBER_EINVAL);
+  RCHECK(ember_comm_allreduce(c, fb, 1, EMBER_DT_F32, 99, 1000) == EMBER_EINVAL);
+  RCHECK(ember_comm_barrier(c, RANK_TIMEOUT_MS) == 0);
+  ember_comm_destroy(c);
+  return 0;
+}
+
+static void all_ops(uint32_t n, uint32_t flags, size_t small_max) {
+  world_opts wo = {.flags = flags, .small_max = small_max};
+  all_ops_arg a = {.want_shm = !(flags & EMBER_COMM_TCP_ONLY)};
+  CHECK_EQ_INT(run_world(n, &wo, rank_all_ops, &a), 0);
+}
+
+/* small_max 1: every allreduce with count >= ranks takes the ring, so odd
+ * sizes go through the ring too. */
+TEST(ops_2_shm) { all_ops(2, 0, 0); }
+TEST(ops_2_tcp_ring) { all_ops(2, EMBER_COMM_TCP_ONLY, 1); }
+TEST(ops_3_shm_ring) { all_ops(3, 0, 1); }
+TEST(ops_3_tcp) { all_ops(3, EMBER_COMM_TCP_ONLY, 0); }
+TEST(ops_4_shm) { all_ops(4, 0, 0); }
+TEST(ops_4_tcp_ring) { all_ops(4, EMBER_COMM_TCP_ONLY, 1); }
+TEST(ops_4_shm_ring) { all_ops(4, 0, 1); }
+TEST(ops_3_tcp_ring) { all_ops(3, EMBER_COMM_TCP_ONLY, 1); }
+
+static int rank_single(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *arg) {
+  ember_comm *c = NULL;
+  RCHECK(ember_comm_create(&c, cfg, 1000) == 0);
+  float f[3] = {1, 2, 3};
+  RCHECK(ember_comm_allreduce(c, f, 3, EMBER_DT_F32, EMBER_RED_AVG, 1000) == 0);
+  RCHECK(f[0] == 1 && f[2] == 3);
+  uint8_t g[4] = {0};
+  RCHECK(ember_comm_allgather(c, "abcd", g, 4, 1000) == 0 && memcmp(g, "abcd", 4) == 0);
+  RCHECK(ember_comm_broadcast(c, g, 4, 0, 1000) == 0);
+  RCHECK(ember_comm_barrier(c, 1000) == 0);
+  ember_comm_destroy(c);
+  return 0;
+}
+
+TEST(single_rank) { CHECK_EQ_INT(run_world(1, NULL, rank_single, NULL), 0); }
+
+/* ------------------------------------------------------------ > 64 MiB */
+
+static int rank_big(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *arg) {
+  ember_comm *c = NULL;
+  RCHECK(ember_comm_create(&c, cfg, RANK_TIMEOUT_MS) == 0);
+  size_t count = (size_t)17 * 1024 * 1024 + 3; /* 68 MiB of float32 */
+  float *b = malloc(count * sizeof *b);
+  RCHECK(b != NULL);
+  for (size_t i = 0; i < count; i++) b[i] = (float)((i % 1000) + rank);
+  RCHECK(ember_comm_allreduce(c, b, count, EMBER_DT_F32, EMBER_RED_SUM, RANK_TIMEOUT_MS) == 0);
+  for (size_t i = 0; i < count; i++)
+    if (b[i] != (float)(2 * (i % 1000) + 1)) RCHECK(!"wrong element in the big allreduce");
+  free(b);
+  ember_comm_destroy(c);
+  return 0;
+}
+
+TEST(big_68mib_2_ranks) { CHECK_EQ_INT(run_world(2, NULL, rank_big, NULL), 0); }
+
+/* ------------------------------------------------------------ failures */
+
+typedef struct {
+  uint32_t victim;
+} kill_arg;
+
+static void *killer(void *p) {
+  (void)p;
+  struct timespec ts = {0, 150 * 1000000L};
+  nanosleep(&ts, NULL);
+  raise(SIGKILL);
+  return NULL;
+}
+
+/* The victim dies in the middle of a big allreduce; every other rank must
+ * fail well within the timeout, naming a rank. */
+static int rank_killed(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *argp) {
+  kill_arg *a = argp;
+  ember_comm *c = NULL;
+  RCHECK(ember_comm_create(&c, cfg, RANK_TIMEOUT_MS) == 0);
+  size_t count = 4u * 1024 * 1024;
+  float *b = calloc(count, sizeof *b);
+  RCHECK(b != NULL);
+  if (rank == a->victim) {
+    pthread_t t;
+    RCHECK(pthread_create(&t, NULL, killer, NULL) == 0);
+    for (;;) /* until killed */
+      (void)ember_comm_allreduce(c, b, count, EMBER_DT_F32, EMBER_RED_SUM, RANK_TIMEOUT_MS);
+  }
+  int64_t t0 = now_ms();
+  int rc = 0;
+  for (int i = 0; i < 1000 && rc == 0; i++)
+    rc = ember_comm_allreduce(c, b, count, EMBER_DT_F32, EMBER_RED_SUM, RANK_TIMEOUT_MS);
+  int64_t took = now_ms() - t0;
+  fprintf(stderr, "rank %u: failed after %lld ms: %s: %s\n", rank, (long long)took,
+          ember_err_name(rc), ember_last_error());
+  RCHECK(rc == EMBER_ECLOSED || rc == EMBER_EABORTED);
+  RCHECK(took < 5000);
+  RCHECK(strstr(ember_last_error(), "rank ") != NULL);
+  /* Broken for good, with the first error. */
+  RCHECK(ember_comm_barrier(c, 1000) == EMBER_ESTATE);
+  RCHECK(strstr(ember_last_error(), "broken") != NULL);
+  free(b);
+  ember_comm_destroy(c);
+  return 0;
+}
+
+static void killed(uint32_t n, uint32_t flags) {
+  world_opts wo = {.flags = flags};
+  kill_arg a = {.victim = 2};
+  /* The victim's own exit status is a SIGKILL: exactly one "failure". */
+  CHECK_EQ_INT(run_world(n, &wo, rank_killed, &a), 1);
+}
+
+TEST(peer_killed_mid_allreduce_shm_4) { killed(4, 0); }
+TEST(peer_killed_mid_allreduce_tcp_4) { killed(4, EMBER_COMM_TCP_ONLY); }
+TEST(peer_killed_mid_allreduce_tcp_3) { killed(3, EMBER_COMM_TCP_ONLY); }
+
+/* A silent rank: the others time out within the bound, naming a rank. */
+static int rank_silent(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *arg) {
+  ember_comm *c = NULL;
+  RCHECK(ember_comm_create(&c, cfg, RANK_TIMEOUT_MS) == 0);
+  float b[100000] = {0};
+  if (rank == n - 1) {
+    struct timespec ts = {2, 0};
+    nanosleep(&ts, NULL);
+    ember_comm_destroy(c);
+    return 0;
+  }
+  int64_t t0 = now_ms();
+  int rc = ember_comm_allreduce(c, b, 100000, EMBER_DT_F32, EMBER_RED_SUM, 500);
+  int64_t took = now_ms() - t0;
+  fprintf(stderr, "rank %u: %s after %lld ms: %s\n", rank, ember_err_name(rc),
+          (long long)took, ember_last_error());
+  /* The rank next to the silent one times out; the others may instead see
+   * it abort (it broke the communicator when it gave up). */
+  RCHECK(rc == EMBER_ETIMEDOUT || rc == EMBER_EABORTED || rc == EMBER_ECLOSED);
+  RCHECK(took >= 400 || rc != EMBER_ETIMEDOUT);
+  RCHECK(took < 1500);
+  RCHECK(strstr(ember_last_error(), "rank ") != NULL);
+  ember_comm_destroy(c);
+  return 0;
+}
+
+TEST(silent_peer_times_out_shm) { CHECK_EQ_INT(run_world(3, NULL, rank_silent, NULL), 0); }
+TEST(silent_peer_times_out_tcp) {
+  world_opts wo = {.flags = EMBER_COMM_TCP_ONLY};
+  CHECK_EQ_INT(run_world(3, &wo, rank_silent, NULL), 0);
+}
+
+static int rank_wrong_secret(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *arg) {
+  ember_comm *c = NULL;
+  int rc = ember_comm_create(&c, cfg, 1500);
+  fprintf(stderr, "rank %u: %s: %s\n", rank, ember_err_name(rc), ember_last_error());
+  if (rank == 1) {
+    RCHECK(rc == EMBER_EAUTH); /* the impostor is refused */
+  } else {
+    RCHECK(rc == EMBER_ETIMEDOUT); /* the real rank 1 never came */
+    RCHECK(strstr(ember_last_error(), "rank(s) 1") != NULL);
+    RCHECK(strstr(ember_last_error(), "rejected") != NULL);
+  }
+  RCHECK(c == NULL);
+  return 0;
+}
+
+TEST(wrong_secret_rejected) {
+  world_opts wo = {.secret_of = {NULL, WRONG}};
+  CHECK_EQ_INT(run_world(2, &wo, rank_wrong_secret, NULL), 0);
+}
+
+static int rank_mismatch(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *arg) {
+  ember_comm *c = NULL;
+  RCHECK(ember_comm_create(&c, cfg, RANK_TIMEOUT_MS) == 0);
+  float b[16] = {0};
+  int rc = rank == 0 ? ember_comm_allreduce(c, b, 16, EMBER_DT_F32, EMBER_RED_SUM, 5000)
+                     : ember_comm_broadcast(c, b, 64, 0, 5000);
+  fprintf(stderr, "rank %u: %s: %s\n", rank, ember_err_name(rc), ember_last_error());
+  RCHECK(rc == EMBER_EPROTO || rc == EMBER_ECLOSED || rc == EMBER_EABORTED);
+  RCHECK(rc != EMBER_EPROTO || strstr(ember_last_error(), "mismatched") != NULL);
+  ember_comm_destroy(c);
+  return 0;
+}
+
+TEST(mismatched_calls_detected) {
+  CHECK_EQ_INT(run_world(2, NULL, rank_mismatch, NULL), 0);
+}
+
+static void *aborter(void *p) {
+  struct timespec ts = {0, 200 * 1000000L};
+  nanosleep(&ts, NULL);
+  ember_comm_abort(p);
+  return NULL;
+}
+
+static int rank_abort(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *arg) {
+  ember_comm *c = NULL;
+  RCHECK(ember_comm_create(&c, cfg, RANK_TIMEOUT_MS) == 0);
+  float b[4] = {0};
+  if (rank == 1) { /* stays silent: rank 0 waits until it aborts */
+    struct timespec ts = {1, 0};
+    nanosleep(&ts, NULL);
+    ember_comm_destroy(c);
+    return 0;
+  }
+  pthread_t t;
+  RCHECK(pthread_create(&t, NULL, aborter, c) == 0);
+  int64_t t0 = now_ms();
+  int rc = ember_comm_allreduce(c, b, 4, EMBER_DT_F32, EMBER_RED_SUM, RANK_TIMEOUT_MS);
+  pthread_join(t, NULL);
+  RCHECK(rc == EMBER_EABORTED);
+  RCHECK(strstr(ember_last_error(), "aborted on this rank") != NULL);
+  RCHECK(now_ms() - t0 < 1000);
+  RCHECK(ember_comm_barrier(c, 100) != 0);
+  ember_comm_destroy(c);
+  return 0;
+}
+
+TEST(abort_from_another_thread) { CHECK_EQ_INT(run_world(2, NULL, rank_abort, NULL), 0); }
+
+static int rank_bad_config(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *arg) {
+  ember_comm *c = NULL;
+  const char *bad[2] = {"127.0.0.1", "127.0.0.1:1"};
+  ember_comm_config k = *cfg;
+  k.listen_fd = -1;
+  k.addresses = bad;
+  RCHECK(ember_comm_create(&c, &k, 100) == EMBER_EINVAL && c == NULL);
+  RCHECK(strstr(ember_last_error(), "rank 0") != NULL);
+  bad[0] = "127.0.0.1:70000";
+  RCHECK(ember_comm_create(&c, &k, 100) == EMBER_EINVAL);
+  bad[0] = "::1:5";
+  RCHECK(ember_comm_create(&c, &k, 100) == EMBER_EINVAL);
+  k = *cfg;
+  k.listen_fd = -1;
+  k.rank = 5;
+  RCHECK(ember_comm_create(&c, &k, 100) == EMBER_EINVAL);
+  k.rank = 0;
+  k.secret_len = 8;
+  RCHECK(ember_comm_create(&c, &k, 100) == EMBER_EINVAL);
+  RCHECK(ember_comm_create(NULL, cfg, 100) == EMBER_EINVAL); /* closes listen_fd */
+  ember_comm_destroy(NULL);
+  return 0;
+}
+
+TEST(bad_config) { CHECK_EQ_INT(run_world(2, NULL, rank_bad_config, NULL), 0); }
+
+RUN_TESTS(T(ops_2_shm), T(ops_2_tcp_ring), T(ops_3_shm_ring), T(ops_3_tcp), T(ops_4_shm),
+          T(ops_4_tcp_ring), T(ops_4_shm_ring), T(ops_3_tcp_ring), T(single_rank),
+          T(big_68mib_2_ranks), T(peer_killed_mid_allreduce_shm_4),
+          T(peer_killed_mid_allreduce_tcp_4), T(peer_killed_mid_allreduce_tcp_3),
+          T(silent_peer_times_out_shm), T(silent_peer_times_out_tcp),
+          T(wrong_secret_rejected), T(mismatched_calls_detected),
+          T(abort_from_another_thread), T(bad_config))
