@@ -487,22 +487,25 @@ static PyObject *TFRecordReader_iternext(PyObject *op) {
 }
 
 PyDoc_STRVAR(TFRecordReader_read_examples_doc,
-             "read_examples(decoder, n) -> int\n\n"
+             "read_examples(decoder, n, every=1, phase=0) -> int\n\n"
              "Reads up to n records and decodes each into decoder (an ExampleDecoder)\n"
-             "with the GIL released; returns how many were added (0 at the end).  A\n"
+             "with the GIL released; returns how many were added (0 at the end).\n"
+             "With every > 1 only records whose index in the file is phase modulo\n"
+             "every are decoded (the others are read and dropped).  A\n"
              "record that does not decode raises with the file, record number and\n"
              "byte offset; the records before it stay in the decoder.");
 
 static PyObject *TFRecordReader_read_examples(PyObject *op, PyObject *args) {
   TFRecordReaderObject *self = (TFRecordReaderObject *)op;
   PyObject *dobj;
-  Py_ssize_t n;
+  Py_ssize_t n, every = 1, phase = 0;
   ember_state *st = embpy_state_of_type(Py_TYPE(op));
   if (st == NULL) return NULL;
-  if (!PyArg_ParseTuple(args, "O!n:read_examples", st->ExampleDecoder_Type, &dobj, &n))
+  if (!PyArg_ParseTuple(args, "O!n|nn:read_examples", st->ExampleDecoder_Type, &dobj, &n, &every,
+                        &phase))
     return NULL;
-  if (n < 0) {
-    PyErr_SetString(PyExc_ValueError, "n must be >= 0");
+  if (n < 0 || every < 1 || phase < 0 || phase >= every) {
+    PyErr_SetString(PyExc_ValueError, "need n >= 0, every >= 1 and 0 <= phase < every");
     return NULL;
   }
   ExampleDecoderObject *dec = (ExampleDecoderObject *)dobj;
@@ -524,6 +527,11 @@ static PyObject *TFRecordReader_read_examples(PyObject *op, PyObject *args) {
     size_t len;
     rc = ember_tfr_reader_next(r, &d, &len);
     if (rc <= 0) break;
+    if (every > 1) {
+      ember_tfr_stats sk;
+      ember_tfr_reader_stats(r, &sk);
+      if ((sk.records - 1) % (uint64_t)every != (uint64_t)phase) continue;
+    }
     rc = ember_ex_decoder_add(dec->h.ptr, d, len);
     if (rc != EMBER_OK) {
       ember_tfr_stats stt;

@@ -1,0 +1,77 @@
+"""The ``ember`` command line (``python -m ember ...``).
+
+``ember tfrecord inspect FILE``: record count, per-feature schema, the first
+records, and, for a corrupt or truncated file, the error with its byte offset
+(exit status 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, List, Optional
+
+
+def _fmt_values(v: List[Any], limit: int = 8) -> str:
+    shown = [x.decode("utf-8", "backslashreplace") if isinstance(x, bytes) and len(x) <= 64
+             else (f"<{len(x)} bytes>" if isinstance(x, bytes) else x) for x in v[:limit]]
+    more = f", ... ({len(v)} values)" if len(v) > limit else ""
+    return "[" + ", ".join(repr(x) if isinstance(x, str) else f"{x:g}" if isinstance(x, float)
+                           else str(x) for x in shown) + more + "]"
+
+
+def tfrecord_inspect(args: argparse.Namespace) -> int:
+    from ember import tfrecord
+
+    comp = {"auto": "auto", "none": None, "gzip": "gzip", "zlib": "zlib"}[args.compression]
+    status = 0
+    for path in args.files:
+        try:
+            info = tfrecord.inspect(path, args.records, comp, args.skip_corrupt)
+        except OSError as e:
+            print(f"{path}: {e}", file=sys.stderr)
+            status = 1
+            continue
+        if args.json:
+            print(json.dumps(info, default=str))
+        else:
+            print(f"{path}: {info['records']} records, {info['data_bytes']} data bytes, "
+                  f"compression {info['compression']}")
+            if info["skipped"]:
+                print(f"  skipped {info['skipped']} corrupt spot(s), "
+                      f"{info['skipped_bytes']} bytes")
+            print("  schema:")
+            for name, s in sorted(info["features"].items()):
+                count = str(s["min"]) if s["min"] == s["max"] else f"{s['min']}..{s['max']}"
+                print(f"    {name}: {s['kind']}, {count} value(s), in {s['present']} record(s)")
+            for i, rec in enumerate(info["first"]):
+                print(f"  record {i}:")
+                for name, v in sorted(rec.items()):
+                    print(f"    {name}: {_fmt_values(v)}")
+        if info["error"]:
+            print(f"{path}: CORRUPT: {info['error']}", file=sys.stderr)
+            status = 1
+    return status
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Runs the CLI; returns the exit status."""
+    p = argparse.ArgumentParser(prog="ember", description="Ember command line")
+    sub = p.add_subparsers(dest="command", required=True)
+    tfr = sub.add_parser("tfrecord", help="TFRecord files").add_subparsers(
+        dest="action", required=True)
+    ins = tfr.add_parser("inspect", help="count, schema and first records of TFRecord files")
+    ins.add_argument("files", nargs="+", metavar="FILE")
+    ins.add_argument("-n", "--records", type=int, default=3, help="records to show (3)")
+    ins.add_argument("--compression", choices=["auto", "none", "gzip", "zlib"], default="auto")
+    ins.add_argument("--skip-corrupt", action="store_true",
+                     help="skip and count corrupt records instead of stopping")
+    ins.add_argument("--json", action="store_true", help="one JSON object per file")
+    ins.set_defaults(func=tfrecord_inspect)
+    args = p.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
