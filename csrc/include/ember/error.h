@@ -38,7 +38,8 @@ extern "C" {
   X(ESYS, -14, "system call failed")                                \
   X(ENODE, -15, "a node failed")                                    \
   X(ETRUNCATED, -16, "truncated data (input ended inside a record)")\
-  X(ESCHEMA, -17, "data does not match the expected schema")
+  X(ESCHEMA, -17, "data does not match the expected schema")      \
+  X(EPERM, -18, "permission denied")
 
 typedef enum {
 #define EMBER__ERR_ENUM(name, value, desc) EMBER_##name = (value),
