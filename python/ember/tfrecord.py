@@ -403,8 +403,12 @@ def _arrow_columns(batch: Any, plan: Sequence[Tuple[str, int, bool]]) -> List[Tu
         else:
             roff, child = None, arr
         if kind == BYTES:
-            voff = np.asarray(child.offsets).astype(np.uint64)
-            data = child.buffers()[2]
+            bufs = child.buffers()
+            odt = np.int64 if pa.types.is_large_binary(child.type) or \
+                pa.types.is_large_string(child.type) else np.int32
+            voff = np.frombuffer(bufs[1], odt)[child.offset:child.offset + len(child) + 1] \
+                .astype(np.uint64) if bufs[1] is not None else np.zeros(1, np.uint64)
+            data = bufs[2]
             vals: Any = data if data is not None else b""
             nvalues = len(child)
         else:
