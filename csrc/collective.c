@@ -316,7 +316,9 @@ struct ember_comm {
   size_t tmp_cap, tmp_fill;
   size_t small_max;
   uint32_t seq;
-  int spin_us;
+  int spin_us;        /* most a wait spins before it sleeps */
+  int64_t spin_cur_ns; /* adaptive spin budget, 0..spin_us */
+  unsigned waits;
   _Atomic int abort_req;
   int broken;
   char broken_msg[1024];
@@ -583,6 +585,22 @@ static int64_t mono_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* Adaptive spinning (as in adaptive mutexes).  A wait that spinning ended
+ * sets the budget to twice its length; a wait that had to sleep halves it,
+ * since the peer was not running (more ranks than idle cores, or the
+ * scheduler put two ranks on one core) and spinning only keeps it off the
+ * core.  Every 32nd wait probes with the full budget, to notice when cores
+ * free up again. */
+static void adapt_spin(ember_comm *c, int64_t waited_ns, int spun) {
+  int64_t max = (int64_t)c->spin_us * 1000;
+  if (spun) {
+    int64_t want = 2 * waited_ns + 500;
+    if (want > c->spin_cur_ns) c->spin_cur_ns = want < max ? want : max;
+  } else {
+    c->spin_cur_ns /= 2;
+  }
+}
+
 /* Blocks until `to` can take more bytes or `from` has more (either may be
  * NULL: not waited for), the deadline passes (EMBER_ETIMEDOUT), or a peer we
  * still depend on is gone: to_live (we still have bytes for it) and from_live
@@ -603,10 +621,14 @@ static int wait_io(op_ctx *o, peer_t *to, peer_t *from, peer_t *to_live, peer_t 
     if (any_shm) {
       /* Spin briefly (a peer on another core answers within microseconds),
        * then sleep on our doorbell in short slices. */
-      int64_t until = mono_ns() + (int64_t)c->spin_us * 1000;
+      int64_t budget = (++c->waits & 31u) == 0 ? (int64_t)c->spin_us * 1000 : c->spin_cur_ns;
+      int64_t t0 = mono_ns(), until = t0 + budget;
       for (unsigned it = 0;; it++) {
-        if (shm_ready(to, from)) return EMBER_OK;
-        if ((it & 63u) == 63u && mono_ns() >= until) break;
+        if (shm_ready(to, from)) {
+          adapt_spin(c, mono_ns() - t0, 1);
+          return EMBER_OK;
+        }
+        if ((it & 15u) == 15u && mono_ns() >= until) break;
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
 #endif
@@ -620,6 +642,7 @@ static int wait_io(op_ctx *o, peer_t *to, peer_t *from, peer_t *to_live, peer_t 
         (void)futex_wait(&c->inbox->bell, bell, ms > 0 ? ms : 1);
       }
       atomic_store_explicit(&c->inbox->waiting, 0, memory_order_relaxed);
+      adapt_spin(c, 0, 0);
       if (shm_ready(to, from)) return EMBER_OK;
     }
 
@@ -1462,6 +1485,12 @@ int ember_comm_create(ember_comm **out, const ember_comm_config *cfg, int64_t ti
   /* Spinning only pays when every local rank can have a core. */
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   c->spin_us = (ncpu > 0 && (long)c->size <= ncpu) ? 50 : 2;
+  const char *spin = getenv("EMBER_COLL_SPIN_US"); /* tuning knob, microseconds */
+  if (spin != NULL && spin[0] >= '0' && spin[0] <= '9') {
+    long v = strtol(spin, NULL, 10);
+    c->spin_us = v > 100000 ? 100000 : (int)v;
+  }
+  c->spin_cur_ns = (int64_t)c->spin_us * 1000;
 
   if (c->size > 1) {
     if (listen_fd >= 0) {

@@ -767,6 +767,8 @@ static int module_exec(PyObject *m) {
     return -1;
   if (embpy_rdv_exec(m, st) < 0 || embpy_feed_exec(m, st) < 0 || embpy_tfrecord_exec(m, st) < 0)
     return -1;
+  if (embpy_coll_exec(m, st) < 0)
+    return -1;
   return 0;
 }
 
@@ -787,6 +789,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
   Py_VISIT(st->ExampleDecoder_Type);
   Py_VISIT(st->TFRecordReader_Type);
   Py_VISIT(st->TFRecordWriter_Type);
+  Py_VISIT(st->Communicator_Type);
   return 0;
 }
 
@@ -807,6 +810,7 @@ static int module_clear(PyObject *m) {
   Py_CLEAR(st->ExampleDecoder_Type);
   Py_CLEAR(st->TFRecordReader_Type);
   Py_CLEAR(st->TFRecordWriter_Type);
+  Py_CLEAR(st->Communicator_Type);
   return 0;
 }
 

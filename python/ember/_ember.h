@@ -28,6 +28,7 @@
 #include <stdint.h>
 
 #include "ember/auth.h"
+#include "ember/collective.h"
 #include "ember/error.h"
 #include "ember/feed.h"
 #include "ember/net.h"
@@ -54,6 +55,7 @@ typedef struct {
   PyTypeObject *FeedServer_Type;
   PyTypeObject *FeedClient_Type;
   PyTypeObject *FeedItem_Type;
+  PyTypeObject *Communicator_Type;
   /* _ember_tfrecord.c */
   PyObject *EmberCorruptError; /* EMBER_ECORRUPT, EMBER_ETRUNCATED */
   PyObject *EmberSchemaError;  /* EMBER_ESCHEMA; also a ValueError */
@@ -188,6 +190,7 @@ PyObject *embpy_decoded_to_list(const uint8_t *base, const embpy_decoded *d);
 
 int embpy_rdv_exec(PyObject *m, ember_state *st);
 int embpy_feed_exec(PyObject *m, ember_state *st);
+int embpy_coll_exec(PyObject *m, ember_state *st);
 int embpy_tfrecord_exec(PyObject *m, ember_state *st);
 
 #endif /* EMBER_PY_EMBER_H */
