@@ -24,16 +24,17 @@ FUZZERS   := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(wildcard tests/fuzz/fuz
 EXT_SRCS  := $(wildcard python/ember/_ember*.c)
 EXT_HDRS  := $(wildcard python/ember/_ember*.h)
 
-APT_PACKAGES := dataset-fashion-mnist clang libssl-dev zlib1g-dev libcurl4-openssl-dev maven
+APT_PACKAGES := dataset-fashion-mnist clang libssl-dev zlib1g-dev libcurl4-openssl-dev maven libprotobuf-c-dev protobuf-c-compiler
 
 .PHONY: hadoop
 .PHONY: help setup apt venv build lib ext test test-c test-py fuzz fuzz-smoke demo demo-quick \
-        bench-reservation clean format-check
+        bench-reservation bench-tfrecord clean format-check
 
 help:
 	@echo "make demo   - set up this machine and run the Fashion-MNIST main job"
 	@echo "make test   - set up this machine and run every test (C under ASan/UBSan, fuzz, pytest, main job)"
 	@echo "make bench-reservation - Ember vs TensorFlowOnSpark reservation server"
+	@echo "make bench-tfrecord - TFRecord reading: Ember vs tf.data; CRC-32C; Example decoder vs protobuf-c"
 
 # ---------------------------------------------------------------- set-up
 apt: $(BUILD)/.apt-stamp
@@ -141,6 +142,22 @@ test: setup hadoop
 # ---------------------------------------------------------------- benchmarks
 bench-reservation: setup
 	PYTHONUNBUFFERED=1 $(PY) bench/reservation.py
+
+# The CRC-32C and Example-decoder microbenchmarks are C; protobuf-c (Debian's
+# libprotobuf-c-dev + protoc-c) is used by this benchmark only.
+$(BUILD)/bench/crc32c: bench/crc32c.c $(BUILD)/libember.a
+	@mkdir -p $(@D)
+	$(CC) $(BASE) -O2 -g $< $(BUILD)/libember.a $(LIBS) -o $@
+$(BUILD)/bench/pb/example.pb-c.c: bench/proto/example.proto bench/proto/feature.proto
+	@mkdir -p $(@D)
+	protoc-c --c_out=$(@D) -Ibench/proto bench/proto/feature.proto bench/proto/example.proto
+$(BUILD)/bench/example_decode: bench/example_decode.c $(BUILD)/bench/pb/example.pb-c.c $(BUILD)/libember.a
+	$(CC) -std=c11 -D_GNU_SOURCE -Icsrc/include -I$(BUILD)/bench/pb -O2 -g $< \
+	  $(BUILD)/bench/pb/example.pb-c.c $(BUILD)/bench/pb/feature.pb-c.c $(BUILD)/libember.a \
+	  -lprotobuf-c $(LIBS) -o $@
+
+bench-tfrecord: setup $(BUILD)/bench/crc32c $(BUILD)/bench/example_decode
+	PYTHONUNBUFFERED=1 $(PY) bench/tfrecord.py
 
 clean:
 	rm -rf $(BUILD) python/ember/_ember*.so

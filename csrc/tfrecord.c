@@ -94,6 +94,10 @@ struct ember_tfr_reader {
   int z_inited;
   uint8_t *zin;       /* compressed input staging (not for memory sources) */
   uint64_t raw_read;  /* compressed bytes read from the source */
+  int z_pending;      /* a zlib error met after producing output: reported
+                         by the next call, so that the bytes before it are
+                         delivered whatever the input chunking */
+  char z_msg[MSG_CAP];
 
   int src_eof;        /* the (decompressed) stream has no more bytes */
   uint8_t *buf;       /* the window; == mem (not owned) when zero-copy */
@@ -296,6 +300,7 @@ static int64_t raw_read(ember_tfr_reader *r, uint8_t *dst, size_t n) {
 /* Decompresses into dst[0..n): count (0 only at the end of the stream) or a
  * status. */
 static int64_t inflate_some(ember_tfr_reader *r, uint8_t *dst, size_t n) {
+  if (r->z_pending) return ember__set_error(r->z_pending, "%s", r->z_msg);
   if (n > UINT_MAX) n = UINT_MAX;
   r->z.next_out = dst;
   r->z.avail_out = (uInt)n;
@@ -341,13 +346,20 @@ static int64_t inflate_some(ember_tfr_reader *r, uint8_t *dst, size_t n) {
       if (produced) return (int64_t)produced;
       continue;
     }
-    if (zr == Z_DATA_ERROR || zr == Z_NEED_DICT || zr == Z_STREAM_ERROR)
-      return ember__set_error(EMBER_ECORRUPT,
-                              "%s: corrupt %s data near compressed byte offset %llu: %s",
-                              r->name, r->compression == EMBER_TFR_GZIP ? "gzip" : "zlib",
-                              (unsigned long long)(r->raw_read - r->z.avail_in),
-                              r->z.msg ? r->z.msg : "data error");
-    if (zr == Z_MEM_ERROR) return ember__set_error(EMBER_ENOMEM, "%s: zlib out of memory", r->name);
+    if (zr == Z_DATA_ERROR || zr == Z_NEED_DICT || zr == Z_STREAM_ERROR || zr == Z_MEM_ERROR) {
+      int code = zr == Z_MEM_ERROR ? EMBER_ENOMEM : EMBER_ECORRUPT;
+      if (zr == Z_MEM_ERROR)
+        ember__set_error(code, "%s: zlib out of memory", r->name);
+      else
+        ember__set_error(code, "%s: corrupt %s data near compressed byte offset %llu: %s", r->name,
+                         r->compression == EMBER_TFR_GZIP ? "gzip" : "zlib",
+                         (unsigned long long)(r->raw_read - r->z.avail_in),
+                         r->z.msg ? r->z.msg : "data error");
+      if (produced == 0) return code;
+      r->z_pending = code;
+      snprintf(r->z_msg, sizeof r->z_msg, "%s", ember_last_error());
+      return (int64_t)produced;
+    }
     if (produced) return (int64_t)produced;
     if (!have_input) {
       /* The source ended inside a compressed stream.  An empty input is an
