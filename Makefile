@@ -24,16 +24,17 @@ FUZZERS   := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(wildcard tests/fuzz/fuz
 EXT_SRCS  := $(wildcard python/ember/_ember*.c)
 EXT_HDRS  := $(wildcard python/ember/_ember*.h)
 
-APT_PACKAGES := dataset-fashion-mnist clang libssl-dev zlib1g-dev libcurl4-openssl-dev maven libprotobuf-c-dev protobuf-c-compiler
+APT_PACKAGES := dataset-fashion-mnist clang libssl-dev zlib1g-dev libcurl4-openssl-dev maven libprotobuf-c-dev protobuf-c-compiler openmpi-bin libopenmpi-dev
 
 .PHONY: hadoop
 .PHONY: help setup apt venv build lib ext test test-c test-py fuzz fuzz-smoke demo demo-quick \
-        bench-reservation bench-tfrecord clean format-check
+        bench-reservation bench-allreduce bench-tfrecord clean format-check
 
 help:
 	@echo "make demo   - set up this machine and run the Fashion-MNIST main job"
 	@echo "make test   - set up this machine and run every test (C under ASan/UBSan, fuzz, pytest, main job)"
 	@echo "make bench-reservation - Ember vs TensorFlowOnSpark reservation server"
+	@echo "make bench-allreduce - allreduce: Ember vs Open MPI (TCP, defaults) vs torch.distributed gloo, loopback limit"
 	@echo "make bench-tfrecord - TFRecord reading: Ember vs tf.data; CRC-32C; Example decoder vs protobuf-c"
 
 # ---------------------------------------------------------------- set-up
@@ -158,6 +159,20 @@ $(BUILD)/bench/example_decode: bench/example_decode.c $(BUILD)/bench/pb/example.
 
 bench-tfrecord: setup $(BUILD)/bench/crc32c $(BUILD)/bench/example_decode
 	PYTHONUNBUFFERED=1 $(PY) bench/tfrecord.py
+
+# Allreduce peers: Open MPI (APT_PACKAGES) and gloo through Debian's CPU-only
+# python3-torch, run by the system python3: the PyPI torch wheel does not
+# import without its multi-GB nvidia-* / cuda-toolkit dependencies.  Only this
+# benchmark needs python3-torch (~640 MB), so it is installed here, not by setup.
+$(BUILD)/bench/mpi_allreduce: bench/mpi_allreduce.c
+	@mkdir -p $(@D)
+	mpicc -O2 -g $< -o $@
+
+bench-allreduce: setup $(BUILD)/bench/mpi_allreduce
+	@dpkg -s python3-torch >/dev/null 2>&1 || { SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	  --no-install-recommends python3-torch; }
+	PYTHONUNBUFFERED=1 $(PY) bench/allreduce.py
 
 clean:
 	rm -rf $(BUILD) python/ember/_ember*.so

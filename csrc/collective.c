@@ -59,12 +59,20 @@
 #define ADDR_CAP 300u
 #define SHM_NAME_CAP 64u
 #define SET_UP_FRAME_MAX 512u
+#ifndef RING_PIPE_CAP
 #define RING_PIPE_CAP (2u * 1024u * 1024u)
+#endif
 #define SIDE_PIPE_CAP (256u * 1024u)
+#ifndef SHM_CHUNK
 #define SHM_CHUNK (256u * 1024u)   /* most bytes copied per pipe operation */
+#endif
+#ifndef TCP_TMP_CAP
 #define TCP_TMP_CAP (256u * 1024u) /* receive-then-reduce staging for TCP */
+#endif
 #define SMALL_MAX_DEFAULT (64u * 1024u)
+#ifndef SOCK_BUF_BYTES
 #define SOCK_BUF_BYTES (4 * 1024 * 1024)
+#endif
 #define POLL_SLICE_MS 100  /* abort flag and liveness are checked this often */
 #define FUTEX_SLICE_MS 10
 #define AUTH_TIMEOUT_MS 10000
