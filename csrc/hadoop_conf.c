@@ -162,15 +162,9 @@ static int child_text(const char *what, const char *base, const char *p, const c
   return EMBER_OK;
 }
 
+/* Appends; a later definition shadows an earlier one at lookup, which
+ * searches from the end (no dedup here: that would be quadratic). */
 static int add(ember__conf *conf, char *name, char *value) {
-  for (size_t i = 0; i < conf->n; i++) {
-    if (strcmp(conf->names[i], name) == 0) { /* later files override */
-      free(name);
-      free(conf->values[i]);
-      conf->values[i] = value;
-      return EMBER_OK;
-    }
-  }
   char **nn = realloc(conf->names, (conf->n + 1) * sizeof *nn);
   if (nn != NULL) conf->names = nn;
   char **vv = realloc(conf->values, (conf->n + 1) * sizeof *vv);
@@ -287,8 +281,8 @@ out:
 }
 
 const char *ember__conf_get(const ember__conf *conf, const char *name) {
-  for (size_t i = 0; i < conf->n; i++)
-    if (strcmp(conf->names[i], name) == 0) return conf->values[i];
+  for (size_t i = conf->n; i > 0; i--)
+    if (strcmp(conf->names[i - 1], name) == 0) return conf->values[i - 1];
   return NULL;
 }
 

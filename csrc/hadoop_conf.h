@@ -35,7 +35,8 @@ int ember__conf_parse(ember__conf *conf, const char *xml, size_t len, const char
  * (and leaves *conf as it was). */
 int ember__conf_load(ember__conf *conf, const char *dir, const char *file);
 
-/* The value of name (the last definition), or NULL. */
+/* The value of name (the last definition, also across layered files), or
+ * NULL.  Linear in the number of properties. */
 const char *ember__conf_get(const ember__conf *conf, const char *name);
 
 void ember__conf_free(ember__conf *conf);
