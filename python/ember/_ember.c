@@ -769,6 +769,8 @@ static int module_exec(PyObject *m) {
     return -1;
   if (embpy_coll_exec(m, st) < 0)
     return -1;
+  if (embpy_hdfs_exec(m, st) < 0)
+    return -1;
   return 0;
 }
 

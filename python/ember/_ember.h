@@ -192,5 +192,6 @@ int embpy_rdv_exec(PyObject *m, ember_state *st);
 int embpy_feed_exec(PyObject *m, ember_state *st);
 int embpy_coll_exec(PyObject *m, ember_state *st);
 int embpy_tfrecord_exec(PyObject *m, ember_state *st);
+int embpy_hdfs_exec(PyObject *m, ember_state *st);
 
 #endif /* EMBER_PY_EMBER_H */
