@@ -450,6 +450,9 @@ static int http_once(endpoint *ep, const char *method, const char *url, const vo
   curl_easy_setopt(c, CURLOPT_PROTOCOLS, (long)(CURLPROTO_HTTP | CURLPROTO_HTTPS));
 #endif
   curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, 0L);
+  /* Cluster traffic goes direct, as Hadoop's own clients do: an http_proxy
+   * set for the internet must not capture NameNode/DataNode requests. */
+  curl_easy_setopt(c, CURLOPT_PROXY, "");
   curl_easy_setopt(c, CURLOPT_ERRORBUFFER, r->curl_msg);
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, (long)ep->timeout_ms);
   /* a stall: less than 1 byte/s for the timeout (curl counts in seconds) */

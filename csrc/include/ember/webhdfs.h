@@ -19,7 +19,8 @@
  * the request encodes them.  Requests carry user.name (simple
  * authentication): opts.user, else $HADOOP_USER_NAME, else the login name of
  * the effective user.  Kerberos (SPNEGO) is not supported: a NameNode that
- * asks for it yields EMBER_EAUTH.
+ * asks for it yields EMBER_EAUTH.  Requests never go through an HTTP proxy
+ * (http_proxy and friends are ignored, as by Hadoop's Java clients).
  *
  * Reading.  ember_webhdfs_open checks the path (GETFILESTATUS: it must be a
  * file) and learns its length.  Reads are served from one buffer of
