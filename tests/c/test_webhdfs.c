@@ -18,6 +18,7 @@
 #include "../../csrc/hadoop_conf.h"
 #include "../../csrc/json.h"
 #include "ember/io.h"
+#include "ember/tfrecord.h"
 #include "ember/webhdfs.h"
 #include "harness.h"
 
@@ -985,6 +986,54 @@ TEST(writer_creates_then_appends) {
   server_stop(&s);
 }
 
+/* The point of ember_webhdfs_read matching io.h: the TFRecord reader reads
+ * HDFS directly (here GZIP-compressed, through small ranges and a DataNode
+ * connection that dies once mid-file). */
+TEST(tfrecord_reader_over_webhdfs) {
+  ember_tfr_writer *w;
+  CHECK_OK(ember_tfr_writer_open_mem(&w, EMBER_TFR_GZIP, -1));
+  char rec[64];
+  for (int i = 0; i < 500; i++) {
+    int n = snprintf(rec, sizeof rec, "record %d with some padding %d", i, i * 7);
+    CHECK_OK(ember_tfr_writer_write(w, rec, (size_t)n));
+  }
+  CHECK_OK(ember_tfr_writer_close(w));
+  const uint8_t *bytes;
+  size_t len;
+  CHECK_OK(ember_tfr_writer_mem(w, &bytes, &len));
+  server s;
+  server_start(&s);
+  add_file(&s, "/data/train.tfrecord.gz", bytes, len);
+  ember_tfr_writer_destroy(w);
+  s.drop_after = 300;
+  s.drop_count = 1;
+  char url[256];
+  web_url(url, sizeof url, &s, "/data/train.tfrecord.gz");
+  ember_webhdfs_opts o = quick_opts(1024);
+  ember_webhdfs_file *f;
+  CHECK_OK(ember_webhdfs_open(&f, url, &o));
+  ember_tfr_options to = {EMBER_TFR_GZIP, 0, 0, 512};
+  ember_tfr_reader *r;
+  CHECK_OK(ember_tfr_reader_open_fn(&r, ember_webhdfs_read, f, url, &to));
+  const uint8_t *d;
+  size_t n;
+  int count = 0, rc;
+  while ((rc = ember_tfr_reader_next(r, &d, &n)) == 1) {
+    int k = snprintf(rec, sizeof rec, "record %d with some padding %d", count, count * 7);
+    CHECK((size_t)k == n && memcmp(d, rec, n) == 0);
+    count++;
+  }
+  CHECK_EQ_INT(rc, 0);
+  CHECK_EQ_INT(count, 500);
+  ember_webhdfs_stats st;
+  ember_webhdfs_file_stats(f, &st);
+  CHECK_EQ_INT(st.retries, 1);
+  CHECK_EQ_INT(st.bytes, len);
+  ember_tfr_reader_destroy(r);
+  ember_webhdfs_close(f);
+  server_stop(&s);
+}
+
 RUN_TESTS(T(json_parses_webhdfs_replies), T(json_rejects_malformed),
           T(hadoop_conf_parses_site_files), T(read_in_ranges),
           T(resume_after_lost_datanode_connection), T(gives_up_after_retries),
@@ -992,4 +1041,4 @@ RUN_TESTS(T(json_parses_webhdfs_replies), T(json_rejects_malformed),
           T(protocol_violations), T(bad_urls), T(namenode_from_hadoop_conf_dir),
           T(ha_nameservice_skips_the_standby), T(list_directory_of_part_files),
           T(mkdirs_and_delete), T(write_small_file_is_one_create),
-          T(writer_creates_then_appends))
+          T(writer_creates_then_appends), T(tfrecord_reader_over_webhdfs))
