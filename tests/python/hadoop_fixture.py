@@ -35,7 +35,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD_DIR = os.path.join(REPO, "build", "hadoop")
 
-#: Seconds to wait for the READY line (it comes in ~25 s on 2 busy cores).
+#: Seconds to wait for the READY line (~10 s on 2 cores, ~25 s when they are busy).
+#: Environment: EMBER_HADOOP_START_TIMEOUT, EMBER_HADOOP_LOG_LEVEL (default WARN).
 START_TIMEOUT_S = float(os.environ.get("EMBER_HADOOP_START_TIMEOUT", "180"))
 
 # Java 17 closes the JDK internals that Hadoop (and its shaded Guice, Jersey,
@@ -137,7 +138,10 @@ class MiniHadoop:
         classpath = _build()
         os.makedirs(self.work_dir, exist_ok=True)
         cmd = [_java(), "-Xmx1g", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
-               "-Djava.net.preferIPv4Stack=true", *JAVA17_OPENS,
+               "-Djava.net.preferIPv4Stack=true",
+               # log4j level of the JVM's log (root/minihadoop.log)
+               "-Dember.hadoop.log.level=" + os.environ.get("EMBER_HADOOP_LOG_LEVEL", "WARN"),
+               *JAVA17_OPENS,
                "-cp", os.pathsep.join(classpath), "org.ember.hadoop.MiniHadoop",
                "--conf-dir", self.conf_dir, "--work-dir", self.work_dir]
         t0 = time.monotonic()
