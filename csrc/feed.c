@@ -20,6 +20,15 @@
  *     every payload once more and hold a buffer up to max_frame per
  *     connection (invariant 5, the hot path).
  *
+ * Shared memory: a producer's ring (see feed.h) is read by one thread per
+ * ring, ring_reader, which waits for queue space, copies a batch out of the
+ * ring into a malloc'd buffer, validates it there and queues it exactly as
+ * the loop does with a TCP batch (queue_batch).  It never touches the
+ * connection's socket or state: it reports END, an ERROR marker or a failure
+ * in the connection's ring_* fields and wakes the loop, which acts on them.
+ * The loop closes the ring (waking the reader) when it kills or refuses the
+ * connection, and reaps the connection only after the reader has finished.
+ *
  * Locking (server): s->mu guards the queue, the stats, the acknowledged set,
  * the connection list and each connection's out-queue and shared flags.  Only
  * the loop thread changes a connection's state, reads its socket, closes or
@@ -48,6 +57,7 @@
 #include "ember/auth.h"
 #include "ember/error.h"
 #include "ember/net.h"
+#include "ember/shm_ring.h"
 #include "ember/wire.h"
 
 /* Decoded batches point straight into the received buffer (no copy), so
@@ -263,16 +273,10 @@ static void write_descriptors(const ember_column *cols, uint32_t ncols, uint32_t
   }
 }
 
-int ember_batch_encode(const ember_column *cols, uint32_t ncols, uint32_t nrows,
-                       uint8_t *out, size_t cap, size_t *written) {
-  size_t desc_end = 0, total = 0, pos;
-  int rc = batch_layout(cols, ncols, nrows, &desc_end, &total);
-  if (rc != EMBER_OK) goto cleanup;
-  if (out == NULL || cap < total) {
-    rc = ember__set_error(EMBER_ETOOBIG, "batch: needs %zu bytes, buffer has %zu", total,
-                          out == NULL ? (size_t)0 : cap);
-    goto cleanup;
-  }
+/* Writes a batch whose layout batch_layout has checked; returns its size. */
+static size_t encode_checked(const ember_column *cols, uint32_t ncols, uint32_t nrows,
+                             size_t desc_end, uint8_t *out) {
+  size_t pos;
   write_descriptors(cols, ncols, nrows, out);
   pos = desc_end;
   for (uint32_t i = 0; i < ncols; i++) {
@@ -288,6 +292,20 @@ int ember_batch_encode(const ember_column *cols, uint32_t ncols, uint32_t nrows,
     if (c->data_len) memcpy(out + pos, c->data, (size_t)c->data_len);
     pos += (size_t)c->data_len;
   }
+  return pos;
+}
+
+int ember_batch_encode(const ember_column *cols, uint32_t ncols, uint32_t nrows,
+                       uint8_t *out, size_t cap, size_t *written) {
+  size_t desc_end = 0, total = 0, pos;
+  int rc = batch_layout(cols, ncols, nrows, &desc_end, &total);
+  if (rc != EMBER_OK) goto cleanup;
+  if (out == NULL || cap < total) {
+    rc = ember__set_error(EMBER_ETOOBIG, "batch: needs %zu bytes, buffer has %zu", total,
+                          out == NULL ? (size_t)0 : cap);
+    goto cleanup;
+  }
+  pos = encode_checked(cols, ncols, nrows, desc_end, out);
   if (written) *written = pos;
 cleanup:
   return rc;
@@ -482,6 +500,50 @@ static int known_status(int32_t code) {
   return 0;
 }
 
+/* This host's identity for FEED_SHM: the kernel's boot id (containers on one
+ * kernel share it), 16 bytes; all zero when unknown. */
+static void feed_host_id(uint8_t out[16]) {
+  char buf[64];
+  size_t n = 0;
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  memset(out, 0, 16);
+  if (f == NULL) return;
+  if (fgets(buf, sizeof buf, f) != NULL) {
+    for (const char *p = buf; *p && n < 32; p++) {
+      int v = (*p >= '0' && *p <= '9') ? *p - '0'
+              : (*p >= 'a' && *p <= 'f') ? *p - 'a' + 10
+              : (*p >= 'A' && *p <= 'F') ? *p - 'A' + 10
+                                         : -1;
+      if (v < 0) continue;
+      out[n / 2] = (uint8_t)(out[n / 2] | (n % 2 ? v : v << 4));
+      n++;
+    }
+  }
+  fclose(f);
+  if (n != 32) memset(out, 0, 16);
+}
+
+/* EMBER_FEED_SHM=0 (or "false", "no", "off") turns shared memory off. */
+static int feed_env_shm_enabled(void) {
+  const char *v = getenv("EMBER_FEED_SHM");
+  if (v == NULL) return 1;
+  return !(strcmp(v, "0") == 0 || strcasecmp(v, "false") == 0 || strcasecmp(v, "no") == 0 ||
+           strcasecmp(v, "off") == 0);
+}
+
+#define FEED_DEFAULT_RING (16u * 1024u * 1024u)
+
+static size_t feed_env_ring_bytes(void) {
+  const char *v = getenv("EMBER_FEED_SHM_BYTES");
+  char *end = NULL;
+  unsigned long long n;
+  if (v == NULL || *v == '\0') return FEED_DEFAULT_RING;
+  n = strtoull(v, &end, 10);
+  if (*end != '\0' || n < EMBER_SHM_RING_MIN_BYTES || n > EMBER_SHM_RING_MAX_BYTES)
+    return FEED_DEFAULT_RING;
+  return (size_t)n;
+}
+
 /* ======================================================================
  * 2. Server
  * ====================================================================== */
@@ -497,6 +559,10 @@ static int known_status(int32_t code) {
 /* After a REFUSED, keep reading (and discarding) this long before closing,
  * so the peer reads our reason instead of a connection reset. */
 #define FEED_LINGER_MS 2000
+/* Shared-memory producers at once (one reader thread each); more get TCP. */
+#define FEED_MAX_RINGS 64u
+/* FEED_SHM payload: host id, pid, fd, segment bytes, token */
+#define FEED_SHM_REQ_LEN (16u + 4u + 4u + 8u + 32u)
 
 enum { C_AUTH, C_HELLO, C_STREAM, C_ENDING, C_DONE, C_LINGER, C_DEAD };
 enum { RX_HDR, RX_BODY };
@@ -515,8 +581,11 @@ typedef struct out_req {
   uint8_t hdr[EMBER_WIRE_HEADER_LEN];
 } out_req;
 
+struct ember_feed_server;
+
 typedef struct feed_conn {
   struct feed_conn *next;
+  struct ember_feed_server *srv;
   uint64_t id;
   int fd;
   int state;
@@ -538,10 +607,23 @@ typedef struct feed_conn {
   uint64_t records;  /* rows in them */
   uint64_t end_count;
   size_t outstanding; /* queued items not yet popped */
+  int shm_asked;      /* FEED_SHM seen (once per connection) */
+  int tcp_batch_seen; /* a BATCH came over TCP: too late for a ring */
   /* under s->mu, shared with other threads */
   out_req *outq, *outq_tail;
   int shut_after_flush;
   int abort_req; /* set by send_results on a half-written frame */
+  /* shared-memory ring (NULL: batches come over TCP); the ring_* flags are
+   * set by the reader thread and acted on by the loop, under s->mu */
+  ember_shm_ring *ring;
+  pthread_t ring_thread;
+  int ring_thread_started;
+  int ring_done;      /* the reader has finished */
+  int ring_handled;   /* the loop has acted on how it finished */
+  int ring_ended;     /* it read END: every batch before it is queued */
+  int ring_failed;    /* the producer wrote an ERROR marker (as FEED_ERROR) */
+  int ring_err;       /* the reader failed with this status (ring_why says why) */
+  char ring_why[FEED_REASON_MAX];
 } feed_conn;
 
 typedef struct qnode {
@@ -554,6 +636,7 @@ struct ember_feed_server {
   pthread_mutex_t mu;
   pthread_cond_t item_cond; /* consumer: an item arrived, or terminate/END */
   pthread_cond_t out_cond;  /* send_results: a RESULTS frame was written */
+  pthread_cond_t space_cond; /* ring readers: queue space, terminate, or stop */
   pthread_t thread;
   int thread_started;
   int listen_fd, wake_fd;
@@ -563,6 +646,8 @@ struct ember_feed_server {
   size_t queue_limit;
   uint32_t max_frame;
   int64_t io_ms;
+  int shm_enabled;
+  uint8_t host_id[16];
 
   /* under mu */
   qnode *qhead, *qtail;
@@ -576,6 +661,7 @@ struct ember_feed_server {
   uint32_t *acked; /* sorted partition ids acknowledged OK */
   size_t nacked, acked_cap;
   ember_feed_stats stats;
+  size_t nrings;
 
   /* loop thread only */
   struct pollfd *pfds;
@@ -736,6 +822,11 @@ static void conn_kill(ember_feed_server *s, feed_conn *c) {
   c->body = NULL;
   ember_net_close(c->fd);
   c->fd = -1;
+  if (c->ring) {
+    /* Wakes the reader (and a producer blocked on a full ring). */
+    ember_shm_ring_close(c->ring);
+    pthread_cond_broadcast(&s->space_cond);
+  }
 }
 
 /* Refuses c: queues REFUSED(code, reason), stops accepting its frames, and
@@ -751,6 +842,18 @@ static void conn_refuse(ember_feed_server *s, feed_conn *c, int code, const char
   c->state = C_LINGER;
   c->shut_after_flush = 1;
   c->deadline = ember_now_ms() + s->io_ms;
+  if (c->ring) {
+    /* The producer's ring wait fails at once; it then reads our reason. */
+    ember_shm_ring_close(c->ring);
+    pthread_cond_broadcast(&s->space_cond);
+  }
+}
+
+/* Reading past back-pressure to find a FEED_SHM (see conn_wants_read). */
+static int conn_probing(const ember_feed_server *s, const feed_conn *c) {
+  return c->state == C_STREAM && !c->ring && !s->terminated && !c->dup &&
+         s->qbytes >= s->queue_limit && !c->tcp_batch_seen &&
+         (c->rx == RX_HDR || c->fh.type == EMBER_MSG_FEED_SHM);
 }
 
 static int conn_wants_read(const ember_feed_server *s, const feed_conn *c) {
@@ -761,7 +864,14 @@ static int conn_wants_read(const ember_feed_server *s, const feed_conn *c) {
        * TCP stops the producer.  Data that will be discarded (duplicate or
        * terminated feed) is always read, so such producers never block. */
       if (s->terminated || c->dup) return 1;
-      return s->qbytes < s->queue_limit;
+      /* With a ring, the socket carries only small control frames; the
+       * ring's own back-pressure is in ring_reader. */
+      if (c->ring) return 1;
+      if (s->qbytes < s->queue_limit) return 1;
+      /* Queue full: a producer that has sent no BATCH yet may be offering a
+       * ring; its small FEED_SHM frame is read (frame by frame, see
+       * conn_read_limit), a BATCH header stops the reading. */
+      return conn_probing(s, c);
     default: return 1; /* handshake frames are small; EOF must be seen */
   }
 }
@@ -821,10 +931,35 @@ static void handle_hello(ember_feed_server *s, feed_conn *c) {
   c->deadline = 0;
 }
 
+/* Queues a decoded batch of c (body: malloc'd, taken over).  Under s->mu. */
+static int queue_batch(ember_feed_server *s, feed_conn *c, uint8_t *body, size_t len,
+                       uint32_t nrows) {
+  qnode *n = calloc(1, sizeof *n);
+  if (n == NULL) {
+    free(body);
+    return EMBER_ENOMEM;
+  }
+  n->item.kind = EMBER_FEED_ITEM_BATCH;
+  n->item.source = c->id;
+  n->item.partition = c->partition;
+  n->item.flags = c->flags;
+  n->item.data = body;
+  n->item.len = len;
+  n->conn = c;
+  c->outstanding++;
+  c->batches++;
+  c->records += nrows;
+  s->qbytes += len;
+  s->stats.batches_received++;
+  s->stats.records_received += nrows;
+  s->stats.bytes_received += len;
+  queue_push(s, n);
+  return EMBER_OK;
+}
+
 static void handle_batch(ember_feed_server *s, feed_conn *c) {
   char why[FEED_REASON_MAX];
   uint32_t nc = 0, nr = 0;
-  qnode *n;
   uint8_t *body = c->body;
   c->body = NULL;
   if (body == NULL) return; /* read into the discard path */
@@ -839,27 +974,158 @@ static void handle_batch(ember_feed_server *s, feed_conn *c) {
     conn_refuse(s, c, EMBER_EPROTO, why);
     return;
   }
-  n = calloc(1, sizeof *n);
-  if (n == NULL) {
-    free(body);
+  if (queue_batch(s, c, body, c->fh.length, nr) != EMBER_OK)
     conn_refuse(s, c, EMBER_ENOMEM, "feed: out of memory queuing a batch");
+}
+
+/* ---- shared-memory rings ---- */
+
+/* One per ring: copies batches out of the ring into the queue (see the
+ * comment at the top of the file). */
+static void *ring_reader(void *arg) {
+  feed_conn *c = arg;
+  ember_feed_server *s = c->srv;
+  ember_column *cols = malloc(sizeof *cols * EMBER_BATCH_MAX_COLS);
+  char why[FEED_REASON_MAX];
+  int code = EMBER_OK;
+  why[0] = '\0';
+  pthread_mutex_lock(&s->mu);
+  if (cols == NULL) {
+    code = EMBER_ENOMEM;
+    snprintf(why, sizeof why, "feed: out of memory starting a ring reader");
+  }
+  while (code == EMBER_OK) {
+    ember_shm_msg m;
+    uint8_t *body = NULL;
+    uint32_t nc = 0, nr = 0;
+    int discard, rc;
+    m.kind = 0;
+    /* Back-pressure: while the queue is full the ring stays full and the
+     * producer blocks in its reserve. */
+    while (c->state != C_DEAD && c->state != C_LINGER && !s->stopping && !s->terminated &&
+           !c->dup && s->qbytes >= s->queue_limit)
+      pthread_cond_wait(&s->space_cond, &s->mu);
+    if (c->state == C_DEAD || c->state == C_LINGER || s->stopping) break;
+    pthread_mutex_unlock(&s->mu);
+    /* No deadline: the loop closes the ring to stop us, and the ring itself
+     * notices a dead producer. */
+    rc = ember_shm_ring_next(c->ring, &m, s->max_frame, -1);
+    if (rc == EMBER_OK && m.kind == EMBER_SHM_MSG_DATA) {
+      pthread_mutex_lock(&s->mu);
+      discard = s->terminated || c->dup;
+      pthread_mutex_unlock(&s->mu);
+      if (discard) {
+        rc = ember_shm_ring_release(c->ring, -1);
+      } else {
+        body = malloc(m.len ? m.len : 1); /* 8-aligned, as items promise */
+        if (body == NULL) {
+          rc = ember__set_error(EMBER_ENOMEM, "out of memory for a %zu-byte batch", m.len);
+        } else {
+          rc = ember_shm_ring_read(c->ring, body, m.len, -1);
+          /* Validated in our copy: the producer cannot change it any more. */
+          if (rc == EMBER_OK)
+            rc = ember_batch_decode(body, m.len, cols, EMBER_BATCH_MAX_COLS, &nc, &nr);
+        }
+      }
+    }
+    pthread_mutex_lock(&s->mu);
+    if (rc != EMBER_OK) {
+      code = rc;
+      snprintf(why, sizeof why, "feed: partition %u, batch %llu rejected: %s", c->partition,
+               (unsigned long long)c->batches + 1, ember_last_error());
+      free(body);
+      break;
+    }
+    if (m.kind == EMBER_SHM_MSG_END) {
+      c->ring_ended = 1;
+      break;
+    }
+    if (m.kind == EMBER_SHM_MSG_ERROR) {
+      c->ring_failed = 1;
+      snprintf(why, sizeof why, "feed: the producer of partition %u failed: %s", c->partition,
+               m.reason);
+      break;
+    }
+    if (body == NULL) continue; /* discarded */
+    if (s->terminated || c->dup || c->state == C_DEAD || c->state == C_LINGER) {
+      free(body);
+      continue;
+    }
+    if (queue_batch(s, c, body, m.len, nr) != EMBER_OK) {
+      code = EMBER_ENOMEM;
+      snprintf(why, sizeof why, "feed: out of memory queuing a batch");
+    }
+  }
+  /* still under s->mu */
+  if (code != EMBER_OK) {
+    c->ring_err = code;
+    memcpy(c->ring_why, why, sizeof c->ring_why);
+  }
+  c->ring_done = 1;
+  pthread_mutex_unlock(&s->mu);
+  wake_loop(s);
+  free(cols);
+  return NULL;
+}
+
+/* FEED_SHM: attach the producer's ring when it is on this host, and say
+ * whether we did.  Declining is not an error: the producer uses TCP. */
+static void handle_shm_request(ember_feed_server *s, feed_conn *c) {
+  char why[FEED_REASON_MAX];
+  ember_wire_reader r;
+  const uint8_t *host = NULL, *token = NULL;
+  ember_shm_ring_desc d;
+  ember_shm_ring *ring = NULL;
+  static const uint8_t zero[16] = {0};
+  int st = EMBER_OK;
+  why[0] = '\0';
+  if (c->shm_asked || c->tcp_batch_seen) {
+    snprintf(why, sizeof why, "feed: FEED_SHM %s", c->shm_asked ? "sent twice"
+                                                                : "after a BATCH over TCP");
+    conn_refuse(s, c, EMBER_EPROTO, why);
     return;
   }
-  n->item.kind = EMBER_FEED_ITEM_BATCH;
-  n->item.source = c->id;
-  n->item.partition = c->partition;
-  n->item.flags = c->flags;
-  n->item.data = body;
-  n->item.len = c->fh.length;
-  n->conn = c;
-  c->outstanding++;
-  c->batches++;
-  c->records += nr;
-  s->qbytes += c->fh.length;
-  s->stats.batches_received++;
-  s->stats.records_received += nr;
-  s->stats.bytes_received += c->fh.length;
-  queue_push(s, n);
+  c->shm_asked = 1;
+  memset(&d, 0, sizeof d);
+  ember_wire_reader_init(&r, c->body, c->fh.length);
+  ember_wire_read_raw(&r, &host, 16);
+  d.pid = (int32_t)ember_wire_read_u32(&r);
+  d.fd = (int32_t)ember_wire_read_u32(&r);
+  d.size = ember_wire_read_u64(&r);
+  ember_wire_read_raw(&r, &token, 32);
+  if (ember_wire_reader_finish(&r, 1, "FEED_SHM") != EMBER_OK) {
+    snprintf(why, sizeof why, "feed: %s", ember_last_error());
+    conn_refuse(s, c, EMBER_EPROTO, why);
+    return;
+  }
+  memcpy(d.token, token, sizeof d.token);
+  if (!s->shm_enabled) {
+    st = EMBER_ENOTFOUND;
+    snprintf(why, sizeof why, "shared memory is disabled on this node");
+  } else if (memcmp(host, zero, 16) != 0 && memcmp(s->host_id, zero, 16) != 0 &&
+             memcmp(host, s->host_id, 16) != 0) {
+    st = EMBER_ENOTFOUND;
+    snprintf(why, sizeof why, "the producer runs on another host");
+  } else if (s->nrings >= FEED_MAX_RINGS) {
+    st = EMBER_ENOTFOUND;
+    snprintf(why, sizeof why, "this node already reads %u shared-memory rings", FEED_MAX_RINGS);
+  } else if ((st = ember_shm_ring_attach(&ring, &d, EMBER_SHM_CONSUMER)) != EMBER_OK) {
+    snprintf(why, sizeof why, "%s", ember_last_error());
+  } else {
+    c->ring = ring;
+    c->srv = s;
+    if (pthread_create(&c->ring_thread, NULL, ring_reader, c) != 0) {
+      c->ring = NULL;
+      ember_shm_ring_destroy(ring);
+      st = EMBER_ESYS;
+      snprintf(why, sizeof why, "cannot start a ring reader thread");
+    } else {
+      c->ring_thread_started = 1;
+      s->nrings++;
+      s->stats.shm_producers++;
+    }
+  }
+  if (queue_status_frame(c, EMBER_MSG_FEED_SHM_REPLY, st, why) != EMBER_OK) conn_kill(s, c);
 }
 
 static void handle_end_feed(ember_feed_server *s, feed_conn *c) {
@@ -905,6 +1171,7 @@ static void conn_frame(ember_feed_server *s, feed_conn *c) {
           c->state = C_ENDING; /* the ACK waits for the pops, see loop_progress */
           break;
         case EMBER_MSG_END_FEED: handle_end_feed(s, c); break;
+        case EMBER_MSG_FEED_SHM: handle_shm_request(s, c); break;
         case EMBER_MSG_FEED_ERROR:
           /* The producer could not read its partition and says so; it will
            * not send END_PARTITION.  Its queued batches stay (see
@@ -953,11 +1220,22 @@ static void conn_header(ember_feed_server *s, feed_conn *c) {
       break;
     case C_STREAM:
       if (c->fh.type != EMBER_MSG_BATCH && c->fh.type != EMBER_MSG_END_PARTITION &&
-          c->fh.type != EMBER_MSG_END_FEED && c->fh.type != EMBER_MSG_FEED_ERROR) {
+          c->fh.type != EMBER_MSG_END_FEED && c->fh.type != EMBER_MSG_FEED_ERROR &&
+          c->fh.type != EMBER_MSG_FEED_SHM) {
         snprintf(why, sizeof why, "feed: unexpected %s frame from a producer",
                  ember_wire_type_name(c->fh.type));
         conn_refuse(s, c, EMBER_EPROTO, why);
         return;
+      }
+      if (c->fh.type == EMBER_MSG_BATCH) {
+        if (c->ring) {
+          /* Mixing transports would reorder the partition. */
+          snprintf(why, sizeof why, "feed: partition %u sent a BATCH over TCP after setting "
+                   "up a shared-memory ring", c->partition);
+          conn_refuse(s, c, EMBER_EPROTO, why);
+          return;
+        }
+        c->tcp_batch_seen = 1;
       }
       if (c->fh.type != EMBER_MSG_BATCH && c->fh.length > FEED_CTL_MAX) {
         snprintf(why, sizeof why, "feed: %s payload of %u bytes exceeds %u",
@@ -1040,6 +1318,11 @@ static void conn_read(ember_feed_server *s, feed_conn *c) {
     ssize_t n;
     int err;
     if (cap > budget) cap = budget;
+    if (conn_probing(s, c)) { /* the rest of this frame only, no more */
+      size_t rest = c->rx == RX_HDR ? EMBER_WIRE_HEADER_LEN - c->hdr_have
+                                    : c->fh.length - c->body_have;
+      if (cap > rest) cap = rest;
+    }
     pthread_mutex_unlock(&s->mu);
     n = recv(c->fd, dst, cap, MSG_DONTWAIT);
     err = errno;
@@ -1092,6 +1375,7 @@ static void accept_new(ember_feed_server *s) {
     }
     (void)ember_net_tune(fd);
     c->fd = fd;
+    c->srv = s;
     c->id = ++s->next_id;
     c->state = C_AUTH;
     c->rx = RX_HDR;
@@ -1115,6 +1399,21 @@ static void loop_progress(ember_feed_server *s) {
       conn_kill(s, c);
       continue;
     }
+    if (c->ring_done && !c->ring_handled) {
+      c->ring_handled = 1;
+      if (c->ring_failed) {
+        conn_kill(s, c); /* as FEED_ERROR: queued batches stay, no ACK */
+        continue;
+      }
+      if (c->ring_err == EMBER_ECLOSED) {
+        conn_eof(s, c); /* the producer went away (its socket says so too) */
+        continue;
+      }
+      if (c->ring_err != EMBER_OK) {
+        conn_refuse(s, c, c->ring_err, c->ring_why);
+        continue;
+      }
+    }
     if (c->state == C_ENDING) {
       char why[160];
       int st = EMBER_OK, ready = 1;
@@ -1122,6 +1421,8 @@ static void loop_progress(ember_feed_server *s) {
       if (s->terminated) {
         st = EMBER_EABORTED;
         snprintf(why, sizeof why, "trainer terminated the feed");
+      } else if (c->ring && !c->ring_ended) {
+        ready = 0; /* the reader has not reached the ring's END marker yet */
       } else if (c->dup) {
         /* already delivered by an earlier connection; data discarded */
       } else if (c->outstanding > 0) {
@@ -1164,10 +1465,15 @@ static void loop_progress(ember_feed_server *s) {
    * unlocked poll() stay valid. */
   while (*pp) {
     feed_conn *c = *pp;
-    if (c->state != C_DEAD) {
-      pp = &c->next;
+    if (c->state != C_DEAD || (c->ring_thread_started && !c->ring_done)) {
+      pp = &c->next; /* a ring reader still runs: it will wake the loop */
       continue;
     }
+    if (c->ring_thread_started) {
+      pthread_join(c->ring_thread, NULL); /* it has left s->mu for good */
+      s->nrings--;
+    }
+    ember_shm_ring_destroy(c->ring);
     *pp = c->next;
     s->nconns--;
     if (c->outstanding)
@@ -1279,9 +1585,18 @@ void ember_feed_server_destroy(ember_feed_server *s) {
     wake_loop(s);
     pthread_join(s->thread, NULL);
   }
+  /* Ring readers may still run: kill under the lock (closing the rings
+   * wakes them), then let them finish before anything is freed. */
+  pthread_mutex_lock(&s->mu);
+  s->stopping = 1;
+  for (c = s->conns; c; c = c->next) conn_kill(s, c);
+  pthread_cond_broadcast(&s->space_cond);
+  pthread_mutex_unlock(&s->mu);
+  for (c = s->conns; c; c = c->next)
+    if (c->ring_thread_started) pthread_join(c->ring_thread, NULL);
   for (c = s->conns; c; c = nx) {
     nx = c->next;
-    conn_kill(s, c);
+    ember_shm_ring_destroy(c->ring);
     free(c);
   }
   s->conns = NULL;
@@ -1291,6 +1606,7 @@ void ember_feed_server_destroy(ember_feed_server *s) {
   ember_net_close(s->wake_fd);
   pthread_cond_destroy(&s->item_cond);
   pthread_cond_destroy(&s->out_cond);
+  pthread_cond_destroy(&s->space_cond);
   pthread_mutex_destroy(&s->mu);
   if (s->secret) memset(s->secret, 0, s->secret_len);
   free(s->secret);
@@ -1334,6 +1650,8 @@ int ember_feed_server_create(ember_feed_server **out, const ember_feed_server_co
   s->max_frame = cfg->max_frame ? cfg->max_frame : FEED_DEFAULT_MAX_FRAME;
   if (s->max_frame > EMBER_WIRE_ABSOLUTE_MAX) s->max_frame = EMBER_WIRE_ABSOLUTE_MAX;
   s->io_ms = cfg->io_timeout_ms ? cfg->io_timeout_ms : FEED_DEFAULT_IO_MS;
+  s->shm_enabled = !cfg->disable_shm && feed_env_shm_enabled();
+  feed_host_id(s->host_id);
 
   if (pthread_mutex_init(&s->mu, NULL) != 0) {
     rc = ember__set_error(EMBER_ESYS, "feed server: pthread_mutex_init failed");
@@ -1343,6 +1661,7 @@ int ember_feed_server_create(ember_feed_server **out, const ember_feed_server_co
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* deadlines use ember_now_ms() */
   pthread_cond_init(&s->item_cond, &ca);
   pthread_cond_init(&s->out_cond, &ca);
+  pthread_cond_init(&s->space_cond, &ca);
   pthread_condattr_destroy(&ca);
   inited = 1;
 
@@ -1429,7 +1748,10 @@ int ember_feed_server_next(ember_feed_server *s, ember_feed_item **out, int64_t 
         feed_conn *c = n->conn;
         s->qbytes -= n->item.len;
         if (c && --c->outstanding == 0 && c->state == C_ENDING) wake = 1; /* ACK due */
-        if (was_full && s->qbytes < s->queue_limit) wake = 1; /* resume reading */
+        if (was_full && s->qbytes < s->queue_limit) {
+          wake = 1; /* resume reading */
+          pthread_cond_broadcast(&s->space_cond);
+        }
       }
       n->conn = NULL;
       *out = &n->item;
@@ -1532,6 +1854,7 @@ int ember_feed_server_terminate(ember_feed_server *s) {
     s->end_queued = 0;
   }
   pthread_cond_broadcast(&s->item_cond);
+  pthread_cond_broadcast(&s->space_cond); /* ring readers switch to discarding */
   pthread_mutex_unlock(&s->mu);
   wake_loop(s); /* pending END_PARTITIONs get EABORTED; reading resumes */
   return EMBER_OK;
@@ -1578,11 +1901,19 @@ struct ember_feed_client {
   size_t scratch_cap;
   struct iovec *iov;
   size_t iov_cap;
+  /* shared memory: offered by the first send when shm_wanted */
+  int shm_wanted;
+  int shm_decided;
+  size_t shm_bytes;
+  ember_shm_ring *ring; /* non-NULL: batches go through it */
 };
 
 void ember_feed_client_destroy(ember_feed_client *c) {
   pending_result *p, *nx;
   if (c == NULL) return;
+  /* The ring first: a server still reading it sees the producer close
+   * (after any END already written), then the socket close. */
+  ember_shm_ring_destroy(c->ring);
   ember_net_close(c->fd);
   for (p = c->res_head; p; p = nx) {
     nx = p->next;
@@ -1597,6 +1928,14 @@ void ember_feed_client_destroy(ember_feed_client *c) {
 int ember_feed_client_connect(ember_feed_client **out, const char *host, uint16_t port,
                               const uint8_t *secret, size_t secret_len, uint32_t partition,
                               uint32_t flags, int64_t timeout_ms) {
+  return ember_feed_client_connect_ex(out, host, port, secret, secret_len, partition, flags,
+                                      NULL, timeout_ms);
+}
+
+int ember_feed_client_connect_ex(ember_feed_client **out, const char *host, uint16_t port,
+                                 const uint8_t *secret, size_t secret_len, uint32_t partition,
+                                 uint32_t flags, const ember_feed_client_options *opts,
+                                 int64_t timeout_ms) {
   int64_t deadline = feed_deadline(timeout_ms);
   ember_feed_client *c = NULL;
   uint8_t hello[8];
@@ -1610,6 +1949,16 @@ int ember_feed_client_connect(ember_feed_client **out, const char *host, uint16_
     rc = ember__set_error(EMBER_EINVAL, "feed connect: unknown flags 0x%x", flags);
     goto cleanup;
   }
+  if (opts != NULL && (opts->shm < EMBER_FEED_SHM_AUTO || opts->shm > EMBER_FEED_SHM_ON)) {
+    rc = ember__set_error(EMBER_EINVAL, "feed connect: unknown shm mode %d", opts->shm);
+    goto cleanup;
+  }
+  if (opts != NULL && opts->shm_bytes != 0 &&
+      (opts->shm_bytes < EMBER_SHM_RING_MIN_BYTES || opts->shm_bytes > EMBER_SHM_RING_MAX_BYTES)) {
+    rc = ember__set_error(EMBER_EINVAL, "feed connect: shm_bytes %zu is outside %u..%u",
+                          opts->shm_bytes, EMBER_SHM_RING_MIN_BYTES, EMBER_SHM_RING_MAX_BYTES);
+    goto cleanup;
+  }
   c = calloc(1, sizeof *c);
   if (c == NULL) {
     rc = ember__set_error(EMBER_ENOMEM, "feed connect: out of memory");
@@ -1618,6 +1967,11 @@ int ember_feed_client_connect(ember_feed_client **out, const char *host, uint16_
   c->fd = -1;
   c->partition = partition;
   c->flags = flags;
+  {
+    int mode = opts ? opts->shm : EMBER_FEED_SHM_AUTO;
+    c->shm_wanted = mode == EMBER_FEED_SHM_ON || (mode == EMBER_FEED_SHM_AUTO && feed_env_shm_enabled());
+    c->shm_bytes = opts && opts->shm_bytes ? opts->shm_bytes : feed_env_ring_bytes();
+  }
   rc = ember_net_connect(host, port, deadline, &c->fd);
   if (rc != EMBER_OK) goto cleanup;
   (void)ember_net_tune(c->fd);
@@ -1665,6 +2019,81 @@ static int client_usable(ember_feed_client *c, const char *what) {
   return EMBER_OK;
 }
 
+/* Receives the next frame; RESULTS are returned to the caller as-is. */
+static int client_recv(ember_feed_client *c, ember_frame_header *fh, uint8_t **payload,
+                       int64_t deadline, const char *what) {
+  int rc = ember_net_recv_frame(c->fd, FEED_CLIENT_MAX_FRAME, fh, payload, deadline);
+  if (rc != EMBER_OK && rc != EMBER_ETIMEDOUT) c->broken = 1;
+  if (rc == EMBER_ECLOSED)
+    rc = ember__set_error(EMBER_ECLOSED, "feed %s: node %s closed the connection (partition %u)",
+                          what, c->peer, c->partition);
+  return rc;
+}
+
+/* Keeps a RESULTS payload that arrived while we waited for something else,
+ * for recv_results (takes payload over). */
+static int client_keep_result(ember_feed_client *c, uint8_t *payload, size_t len,
+                              const char *what) {
+  pending_result *pr = calloc(1, sizeof *pr);
+  if (pr != NULL) pr->data = payload ? payload : malloc(1);
+  if (pr == NULL || pr->data == NULL) {
+    free(payload);
+    free(pr);
+    c->broken = 1;
+    return ember__set_error(EMBER_ENOMEM, "feed %s: out of memory", what);
+  }
+  pr->len = len;
+  if (c->res_tail) c->res_tail->next = pr;
+  else c->res_head = pr;
+  c->res_tail = pr;
+  return EMBER_OK;
+}
+
+/* Milliseconds left until deadline, for calls that take a timeout. */
+static int64_t ms_left(int64_t deadline) {
+  int64_t left;
+  if (deadline == INT64_MAX) return -1;
+  left = deadline - ember_now_ms();
+  return left > 0 ? left : 0;
+}
+
+/* How long a producer whose ring was closed waits for the node's reason. */
+#define FEED_REASON_WAIT_MS 2000
+
+/* A ring operation failed.  When the node closed the ring, the reason (a
+ * REFUSED frame, or the connection's end) is on the socket: report that. */
+static int client_ring_failed(ember_feed_client *c, int rc, int64_t deadline, const char *what) {
+  char ringmsg[512];
+  int64_t d = ember_deadline_after(FEED_REASON_WAIT_MS);
+  c->broken = 1;
+  snprintf(ringmsg, sizeof ringmsg, "%s", ember_last_error());
+  if (rc != EMBER_ECLOSED)
+    return ember__set_error(rc, "feed %s to %s (partition %u): %s", what, c->peer, c->partition,
+                            ringmsg);
+  if (d > deadline) d = deadline;
+  for (;;) {
+    ember_frame_header fh;
+    uint8_t *payload = NULL;
+    int r = ember_net_recv_frame(c->fd, FEED_CLIENT_MAX_FRAME, &fh, &payload, d);
+    if (r == EMBER_ECLOSED)
+      return ember__set_error(EMBER_ECLOSED, "feed %s: node %s closed the connection "
+                              "(partition %u; %s)", what, c->peer, c->partition, ringmsg);
+    if (r != EMBER_OK) break; /* no word from the node: the ring's reason stands */
+    if (fh.type == EMBER_MSG_REFUSED) {
+      r = client_status(c, fh.type, payload, fh.length);
+      free(payload);
+      return r;
+    }
+    if (fh.type == EMBER_MSG_RESULTS && (c->flags & EMBER_FEED_WANT_RESULTS)) {
+      if (client_keep_result(c, payload, fh.length, what) != EMBER_OK) return EMBER_ENOMEM;
+      continue;
+    }
+    free(payload);
+  }
+  return ember__set_error(EMBER_ECLOSED, "feed %s to %s (partition %u): %s", what, c->peer,
+                          c->partition, ringmsg);
+}
+
 /* Before sending more, looks (without blocking) for a REFUSED the server
  * sent because of an earlier batch, so the producer stops early with the
  * server's reason instead of streaming into a closing connection.  RESULTS
@@ -1706,6 +2135,73 @@ cleanup:
   return rc;
 }
 
+/* The first send offers a ring (feed.h).  EMBER_OK whether or not the node
+ * took it (c->ring says); an error only if the connection failed. */
+static int client_offer_shm(ember_feed_client *c, int64_t deadline) {
+  uint8_t req[FEED_SHM_REQ_LEN];
+  ember_shm_ring *ring = NULL;
+  ember_shm_ring_desc d;
+  int rc = EMBER_OK;
+  c->shm_decided = 1;
+  if (!c->shm_wanted) goto cleanup;
+  if (ember_shm_ring_create(&ring, c->shm_bytes, EMBER_SHM_PRODUCER) != EMBER_OK)
+    goto cleanup; /* no memfd here: TCP */
+  ember_shm_ring_describe(ring, &d);
+  feed_host_id(req);
+  ember_wire_put_u32(req + 16, (uint32_t)d.pid);
+  ember_wire_put_u32(req + 20, (uint32_t)d.fd);
+  ember_wire_put_u64(req + 24, d.size);
+  memcpy(req + 32, d.token, 32);
+  rc = ember_net_send_frame(c->fd, EMBER_MSG_FEED_SHM, req, sizeof req, deadline);
+  if (rc != EMBER_OK) {
+    c->broken = 1;
+    goto cleanup;
+  }
+  for (;;) {
+    ember_frame_header fh;
+    uint8_t *payload = NULL;
+    rc = client_recv(c, &fh, &payload, deadline, "send");
+    if (rc != EMBER_OK) {
+      c->broken = 1; /* a late reply would be misread */
+      goto cleanup;
+    }
+    if (fh.type == EMBER_MSG_FEED_SHM_REPLY) {
+      ember_wire_reader r;
+      char reason[FEED_REASON_MAX + 1];
+      uint32_t st;
+      ember_wire_reader_init(&r, payload, fh.length);
+      st = ember_wire_read_u32(&r);
+      ember_wire_read_str(&r, reason, sizeof reason);
+      rc = ember_wire_reader_finish(&r, 1, "FEED_SHM_REPLY");
+      free(payload);
+      if (rc != EMBER_OK) {
+        c->broken = 1;
+        goto cleanup;
+      }
+      if (st == 0) { /* attached: the ring is ours to write */
+        c->ring = ring;
+        ring = NULL;
+      }
+      goto cleanup; /* declined (reason says why): TCP */
+    }
+    if (fh.type == EMBER_MSG_REFUSED) {
+      rc = client_status(c, fh.type, payload, fh.length);
+      free(payload);
+      goto cleanup;
+    }
+    free(payload);
+    c->broken = 1;
+    rc = ember__set_error(EMBER_EPROTO, "feed send: expected FEED_SHM_REPLY from %s, got %s",
+                          c->peer, ember_wire_type_name(fh.type));
+    goto cleanup;
+  }
+cleanup:
+  ember_shm_ring_destroy(ring);
+  return rc;
+}
+
+int ember_feed_client_uses_shm(const ember_feed_client *c) { return c != NULL && c->ring != NULL; }
+
 int ember_feed_client_send(ember_feed_client *c, const ember_column *cols, uint32_t ncols,
                            uint32_t nrows, int64_t timeout_ms) {
   int64_t deadline = feed_deadline(timeout_ms);
@@ -1724,6 +2220,25 @@ int ember_feed_client_send(ember_feed_client *c, const ember_column *cols, uint3
   if (total > EMBER_WIRE_ABSOLUTE_MAX) {
     rc = ember__set_error(EMBER_ETOOBIG, "feed send: batch of %zu bytes exceeds the %u-byte "
                           "frame limit", total, EMBER_WIRE_ABSOLUTE_MAX);
+    goto cleanup;
+  }
+  if (!c->shm_decided) {
+    rc = client_offer_shm(c, deadline);
+    if (rc != EMBER_OK) goto cleanup;
+  }
+  if (c->ring && total + EMBER_SHM_RING_RECORD_HDR <= ember_shm_ring_capacity(c->ring) / 2) {
+    /* Encoded straight into ring memory: the only copy of the columns. */
+    void *w = NULL;
+    rc = ember_shm_ring_reserve(c->ring, total, &w, ms_left(deadline));
+    if (rc == EMBER_OK) {
+      encode_checked(cols, ncols, nrows, desc_end, w);
+      rc = ember_shm_ring_commit(c->ring, total);
+    }
+    if (rc != EMBER_OK) {
+      rc = client_ring_failed(c, rc, deadline, "send");
+      goto cleanup;
+    }
+    c->rows_sent += nrows;
     goto cleanup;
   }
   /* Frame header, batch header, descriptors and the padding after them go
@@ -1768,6 +2283,19 @@ int ember_feed_client_send(ember_feed_client *c, const ember_column *cols, uint3
       pos += (size_t)col->data_len;
     }
   }
+  if (c->ring) {
+    /* Over half the ring: gathered from the columns into a split message
+     * (the frame header stays out: the ring has its own framing). */
+    c->iov[0].iov_base = c->scratch + EMBER_WIRE_HEADER_LEN;
+    c->iov[0].iov_len = hlen - EMBER_WIRE_HEADER_LEN;
+    rc = ember_shm_ring_sendv(c->ring, c->iov, (int)niov, ms_left(deadline));
+    if (rc != EMBER_OK) {
+      rc = client_ring_failed(c, rc, deadline, "send");
+      goto cleanup;
+    }
+    c->rows_sent += nrows;
+    goto cleanup;
+  }
   for (size_t at = 0; at < niov; at += FEED_IOV_CHUNK) {
     size_t cnt = niov - at < FEED_IOV_CHUNK ? niov - at : FEED_IOV_CHUNK;
     rc = ember_net_sendv_all(c->fd, c->iov + at, (int)cnt, deadline);
@@ -1779,17 +2307,6 @@ int ember_feed_client_send(ember_feed_client *c, const ember_column *cols, uint3
   }
   c->rows_sent += nrows;
 cleanup:
-  return rc;
-}
-
-/* Receives the next frame; RESULTS are returned to the caller as-is. */
-static int client_recv(ember_feed_client *c, ember_frame_header *fh, uint8_t **payload,
-                       int64_t deadline, const char *what) {
-  int rc = ember_net_recv_frame(c->fd, FEED_CLIENT_MAX_FRAME, fh, payload, deadline);
-  if (rc != EMBER_OK && rc != EMBER_ETIMEDOUT) c->broken = 1;
-  if (rc == EMBER_ECLOSED)
-    rc = ember__set_error(EMBER_ECLOSED, "feed %s: node %s closed the connection (partition %u)",
-                          what, c->peer, c->partition);
   return rc;
 }
 
@@ -1862,24 +2379,8 @@ static int client_request(ember_feed_client *c, uint16_t type, const uint8_t *p,
       goto cleanup;
     }
     if (fh.type == EMBER_MSG_RESULTS && (c->flags & EMBER_FEED_WANT_RESULTS)) {
-      pending_result *pr = calloc(1, sizeof *pr);
-      if (pr == NULL) {
-        free(payload);
-        c->broken = 1;
-        rc = ember__set_error(EMBER_ENOMEM, "feed %s: out of memory", what);
-        goto cleanup;
-      }
-      pr->data = payload ? payload : malloc(1);
-      pr->len = fh.length;
-      if (pr->data == NULL) {
-        free(pr);
-        c->broken = 1;
-        rc = ember__set_error(EMBER_ENOMEM, "feed %s: out of memory", what);
-        goto cleanup;
-      }
-      if (c->res_tail) c->res_tail->next = pr;
-      else c->res_head = pr;
-      c->res_tail = pr;
+      rc = client_keep_result(c, payload, fh.length, what);
+      if (rc != EMBER_OK) goto cleanup;
       continue;
     }
     if (fh.type == EMBER_MSG_ACK || fh.type == EMBER_MSG_REFUSED) {
@@ -1907,6 +2408,17 @@ int ember_feed_client_end_partition(ember_feed_client *c, int64_t timeout_ms) {
     goto cleanup;
   }
   ember_wire_put_u64(cnt, c->rows_sent);
+  if (c->ring) {
+    /* The END marker goes after the last batch in the ring; the node ACKs
+     * only once its reader has reached it. */
+    int64_t deadline = feed_deadline(timeout_ms);
+    rc = ember_shm_ring_end(c->ring, timeout_ms);
+    if (rc != EMBER_OK) {
+      rc = client_ring_failed(c, rc, deadline, "end_partition");
+      goto cleanup;
+    }
+    timeout_ms = ms_left(deadline);
+  }
   rc = client_request(c, EMBER_MSG_END_PARTITION, cnt, sizeof cnt, timeout_ms, "end_partition");
   /* Any answer ends the partition on this connection. */
   if (rc == EMBER_OK || !c->broken) c->ended = 1;
@@ -1921,8 +2433,47 @@ int ember_feed_client_end_feed(ember_feed_client *c, int64_t timeout_ms) {
     rc = ember__set_error(EMBER_ESTATE, "feed end_feed: this connection already ended");
     goto cleanup;
   }
+  if (c->ring) {
+    int64_t deadline = feed_deadline(timeout_ms);
+    rc = ember_shm_ring_end(c->ring, timeout_ms);
+    if (rc != EMBER_OK) {
+      rc = client_ring_failed(c, rc, deadline, "end_feed");
+      goto cleanup;
+    }
+    timeout_ms = ms_left(deadline);
+  }
   rc = client_request(c, EMBER_MSG_END_FEED, NULL, 0, timeout_ms, "end_feed");
   if (rc == EMBER_OK || !c->broken) c->ended = 1;
+cleanup:
+  return rc;
+}
+
+int ember_feed_client_fail(ember_feed_client *c, const char *reason, int64_t timeout_ms) {
+  int64_t deadline = feed_deadline(timeout_ms);
+  int rc = client_usable(c, "fail");
+  if (rc != EMBER_OK) goto cleanup;
+  if (c->ended) {
+    rc = ember__set_error(EMBER_ESTATE, "feed fail: partition %u already ended", c->partition);
+    goto cleanup;
+  }
+  if (reason == NULL) reason = "";
+  if (c->ring) {
+    rc = ember_shm_ring_fail(c->ring, EMBER_EIO, reason, timeout_ms);
+    if (rc != EMBER_OK) rc = client_ring_failed(c, rc, deadline, "fail");
+  } else {
+    ember_wire_writer w;
+    char cut[FEED_REASON_MAX + 1];
+    snprintf(cut, sizeof cut, "%s", reason);
+    ember_wire_writer_init(&w);
+    ember_wire_write_str(&w, cut);
+    rc = w.err ? ember__set_error(w.err, "feed fail: out of memory")
+               : ember_net_send_frame(c->fd, EMBER_MSG_FEED_ERROR, w.buf, (uint32_t)w.len,
+                                      deadline);
+    ember_wire_writer_free(&w);
+  }
+  /* Either way this connection is over: the node drops it. */
+  c->broken = 1;
+  c->ended = 1;
 cleanup:
   return rc;
 }

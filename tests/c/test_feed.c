@@ -1,5 +1,11 @@
 /* test_feed.c - the batch codec, and the feed server and client on loopback.
  *
+ * Every server test runs twice: as written (producers on the same host as
+ * the server, so batches go through shared-memory rings) and with a tcp_
+ * prefix under EMBER_FEED_SHM=0 (TCP as before); the producer helper checks
+ * that the transport is the expected one.  The shm_ tests cover what only
+ * shared memory has (negotiation, killed peers, split batches).
+ *
  * Server tests run producers in threads (END_PARTITION blocks until the
  * consumer has popped the partition) and end with an explicit LeakSanitizer
  * check: the harness ends each test with _exit, which skips LSan's atexit
@@ -14,8 +20,12 @@
 #include "ember/auth.h"
 #include "ember/feed.h"
 #include "ember/net.h"
+#include "ember/shm_ring.h"
 #include "ember/wire.h"
 #include "harness.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
 
 #if defined(__SANITIZE_ADDRESS__)
 #define FEED_TEST_LSAN 1
@@ -406,9 +416,16 @@ typedef struct {
   int results;         /* receive one RESULTS per batch (after all sends) */
   int end_then_results; /* end_partition first, then receive results */
   atomic_uint sent;    /* batches sent so far */
+  int used_shm;        /* the client's transport after its first send */
   int send_rc, end_rc, results_rc;
   char end_msg[512];
 } producer_args;
+
+/* Shared memory unless the test runs under EMBER_FEED_SHM=0. */
+static int expect_shm(void) {
+  const char *v = getenv("EMBER_FEED_SHM");
+  return v == NULL || strcmp(v, "0") != 0;
+}
 
 static void *producer(void *arg) {
   producer_args *a = arg;
@@ -429,6 +446,10 @@ static void *producer(void *arg) {
       goto out;
     }
     row += a->rows_per_batch;
+    if (b == 0) {
+      a->used_shm = ember_feed_client_uses_shm(c);
+      CHECK_EQ_INT(a->used_shm, expect_shm());
+    }
     atomic_fetch_add(&a->sent, 1);
   }
   if (a->end_then_results) {
@@ -570,6 +591,7 @@ TEST(four_concurrent_producers) {
   ember_feed_server_stats(s, &st);
   CHECK_EQ_INT(st.records_received, total);
   CHECK_EQ_INT(st.partitions_acked, 4);
+  CHECK_EQ_INT(st.shm_producers, expect_shm() ? 4 : 0);
   ember_feed_server_destroy(s);
   LEAK_CHECK();
 }
@@ -999,6 +1021,344 @@ TEST(create_rejects_bad_config) {
   LEAK_CHECK();
 }
 
+/* ------------------------------------------------------------ shared memory */
+
+static int dev_shm_entries(void) {
+  DIR *d = opendir("/dev/shm");
+  struct dirent *e;
+  int n = 0;
+  if (d == NULL) return 0;
+  while ((e = readdir(d)) != NULL)
+    if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) n++;
+  closedir(d);
+  return n;
+}
+
+/* 1 if this process still maps an ember ring memfd. */
+static int ring_mapped_here(void) {
+  char line[512];
+  int found = 0;
+  FILE *f = fopen("/proc/self/maps", "r");
+  CHECK(f != NULL);
+  while (fgets(line, sizeof line, f))
+    if (strstr(line, "memfd:ember-ring")) found = 1;
+  fclose(f);
+  return found;
+}
+
+static ember_feed_client *connect_opts(uint16_t port, uint32_t partition, int shm,
+                                       size_t ring_bytes) {
+  ember_feed_client *c = NULL;
+  ember_feed_client_options o;
+  memset(&o, 0, sizeof o);
+  o.shm = shm;
+  o.shm_bytes = ring_bytes;
+  CHECK_OK(ember_feed_client_connect_ex(&c, "127.0.0.1", port, SECRET, sizeof SECRET, partition,
+                                        0, &o, 5000));
+  return c;
+}
+
+TEST(shm_and_tcp_deliver_identical_batches) {
+  ember_feed_server *s = start_server(0, 0);
+  uint16_t port = ember_feed_server_port(s);
+  /* a 64 KiB ring, so the 100 KB batch takes the split path */
+  ember_feed_client *tcp = connect_opts(port, 1, EMBER_FEED_SHM_OFF, 0);
+  ember_feed_client *shm = connect_opts(port, 2, EMBER_FEED_SHM_ON, 65536);
+  ember_feed_item *items[2][8] = {{NULL}};
+  int got[2] = {0, 0}, nb = 0;
+  ember_feed_stats st;
+  sample smp;
+  gen_batch g[3];
+  make_sample(&smp, 5);
+  gen_make(&g[0], 7, 0, 10, 3);
+  gen_make(&g[1], 7, 10, 200, 500); /* ~100 KB: over half the ring */
+  gen_make(&g[2], 7, 210, 0, 0);    /* no rows */
+  for (int k = 0; k < 2; k++) {
+    ember_feed_client *c = k ? shm : tcp;
+    CHECK_OK(ember_feed_client_send(c, smp.cols, 7, 5, 5000));
+    for (int i = 0; i < 3; i++) CHECK_OK(ember_feed_client_send(c, g[i].cols, 4, g[i].nrows, 5000));
+    CHECK_OK(ember_feed_client_send(c, smp.cols, 0, 3, 5000)); /* rows, no columns */
+  }
+  nb = 5;
+  CHECK_EQ_INT(ember_feed_client_uses_shm(tcp), 0);
+  CHECK_EQ_INT(ember_feed_client_uses_shm(shm), 1);
+  for (int n = 0; n < 2 * nb; n++) {
+    ember_feed_item *it = NULL;
+    CHECK_OK(ember_feed_server_next(s, &it, 5000));
+    CHECK(it->partition == 1 || it->partition == 2);
+    CHECK(((uintptr_t)it->data % 8) == 0);
+    items[it->partition - 1][got[it->partition - 1]++] = it;
+  }
+  CHECK_EQ_INT(got[0], nb);
+  CHECK_EQ_INT(got[1], nb);
+  for (int i = 0; i < nb; i++) {
+    CHECK_EQ_INT(items[0][i]->len, items[1][i]->len);
+    CHECK(memcmp(items[0][i]->data, items[1][i]->data, items[0][i]->len) == 0);
+    ember_feed_item_free(items[0][i]);
+    ember_feed_item_free(items[1][i]);
+  }
+  CHECK_OK(ember_feed_client_end_partition(tcp, 5000));
+  CHECK_OK(ember_feed_client_end_partition(shm, 5000));
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.shm_producers, 1);
+  CHECK_EQ_INT(st.partitions_acked, 2);
+  for (int i = 0; i < 3; i++) gen_free(&g[i]);
+  ember_feed_client_destroy(tcp);
+  ember_feed_client_destroy(shm);
+  ember_feed_server_destroy(s);
+  CHECK(!ring_mapped_here());
+  LEAK_CHECK();
+}
+
+TEST(shm_declined_when_the_node_disables_it) {
+  ember_feed_server_config cfg;
+  ember_feed_server *s = NULL;
+  ember_feed_client *c;
+  ember_feed_stats st;
+  ember_feed_item *it = NULL;
+  gen_batch g;
+  uint64_t next = 0;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.secret = SECRET;
+  cfg.secret_len = sizeof SECRET;
+  cfg.listen_fd = -1;
+  cfg.bind_host = "127.0.0.1";
+  cfg.disable_shm = 1;
+  CHECK_OK(ember_feed_server_create(&s, &cfg));
+  c = connect_opts(ember_feed_server_port(s), 3, EMBER_FEED_SHM_ON, 0);
+  gen_make(&g, 3, 0, 10, 0);
+  CHECK_OK(ember_feed_client_send(c, g.cols, 4, 10, 5000));
+  CHECK_EQ_INT(ember_feed_client_uses_shm(c), 0);
+  CHECK_OK(ember_feed_server_next(s, &it, 5000));
+  verify_item(it, 3, &next);
+  ember_feed_item_free(it);
+  CHECK_OK(ember_feed_client_end_partition(c, 5000));
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.shm_producers, 0);
+  gen_free(&g);
+  ember_feed_client_destroy(c);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+/* FEED_SHM by hand: a wrong token is declined (TCP goes on), a second offer
+ * is refused, a malformed batch in the ring is refused like one over TCP,
+ * and a BATCH over TCP after the ring is refused. */
+static void send_shm_offer(int fd, const ember_shm_ring_desc *d, int corrupt_token) {
+  uint8_t req[64];
+  memset(req, 0, 16); /* unknown host id: the node tries to attach */
+  ember_wire_put_u32(req + 16, (uint32_t)d->pid);
+  ember_wire_put_u32(req + 20, (uint32_t)d->fd);
+  ember_wire_put_u64(req + 24, d->size);
+  memcpy(req + 32, d->token, 32);
+  if (corrupt_token) req[40] ^= 1;
+  CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_FEED_SHM, req, sizeof req, ember_deadline_after(2000)));
+}
+
+TEST(shm_raw_negotiation_and_malformed_batch) {
+  ember_feed_server *s = start_server(0, 0);
+  uint16_t port = ember_feed_server_port(s);
+  ember_shm_ring *ring = NULL;
+  ember_shm_ring_desc d;
+  ember_feed_stats st;
+  char reason[1100];
+  uint8_t junk[64];
+  int fd;
+  CHECK_OK(ember_shm_ring_create(&ring, 65536, EMBER_SHM_PRODUCER));
+  ember_shm_ring_describe(ring, &d);
+  /* 1. a token that does not match: declined with the reason, not refused */
+  fd = raw_producer(port, 9);
+  send_shm_offer(fd, &d, 1);
+  CHECK(raw_status(fd, EMBER_MSG_FEED_SHM_REPLY, reason, sizeof reason) != 0);
+  CHECK(strstr(reason, "not the described segment") != NULL);
+  CHECK(!ember_shm_ring_attached(ring));
+  send_shm_offer(fd, &d, 0); /* once per connection */
+  CHECK_EQ_INT(raw_status(fd, EMBER_MSG_REFUSED, reason, sizeof reason), EMBER_EPROTO);
+  CHECK(strstr(reason, "FEED_SHM sent twice") != NULL);
+  ember_net_close(fd);
+  /* 2. attached; a malformed batch through the ring */
+  fd = raw_producer(port, 9);
+  send_shm_offer(fd, &d, 0);
+  CHECK_EQ_INT(raw_status(fd, EMBER_MSG_FEED_SHM_REPLY, reason, sizeof reason), 0);
+  CHECK(ember_shm_ring_attached(ring));
+  memset(junk, 0, sizeof junk);
+  ember_wire_put_u32(junk, 1000);
+  ember_wire_put_u32(junk + 4, 1);
+  junk[8] = EMBER_DT_F64;
+  junk[9] = 1;
+  ember_wire_put_u32(junk + 12, 1);
+  ember_wire_put_u64(junk + 16, 8000);
+  junk[24] = 'x';
+  CHECK_OK(ember_shm_ring_send(ring, junk, sizeof junk, 2000));
+  CHECK_EQ_INT(raw_status(fd, EMBER_MSG_REFUSED, reason, sizeof reason), EMBER_EPROTO);
+  CHECK(strstr(reason, "partition 9, batch 1 rejected") != NULL);
+  CHECK(strstr(reason, "column 0 ('x')") != NULL);
+  /* the node closed its end of the ring */
+  CHECK_EQ_INT(ember_shm_ring_send(ring, junk, sizeof junk, 2000), EMBER_ECLOSED);
+  ember_net_close(fd);
+  ember_shm_ring_destroy(ring);
+  /* 3. a BATCH over TCP after the ring was set up */
+  CHECK_OK(ember_shm_ring_create(&ring, 65536, EMBER_SHM_PRODUCER));
+  ember_shm_ring_describe(ring, &d);
+  fd = raw_producer(port, 10);
+  send_shm_offer(fd, &d, 0);
+  CHECK_EQ_INT(raw_status(fd, EMBER_MSG_FEED_SHM_REPLY, reason, sizeof reason), 0);
+  CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_BATCH, junk, 8, ember_deadline_after(2000)));
+  CHECK_EQ_INT(raw_status(fd, EMBER_MSG_REFUSED, reason, sizeof reason), EMBER_EPROTO);
+  CHECK(strstr(reason, "BATCH over TCP after setting up a shared-memory ring") != NULL);
+  ember_net_close(fd);
+  ember_shm_ring_destroy(ring);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.producers_rejected, 3);
+  CHECK_EQ_INT(st.batches_received, 0);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+/* The producer gives up on its partition: batches already sent are
+ * delivered, nothing is acknowledged, the client cannot go on. */
+TEST(client_fail_marker) {
+  ember_feed_server *s = start_server(0, 0);
+  ember_feed_client *c = NULL;
+  ember_feed_stats st;
+  ember_feed_item *it = NULL;
+  gen_batch g;
+  uint64_t next = 0;
+  CHECK_OK(ember_feed_client_connect(&c, "127.0.0.1", ember_feed_server_port(s), SECRET,
+                                     sizeof SECRET, 5, 0, 5000));
+  gen_make(&g, 5, 0, 10, 0);
+  CHECK_OK(ember_feed_client_send(c, g.cols, 4, 10, 5000));
+  gen_free(&g);
+  gen_make(&g, 5, 10, 10, 0);
+  CHECK_OK(ember_feed_client_send(c, g.cols, 4, 10, 5000));
+  CHECK_EQ_INT(ember_feed_client_uses_shm(c), expect_shm());
+  CHECK_OK(ember_feed_client_fail(c, "cannot read partition 5: disk gone", 5000));
+  CHECK_EQ_INT(ember_feed_client_send(c, g.cols, 4, 10, 100), EMBER_ESTATE);
+  CHECK_EQ_INT(ember_feed_client_end_partition(c, 100), EMBER_ESTATE);
+  CHECK_EQ_INT(pop_partition(s, 5, 2, &next), 20);
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 300), EMBER_ETIMEDOUT);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.partitions_acked, 0);
+  gen_free(&g);
+  ember_feed_client_destroy(c);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+static void *kill_after(void *arg) {
+  pid_t pid = *(pid_t *)arg;
+  sleep_ms(500);
+  kill(pid, SIGKILL);
+  return NULL;
+}
+
+TEST(shm_trainer_killed_producer_gets_error) {
+  int before = dev_shm_entries(), pfd[2], status = 0, rc = EMBER_OK, sent = 0;
+  uint16_t port = 0;
+  pid_t pid;
+  pthread_t killer;
+  ember_feed_client *c;
+  gen_batch g;
+  int64_t t0;
+  CHECK(pipe(pfd) == 0);
+  pid = fork();
+  if (pid == 0) { /* the trainer: a server whose consumer never pops */
+    ember_feed_server *s = start_server(1, 0);
+    uint16_t p = ember_feed_server_port(s);
+    if (write(pfd[1], &p, sizeof p) != sizeof p) _exit(2);
+    for (;;) pause();
+  }
+  CHECK(read(pfd[0], &port, sizeof port) == sizeof port);
+  c = connect_opts(port, 4, EMBER_FEED_SHM_ON, 4u * 1024u * 1024u);
+  gen_make(&g, 4, 0, 1024, 1024); /* ~1 MiB: a 4 MiB ring holds 3 */
+  CHECK(pthread_create(&killer, NULL, kill_after, &pid) == 0);
+  t0 = ember_now_ms();
+  while (rc == EMBER_OK && sent < 100) {
+    rc = ember_feed_client_send(c, g.cols, 4, g.nrows, 20000);
+    if (rc == EMBER_OK) sent++;
+  }
+  pthread_join(killer, NULL);
+  CHECK_EQ_INT(ember_feed_client_uses_shm(c), 1);
+  CHECK(sent >= 3 && sent < 100);
+  CHECK_EQ_INT(rc, EMBER_ECLOSED);
+  CHECK(ember_now_ms() - t0 < 5000); /* seen at once, not at the 20 s deadline */
+  CHECK(strstr(ember_last_error(), "closed the connection") != NULL ||
+        strstr(ember_last_error(), "process is gone") != NULL);
+  waitpid(pid, &status, 0);
+  CHECK(WIFSIGNALED(status));
+  gen_free(&g);
+  ember_feed_client_destroy(c);
+  close(pfd[0]);
+  close(pfd[1]);
+  CHECK_EQ_INT(dev_shm_entries(), before);
+  CHECK(!ring_mapped_here());
+  LEAK_CHECK();
+}
+
+TEST(shm_producer_killed_node_cleans_up) {
+  ember_feed_server *s = start_server(1, 0); /* one batch fills the queue */
+  uint16_t port = ember_feed_server_port(s);
+  int before = dev_shm_entries(), status = 0;
+  ember_feed_item *it = NULL;
+  ember_feed_stats st;
+  producer_args a;
+  pthread_t t;
+  uint64_t next = 0;
+  pid_t pid = fork();
+  if (pid == 0) { /* a feeding task that keeps sending until killed */
+    ember_feed_client *c = connect_opts(port, 6, EMBER_FEED_SHM_ON, 1u << 20);
+    gen_batch g;
+    gen_make(&g, 6, 0, 100, 1000);
+    for (;;)
+      if (ember_feed_client_send(c, g.cols, 4, g.nrows, 60000) != EMBER_OK) _exit(3);
+  }
+  CHECK_OK(ember_feed_server_next(s, &it, 10000)); /* data flows */
+  CHECK_EQ_INT(it->partition, 6);
+  ember_feed_item_free(it);
+  CHECK(ring_mapped_here());
+  sleep_ms(200); /* the producer is now blocked on its full ring */
+  kill(pid, SIGKILL);
+  waitpid(pid, &status, 0);
+  CHECK(WIFSIGNALED(status));
+  /* the node drops the connection and its ring */
+  for (int i = 0; i < 300 && ring_mapped_here(); i++) {
+    ember_feed_item *x = NULL;
+    if (ember_feed_server_next(s, &x, 10) == EMBER_OK) ember_feed_item_free(x);
+  }
+  CHECK(!ring_mapped_here());
+  CHECK_EQ_INT(dev_shm_entries(), before);
+  /* and serves the next producer */
+  producer_init(&a, port, 7, 5, 10);
+  CHECK(pthread_create(&t, NULL, producer, &a) == 0);
+  pop_partition(s, 7, 5, &next);
+  pthread_join(t, NULL);
+  CHECK_OK(a.end_rc);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.shm_producers, 2);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+/* The server tests again, over TCP. */
+#define TCP_VARIANT(name)            \
+  TEST(tcp_##name) {                 \
+    setenv("EMBER_FEED_SHM", "0", 1); \
+    test_##name();                   \
+  }
+TCP_VARIANT(one_producer_in_order)
+TCP_VARIANT(four_concurrent_producers)
+TCP_VARIANT(backpressure_blocks_until_pop)
+TCP_VARIANT(backpressure_deadline_times_out)
+TCP_VARIANT(duplicate_partition_discarded)
+TCP_VARIANT(wrong_secret_rejected_others_served)
+TCP_VARIANT(malformed_batch_closes_only_that_producer)
+TCP_VARIANT(client_send_sees_refusal)
+TCP_VARIANT(terminate_aborts_and_never_blocks_producers)
+TCP_VARIANT(results_round_trip_in_order)
+TCP_VARIANT(end_feed_item_after_queued_batches)
+TCP_VARIANT(destroy_with_connected_producers_leaks_nothing)
+TCP_VARIANT(client_fail_marker)
+
 RUN_TESTS(T(dtype_sizes), T(codec_roundtrip_every_dtype), T(codec_zero_columns_and_bytes_only),
           T(codec_encode_rejects_inconsistent_columns), T(decode_rejects_every_truncation),
           T(decode_rejects_bad_fields), T(one_producer_in_order), T(four_concurrent_producers),
@@ -1008,4 +1368,14 @@ RUN_TESTS(T(dtype_sizes), T(codec_roundtrip_every_dtype), T(codec_zero_columns_a
           T(client_send_sees_refusal), T(record_count_mismatch_acks_eproto),
           T(terminate_aborts_and_never_blocks_producers), T(results_round_trip_in_order),
           T(end_feed_item_after_queued_batches), T(destroy_with_connected_producers_leaks_nothing),
-          T(create_rejects_bad_config))
+          T(create_rejects_bad_config), T(shm_and_tcp_deliver_identical_batches),
+          T(shm_declined_when_the_node_disables_it), T(shm_raw_negotiation_and_malformed_batch),
+          T(client_fail_marker), T(shm_trainer_killed_producer_gets_error),
+          T(shm_producer_killed_node_cleans_up), T(tcp_one_producer_in_order),
+          T(tcp_four_concurrent_producers), T(tcp_backpressure_blocks_until_pop),
+          T(tcp_backpressure_deadline_times_out), T(tcp_duplicate_partition_discarded),
+          T(tcp_wrong_secret_rejected_others_served),
+          T(tcp_malformed_batch_closes_only_that_producer), T(tcp_client_send_sees_refusal),
+          T(tcp_terminate_aborts_and_never_blocks_producers), T(tcp_results_round_trip_in_order),
+          T(tcp_end_feed_item_after_queued_batches),
+          T(tcp_destroy_with_connected_producers_leaks_nothing), T(tcp_client_fail_marker))

@@ -25,6 +25,34 @@
  * END_FEED (sent by the driver through a client with ember_feed_client_end_feed)
  * queues an EMBER_FEED_ITEM_END after everything already queued.
  *
+ * Shared memory (same host).  Before its first BATCH a client offers the
+ * server a shared-memory ring (shm_ring.h) over the authenticated connection:
+ * FEED_SHM(host id, pid, fd, size, token).  The host id is the kernel's boot
+ * id, so both ends agree they run on one host whatever address was dialled;
+ * the server attaches (it opens the client's memfd through /proc, checks
+ * owner, mode 0600, size, seals and the token) and answers FEED_SHM_REPLY:
+ * status 0 means every BATCH payload of this connection now goes through the
+ * ring, anything else (another host, another pid namespace, shared memory
+ * disabled, too many rings) means TCP as before, with the reason.  The TCP
+ * connection stays open for everything else: END_PARTITION, ACK, REFUSED,
+ * RESULTS, END_FEED.  The client writes an END marker into the ring before
+ * END_PARTITION, and the server acknowledges only after its ring reader has
+ * queued every batch up to that marker, so delivery, dedup, terminate and
+ * result semantics are the same on both transports.  One ring per producer
+ * connection, read by its own server thread, so several producers feed one
+ * node at once.  The consumer API is unchanged: the ring reader copies each
+ * batch once out of the ring into a malloc'd item (the only copy on the
+ * consumer side), which keeps item lifetimes independent of the ring and
+ * means a batch is validated in memory the producer can no longer change.
+ * The producer side makes no copy beyond the one into the ring: batches that
+ * fit half the ring are encoded in place (reserve/commit), larger ones are
+ * gathered from the caller's columns into split messages.
+ * EMBER_FEED_SHM=0 in the environment turns shared memory off (the server
+ * declines, clients do not offer); EMBER_FEED_SHM_BYTES sets the clients'
+ * default ring size (16 MiB).  A producer that dies, a consumer that
+ * terminates or a server that is destroyed is noticed through the ring at
+ * once (no hang): see ember_feed_client_send.
+ *
  * Timeouts: a negative timeout_ms means no limit.  Thread-safety: the codec is
  * pure; server calls other than destroy may run concurrently from any
  * threads; a client is used by one thread at a time (send also reads the
@@ -121,6 +149,8 @@ typedef struct {
   size_t queue_bytes;   /* queued payload bytes before back-pressure; 0 = 64 MiB */
   uint32_t max_frame;   /* largest BATCH accepted; 0 = 256 MiB */
   uint32_t io_timeout_ms; /* deadline for one blocked send/handshake; 0 = 600000 */
+  int disable_shm;      /* 1: decline shared-memory rings (TCP only); 0: accept
+                           them unless EMBER_FEED_SHM=0 in the environment */
 } ember_feed_server_config;
 
 typedef struct ember_feed_server ember_feed_server;
@@ -148,6 +178,7 @@ int ember_feed_server_terminate(ember_feed_server *s);
 typedef struct {
   uint64_t batches_received, records_received, bytes_received;
   uint64_t partitions_acked, duplicate_partitions, producers_rejected;
+  uint64_t shm_producers; /* connections whose batches came through a ring */
 } ember_feed_stats;
 void ember_feed_server_stats(ember_feed_server *s, ember_feed_stats *out);
 
@@ -162,10 +193,46 @@ int ember_feed_client_connect(ember_feed_client **out, const char *host, uint16_
                               const uint8_t *secret, size_t secret_len,
                               uint32_t partition, uint32_t flags, int64_t timeout_ms);
 
-/* Encodes and sends one BATCH (header and columns in one writev: no copy of
- * the column data). */
+typedef enum {
+  EMBER_FEED_SHM_AUTO = 0, /* shared memory if the node is on this host, unless
+                              the environment says EMBER_FEED_SHM=0 */
+  EMBER_FEED_SHM_OFF = 1,  /* TCP only */
+  EMBER_FEED_SHM_ON = 2    /* shared memory if the node is on this host,
+                              whatever the environment says */
+} ember_feed_shm_mode;
+
+typedef struct {
+  int shm;          /* ember_feed_shm_mode */
+  size_t shm_bytes; /* ring capacity; 0 = EMBER_FEED_SHM_BYTES, else 16 MiB */
+} ember_feed_client_options;
+
+/* ember_feed_client_connect with options (opts NULL = defaults).  The ring is
+ * negotiated lazily, by the first send, so a connection that only ends the
+ * feed or an empty partition never creates one. */
+int ember_feed_client_connect_ex(ember_feed_client **out, const char *host, uint16_t port,
+                                 const uint8_t *secret, size_t secret_len,
+                                 uint32_t partition, uint32_t flags,
+                                 const ember_feed_client_options *opts, int64_t timeout_ms);
+
+/* Encodes and sends one BATCH.  Over TCP: header and columns in one writev
+ * (no copy of the column data).  Over shared memory: encoded straight into
+ * the ring (or gathered into it for batches over half the ring), blocking up
+ * to timeout_ms for room (EMBER_ETIMEDOUT); if the node stops reading
+ * (terminate, a refused batch, a destroyed server, a killed trainer) the
+ * call fails at once with the node's reason (the REFUSED status when one
+ * came, else EMBER_ECLOSED). */
 int ember_feed_client_send(ember_feed_client *c, const ember_column *cols,
                            uint32_t ncols, uint32_t nrows, int64_t timeout_ms);
+
+/* 1 once batches of this connection go through a shared-memory ring, 0 for
+ * TCP (or before the first send decided). */
+int ember_feed_client_uses_shm(const ember_feed_client *c);
+
+/* The producer cannot finish its partition: sends FEED_ERROR(reason) (as a
+ * ring ERROR marker after the batches already in the ring, when there is
+ * one).  The node drops the connection without an ACK, keeping the batches
+ * sent before; the client is unusable afterwards. */
+int ember_feed_client_fail(ember_feed_client *c, const char *reason, int64_t timeout_ms);
 
 /* Receives the next RESULTS frame; *batch is malloc'd (caller frees). */
 int ember_feed_client_recv_results(ember_feed_client *c, uint8_t **batch, size_t *len,

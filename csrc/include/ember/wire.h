@@ -57,6 +57,11 @@ typedef enum {
   EMBER_MSG_RESULTS = 36,       /* node->producer: an encoded batch */
   EMBER_MSG_END_FEED = 37,      /* driver->node: no more partitions will come */
   EMBER_MSG_FEED_ERROR = 38,    /* producer->node: string reason (bad partition) */
+  EMBER_MSG_FEED_SHM = 39,      /* producer->node, before its first BATCH: 16-byte
+                                   host id, i32 pid, i32 fd, u64 segment bytes,
+                                   32-byte token (a shm ring to attach) */
+  EMBER_MSG_FEED_SHM_REPLY = 40, /* node->producer: u32 status (0: attached, BATCH
+                                   payloads now go through the ring), str reason */
 
   /* collectives, set-up only (see collective.h; data flows unframed) */
   EMBER_MSG_COLL_HELLO = 48,  /* both ways: u32 rank, u32 size */
