@@ -174,5 +174,16 @@ bench-allreduce: setup $(BUILD)/bench/mpi_allreduce
 	  --no-install-recommends python3-torch; }
 	PYTHONUNBUFFERED=1 $(PY) bench/allreduce.py
 
+# The bare feed channel (issue 3): shared-memory ring, feed over shm, feed over
+# TCP loopback, memcpy; C only.  bench/feed.py runs the binary and parses its
+# last line (CHANNEL ...).
+.PHONY: bench-feed-channel
+$(BUILD)/bench/feed_channel: bench/feed_channel.c $(BUILD)/libember.a
+	@mkdir -p $(@D)
+	$(CC) $(BASE) -O2 -g $< $(BUILD)/libember.a $(LIBS) -o $@
+
+bench-feed-channel: setup $(BUILD)/bench/feed_channel
+	$(BUILD)/bench/feed_channel
+
 clean:
 	rm -rf $(BUILD) python/ember/_ember*.so
