@@ -257,7 +257,8 @@ static void feed_server_destroy(void *p) { ember_feed_server_destroy(p); }
 
 static PyObject *FeedServer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
   static char *kwlist[] = {"secret",      "listen_fd", "host",          "port",
-                           "queue_bytes", "max_frame", "io_timeout_ms", NULL};
+                           "queue_bytes", "max_frame", "io_timeout_ms", "shm",
+                           NULL};
   ember_state *st = embpy_state_of_type(type);
   if (st == NULL)
     return NULL;
@@ -266,9 +267,10 @@ static PyObject *FeedServer_new(PyTypeObject *type, PyObject *args, PyObject *kw
   const char *host = "";
   uint16_t port = 0;
   Py_ssize_t queue_bytes = 0, max_frame = 0, io_ms = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|$isO&nnn:FeedServer", kwlist,
+  int shm = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|$isO&nnnp:FeedServer", kwlist,
                                    &secret, &listen_fd, &host, embpy_port_conv, &port,
-                                   &queue_bytes, &max_frame, &io_ms))
+                                   &queue_bytes, &max_frame, &io_ms, &shm))
     return NULL;
   FeedServerObject *self = NULL;
   ember_feed_server_config cfg;
@@ -286,6 +288,7 @@ static PyObject *FeedServer_new(PyTypeObject *type, PyObject *args, PyObject *kw
   cfg.bind_host = host;
   cfg.port = port;
   cfg.queue_bytes = (size_t)queue_bytes;
+  cfg.disable_shm = !shm;
 
   self = (FeedServerObject *)type->tp_alloc(type, 0);
   if (self == NULL)
@@ -501,7 +504,8 @@ PyDoc_STRVAR(FeedServer_stats_doc,
              "stats() -> dict\n\n"
              "Counters since creation: batches_received, records_received,\n"
              "bytes_received, partitions_acked, duplicate_partitions,\n"
-             "producers_rejected.");
+             "producers_rejected, shm_producers (connections whose batches came\n"
+             "through a shared-memory ring).");
 
 static PyObject *FeedServer_stats(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   FeedServerObject *self = (FeedServerObject *)op;
@@ -514,13 +518,14 @@ static PyObject *FeedServer_stats(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   ember_feed_server_stats(s, &fs);
   Py_END_ALLOW_THREADS
   embpy_handle_leave(&self->h);
-  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K}", "batches_received",
+  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "batches_received",
                        (unsigned long long)fs.batches_received, "records_received",
                        (unsigned long long)fs.records_received, "bytes_received",
                        (unsigned long long)fs.bytes_received, "partitions_acked",
                        (unsigned long long)fs.partitions_acked, "duplicate_partitions",
                        (unsigned long long)fs.duplicate_partitions,
-                       "producers_rejected", (unsigned long long)fs.producers_rejected);
+                       "producers_rejected", (unsigned long long)fs.producers_rejected,
+                       "shm_producers", (unsigned long long)fs.shm_producers);
 }
 
 static PyObject *FeedServer_close(PyObject *op, PyObject *Py_UNUSED(ignored)) {
@@ -554,10 +559,14 @@ static PyGetSetDef FeedServer_getset[] = {
 
 PyDoc_STRVAR(FeedServer_doc,
              "FeedServer(secret, *, listen_fd=-1, host='', port=0, queue_bytes=0,\n"
-             "           max_frame=0, io_timeout_ms=0)\n\n"
+             "           max_frame=0, io_timeout_ms=0, shm=True)\n\n"
              "A node's feed endpoint.  listen_fd (e.g. from reserve_port) is taken\n"
              "over and closed by the server; otherwise it binds host:port.  0 picks\n"
-             "libember's defaults (64 MiB queue, 256 MiB frames, 600 s I/O timeout).");
+             "libember's defaults (64 MiB queue, 256 MiB frames, 600 s I/O timeout).\n"
+             "shm=True accepts the shared-memory rings that producers on this host\n"
+             "offer (their batches then bypass TCP; one reader thread per ring);\n"
+             "shm=False, or EMBER_FEED_SHM=0 in the environment, keeps every\n"
+             "producer on TCP.  Items are the same either way.");
 
 static PyType_Slot FeedServer_slots[] = {
     {Py_tp_doc, (void *)FeedServer_doc},
@@ -588,7 +597,8 @@ static void feed_client_destroy(void *p) { ember_feed_client_destroy(p); }
 
 static PyObject *FeedClient_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
   static char *kwlist[] = {"host",         "port",      "secret", "partition",
-                           "want_results", "timeout_s", NULL};
+                           "want_results", "timeout_s", "shm",    "shm_bytes",
+                           NULL};
   ember_state *st = embpy_state_of_type(type);
   if (st == NULL)
     return NULL;
@@ -598,14 +608,32 @@ static PyObject *FeedClient_new(PyTypeObject *type, PyObject *args, PyObject *kw
   Py_ssize_t partition;
   int want_results = 0;
   int64_t ms = 60000;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO&y*n|$pO&:FeedClient", kwlist, &host,
+  PyObject *shm = Py_None;
+  Py_ssize_t shm_bytes = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO&y*n|$pO&On:FeedClient", kwlist, &host,
                                    embpy_port_conv, &port, &secret, &partition,
-                                   &want_results, embpy_timeout_conv, &ms))
+                                   &want_results, embpy_timeout_conv, &ms, &shm,
+                                   &shm_bytes))
     return NULL;
   FeedClientObject *self = NULL;
   uint32_t part;
+  ember_feed_client_options opts;
+  memset(&opts, 0, sizeof opts);
   if (check_u32(partition, "partition", &part) < 0)
     goto err;
+  if (shm == Py_None) {
+    opts.shm = EMBER_FEED_SHM_AUTO;
+  } else {
+    int on = PyObject_IsTrue(shm);
+    if (on < 0)
+      goto err;
+    opts.shm = on ? EMBER_FEED_SHM_ON : EMBER_FEED_SHM_OFF;
+  }
+  if (shm_bytes < 0) {
+    PyErr_Format(PyExc_ValueError, "shm_bytes must be >= 0, not %zd", shm_bytes);
+    goto err;
+  }
+  opts.shm_bytes = (size_t)shm_bytes;
   self = (FeedClientObject *)type->tp_alloc(type, 0);
   if (self == NULL)
     goto err;
@@ -617,9 +645,9 @@ static PyObject *FeedClient_new(PyTypeObject *type, PyObject *args, PyObject *kw
   int rc;
   Py_BEGIN_ALLOW_THREADS
   EMBPY_CALL(rc, &e,
-             ember_feed_client_connect(&c, host, port, secret.buf, (size_t)secret.len,
-                                       part, want_results ? EMBER_FEED_WANT_RESULTS : 0u,
-                                       ms));
+             ember_feed_client_connect_ex(&c, host, port, secret.buf, (size_t)secret.len,
+                                          part, want_results ? EMBER_FEED_WANT_RESULTS : 0u,
+                                          &opts, ms));
   Py_END_ALLOW_THREADS
   if (rc != EMBER_OK) {
     embpy_raise(st, &e);
@@ -645,8 +673,10 @@ static void FeedClient_dealloc(PyObject *op) {
 
 PyDoc_STRVAR(FeedClient_send_doc,
              "send(columns, nrows, timeout_s) -> None\n\n"
-             "Sends one BATCH; the column buffers are written to the socket\n"
-             "without a copy.  Blocks (back-pressure) up to timeout_s.");
+             "Sends one BATCH; the column buffers are written to the socket, or\n"
+             "encoded straight into the shared-memory ring, without another copy.\n"
+             "Blocks (back-pressure) up to timeout_s.  The first send offers the\n"
+             "node a ring when the client allows it (see FeedClient's shm).");
 
 static PyObject *FeedClient_send(PyObject *op, PyObject *args, PyObject *kwargs) {
   static char *kwlist[] = {"columns", "nrows", "timeout_s", NULL};
@@ -777,6 +807,58 @@ static PyObject *FeedClient_end_feed(PyObject *op, PyObject *arg) {
   Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(FeedClient_fail_doc,
+             "fail(reason, timeout_s) -> None\n\n"
+             "The producer cannot finish its partition: tells the node (FEED_ERROR,\n"
+             "or the ring's ERROR marker after the batches already in it).  The node\n"
+             "keeps the batches sent before and drops the connection without an\n"
+             "ACK; the client cannot be used afterwards.");
+
+static PyObject *FeedClient_fail(PyObject *op, PyObject *args) {
+  FeedClientObject *self = (FeedClientObject *)op;
+  const char *reason;
+  int64_t ms;
+  if (!PyArg_ParseTuple(args, "sO&:fail", &reason, embpy_timeout_conv, &ms))
+    return NULL;
+  if (embpy_handle_enter(&self->h) < 0)
+    return NULL;
+  ember_feed_client *c = self->h.ptr;
+  embpy_err e;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  embpy_lock(self->h.lock);
+  EMBPY_CALL(rc, &e, ember_feed_client_fail(c, reason, ms));
+  embpy_unlock(self->h.lock);
+  Py_END_ALLOW_THREADS
+  embpy_handle_leave(&self->h);
+  if (rc != EMBER_OK)
+    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  Py_RETURN_NONE;
+}
+
+static PyObject *FeedClient_uses_shm(PyObject *op, void *closure) {
+  FeedClientObject *self = (FeedClientObject *)op;
+  int v;
+  if (embpy_handle_enter(&self->h) < 0)
+    return NULL;
+  ember_feed_client *c = self->h.ptr;
+  Py_BEGIN_ALLOW_THREADS
+  embpy_lock(self->h.lock);
+  v = ember_feed_client_uses_shm(c);
+  embpy_unlock(self->h.lock);
+  Py_END_ALLOW_THREADS
+  embpy_handle_leave(&self->h);
+  return PyBool_FromLong(v);
+}
+
+static PyGetSetDef FeedClient_getset[] = {
+    {"uses_shm", FeedClient_uses_shm, NULL,
+     "True once this client's batches go through a shared-memory ring (decided\n"
+     "by the first send); False for TCP.",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyObject *FeedClient_close(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   embpy_handle_close(&((FeedClientObject *)op)->h);
   Py_RETURN_NONE;
@@ -793,6 +875,7 @@ static PyMethodDef FeedClient_methods[] = {
     {"recv_results", FeedClient_recv_results, METH_O, FeedClient_recv_results_doc},
     {"end_partition", FeedClient_end_partition, METH_O, FeedClient_end_partition_doc},
     {"end_feed", FeedClient_end_feed, METH_O, FeedClient_end_feed_doc},
+    {"fail", FeedClient_fail, METH_VARARGS, FeedClient_fail_doc},
     {"close", FeedClient_close, METH_NOARGS,
      "close() -> None\n\nCloses the connection.  Idempotent."},
     {"__enter__", self_enter, METH_NOARGS, NULL},
@@ -802,10 +885,16 @@ static PyMethodDef FeedClient_methods[] = {
 
 PyDoc_STRVAR(FeedClient_doc,
              "FeedClient(host, port, secret, partition, *, want_results=False,\n"
-             "           timeout_s=60.0)\n\n"
+             "           timeout_s=60.0, shm=None, shm_bytes=0)\n\n"
              "A producer's connection to a node's feed server; connects,\n"
              "authenticates and sends FEED_HELLO at once.  Calls are serialized\n"
-             "by a per-object lock.");
+             "by a per-object lock.\n"
+             "shm: None (default) offers the node a shared-memory ring when it runs\n"
+             "on this host, unless EMBER_FEED_SHM=0 is set; True offers it whatever\n"
+             "the environment says; False keeps to TCP.  The node may decline (other\n"
+             "host, shm disabled): TCP then, transparently.  shm_bytes: the ring's\n"
+             "size (0: EMBER_FEED_SHM_BYTES, else 16 MiB); a batch larger than half\n"
+             "the ring is split through it.  See uses_shm.");
 
 static PyType_Slot FeedClient_slots[] = {
     {Py_tp_doc, (void *)FeedClient_doc},
@@ -813,6 +902,7 @@ static PyType_Slot FeedClient_slots[] = {
     {Py_tp_dealloc, FeedClient_dealloc},
     {Py_tp_traverse, Handle_traverse},
     {Py_tp_methods, FeedClient_methods},
+    {Py_tp_getset, FeedClient_getset},
     {0, NULL},
 };
 

@@ -607,7 +607,8 @@ def test_feed_end_to_end():
         assert st["records_received"] == n_parts * n_batches * rows
         assert st["partitions_acked"] == n_parts
         assert set(st) == {"batches_received", "records_received", "bytes_received",
-                           "partitions_acked", "duplicate_partitions", "producers_rejected"}
+                           "partitions_acked", "duplicate_partitions", "producers_rejected",
+                           "shm_producers"}
 
         # A retried partition is acknowledged but not delivered twice.
         producer(0)
