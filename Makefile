@@ -28,13 +28,14 @@ APT_PACKAGES := dataset-fashion-mnist clang libssl-dev zlib1g-dev libcurl4-opens
 
 .PHONY: hadoop
 .PHONY: help setup apt venv build lib ext test test-c test-py fuzz fuzz-smoke demo demo-quick \
-        bench-reservation bench-allreduce bench-tfrecord clean format-check
+        bench-reservation bench-allreduce bench-tfrecord bench-feed clean format-check
 
 help:
 	@echo "make demo   - set up this machine and run the Fashion-MNIST main job"
 	@echo "make test   - set up this machine and run every test (C under ASan/UBSan, fuzz, pytest, main job)"
 	@echo "make bench-reservation - Ember vs TensorFlowOnSpark reservation server"
 	@echo "make bench-allreduce - allreduce: Ember vs Open MPI (TCP, defaults) vs torch.distributed gloo, loopback limit"
+	@echo "make bench-feed - Spark -> trainer feed: Ember vs TensorFlowOnSpark, records/s and GB/s"
 	@echo "make bench-tfrecord - TFRecord reading: Ember vs tf.data; CRC-32C; Example decoder vs protobuf-c"
 
 # ---------------------------------------------------------------- set-up
@@ -184,6 +185,11 @@ $(BUILD)/bench/feed_channel: bench/feed_channel.c $(BUILD)/libember.a
 
 bench-feed-channel: setup $(BUILD)/bench/feed_channel
 	$(BUILD)/bench/feed_channel
+
+# Spark -> trainer feed: Ember (DataFrame and RDD) vs TensorFlowOnSpark's
+# InputMode.SPARK queue, with the bare channel and memcpy as limits.
+bench-feed: setup $(BUILD)/bench/feed_channel
+	PYTHONUNBUFFERED=1 $(PY) bench/feed.py
 
 clean:
 	rm -rf $(BUILD) python/ember/_ember*.so

@@ -29,6 +29,16 @@ from ember import _ember
 #: The single column of a batch whose records are plain values, not tuples.
 VALUE_FIELD = ""
 
+#: A one-row batch a feeding task sends after its partition's data in train():
+#: int64 [feed sequence, partition, partitions this node gets in the call].
+#: The node's DataFeed consumes it; the trainer never sees it.
+PARTITION_END_FIELD = "__ember_partition_end__"
+
+
+def partition_end_columns(seq: int, partition: int, expected: int) -> List[ColumnSpec]:
+    mark = np.array([[seq, partition, expected]], dtype=np.int64)
+    return [(PARTITION_END_FIELD, _ember.DT_I64, 3, mark, None)]
+
 _NUMPY_TO_DT = {
     np.dtype(np.float32): _ember.DT_F32,
     np.dtype(np.float64): _ember.DT_F64,

@@ -98,6 +98,11 @@ class DataFeed:
         self._chunk: Optional[_Chunk] = None
         self._ended = False
         self._terminated = False
+        # the current train() call: its sequence, partitions expected and ended
+        self._call_seq = -1
+        self._call_expected = 0
+        self._call_ended: set = set()
+        self._call_done = False
         # inference: chunks whose results are not yet complete, oldest first
         self._awaiting: Deque[Any] = deque()  # (chunk, rows handed out), oldest first
 
@@ -108,7 +113,10 @@ class DataFeed:
             if self._stop_check is not None and self._stop_check():
                 self._ended = True
                 return None
-            item = self._server.next(1.0)
+            # at the end of a train() call, look without waiting for a later call's data
+            item = self._server.next(0 if self._call_done else 1.0)
+            if item is None and self._call_done:
+                return None
             if item is None:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -120,7 +128,24 @@ class DataFeed:
                 return None
             if item.nrows == 0:
                 continue
-            return _Chunk(item)
+            chunk = _Chunk(item)
+            seq = item.source >> 20
+            if chunk.names == [_columns.PARTITION_END_FIELD]:
+                mark_seq, part, expected = (int(v) for v in chunk.columns[0][0])
+                self._start_call(mark_seq)
+                self._call_ended.add(part)
+                self._call_expected = expected
+                if len(self._call_ended) >= expected:
+                    self._call_done = True
+                    return None
+                continue
+            self._start_call(seq)
+            return chunk
+
+    def _start_call(self, seq: int) -> None:
+        if seq != self._call_seq:
+            self._call_seq, self._call_expected, self._call_done = seq, 0, False
+            self._call_ended = set()
 
     def next_batch(self, batch_size: int) -> Batch:
         """Returns up to ``batch_size`` records; fewer (or none) only at the end.
@@ -162,12 +187,20 @@ class DataFeed:
         return Batch(names, columns, batch_size - need)
 
     def should_stop(self) -> bool:
-        """True once the feed has ended (or was terminated) and nothing is left."""
+        """True once the data has ended and nothing is left to read.
+
+        The data ends when the feed ends (shutdown), is terminated, or when
+        every partition of the current ``train()`` call has been read: each
+        feeding task marks its partition's end, and the node knows how many
+        partitions the call routes to it.  So a trainer sees the end of its
+        share of the data as soon as it has read it, however unevenly the
+        partitions fall, and data of a later ``train()`` call starts a new
+        round (``next_batch`` returns it; ``should_stop`` is False again)."""
         if self._terminated:
             return True
         if self._chunk is not None and self._chunk.pos < self._chunk.rows:
             return False
-        return self._ended
+        return self._ended or self._call_done
 
     # -- results ------------------------------------------------------------
     def batch_results(self, results: Any) -> None:

@@ -112,7 +112,7 @@ def _launcher(boot: Dict[str, Any], start_timeout: float) -> Callable[[Any], Any
 
 
 def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
-            chunk_rows: int, want_results: bool) -> Callable[[Any], Any]:
+            chunk_rows: int, want_results: bool, parts: int = 0) -> Callable[[Any], Any]:
     def feed(iterator: Any) -> Any:
         from pyspark import TaskContext
 
@@ -137,6 +137,8 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
             if chunk:
                 yield from _send(client, chunk, p, sent, want_results, feed_timeout)
                 sent += len(chunk)
+            if not want_results:
+                _end_mark(client, seq, p, parts, len(targets), feed_timeout)
             client.end_partition(feed_timeout)
         except _ember.EmberAborted:
             pass  # the node terminated its feed: TensorFlowOnSpark drops the rest
@@ -166,8 +168,17 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
     return feed
 
 
+def _end_mark(client: Any, seq: int, p: int, parts: int, nodes: int, timeout: float) -> None:
+    """Tells the node this partition is complete and how many it gets in this call,
+    so it sees the end of the call's data (see DataFeed) without waiting for shutdown."""
+    from ember import _columns
+
+    client.send(_columns.partition_end_columns(seq, p, len(range(p % nodes, parts, nodes))),
+                1, timeout)
+
+
 def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
-                  chunk_bytes: int) -> Callable[[Any], Any]:
+                  chunk_bytes: int, parts: int) -> Callable[[Any], Any]:
     """The feeding task of a DataFrame (``mapInArrow``): Arrow record batches go
     to the node as columnar batches, their buffers encoded straight from Arrow
     memory (no Python object per value).  Yields one row: the records fed."""
@@ -196,6 +207,7 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
                         part, where=f"partition {p} rows {sent}..{sent + part.num_rows - 1}")
                     client.send(cols, n, feed_timeout)
                     sent += n
+            _end_mark(client, seq, p, parts, len(targets), feed_timeout)
             client.end_partition(feed_timeout)
         except _ember.EmberAborted:
             pass  # the node terminated its feed: TensorFlowOnSpark drops the rest
@@ -467,15 +479,23 @@ class Cluster:
         targets = self._feed_targets()
         start = time.monotonic()
         if _is_dataframe(source):
-            fn = _arrow_feeder(targets, self._secret, seq, feed_timeout, self.chunk_bytes)
             parts = source.rdd.getNumPartitions()
+            fn = _arrow_feeder(targets, self._secret, seq, feed_timeout, self.chunk_bytes, parts)
             action = lambda: sum(r[0] for r in source.mapInArrow(fn, "fed long").collect())  # noqa: E731
         else:
-            fn = _feeder(targets, self._secret, seq, feed_timeout, self.chunk_rows,
-                         want_results=False)
             parts = source.getNumPartitions()
+            fn = _feeder(targets, self._secret, seq, feed_timeout, self.chunk_rows,
+                         want_results=False, parts=parts)
             action = lambda: source.mapPartitions(fn).sum()  # noqa: E731
         _log(f"train: feeding {parts} partitions ({epochs} epoch(s)) to {len(targets)} node(s)")
+        # Partition p feeds node p % n.  A node given no partition would wait for
+        # data forever while its peers wait for it in their collectives: end its
+        # feed now, so it stops and a synchronous loop stops with it.
+        for host, port, name in targets[parts:]:
+            _log(f"train: {name} gets no partition ({parts} partitions for {len(targets)} "
+                 "nodes); ending its feed (repartition the data to at least as many "
+                 "partitions as nodes)")
+            self._end_feed(host, port, name)
         fed = self._run_job(f"train {seq}", action)
         secs = time.monotonic() - start
         _log(f"train: fed {fed} records in {secs:.1f} s ({fed / max(secs, 1e-9):.0f} records/s)")

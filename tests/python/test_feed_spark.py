@@ -87,3 +87,53 @@ def test_dataframe_bad_input_names_the_column(local_spark, tmp_path, case, messa
         assert message in str(err.value) and "partition 0" in str(err.value)
     finally:
         cluster._stop_all()
+
+
+def test_uneven_partitions_do_not_deadlock_synchronous_training(local_spark, tmp_path):
+    """Node 0 is fed 9x more records than node 1.  Under MultiWorkerMirroredStrategy
+    the main job's loop agrees, inside each step's all-reduce, whether every
+    worker has another batch; both stop at the step where node 1 ran out
+    (7 batches of 32 from 200 records), and node 0 drains the rest."""
+    import argparse
+
+    import numpy as np
+    from examples.fashion_mnist import data, model
+    from pyspark.sql.types import ArrayType, FloatType, LongType, StructField, StructType
+
+    spark = local_spark
+    images, labels = data.load_split("train")
+    rows = [((images[i].reshape(-1) / 255.0).astype(np.float32).tolist(), int(labels[i]))
+            for i in range(2000)]
+    schema = StructType([StructField("image", ArrayType(FloatType())),
+                         StructField("label", LongType())])
+    # partition p feeds node p % 2: 1800 records to node 0, 200 to node 1
+    skewed = spark.sparkContext.parallelize([rows[:1800], rows[1800:]], 2).flatMap(lambda r: r)
+    df = spark.createDataFrame(skewed, schema)
+    assert df.rdd.glom().map(len).collect() == [1800, 200]
+    args = argparse.Namespace(batch_size=32, learning_rate=1e-3, epochs=1, train_records=2000,
+                              model_dir=str(tmp_path / "model"), export_dir=str(tmp_path / "export"),
+                              intra_op_threads=1, inter_op_threads=1)
+    cluster = run(spark.sparkContext, model.train_spark, args, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=60)
+    try:
+        assert cluster.train(df) == 2000
+    finally:
+        cluster.shutdown(timeout=300)
+    import tensorflow as tf
+
+    final = tf.train.latest_checkpoint(str(tmp_path / "model" / "checkpoint"))
+    assert final is not None and int(final.rsplit("-", 1)[1]) == 7
+
+
+def test_node_without_a_partition_stops_instead_of_waiting(local_spark, tmp_path):
+    """One partition for two nodes: node 1 gets none, so its feed is ended and
+    its main_fun returns; node 0 gets everything."""
+    sc = local_spark.sparkContext
+    cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=60)
+    try:
+        assert cluster.train(sc.parallelize([(i, [1.0]) for i in range(500)], 1)) == 500
+    finally:
+        cluster.shutdown(timeout=60)
+    ids = {info["index"]: info["ids"] for info in read_json_files(str(tmp_path))}
+    assert sorted(ids[0]) == list(range(500)) and ids[1] == []
