@@ -1,7 +1,7 @@
 """Fashion-MNIST data: idx parsing and Spark data set-up (CSV and TFRecords).
 
-This module does not import TensorFlow at import time, so the driver stays
-light; ``to_tfrecords`` imports it inside the Spark tasks only.
+This module does not import TensorFlow: ``to_tfrecords`` writes the Examples
+with Ember's C codec (ember.tfrecord), so the data set-up needs no TensorFlow.
 
 Record layout used everywhere in the example:
     image: float32[784], pixels scaled to [0, 1]
@@ -179,59 +179,39 @@ def to_csv(sc, images, labels, out_dir, num_partitions, overwrite=True):
     return int(sum(c[2].shape[0] for c in chunks))
 
 
-def _write_tfrecord_partition(out_dir):
-    """Spark task: write this partition's chunks to out_dir/part-NNNNN.tfrecord."""
+def _expand_chunks(batches):
+    """mapInArrow: rows (images bytes, labels bytes) of whole chunks -> one row
+    per record, image array<float> scaled to [0,1] and label long."""
+    import pyarrow as pa
 
-    def write(index, chunks):
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        import tensorflow as tf  # imported in the Spark task only
-
-        os.makedirs(out_dir, exist_ok=True)
-        final = os.path.join(out_dir, f"part-{index:05d}.tfrecord")
-        tmp = os.path.join(out_dir, f".part-{index:05d}.tfrecord.tmp-{os.getpid()}")
-        count = 0
-        try:
-            with tf.io.TFRecordWriter(tmp) as writer:
-                for _, imgs, lbls in chunks:
-                    scaled = imgs.astype(np.float32) / 255.0
-                    for img, lbl in zip(scaled, lbls):
-                        example = tf.train.Example(features=tf.train.Features(feature={
-                            "image": tf.train.Feature(float_list=tf.train.FloatList(value=img.tolist())),
-                            "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(lbl)])),
-                        }))
-                        writer.write(example.SerializeToString())
-                        count += 1
-            os.replace(tmp, final)  # a partial file never has the final name
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        yield final, count
-
-    return write
+    for b in batches:
+        for imgs, lbls in zip(b.column(0).to_pylist(), b.column(1).to_pylist()):
+            x = np.frombuffer(imgs, dtype=np.uint8).astype(np.float32) / 255.0
+            y = np.frombuffer(lbls, dtype=np.int64)
+            offsets = pa.array(np.arange(0, x.size + 1, NUM_PIXELS, dtype=np.int32))
+            yield pa.RecordBatch.from_arrays(
+                [pa.ListArray.from_arrays(offsets, pa.array(x)), pa.array(y)],
+                names=["image", "label"])
 
 
 def to_tfrecords(sc, images, labels, out_dir, num_partitions, overwrite=True):
     """Write one TFRecord file per partition, out_dir/part-NNNNN.tfrecord, of
-    tf.train.Example {'image': float_list[784] in [0,1], 'label': int64_list[1]}.
+    tf.train.Example {'image': float_list[784] in [0,1], 'label': int64_list[1]},
+    with Ember's C writer (ember.tfrecord.save: each file appears atomically).
 
     out_dir must be a path every executor can write (local mode, or a shared
     file system).  Returns the total record count."""
-    local = _local_path(out_dir)
-    os.makedirs(local, exist_ok=True)
-    existing = [n for n in os.listdir(local) if n.endswith(".tfrecord")]
-    if existing:
-        if not overwrite:
-            raise FileExistsError(f"{out_dir} already holds TFRecord files")
-        for n in existing:
-            os.remove(os.path.join(local, n))
+    from pyspark.sql import SparkSession
+
+    from ember import tfrecord
+
+    spark = SparkSession.builder.getOrCreate()
     chunks = _chunks(images, labels, num_partitions)
-    written = (
-        sc.parallelize(chunks, len(chunks))
-        .mapPartitionsWithIndex(_write_tfrecord_partition(local))
-        .collect()
-    )
-    return int(sum(c for _, c in written))
+    blobs = sc.parallelize([(imgs.tobytes(), lbls.tobytes()) for _, imgs, lbls in chunks],
+                           len(chunks))
+    df = spark.createDataFrame(blobs, "images binary, labels binary") \
+        .mapInArrow(_expand_chunks, "image array<float>, label long")
+    return tfrecord.save(df, _local_path(out_dir), mode="overwrite" if overwrite else "error")
 
 
 def tfrecord_files(data_dir, split):

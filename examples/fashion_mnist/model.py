@@ -387,25 +387,15 @@ def train_spark(args, ctx):
 
 # ---------------------------------------------------------------- InputMode.TENSORFLOW
 
-def _tfrecord_dataset(tf, files, worker, workers):
-    if len(files) >= workers:
-        ds = tf.data.TFRecordDataset(files[worker::workers])
-    else:  # fewer files than workers: shard records instead
-        ds = tf.data.TFRecordDataset(files).shard(workers, worker)
-    return ds
+# Ember's C reader decodes each batch of Examples straight into these columns
+# (no tf.train.Example object per record, no parse_example graph op).
+_COLUMNS = {"image": ("float32", (NUM_PIXELS,)), "label": "int64"}
 
 
-def _parse_examples(tf):
-    spec = {
-        "image": tf.io.FixedLenFeature([NUM_PIXELS], tf.float32),
-        "label": tf.io.FixedLenFeature([1], tf.int64),
-    }
+def _count_records(files):
+    from ember import tfrecord
 
-    def parse(serialized):
-        parsed = tf.io.parse_example(serialized, spec)
-        return parsed["image"], tf.reshape(parsed["label"], [-1])
-
-    return parse
+    return sum(len(b["label"]) for b in tfrecord.reader(files, 8192, {"label": "int64"}))
 
 
 def train_tf(args, ctx):
@@ -433,20 +423,22 @@ def train_tf(args, ctx):
     else:
         num_records = _train_records(args)
         if not num_records:  # every worker counts the same files: same answer everywhere
-            num_records = int(
-                tf.data.TFRecordDataset(files)
-                .batch(4096)
-                .reduce(np.int64(0), lambda n, b: n + tf.size(b, out_type=tf.int64))
-            )
+            num_records = _count_records(files)
         spe = _steps_per_epoch(args, trainer.global_batch, int(num_records))
 
     batch_size = int(args.batch_size)
+    from ember import tfrecord
+
+    # this worker's shard (files worker::workers, or records when there are
+    # fewer files than workers), endlessly, files in a new order every pass;
+    # records are shuffled within a 10,000-record window as before
     ds = (
-        _tfrecord_dataset(tf, files, ctx.worker_num, ctx.num_workers)
-        .repeat()
+        tfrecord.dataset(files, 1024, _COLUMNS, shard=ctx, num_epochs=None,
+                         shuffle_files=True, seed=ctx.worker_num)
+        .map(lambda b: (b["image"], b["label"]))
+        .unbatch()
         .shuffle(10000, seed=ctx.worker_num)
         .batch(batch_size, drop_remainder=True)
-        .map(_parse_examples(tf), num_parallel_calls=tf.data.AUTOTUNE)
         .prefetch(tf.data.AUTOTUNE)
     )
     it = iter(ds)
