@@ -89,6 +89,10 @@ def _register(boot: Dict[str, Any], status: Any) -> Any:
         tb_fd, tb_port = _ember.reserve_port("", listen=False)
         ports.append(tb_port)
         held.append(tb_fd)
+    # the collectives' port goes last (ember.collective.trainer_addresses), listening
+    # so that peers' connections queue until this node creates its communicator
+    coll_fd, coll_port = _ember.reserve_port("", listen=True)
+    ports.append(coll_port)
     delay = _fault(boot, "delay_register")
     if delay:
         time.sleep(float(delay))
@@ -98,7 +102,7 @@ def _register(boot: Dict[str, Any], status: Any) -> Any:
                     boot["reservation_timeout"])
     status.write("registered\n")
     status.close()
-    return client, held, feed_fd
+    return client, held, feed_fd, coll_fd
 
 
 def _start_tensorboard(log_dir: str, port_fd: int, port: int) -> Any:
@@ -115,8 +119,10 @@ def _start_tensorboard(log_dir: str, port_fd: int, port: int) -> Any:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int) -> int:
+def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
+         coll_fd: int) -> int:
     from ember import _ember
+    from ember.collective import Collective, trainer_addresses
     from ember.node import NodeContext
 
     spec, pos = client.wait_spec(boot["reservation_timeout"])
@@ -136,6 +142,12 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int) -> in
         host=me["host"], ports=list(me["ports"]), input_mode=boot["input_mode"],
         working_dir=boot.get("working_dir") or os.getcwd(), nodes=nodes,
         _feed_server=feed_server, _control=client, _reserved_fds=held[:1])
+    if me["role"] in FEED_ROLES:
+        addresses = trainer_addresses(nodes)
+        ctx._collective = Collective(int(os.environ["RANK"]), addresses, boot["secret"],
+                                     listen_fd=coll_fd)
+    else:
+        os.close(coll_fd)
     tensorboard = None
     if len(held) > 1:
         log_dir = boot["log_dir"]
@@ -153,6 +165,8 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int) -> in
         text = "" if code == 0 else f"{name}: main_fun called sys.exit({exc.code!r})"
     except BaseException:
         code, text = 1, f"{name}: main_fun raised:\n{traceback.format_exc()}"
+    if ctx._collective is not None:
+        ctx._collective.close()  # peers still in a collective fail now, not at their timeout
     sys.stdout.flush()
     sys.stderr.flush()
     client.report("done" if code == 0 else "failed", code, text, 30.0)

@@ -254,6 +254,7 @@ class NodeContext:
     _control: Any = None
     _reserved_fds: List[int] = field(default_factory=list)
     _feed: Optional[DataFeed] = None
+    _collective: Any = None  # ember.collective.Collective on chief/worker nodes
 
     @property
     def framework_port(self) -> int:
@@ -284,6 +285,33 @@ class NodeContext:
         """Sends a progress line to the driver, which prints it with the node's name."""
         if self._control is not None:
             self._control.report("progress", 0, text, 10.0)
+
+    # -- collectives (ember.collective) -----------------------------------------
+    @property
+    def collective(self) -> Any:
+        """This node's :class:`ember.collective.Collective` (``.rank``, ``.size``):
+        the chief and workers, in ``RANK`` order, over a port reserved at start."""
+        if self._collective is None:
+            raise RuntimeError(f"{self.job_name}:{self.task_index} takes no part in "
+                               "collectives: only chief and worker nodes do")
+        return self._collective
+
+    def allreduce(self, array: Any, op: str = "sum", timeout: Optional[float] = None) -> Any:
+        """Reduces a numpy array over all chief/worker nodes, in place
+        (``op``: "sum", "avg", "min", "max"); see :mod:`ember.collective`."""
+        return self.collective.allreduce(array, op, timeout)
+
+    def broadcast(self, array: Any, root: int = 0, timeout: Optional[float] = None) -> Any:
+        """Copies rank ``root``'s numpy array into ``array`` on every node, in place."""
+        return self.collective.broadcast(array, root, timeout)
+
+    def allgather(self, array: Any, timeout: Optional[float] = None) -> Any:
+        """Every node's ``array`` stacked in rank order: shape ``(size, *array.shape)``."""
+        return self.collective.allgather(array, timeout)
+
+    def barrier(self, timeout: Optional[float] = None) -> None:
+        """Returns once every chief/worker node has entered the barrier."""
+        self.collective.barrier(timeout)
 
     def release_port(self) -> None:
         """Closes Ember's hold on the framework port.

@@ -72,7 +72,7 @@ def test_reservation_assigns_roles_and_tf_config(local_spark, tmp_path, n):
             assert info["torch_env"]["RANK"] is None
     # ports are distinct per node and were really reserved
     ports = [p for i in infos for p in i["ports"]]
-    assert len(ports) == len(set(ports)) == 2 * n
+    assert len(ports) == len(set(ports)) == 3 * n  # framework, feed, collectives
 
 
 def test_node_exception_is_raised_on_driver(local_spark, tmp_path):

@@ -1,0 +1,194 @@
+"""Collectives between the chief and worker nodes of a cluster, on numpy arrays.
+
+Inside ``main_fun(args, ctx)``::
+
+    grads = np.asarray(...)                  # float32/float64/int32/int64
+    ctx.allreduce(grads, op="avg")           # in place, same result on every node
+    ctx.broadcast(weights, root=0)           # in place, root's values everywhere
+    table = ctx.allgather(counts)            # shape (size, *counts.shape)
+    ctx.barrier()
+
+The ranks are the fed nodes (chief first, then the workers by task index: the
+same order as ``RANK`` in the environment, which ``torch.distributed`` reads).
+Each node reserves a port for the collectives when it registers; the
+communicator (``ember._ember.Communicator``: ring / recursive doubling, shared
+memory between nodes on one host, TCP otherwise, authenticated with the job
+secret) is created on the first collective call, which every rank makes, and
+closed when ``main_fun`` returns.  The C calls run with the GIL released and
+read and write the arrays' memory directly.
+
+A dead peer makes the call fail at once, a silent one after ``timeout``
+seconds, with :class:`ember._ember.EmberError` naming the rank; after any
+failure the communicator stays broken (every later call raises), as the other
+ranks cannot know how far this one got.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from ember import _ember
+
+__all__ = ["Collective", "trainer_addresses", "DEFAULT_TIMEOUT"]
+
+#: Default seconds for the connection of all ranks and for each collective call
+#: (``EMBER_COLLECTIVE_TIMEOUT`` overrides it).
+DEFAULT_TIMEOUT = 600.0
+
+_FEED_ROLES = ("chief", "worker")
+_DTYPES = (np.float32, np.float64, np.int32, np.int64)
+_OPS = ("sum", "avg", "min", "max")
+
+
+def trainer_addresses(nodes: List[Dict[str, Any]]) -> List[str]:
+    """``host:port`` of every fed node's collective port, in rank order.
+
+    Each node registers its collective port last in its ``ports`` (after the
+    framework, feed and optional TensorBoard ports); see ``ember._trainer``."""
+    trainers = [n for n in nodes if n["role"] in _FEED_ROLES]
+    trainers.sort(key=lambda n: (n["role"] != "chief", n["task_index"]))
+    return [_address(n["host"], n["ports"][-1]) for n in trainers]
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _timeout_default() -> float:
+    value = os.environ.get("EMBER_COLLECTIVE_TIMEOUT", "")
+    if not value:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"EMBER_COLLECTIVE_TIMEOUT must be a number of seconds, "
+                         f"got {value!r}") from None
+    if seconds <= 0:
+        raise ValueError(f"EMBER_COLLECTIVE_TIMEOUT must be positive, got {value!r}")
+    return seconds
+
+
+def _check_array(array: Any, what: str, dtypes: bool = True) -> np.ndarray:
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{what} takes a numpy array, not {type(array).__name__} "
+                        "(torch: tensor.numpy() of a CPU tensor)")
+    if not array.flags.writeable:
+        raise ValueError(f"{what} works in place: the array is read-only")
+    if not (array.flags.c_contiguous or array.flags.f_contiguous):
+        raise ValueError(f"{what} works in place on contiguous memory: this array of shape "
+                         f"{array.shape} is a strided view (use np.ascontiguousarray and "
+                         "copy the result back)")
+    if dtypes and array.dtype.type not in _DTYPES:
+        raise TypeError(f"{what} supports float32, float64, int32 and int64 arrays, "
+                        f"not {array.dtype}")
+    if dtypes and not array.dtype.isnative:
+        raise TypeError(f"{what} needs native byte order, not {array.dtype.str}")
+    return array
+
+
+class Collective:
+    """The communicator of one rank, created on first use.
+
+    Built by the node process (``ctx.collective``); tests and tools can build
+    one from addresses and an already bound socket (``listen_fd``, taken over).
+    """
+
+    def __init__(self, rank: int, addresses: List[str], secret: bytes,
+                 listen_fd: int = -1, timeout: Optional[float] = None,
+                 tcp_only: bool = False) -> None:
+        if not 0 <= rank < len(addresses):
+            raise ValueError(f"rank {rank} is not in 0..{len(addresses) - 1}")
+        self.rank = rank
+        self.size = len(addresses)
+        self.addresses = list(addresses)
+        self.timeout = _timeout_default() if timeout is None else float(timeout)
+        self._secret = secret
+        self._listen_fd = listen_fd
+        self._tcp_only = tcp_only
+        self._comm: Any = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # -- lifetime -----------------------------------------------------------
+    def communicator(self) -> Any:
+        """The ``_ember.Communicator``, connecting to every rank on first call
+        (a collective step: every rank must reach it within ``timeout``)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"rank {self.rank}: the collective is closed "
+                                   "(main_fun returned)")
+            if self._comm is None:
+                fd, self._listen_fd = self._listen_fd, -1
+                self._comm = _ember.Communicator(self.rank, self.addresses, self._secret,
+                                                 self.timeout, listen_fd=fd,
+                                                 tcp_only=self._tcp_only)
+            return self._comm
+
+    @property
+    def connected(self) -> bool:
+        """True once the communicator has been created."""
+        return self._comm is not None
+
+    def close(self) -> None:
+        """Leaves the group: a call in flight on another thread fails, peers see
+        this rank go.  Idempotent."""
+        with self._lock:
+            self._closed = True
+            comm, self._comm = self._comm, None
+            fd, self._listen_fd = self._listen_fd, -1
+        if comm is not None:
+            comm.close()
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> "Collective":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- collectives --------------------------------------------------------
+    def allreduce(self, array: np.ndarray, op: str = "sum",
+                  timeout: Optional[float] = None) -> np.ndarray:
+        """Reduces ``array`` elementwise over all ranks, in place; returns it.
+
+        :param array: a C-contiguous, writable float32/float64/int32/int64
+            array of the same shape on every rank.
+        :param op: ``"sum"``, ``"avg"`` (integer avg truncates toward zero),
+            ``"min"`` or ``"max"``.  Every rank gets bit-identical results.
+        :param timeout: seconds; None for the collective's default.
+        """
+        if op not in _OPS:
+            raise ValueError(f"op must be one of {', '.join(map(repr, _OPS))}, not {op!r}")
+        _check_array(array, "allreduce")
+        self.communicator().allreduce(array, op, timeout)
+        return array
+
+    def broadcast(self, array: np.ndarray, root: int = 0,
+                  timeout: Optional[float] = None) -> np.ndarray:
+        """Copies rank ``root``'s ``array`` into ``array`` on every rank, in place.
+
+        Any dtype; the array must have the same size in bytes on every rank."""
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ValueError(f"root must be a rank in 0..{self.size - 1}, not {root!r}")
+        _check_array(array, "broadcast", dtypes=False)
+        self.communicator().broadcast(array, int(root), timeout)
+        return array
+
+    def allgather(self, array: np.ndarray, timeout: Optional[float] = None) -> np.ndarray:
+        """Returns a new array of shape ``(size, *array.shape)``: row ``r`` is
+        rank ``r``'s ``array`` (same shape and dtype on every rank)."""
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"allgather takes a numpy array, not {type(array).__name__}")
+        send = np.ascontiguousarray(array)
+        out = np.empty((self.size,) + send.shape, dtype=send.dtype)
+        self.communicator().allgather(send, out, timeout)
+        return out
+
+    def barrier(self, timeout: Optional[float] = None) -> None:
+        """Returns once every rank has entered the barrier."""
+        self.communicator().barrier(timeout)
