@@ -84,6 +84,7 @@ struct ember_tfr_reader {
   size_t mem_len, mem_pos;
   ember_read_fn fn;
   void *opaque;
+  void (*release)(void *); /* owned opaque: freed at destroy */
 
   int compression;
   uint32_t flags;
@@ -256,8 +257,29 @@ int ember_tfr_reader_open_fn(ember_tfr_reader **out, ember_read_fn fn, void *opa
   return reader_finish_open(out, r);
 }
 
+int ember_tfr_reader_open_owned(ember_tfr_reader **out, ember_read_fn fn, void *opaque,
+                                void (*release)(void *), const char *name,
+                                const ember_tfr_options *opt) {
+  if (out == NULL || fn == NULL) {
+    if (release) release(opaque);
+    return ember__set_error(EMBER_EINVAL, "TFRecord reader: NULL read function");
+  }
+  ember_tfr_reader *r;
+  int rc = reader_new(&r, name, "<stream>", opt);
+  if (rc != EMBER_OK) {
+    if (release) release(opaque);
+    return rc;
+  }
+  r->src = SRC_FN;
+  r->fn = fn;
+  r->opaque = opaque;
+  r->release = release; /* from here on, destroy (also in finish_open) releases */
+  return reader_finish_open(out, r);
+}
+
 void ember_tfr_reader_destroy(ember_tfr_reader *r) {
   if (r == NULL) return;
+  if (r->release) r->release(r->opaque);
   if (r->z_inited) inflateEnd(&r->z);
   if (r->own_fd && r->fd >= 0) close(r->fd);
   if (r->own_buf) free(r->buf);
@@ -540,12 +562,16 @@ int ember_tfr_reader_next(ember_tfr_reader *r, const uint8_t **data, size_t *len
 
 /* ================================================================ writer */
 
-enum { DST_FD = 1, DST_MEM = 2 };
+enum { DST_FD = 1, DST_MEM = 2, DST_FN = 3 };
 
 struct ember_tfr_writer {
   char *name;
   int dst;
   int fd, own_fd;
+  ember_write_fn wfn; /* DST_FN sink */
+  int (*finish)(void *);
+  void (*release)(void *);
+  void *opaque;
   int compression;
   z_stream z;
   int z_inited;
@@ -628,8 +654,28 @@ int ember_tfr_writer_open_mem(ember_tfr_writer **out, int compression, int level
   return writer_new(out, NULL, DST_MEM, compression, level);
 }
 
+int ember_tfr_writer_open_fn(ember_tfr_writer **out, ember_write_fn write,
+                             int (*finish)(void *), void (*release)(void *), void *opaque,
+                             const char *name, int compression, int level) {
+  if (out == NULL || write == NULL) {
+    if (release) release(opaque);
+    return ember__set_error(EMBER_EINVAL, "TFRecord writer: NULL write function");
+  }
+  int rc = writer_new(out, name ? name : "<sink>", DST_FN, compression, level);
+  if (rc != EMBER_OK) {
+    if (release) release(opaque);
+    return rc;
+  }
+  (*out)->wfn = write;
+  (*out)->finish = finish;
+  (*out)->release = release;
+  (*out)->opaque = opaque;
+  return EMBER_OK;
+}
+
 void ember_tfr_writer_destroy(ember_tfr_writer *w) {
   if (w == NULL) return;
+  if (w->release) w->release(w->opaque);
   if (w->z_inited) deflateEnd(&w->z);
   if (w->own_fd && w->fd >= 0) close(w->fd);
   free(w->buf);
@@ -641,6 +687,16 @@ uint64_t ember_tfr_writer_records(const ember_tfr_writer *w) { return w->records
 uint64_t ember_tfr_writer_bytes(const ember_tfr_writer *w) { return w->bytes; }
 
 static int write_all(ember_tfr_writer *w, const uint8_t *p, size_t n) {
+  if (w->dst == DST_FN) {
+    ember_clear_error();
+    int rc = w->wfn(w->opaque, p, n);
+    if (rc != EMBER_OK) {
+      if (ember_last_error()[0] == '\0') ember__set_error(rc, "write %s: %s", w->name, ember_strerror(rc));
+      return rc;
+    }
+    w->bytes += n;
+    return EMBER_OK;
+  }
   while (n > 0) {
     ssize_t k = write(w->fd, p, n > (1u << 30) ? (1u << 30) : n);
     if (k < 0) {
@@ -763,6 +819,19 @@ int ember_tfr_writer_close(ember_tfr_writer *w) {
     int fd = w->fd;
     w->fd = -1;
     if (close(fd) != 0 && errno != EINTR) rc = ember__set_errno(EMBER_EIO, errno, "close %s", w->name);
+  }
+  if (rc == EMBER_OK && w->dst == DST_FN) {
+    /* the sink is finished (and no longer ours to release) whatever happens */
+    int (*finish)(void *) = w->finish;
+    void *opaque = w->opaque;
+    w->release = NULL;
+    w->finish = NULL;
+    if (finish != NULL) {
+      ember_clear_error();
+      rc = finish(opaque);
+      if (rc != EMBER_OK && ember_last_error()[0] == '\0')
+        ember__set_error(rc, "close %s: %s", w->name, ember_strerror(rc));
+    }
   }
   if (rc != EMBER_OK) return wfail(w, rc);
   w->closed = 1;

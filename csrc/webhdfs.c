@@ -645,17 +645,18 @@ static int check_location(const endpoint *ep, const char *op, const reply *r) {
 
 /* A metadata request answered with JSON by the NameNode: 200 expected.
  * Retries transport failures and 5xx like reads do.  *out is the parsed
- * reply (free with ember__json_free). */
+ * reply (free with ember__json_free); out NULL: the body is not parsed. */
 static int json_call(endpoint *ep, const char *method, const char *op, const char *extra,
                      ember__json **out) {
   sink s = {0};
   reply r = {0};
   int rc = EMBER_OK, retry = 0;
-  *out = NULL;
+  if (out != NULL) *out = NULL;
   s.mode = SINK_JSON;
   for (int attempt = 0;; attempt++) {
     rc = nn_request(ep, method, op, extra, T_TOTAL, &s, &r, &retry);
     if (rc == EMBER_OK) {
+      if (r.status == 200 && out == NULL) break; /* no body expected */
       if (r.status == 200) {
         rc = ember__json_parse(s.json.p ? s.json.p : "", s.json.len, 32, out);
         if (rc != EMBER_OK)
@@ -823,6 +824,63 @@ int ember_webhdfs_delete(const char *url, int recursive, const ember_webhdfs_opt
       *deleted = b->kind == EMBER__JSON_TRUE;
   }
   ember__json_free(j);
+  ep_free(&ep);
+  return rc;
+}
+
+int ember_webhdfs_rename(const char *src, const char *dst, int flags,
+                         const ember_webhdfs_opts *opts) {
+  endpoint ep;
+  int rc = ep_init(&ep, src, opts);
+  if (rc != EMBER_OK) goto done;
+  if (dst == NULL) {
+    rc = ember__set_error(EMBER_EINVAL, "webhdfs RENAME %s: NULL destination", ep.display);
+    goto done;
+  }
+  const char *dpath = dst;
+  const char *sep = strstr(dst, "://");
+  if (sep != NULL) {
+    /* a URL: same scheme and authority as src (or none), then its path */
+    const char *sauth = strstr(ep.display, "://");
+    size_t dlen = strcspn(sep + 3, "/"), slen = sauth ? strcspn(sauth + 3, "/") : 0;
+    size_t dscheme = (size_t)(sep - dst), sscheme = sauth ? (size_t)(sauth - ep.display) : 0;
+    if (dscheme != sscheme || memcmp(dst, ep.display, dscheme) != 0 ||
+        (dlen != 0 && (dlen != slen || memcmp(sep + 3, sauth + 3, dlen) != 0))) {
+      rc = ember__set_error(EMBER_EINVAL, "webhdfs RENAME %s: destination '%s' is on another "
+                            "file system", ep.display, dst);
+      goto done;
+    }
+    dpath = sep + 3 + dlen;
+  }
+  if (dpath[0] != '/') {
+    rc = ember__set_error(EMBER_EINVAL, "webhdfs RENAME %s: destination '%s' is not an "
+                          "absolute path", ep.display, dst);
+    goto done;
+  }
+  for (const char *c = dpath; *c; c++)
+    if ((unsigned char)*c < 0x20 || *c == 0x7f) {
+      rc = ember__set_error(EMBER_EINVAL, "webhdfs RENAME %s: control character in "
+                            "destination", ep.display);
+      goto done;
+    }
+  if (strlen(dpath) > URL_MAX / 4) {
+    rc = ember__set_error(EMBER_EINVAL, "webhdfs RENAME %s: destination too long", ep.display);
+    goto done;
+  }
+  sbuf extra = {0};
+  sb_str(&extra, "&destination=");
+  sb_pct(&extra, dpath, 1);
+  sb_str(&extra, (flags & EMBER_WEBHDFS_OVERWRITE) ? "&renameoptions=OVERWRITE"
+                                                    : "&renameoptions=NONE");
+  if (extra.oom) {
+    free(extra.p);
+    rc = ember__set_error(EMBER_ENOMEM, "webhdfs: out of memory");
+    goto done;
+  }
+  /* with renameoptions the NameNode runs rename2 and answers 200, no body */
+  rc = json_call(&ep, "PUT", "RENAME", extra.p, NULL);
+  free(extra.p);
+done:
   ep_free(&ep);
   return rc;
 }
@@ -1132,4 +1190,34 @@ int ember_webhdfs_write_file(const char *url, const void *data, size_t len, int 
     return rc;
   }
   return ember_webhdfs_writer_close(w);
+}
+
+/* ================================================================ TFRecord */
+
+static void file_release(void *f) { ember_webhdfs_close(f); }
+
+int ember_webhdfs_tfr_reader_open(ember_tfr_reader **out, const char *url,
+                                  const ember_webhdfs_opts *opts,
+                                  const ember_tfr_options *tfr_opts) {
+  *out = NULL;
+  ember_webhdfs_file *f;
+  int rc = ember_webhdfs_open(&f, url, opts);
+  if (rc != EMBER_OK) return rc;
+  return ember_tfr_reader_open_owned(out, ember_webhdfs_read, f, file_release, url, tfr_opts);
+}
+
+static int sink_write(void *w, const void *buf, size_t n) {
+  return ember_webhdfs_writer_write(w, buf, n);
+}
+static int sink_finish(void *w) { return ember_webhdfs_writer_close(w); }
+static void sink_release(void *w) { ember_webhdfs_writer_destroy(w); }
+
+int ember_webhdfs_tfr_writer_open(ember_tfr_writer **out, const char *url, int flags,
+                                  const ember_webhdfs_opts *opts, int compression, int level) {
+  *out = NULL;
+  ember_webhdfs_writer *w;
+  int rc = ember_webhdfs_writer_create(&w, url, flags, opts);
+  if (rc != EMBER_OK) return rc;
+  return ember_tfr_writer_open_fn(out, sink_write, sink_finish, sink_release, w, url,
+                                  compression, level);
 }

@@ -54,7 +54,8 @@ typedef struct {
   int standby;       /* every NameNode request: 403 StandbyException */
   int shrink_to;     /* >= 0: after GETFILESTATUS, files shrink to this */
   /* what happened */
-  int nn_requests, dn_requests, creates, appends;
+  int nn_requests, dn_requests, creates, appends, renames;
+  char last_rename_opts[32];
   long dn_offsets[MAX_LOG];
   int ndn;
   char last_user[64];
@@ -358,6 +359,35 @@ static void handle(server *s, int fd) {
     add_file(s, p2, "", 0);
     pthread_mutex_unlock(&s->mu);
     respond_json(fd, 200, "OK", "{\"boolean\":true}");
+  } else if (strcmp(op, "RENAME") == 0) {
+    /* rename2: a file only here; dst's parent must exist */
+    char dst[250], ro[32], parent[250];
+    param(q ? q + 1 : "", "destination", dst, sizeof dst);
+    param(q ? q + 1 : "", "renameoptions", ro, sizeof ro);
+    s->renames++;
+    snprintf(s->last_rename_opts, sizeof s->last_rename_opts, "%s", ro);
+    snprintf(parent, sizeof parent, "%s", dst);
+    char *slash = strrchr(parent, '/');
+    if (slash != NULL) *(slash == parent ? slash + 1 : slash) = '\0';
+    sfile *d = find_file(s, dst);
+    if (f == NULL || !is_dir(s, parent)) {
+      pthread_mutex_unlock(&s->mu);
+      remote_exc(fd, 404, "Not Found", "FileNotFoundException",
+                 f == NULL ? "rename source not found" : "rename destination parent not found");
+    } else if (d != NULL && strcmp(ro, "OVERWRITE") != 0) {
+      pthread_mutex_unlock(&s->mu);
+      remote_exc(fd, 403, "Forbidden", "FileAlreadyExistsException",
+                 "rename destination already exists");
+    } else {
+      if (d != NULL) {
+        free(d->data);
+        *d = s->files[--s->nfiles];
+        f = find_file(s, path); /* the array moved */
+      }
+      snprintf(f->path, sizeof f->path, "%s", dst);
+      pthread_mutex_unlock(&s->mu);
+      respond(fd, 200, "OK", "Content-Type: application/octet-stream\r\n", NULL, 0);
+    }
   } else if (strcmp(op, "DELETE") == 0) {
     int removed = 0;
     size_t pn = strlen(path);
@@ -1034,6 +1064,106 @@ TEST(tfrecord_reader_over_webhdfs) {
   server_stop(&s);
 }
 
+/* ================================================================ rename, TFRecord writer */
+
+TEST(rename_file_atomically) {
+  server s;
+  server_start(&s);
+  add_file(&s, "/out/_temporary/part-0-attempt", "abc", 3);
+  add_file(&s, "/out/old", "zz", 2);
+  char src[256], dst_url[256];
+  ember_webhdfs_opts o = quick_opts(0);
+  web_url(src, sizeof src, &s, "/out/_temporary/part-0-attempt");
+  /* a path destination, never "move into" (renameoptions is always sent) */
+  CHECK_OK(ember_webhdfs_rename(src, "/out/part-00000", 0, &o));
+  CHECK(strcmp(s.last_rename_opts, "NONE") == 0);
+  CHECK(find_file(&s, "/out/_temporary/part-0-attempt") == NULL);
+  sfile *f = find_file(&s, "/out/part-00000");
+  CHECK(f != NULL && f->len == 3 && memcmp(f->data, "abc", 3) == 0);
+  /* the source is gone now: not found, naming it */
+  CHECK_EQ_INT(ember_webhdfs_rename(src, "/out/part-00001", 0, &o), EMBER_ENOTFOUND);
+  CHECK(strstr(ember_last_error(), "RENAME") && strstr(ember_last_error(), "part-0-attempt"));
+  /* an existing destination: refused without OVERWRITE, replaced with it */
+  web_url(src, sizeof src, &s, "/out/part-00000");
+  web_url(dst_url, sizeof dst_url, &s, "/out/old");
+  CHECK_EQ_INT(ember_webhdfs_rename(src, dst_url, 0, &o), EMBER_EINVAL);
+  CHECK(strstr(ember_last_error(), "already exists") != NULL);
+  CHECK(find_file(&s, "/out/old")->len == 2);
+  CHECK_OK(ember_webhdfs_rename(src, dst_url, EMBER_WEBHDFS_OVERWRITE, &o));
+  CHECK(strcmp(s.last_rename_opts, "OVERWRITE") == 0);
+  CHECK(find_file(&s, "/out/old")->len == 3 && find_file(&s, "/out/part-00000") == NULL);
+  /* a missing parent, another file system, a relative path */
+  web_url(src, sizeof src, &s, "/out/old");
+  CHECK_EQ_INT(ember_webhdfs_rename(src, "/nowhere/x", 0, &o), EMBER_ENOTFOUND);
+  int before = s.renames;
+  CHECK_EQ_INT(ember_webhdfs_rename(src, "webhdfs://10.0.0.1:1/x", 0, &o), EMBER_EINVAL);
+  CHECK(strstr(ember_last_error(), "another file system") != NULL);
+  CHECK_EQ_INT(ember_webhdfs_rename(src, "rel/x", 0, &o), EMBER_EINVAL);
+  CHECK_EQ_INT(ember_webhdfs_rename(src, NULL, 0, &o), EMBER_EINVAL);
+  CHECK_EQ_INT(s.renames, before); /* refused before any request */
+  server_stop(&s);
+}
+
+/* TFRecords streamed to WebHDFS by the C writer (GZIP, in CREATE + APPEND
+ * chunks), then read back by the reader that owns its file. */
+TEST(tfrecord_writer_and_reader_over_webhdfs) {
+  server s;
+  server_start(&s);
+  char url[256];
+  web_url(url, sizeof url, &s, "/data/_temporary/w.tfrecord.gz");
+  ember_webhdfs_opts o = quick_opts(64 << 10);
+  ember_tfr_writer *w;
+  CHECK_OK(ember_webhdfs_tfr_writer_open(&w, url, 0, &o, EMBER_TFR_GZIP, 1));
+  char rec[96];
+  uint8_t noise[64];
+  for (int i = 0; i < 16000; i++) { /* ~1.3 MB: past the writer's 1 MiB staging */
+    fill_pattern(noise, sizeof noise, (uint32_t)i); /* incompressible: several chunks */
+    int n = snprintf(rec, sizeof rec, "record %d ", i);
+    memcpy(rec + n, noise, 64);
+    CHECK_OK(ember_tfr_writer_write(w, rec, (size_t)n + 64));
+  }
+  CHECK(find_file(&s, "/data/_temporary/w.tfrecord.gz") != NULL); /* streamed, not at close */
+  CHECK_OK(ember_tfr_writer_close(w));
+  CHECK(s.creates == 1 && s.appends >= 10);
+  ember_tfr_writer_destroy(w);
+  CHECK_OK(ember_webhdfs_rename(url, "/data/part-00000.tfrecord.gz", 0, &o));
+  web_url(url, sizeof url, &s, "/data/part-00000.tfrecord.gz");
+  ember_tfr_options to = {EMBER_TFR_GZIP, 0, 0, 1000};
+  ember_tfr_reader *r;
+  CHECK_OK(ember_webhdfs_tfr_reader_open(&r, url, &o, &to));
+  const uint8_t *d;
+  size_t n;
+  int count = 0, rc;
+  while ((rc = ember_tfr_reader_next(r, &d, &n)) == 1) {
+    fill_pattern(noise, sizeof noise, (uint32_t)count);
+    int k = snprintf(rec, sizeof rec, "record %d ", count);
+    CHECK(n == (size_t)k + 64 && memcmp(d, rec, (size_t)k) == 0 && memcmp(d + k, noise, 64) == 0);
+    count++;
+  }
+  CHECK_EQ_INT(rc, 0);
+  CHECK_EQ_INT(count, 16000);
+  ember_tfr_reader_destroy(r); /* closes the WebHDFS file (ASan: no leak) */
+  /* a missing file fails at open, naming it; nothing leaks */
+  web_url(url, sizeof url, &s, "/data/missing");
+  CHECK_EQ_INT(ember_webhdfs_tfr_reader_open(&r, url, &o, &to), EMBER_ENOTFOUND);
+  CHECK(r == NULL && strstr(ember_last_error(), "/data/missing") != NULL);
+  /* a writer dropped without close leaves no complete-looking file behind
+   * only if nothing was flushed: here the one chunk was never sent */
+  web_url(url, sizeof url, &s, "/data/_temporary/dropped");
+  CHECK_OK(ember_webhdfs_tfr_writer_open(&w, url, 0, &o, EMBER_TFR_PLAIN, -1));
+  CHECK_OK(ember_tfr_writer_write(w, "x", 1));
+  ember_tfr_writer_destroy(w);
+  CHECK(find_file(&s, "/data/_temporary/dropped") == NULL);
+  /* an upload that fails at close reports it from close */
+  web_url(url, sizeof url, &s, "/data/part-00000.tfrecord.gz"); /* exists, no OVERWRITE */
+  CHECK_OK(ember_webhdfs_tfr_writer_open(&w, url, 0, &o, EMBER_TFR_PLAIN, -1));
+  CHECK_OK(ember_tfr_writer_write(w, "x", 1));
+  CHECK_EQ_INT(ember_tfr_writer_close(w), EMBER_EINVAL);
+  CHECK(strstr(ember_last_error(), "already exists") != NULL);
+  ember_tfr_writer_destroy(w);
+  server_stop(&s);
+}
+
 RUN_TESTS(T(json_parses_webhdfs_replies), T(json_rejects_malformed),
           T(hadoop_conf_parses_site_files), T(read_in_ranges),
           T(resume_after_lost_datanode_connection), T(gives_up_after_retries),
@@ -1041,4 +1171,5 @@ RUN_TESTS(T(json_parses_webhdfs_replies), T(json_rejects_malformed),
           T(protocol_violations), T(bad_urls), T(namenode_from_hadoop_conf_dir),
           T(ha_nameservice_skips_the_standby), T(list_directory_of_part_files),
           T(mkdirs_and_delete), T(write_small_file_is_one_create),
-          T(writer_creates_then_appends), T(tfrecord_reader_over_webhdfs))
+          T(writer_creates_then_appends), T(tfrecord_reader_over_webhdfs),
+          T(rename_file_atomically), T(tfrecord_writer_and_reader_over_webhdfs))

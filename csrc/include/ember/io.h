@@ -29,6 +29,11 @@ extern "C" {
    (with the last-error message set). */
 typedef int64_t (*ember_read_fn)(void *opaque, void *buf, size_t n);
 
+/* The other direction, for writers (e.g. ember_tfr_writer_open_fn): takes
+   all n bytes of buf, or fails with a negative EMBER_E* code (and the
+   last-error message set).  Returns 0 on success.  Same threading rule. */
+typedef int (*ember_write_fn)(void *opaque, const void *buf, size_t n);
+
 #ifdef __cplusplus
 }
 #endif

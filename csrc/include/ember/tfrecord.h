@@ -94,6 +94,11 @@ int ember_tfr_reader_open_mem(ember_tfr_reader **out, const void *buf, size_t le
 /* Reads from fn(opaque, ...) (io.h); the reader does not own opaque. */
 int ember_tfr_reader_open_fn(ember_tfr_reader **out, ember_read_fn fn, void *opaque,
                              const char *name, const ember_tfr_options *opt);
+/* As ember_tfr_reader_open_fn, but the reader owns opaque: release(opaque)
+ * runs when the reader is destroyed, and also here when the open fails. */
+int ember_tfr_reader_open_owned(ember_tfr_reader **out, ember_read_fn fn, void *opaque,
+                                void (*release)(void *), const char *name,
+                                const ember_tfr_options *opt);
 
 /* Reads the next record: returns 1 with *data and *len set (valid until the next
  * call on r), 0 at the clean end of the input, or a negative status. */
@@ -116,6 +121,16 @@ int ember_tfr_writer_open_path(ember_tfr_writer **out, const char *path,
                                int compression, int level);
 /* Writes into memory; get the bytes with ember_tfr_writer_mem after close. */
 int ember_tfr_writer_open_mem(ember_tfr_writer **out, int compression, int level);
+/* Writes through a sink (io.h), e.g. an HDFS upload: write(opaque, ...)
+ * takes the bytes as they are produced (in chunks of up to 1 MiB);
+ * ember_tfr_writer_close then calls finish(opaque) (may be NULL), whose
+ * status becomes close's (it completes the sink: the output is whole only
+ * if close returns EMBER_OK).  The writer owns opaque: destroy calls
+ * release(opaque) (may be NULL) unless finish was called; so does a failed
+ * open.  name (copied) names the sink in errors. */
+int ember_tfr_writer_open_fn(ember_tfr_writer **out, ember_write_fn write,
+                             int (*finish)(void *), void (*release)(void *), void *opaque,
+                             const char *name, int compression, int level);
 
 /* Appends one record (len <= EMBER_TFR_ABSOLUTE_MAX_RECORD). */
 int ember_tfr_writer_write(ember_tfr_writer *w, const void *data, size_t len);

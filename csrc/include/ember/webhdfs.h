@@ -59,6 +59,7 @@
 #include <stdint.h>
 
 #include "ember/io.h"
+#include "ember/tfrecord.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -153,6 +154,17 @@ int ember_webhdfs_mkdirs(const char *url, const ember_webhdfs_opts *opts);
 int ember_webhdfs_delete(const char *url, int recursive, const ember_webhdfs_opts *opts,
                          int *deleted);
 
+/* RENAME src (a URL) to dst: an absolute path on the same file system, or
+ * a URL naming it (its path is used; the authority must be src's).  HDFS's
+ * rename2 semantics (WebHDFS renameoptions), never "move into": without
+ * EMBER_WEBHDFS_OVERWRITE an existing dst is an error (EMBER_EINVAL,
+ * "already exists"); with it a file or empty directory at dst is replaced
+ * atomically.  dst's parent must exist (EMBER_ENOTFOUND otherwise, as for
+ * a missing src).  A rename retried after a lost reply may find src gone
+ * (EMBER_ENOTFOUND): callers that retry check dst. */
+int ember_webhdfs_rename(const char *src, const char *dst, int flags,
+                         const ember_webhdfs_opts *opts);
+
 /* ------------------------------------------------------------ writing */
 
 #define EMBER_WEBHDFS_OVERWRITE 1
@@ -177,6 +189,23 @@ void ember_webhdfs_writer_destroy(ember_webhdfs_writer *w);
 /* Writes data[0..len) as the whole file url (writer_create + write + close). */
 int ember_webhdfs_write_file(const char *url, const void *data, size_t len, int flags,
                              const ember_webhdfs_opts *opts);
+
+/* ------------------------------------------------------------ TFRecord */
+
+/* A TFRecord reader (tfrecord.h) over ember_webhdfs_open(url): ranged,
+ * resumed reads; the reader owns the file (destroy closes it).  Errors name
+ * the URL.  Blocks for the open's GETFILESTATUS. */
+int ember_webhdfs_tfr_reader_open(ember_tfr_reader **out, const char *url,
+                                  const ember_webhdfs_opts *opts,
+                                  const ember_tfr_options *tfr_opts);
+
+/* A TFRecord writer streaming to url through an ember_webhdfs_writer
+ * (flags as for ember_webhdfs_writer_create): ember_tfr_writer_close sends
+ * the rest and completes the file; destroy without a successful close
+ * leaves whatever chunks were sent (write to a temporary name and
+ * ember_webhdfs_rename it for atomicity). */
+int ember_webhdfs_tfr_writer_open(ember_tfr_writer **out, const char *url, int flags,
+                                  const ember_webhdfs_opts *opts, int compression, int level);
 
 #ifdef __cplusplus
 }
