@@ -1,0 +1,453 @@
+"""Spark ML pipeline stages: an Estimator that trains on an Ember cluster, a
+Model that runs distributed batched inference (TensorFlowOnSpark's
+``pipeline.TFEstimator`` / ``pipeline.TFModel``, SPARK-22658).
+
+The 5-line version::
+
+    from ember.ml import EmberEstimator
+    est = (EmberEstimator(train_fn, {"learning_rate": 1e-3})
+           .setInputMapping({"image": "image", "label": "label"})
+           .setClusterSize(2).setEpochs(3).setModelDir(d).setExportDir(d + "/export"))
+    model = est.fit(train_df).setOutputMapping({"classes": "prediction"})
+    model.transform(test_df)                      # test_df + a "prediction" column
+
+``fit(df)`` selects the InputMapping's columns (renamed to their input
+names, in the order of the sorted column names, as TensorFlowOnSpark fed
+them), starts ``ember.spark.run(sc, train_fn, args, ClusterSize, ...)``, feeds
+the columns with ``cluster.train(df, Epochs)`` (Arrow batches, through
+Ember's feed), shuts the cluster down and returns an :class:`EmberModel` over
+ExportDir.  ``train_fn(args, ctx)`` gets ``tf_args`` with every Param merged
+in under its snake_case name (``batch_size``, ``epochs``, ``steps``,
+``model_dir``, ``export_dir``, ``input_mapping``, ...).
+
+``EmberModel.transform(df)`` runs the SavedModel in every Spark Python worker
+through ``mapInArrow``: the model is loaded once per worker process and
+reused by all its tasks; columns become numpy arrays without a Python object
+per value; the output columns get Spark types from the model's outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Any, Callable, Dict, List, Optional, Union
+
+from pyspark.ml import Estimator, Model
+from pyspark.ml.param import Param, Params, TypeConverters
+from pyspark.ml.util import (DefaultParamsReader, DefaultParamsWriter, MLReadable, MLWritable)
+
+from ember.ml import _runtime
+from ember.ml._runtime import ModelInputError
+
+__all__ = ["EmberEstimator", "EmberModel", "TFEstimator", "TFModel", "ModelInputError"]
+
+
+def _log(msg: str) -> None:
+    print(f"[ember.ml] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- params
+
+def _to_mapping(value: Any) -> Dict[str, str]:
+    if not isinstance(value, dict):
+        raise TypeError(f"a mapping must be a dict of str -> str, got {type(value).__name__}")
+    out = {}
+    for k, v in value.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"a mapping must be a dict of str -> str, got {k!r}: {v!r}")
+        out[k] = v
+    return out
+
+
+def _to_str_or_none(value: Any) -> Optional[str]:
+    return None if value is None else TypeConverters.toString(value)
+
+
+def _param(name: str, doc: str, conv: Callable[[Any], Any]) -> Param:
+    return Param(Params._dummy(), name, doc, typeConverter=conv)
+
+
+def _accessors(cls: type, camel: str, name: str) -> type:
+    """Adds setX/getX for Param ``name`` to ``cls``."""
+    def setter(self: Any, value: Any) -> Any:
+        return self._set(**{name: value})
+
+    def getter(self: Any) -> Any:
+        return self.getOrDefault(getattr(self, name))
+
+    setter.__name__, getter.__name__ = f"set{camel}", f"get{camel}"
+    setter.__doc__ = f"Sets the value of :py:attr:`{name}`."
+    getter.__doc__ = f"Gets the value of :py:attr:`{name}` or its default."
+    setattr(cls, setter.__name__, setter)
+    setattr(cls, getter.__name__, getter)
+    return cls
+
+
+# Param name -> (CamelName, doc, converter).  Names are TensorFlowOnSpark's, so
+# tf_args seen by train_fn have the same attributes as under TFoS.
+_PARAMS = {
+    "input_mapping": ("InputMapping", "DataFrame column -> model input name", _to_mapping),
+    "output_mapping": ("OutputMapping", "model output name -> DataFrame column", _to_mapping),
+    "model_dir": ("ModelDir", "directory of the training checkpoints", _to_str_or_none),
+    "export_dir": ("ExportDir", "directory of the exported SavedModel", _to_str_or_none),
+    "batch_size": ("BatchSize", "records per batch", TypeConverters.toInt),
+    "cluster_size": ("ClusterSize", "number of nodes", TypeConverters.toInt),
+    "num_ps": ("NumPS", "number of parameter-server nodes", TypeConverters.toInt),
+    "driver_ps_nodes": ("DriverPSNodes", "run the ps nodes on the driver host",
+                        TypeConverters.toBoolean),
+    "readers": ("Readers", "reader threads (passed to train_fn)", TypeConverters.toInt),
+    "tensorboard": ("Tensorboard", "start TensorBoard on the chief", TypeConverters.toBoolean),
+    "steps": ("Steps", "maximum training steps (passed to train_fn)", TypeConverters.toInt),
+    "epochs": ("Epochs", "times the DataFrame is fed", TypeConverters.toInt),
+    "protocol": ("Protocol", "TensorFlow's protocol, grpc|rdma (passed to train_fn)",
+                 TypeConverters.toString),
+    "input_mode": ("InputMode", "1 = SPARK (fit feeds the DataFrame); 0 = TENSORFLOW (fit "
+                   "writes it as TFRecords to TFRecordDir and train_fn reads them)",
+                   TypeConverters.toInt),
+    "tfrecord_dir": ("TFRecordDir", "where fit writes the DataFrame in InputMode.TENSORFLOW",
+                     _to_str_or_none),
+    "master_node": ("MasterNode", "job name of the chief ('chief'), or None for workers only",
+                    _to_str_or_none),
+    "grace_secs": ("GraceSecs", "seconds to wait after the nodes finished", TypeConverters.toInt),
+    "max_restarts": ("MaxRestarts", "node failures that relaunch the cluster (train_fn "
+                     "resumes from its checkpoint) before fit fails", TypeConverters.toInt),
+    "reservation_timeout": ("ReservationTimeout", "seconds for all nodes to start",
+                            TypeConverters.toFloat),
+    "signature_def_key": ("SignatureDefKey", "SavedModel signature; None: mappings name "
+                          "graph tensors", _to_str_or_none),
+    "tag_set": ("TagSet", "comma-separated tags of the SavedModel MetaGraph", _to_str_or_none),
+}
+
+
+class _EmberParams(Params):
+    """Declares the Params of _PARAMS that a subclass lists in ``_param_names``."""
+
+    _param_names: List[str] = []
+
+    def _merged_args(self, tf_args: Any) -> Any:
+        """tf_args with every Param merged in (the type of tf_args: dict stays a dict,
+        anything else becomes an argparse.Namespace)."""
+        values = {name: self.getOrDefault(getattr(self, name)) for name in self._param_names}
+        if isinstance(tf_args, dict):
+            return dict(tf_args, **values)
+        merged = argparse.Namespace(**(vars(tf_args) if tf_args is not None else {}))
+        for k, v in values.items():
+            setattr(merged, k, v)
+        return merged
+
+
+def _declare(cls: type) -> type:
+    for name in cls._param_names:  # type: ignore[attr-defined]
+        camel, doc, conv = _PARAMS[name]
+        setattr(cls, name, _param(name, doc, conv))
+        _accessors(cls, camel, name)
+    return cls
+
+
+# --------------------------------------------------------------------------- persistence
+
+def _fn_ref(fn: Callable[..., Any]) -> str:
+    """``module:qualname`` of a module-level function, checked to resolve back to it."""
+    ref = f"{getattr(fn, '__module__', None)}:{getattr(fn, '__qualname__', None)}"
+    try:
+        if _resolve(ref) is fn:
+            return ref
+    except Exception:  # noqa: BLE001 - reported below with what to do
+        pass
+    raise ValueError(f"cannot save train_fn {ref}: only a function importable by module and "
+                     "name can be saved (not a lambda, a closure or a function of __main__)")
+
+
+def _resolve(ref: str) -> Any:
+    module, _, qual = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _args_json(tf_args: Any) -> Any:
+    if tf_args is None:
+        return None
+    kind = "dict" if isinstance(tf_args, dict) else "namespace"
+    values = tf_args if isinstance(tf_args, dict) else vars(tf_args)
+    try:
+        json.dumps(values)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"cannot save tf_args: its values must be JSON-serializable ({exc})") from exc
+    return {"kind": kind, "values": values}
+
+
+def _args_from_json(saved: Any) -> Any:
+    if saved is None:
+        return None
+    if saved["kind"] == "dict":
+        return dict(saved["values"])
+    return argparse.Namespace(**saved["values"])
+
+
+class _Writer(DefaultParamsWriter):
+    """Params as DefaultParamsWriter writes them, plus tf_args (JSON) and the
+    Estimator's train_fn as ``module:qualname`` in the metadata's extra fields."""
+
+    def saveImpl(self, path: str) -> None:
+        inst = self.instance
+        extra = {"tf_args": _args_json(inst.tf_args)}
+        if isinstance(inst, EmberEstimator):
+            extra["train_fn"] = None if inst.train_fn is None else _fn_ref(inst.train_fn)
+        DefaultParamsWriter.saveMetadata(inst, path, self.sc, extraMetadata=extra)
+
+
+class _Reader(DefaultParamsReader):
+    def load(self, path: str) -> Any:
+        metadata = DefaultParamsReader.loadMetadata(path, self.sc)
+        inst = super().load(path)
+        inst.tf_args = _args_from_json(metadata.get("tf_args"))
+        if isinstance(inst, EmberEstimator) and metadata.get("train_fn"):
+            inst.train_fn = _resolve(metadata["train_fn"])
+        return inst
+
+
+class _Persist(MLWritable, MLReadable):
+    def write(self) -> _Writer:
+        return _Writer(self)
+
+    @classmethod
+    def read(cls) -> _Reader:
+        return _Reader(cls)
+
+
+# --------------------------------------------------------------------------- estimator
+
+@_declare
+class EmberEstimator(Estimator, _EmberParams, _Persist):
+    """Trains ``train_fn(args, ctx)`` on an Ember cluster fed with a DataFrame.
+
+    :param train_fn: the node function (as for :func:`ember.spark.run`).  To
+        save the Estimator it must be importable by module and name (it is
+        stored as ``module:qualname`` and imported back on load).
+    :param tf_args: an ``argparse.Namespace`` or a dict; ``train_fn`` gets a
+        copy with every Param merged in.
+    """
+
+    _param_names = ["input_mapping", "output_mapping", "model_dir", "export_dir", "batch_size",
+                    "cluster_size", "num_ps", "driver_ps_nodes", "readers", "tensorboard",
+                    "steps", "epochs", "protocol", "input_mode", "tfrecord_dir", "master_node",
+                    "grace_secs", "max_restarts", "reservation_timeout", "signature_def_key",
+                    "tag_set"]
+
+    def __init__(self, train_fn: Optional[Callable[[Any, Any], Any]] = None,
+                 tf_args: Union[argparse.Namespace, Dict[str, Any], None] = None) -> None:
+        super().__init__()
+        self.train_fn = train_fn
+        self.tf_args = tf_args
+        self._setDefault(input_mapping={}, output_mapping={}, model_dir=None, export_dir=None,
+                         batch_size=100, cluster_size=1, num_ps=0, driver_ps_nodes=False,
+                         readers=1, tensorboard=False, steps=1000, epochs=1, protocol="grpc",
+                         input_mode=1, tfrecord_dir=None, master_node="chief", grace_secs=0,
+                         max_restarts=0, reservation_timeout=600.0,
+                         signature_def_key="serving_default", tag_set="serve")
+
+    def _fit(self, dataset: Any) -> "EmberModel":
+        from ember.spark import InputMode, run
+
+        if self.train_fn is None:
+            raise ValueError("EmberEstimator has no train_fn")
+        mapping = self.getInputMapping()
+        if not mapping:
+            raise ValueError("EmberEstimator: set InputMapping (DataFrame column -> input name)")
+        missing = [c for c in mapping if c not in dataset.columns]
+        if missing:
+            raise ModelInputError(f"InputMapping names column(s) {missing} that the DataFrame "
+                                  f"does not have (columns: {dataset.columns})")
+        from pyspark.sql import functions as F
+
+        cols = sorted(mapping)  # TensorFlowOnSpark's feeding order
+        df = dataset.select(*[F.col(f"`{c}`").alias(mapping[c]) for c in cols])
+        args = self._merged_args(self.tf_args)
+        mode = InputMode(self.getInputMode())
+        if mode == InputMode.TENSORFLOW:
+            from ember import tfrecord
+
+            out = self.getTFRecordDir()
+            if not out:
+                raise ValueError("InputMode.TENSORFLOW: set TFRecordDir (where fit writes the "
+                                 "DataFrame for train_fn to read)")
+            n = tfrecord.save(df, out, mode="overwrite")
+            _log(f"wrote {n} records as TFRecords to {out}")
+        sc = dataset.sparkSession.sparkContext
+        cluster = run(sc, self.train_fn, args, num_executors=self.getClusterSize(),
+                      num_ps=self.getNumPS(), tensorboard=self.getTensorboard(),
+                      input_mode=mode, driver_ps_nodes=self.getDriverPSNodes(),
+                      master_node=self.getMasterNode(), max_restarts=self.getMaxRestarts(),
+                      reservation_timeout=self.getReservationTimeout())
+        try:
+            if mode == InputMode.SPARK:
+                cluster.train(df, num_epochs=self.getEpochs())
+        except BaseException:
+            try:
+                cluster.shutdown(timeout=60)
+            except Exception as exc:  # noqa: BLE001 - the first error is the one to raise
+                _log(f"shutdown after a failed fit: {exc}")
+            raise
+        cluster.shutdown(grace_secs=self.getGraceSecs())
+        return self._make_model(args)
+
+    def _make_model(self, args: Any) -> "EmberModel":
+        model = EmberModel(args)
+        for name in ("model_dir", "export_dir", "signature_def_key", "tag_set", "output_mapping"):
+            if self.isDefined(getattr(self, name)):
+                model._set(**{name: self.getOrDefault(getattr(self, name))})
+        # The model takes the mapped columns its export takes as inputs (the
+        # label a train_fn was fed is not one of them).
+        mapping = dict(self.getInputMapping())
+        export = self.getExportDir()
+        if export and self.getSignatureDefKey():
+            try:
+                mg = _runtime._meta_graph(export, _tags(self.getTagSet()))
+                sig = mg.signature_def.get(self.getSignatureDefKey())
+            except (ModelInputError, OSError) as exc:
+                _log(f"model inputs not narrowed ({exc})")
+                sig = None
+            if sig is not None:
+                dropped = {c: t for c, t in mapping.items() if t not in sig.inputs}
+                mapping = {c: t for c, t in mapping.items() if t in sig.inputs}
+                if dropped:
+                    _log(f"the model's InputMapping leaves out {dropped} (not inputs of "
+                         f"signature {self.getSignatureDefKey()!r})")
+        model._set(input_mapping=mapping)
+        return model
+
+
+# --------------------------------------------------------------------------- model
+
+def _tags(tag_set: Optional[str]) -> Optional[List[str]]:
+    return [t.strip() for t in tag_set.split(",") if t.strip()] if tag_set else None
+
+
+def _spark_type(info: "_runtime.TensorInfo") -> Any:
+    from pyspark.sql.pandas.types import from_arrow_type
+
+    return from_arrow_type(_runtime.arrow_type(info))
+
+
+@_declare
+class EmberModel(Model, _EmberParams, _Persist):
+    """Distributed batched inference with a SavedModel (``mapInArrow``).
+
+    InputMapping maps DataFrame columns to model inputs and OutputMapping model
+    outputs to new columns.  With a SignatureDefKey (default
+    ``serving_default``) the names are the signature's input/output aliases;
+    with ``setSignatureDefKey(None)`` they are graph tensor names (``"x"``
+    meaning ``"x:0"``), as for a TF1 graph.  ``transform(df)`` returns ``df``
+    with the output columns appended; an output of one value per row becomes a
+    number column (float, double, long, int...), a larger one ``array<...>``
+    (flattened row-major).  BatchSize is the rows per model call (Arrow
+    batches are at most ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows).
+    """
+
+    _param_names = ["input_mapping", "output_mapping", "model_dir", "export_dir",
+                    "signature_def_key", "tag_set", "batch_size"]
+
+    def __init__(self, tf_args: Union[argparse.Namespace, Dict[str, Any], None] = None) -> None:
+        super().__init__()
+        self.tf_args = tf_args
+        self._setDefault(input_mapping={}, output_mapping={}, model_dir=None, export_dir=None,
+                         signature_def_key="serving_default", tag_set="serve", batch_size=8192)
+
+    def _inference_spec(self, dataset: Any) -> Dict[str, Any]:
+        """Checks the DataFrame against the model on the driver; the worker spec."""
+        export = self.getExportDir()
+        if not export:
+            raise ValueError("EmberModel: set ExportDir (the SavedModel to run)")
+        in_map, out_map = self.getInputMapping(), self.getOutputMapping()
+        if not in_map:
+            raise ValueError("EmberModel: set InputMapping (DataFrame column -> model input)")
+        if not out_map:
+            raise ValueError("EmberModel: set OutputMapping (model output -> DataFrame column)")
+        cols = sorted(in_map)
+        missing = [c for c in cols if c not in dataset.columns]
+        if missing:
+            raise ModelInputError(f"InputMapping column(s) {missing} not in the DataFrame "
+                                  f"(columns: {dataset.columns})")
+        clash = [c for c in out_map.values() if c in dataset.columns]
+        if clash:
+            raise ModelInputError(f"OutputMapping column(s) {clash} already exist in the DataFrame")
+        outs = sorted(out_map)
+        sig, tags = self.getSignatureDefKey(), _tags(self.getTagSet())
+        stamp = _runtime.saved_model_stamp(export)
+        feeds, fetches = _runtime.resolve(export, sig, tags, [in_map[c] for c in cols], outs)
+        spec = dict(export_dir=export, signature=sig, tags=tags, feeds=feeds, fetches=fetches,
+                    input_keys=[in_map[c] for c in cols], output_keys=outs, stamp=stamp,
+                    columns=cols, output_columns=[out_map[o] for o in outs],
+                    keep=list(dataset.columns), batch_size=self.getBatchSize())
+        p = _runtime.predictor(spec)  # loads the model on the driver once (cached)
+        schema = dataset.schema
+        for c, info in zip(cols, p.inputs):
+            self._check_column(dataset, schema[c], info)
+        spec["output_types"] = [_spark_type(info) for info in p.outputs]
+        return spec
+
+    @staticmethod
+    def _check_column(dataset: Any, field: Any, info: "_runtime.TensorInfo") -> None:
+        from pyspark.sql import types as T
+
+        want_rank = None if info.shape is None else len(info.shape) - 1
+        t, depth = field.dataType, 0
+        while isinstance(t, T.ArrayType):
+            t, depth = t.elementType, depth + 1
+        if type(t).__name__ == "VectorUDT":
+            t, depth = T.DoubleType(), depth + 1
+        numeric = isinstance(t, (T.NumericType, T.BooleanType)) and not isinstance(t, T.DecimalType)
+        what = f"model input {info.key!r} ({info.describe()})"
+        if not numeric:
+            raise ModelInputError(f"column {field.name!r} has type {field.dataType.simpleString()}; "
+                                  f"{what} needs numbers")
+        if info.dtype.kind in "iub" and isinstance(t, (T.FloatType, T.DoubleType)):
+            raise ModelInputError(f"column {field.name!r} has type {field.dataType.simpleString()}; "
+                                  f"{what} takes integers (cast the column explicitly)")
+        if want_rank is not None and want_rank == 0 and depth > 0:
+            raise ModelInputError(f"column {field.name!r} holds arrays "
+                                  f"({field.dataType.simpleString()}); {what} takes one number per row")
+        if want_rank is not None and want_rank > 0 and depth == 0:
+            raise ModelInputError(f"column {field.name!r} holds one number per row "
+                                  f"({field.dataType.simpleString()}); {what} takes arrays")
+        if want_rank and depth and not dataset.isStreaming and info.shape is not None:
+            rest = info.shape[1:]
+            if all(d is not None for d in rest):
+                from pyspark.sql import functions as F
+
+                width = 1
+                for d in rest:
+                    width *= int(d)
+                # one row's length (a small job, before any inference task);
+                # nested arrays: the flattened length
+                col = F.col(f"`{field.name}`")
+                if type(field.dataType).__name__ == "VectorUDT":
+                    from pyspark.ml.functions import vector_to_array
+                    col = vector_to_array(col)
+                for _ in range(depth - 1):
+                    col = F.flatten(col)
+                row = dataset.select(F.size(col).alias("n")).limit(1).collect()
+                if row and row[0]["n"] != width:
+                    raise ModelInputError(
+                        f"column {field.name!r} has arrays of {row[0]['n']} values; {what} "
+                        f"takes {width} per row")
+
+    def _transform(self, dataset: Any) -> Any:
+        import functools
+
+        from pyspark.sql import types as T
+
+        spec = self._inference_spec(dataset)
+        fields = list(dataset.schema.fields) + [
+            T.StructField(c, t, True) for c, t in zip(spec["output_columns"], spec.pop("output_types"))]
+        return dataset.mapInArrow(functools.partial(_runtime.infer_partition, spec),
+                                  T.StructType(fields))
+
+
+#: TensorFlowOnSpark's names.
+TFEstimator = EmberEstimator
+TFModel = EmberModel
