@@ -101,7 +101,7 @@ def resolve(export_dir: str, signature: Optional[str], tags: Optional[Sequence[s
     if signature:
         if signature not in mg.signature_def:
             raise ModelInputError(f"SignatureDefKey {signature!r} is not in {export_dir} "
-                                  f"(signatures: {sorted(k for k in mg.signature_def if not k.startswith("__"))})")
+                                  f"(signatures: {sorted(k for k in mg.signature_def if not k.startswith('__'))})")
         sig = mg.signature_def[signature]
         for names, table, what in ((inputs, sig.inputs, "input"), (outputs, sig.outputs, "output")):
             for n in names:
