@@ -75,3 +75,56 @@ def every_op(args: Dict[str, Any], ctx: Any) -> None:
     _write(args, ctx, dict(role=ctx.job_name, rank=rank, size=size, failures=failures,
                            digest=digest.hexdigest(), rank_env=os.environ.get("RANK"),
                            errors=errors))
+
+
+def keras_fit(args: Dict[str, Any], ctx: Any) -> None:
+    """Keras 3 model.fit on this node's shard of a Fashion-MNIST subset, with
+    ember.keras; records a digest of the weights after every epoch."""
+    os.environ.pop("TF_USE_LEGACY_KERAS", None)  # Keras 3, not tf_keras
+    os.environ["KERAS_BACKEND"] = "tensorflow"
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import keras
+
+    import ember.keras
+    from examples.fashion_mnist.data import load_split
+
+    rank, size = ctx.collective.rank, ctx.collective.size
+    n = args["n"]
+    images, labels = load_split("train")
+    x = images[:n].reshape(n, -1).astype(np.float32) / 255.0
+    y = labels[:n].astype(np.int64)
+    x, y = x[rank::size], y[rank::size]  # each node trains on its own shard
+
+    def digest() -> str:
+        h = hashlib.sha256()
+        for w in model.weights:
+            h.update(np.ascontiguousarray(keras.ops.convert_to_numpy(w)).tobytes())
+        return h.hexdigest()
+
+    keras.utils.set_random_seed(100 + rank)  # different initial weights on each node
+    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dropout(0.1), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.Adam(2e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    initial = digest()
+    epochs: List[str] = []
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            epochs.append(digest())
+
+    callbacks = ember.keras.distribute(model, ctx) + [Record()]
+    history = model.fit(x, y, batch_size=64, epochs=args["epochs"], shuffle=True,
+                        callbacks=callbacks, verbose=0)
+    test_x, test_y = load_split("test")
+    test_x = test_x[:2000].reshape(2000, -1).astype(np.float32) / 255.0
+    _, accuracy = model.evaluate(test_x, test_y[:2000].astype(np.int64), verbose=0)
+    _write(args, ctx, dict(rank=rank, size=size, keras=keras.__version__,
+                           legacy=os.environ.get("TF_USE_LEGACY_KERAS"),
+                           shard=int(len(x)), first_label=int(y[0]), initial=initial,
+                           epochs=epochs, loss=history.history["loss"],
+                           accuracy=float(accuracy)))

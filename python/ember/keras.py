@@ -1,0 +1,227 @@
+"""Keras 3 ``model.fit`` on several nodes: gradients averaged on Ember's collective.
+
+Keras 3 (the default since TensorFlow 2.16) does not work with
+MultiWorkerMirroredStrategy (keras-team/keras#20585).  With Ember, plain
+single-worker Keras code trains data-parallel on every chief/worker node::
+
+    import keras
+    import ember.keras
+
+    def main_fun(args, ctx):
+        model = build_model()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        callbacks = ember.keras.distribute(model, ctx)   # the only new line
+        model.fit(my_shard_of_the_data, epochs=3, callbacks=callbacks)
+
+``distribute`` makes the model's optimizer average each step's gradients over
+all ranks (:func:`DistributedOptimizer`, one allreduce of all gradients
+flattened into one buffer per dtype) and returns a :class:`EmberCallback` that
+broadcasts rank 0's weights when training begins (so the replicas start equal
+and, with equal averaged gradients, stay bit-identical) and averages the epoch
+logs (so every node's History shows the global loss and metrics).
+
+Every rank must run the same number of steps per epoch (equal shards, or
+``steps_per_epoch``); a rank that runs ahead meets a different collective and
+fails with an error rather than hanging.  The TensorFlow backend is supported
+(``KERAS_BACKEND=tensorflow``, the default); XLA compilation is turned off for
+the train step, which calls into the collective.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes"):
+    raise ImportError("ember.keras is for Keras 3; TF_USE_LEGACY_KERAS is set in this process "
+                      "(unset it before TensorFlow is imported)")
+
+import keras  # noqa: E402
+
+if not keras.__version__.startswith("3."):
+    raise ImportError(f"ember.keras needs Keras 3, found keras {keras.__version__}")
+
+__all__ = ["distribute", "DistributedOptimizer", "EmberCallback", "allreduce_gradients",
+           "broadcast_variables"]
+
+
+def _collective(ctx: Any) -> Any:
+    """A NodeContext's collective, or a Collective (anything with allreduce/broadcast)."""
+    coll = getattr(ctx, "collective", ctx)
+    for name in ("allreduce", "broadcast", "size", "rank"):
+        if not hasattr(coll, name):
+            raise TypeError(f"expected an ember NodeContext or ember.collective.Collective, "
+                            f"not {type(ctx).__name__}")
+    return coll
+
+
+def _check_backend() -> None:
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise ValueError(f"ember.keras supports the TensorFlow backend of Keras 3 "
+                         f"(KERAS_BACKEND=tensorflow), not {backend!r}")
+
+
+# ---------------------------------------------------------------- gradients
+
+def allreduce_gradients(grads: Sequence[Any], ctx: Any, op: str = "avg") -> List[Any]:
+    """Averages (``op``) a list of TensorFlow gradients over all ranks.
+
+    Works inside ``tf.function`` (the call is a ``tf.numpy_function``) and
+    eagerly.  None entries stay None (every rank has the same structure);
+    IndexedSlices become dense.  The gradients are packed into one contiguous
+    buffer per dtype (float64 stays float64, every other float type travels
+    as float32), so a step costs one or two allreduce calls whatever the
+    number of variables.
+    """
+    import tensorflow as tf
+
+    coll = _collective(ctx)
+    out: List[Any] = list(grads)
+    groups: Dict[Any, List[int]] = {}
+    for i, g in enumerate(out):
+        if g is None:
+            continue
+        if isinstance(g, tf.IndexedSlices):
+            g = out[i] = tf.convert_to_tensor(g)
+        wire = tf.float64 if g.dtype == tf.float64 else tf.float32
+        if not (g.dtype.is_floating or g.dtype == wire):
+            raise TypeError(f"gradient {i} has dtype {g.dtype.name}; only floating point "
+                            "gradients are averaged")
+        groups.setdefault(wire, []).append(i)
+
+    def reduce(buf: np.ndarray) -> np.ndarray:
+        buf = np.require(buf, requirements=["C", "W"])  # numpy_function may pass read-only
+        coll.allreduce(buf, op)
+        return buf
+
+    for wire, idx in groups.items():
+        parts = [tf.reshape(tf.cast(out[i], wire), [-1]) for i in idx]
+        flat = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+        reduced = tf.numpy_function(reduce, [flat], wire, stateful=True,
+                                    name="ember_allreduce")
+        reduced.set_shape(flat.shape)
+        sizes = [int(np.prod(out[i].shape)) if out[i].shape.is_fully_defined()
+                 else tf.size(out[i]) for i in idx]
+        pieces = tf.split(reduced, sizes) if len(idx) > 1 else [reduced]
+        for i, piece in zip(idx, pieces):
+            out[i] = tf.cast(tf.reshape(piece, tf.shape(out[i])), out[i].dtype)
+    return out
+
+
+def DistributedOptimizer(optimizer: Any, ctx: Any) -> Any:
+    """Makes a Keras 3 optimizer average gradients over all ranks before each update.
+
+    The same optimizer object is returned (its class becomes a subclass whose
+    ``apply`` first calls :func:`allreduce_gradients`), so its variables,
+    config and the model's reference to it stay as they are.  Pass it to
+    ``model.compile`` or apply it to ``model.optimizer`` after compiling.
+    """
+    _check_backend()
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"expected a keras.optimizers.Optimizer, not {type(optimizer).__name__}")
+    coll = _collective(ctx)
+    if getattr(optimizer, "_ember_collective", None) is not None:
+        optimizer._ember_collective = coll
+        return optimizer
+    base = type(optimizer)
+
+    def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        grads = allreduce_gradients(list(grads), self._ember_collective)
+        return base.apply(self, grads, trainable_variables)
+
+    cls = type(base.__name__, (base,), {"apply": apply, "__module__": base.__module__,
+                                        "__doc__": base.__doc__})
+    optimizer.__class__ = cls
+    optimizer._ember_collective = coll
+    return optimizer
+
+
+# ---------------------------------------------------------------- weights
+
+def broadcast_variables(variables: Sequence[Any], ctx: Any, root: int = 0) -> None:
+    """Assigns rank ``root``'s values to ``variables`` on every rank (one
+    broadcast of all of them packed as bytes)."""
+    coll = _collective(ctx)
+    variables = list(variables)
+    if not variables:
+        return
+    arrays = [np.ascontiguousarray(keras.ops.convert_to_numpy(v)) for v in variables]
+    nbytes = [a.nbytes for a in arrays]
+    packed = np.empty(sum(nbytes), dtype=np.uint8)
+    offset = 0
+    for a, n in zip(arrays, nbytes):
+        packed[offset:offset + n] = a.reshape(-1).view(np.uint8)
+        offset += n
+    coll.broadcast(packed, root)
+    if coll.rank == root:
+        return
+    offset = 0
+    for v, a, n in zip(variables, arrays, nbytes):
+        v.assign(packed[offset:offset + n].view(a.dtype).reshape(a.shape))
+        offset += n
+
+
+class EmberCallback(keras.callbacks.Callback):
+    """Keeps the replicas of a model in step during ``model.fit``.
+
+    - on train begin: turns XLA off for the train step if it was on (the
+      step calls the collective), broadcasts rank ``root``'s model weights
+      (and optimizer variables, when already built) to every rank;
+    - on epoch end: averages the non-trainable floating point weights (e.g.
+      BatchNormalization statistics, which each rank computes on its own
+      data) when ``average_non_trainable``, and the logs (loss, metrics,
+      validation metrics) when ``average_logs``.
+    """
+
+    def __init__(self, ctx: Any, root: int = 0, average_logs: bool = True,
+                 average_non_trainable: bool = True) -> None:
+        super().__init__()
+        self._coll = _collective(ctx)
+        self.root = root
+        self.average_logs = average_logs
+        self.average_non_trainable = average_non_trainable
+
+    def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        model = self.model
+        if getattr(model, "jit_compile", False):
+            model.jit_compile = False
+            model.make_train_function(force=True)
+        variables = list(model.weights)
+        opt = getattr(model, "optimizer", None)
+        if opt is not None and getattr(opt, "built", False):
+            variables += list(opt.variables)
+        broadcast_variables(variables, self._coll, self.root)
+
+    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.average_non_trainable:
+            weights = [w for w in self.model.non_trainable_weights
+                       if np.dtype(keras.backend.standardize_dtype(w.dtype)).kind == "f"]
+            if weights:
+                values = allreduce_gradients([w.value for w in weights], self._coll)
+                for w, v in zip(weights, values):
+                    w.assign(v)
+        if self.average_logs and logs:
+            keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
+            values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
+            self._coll.allreduce(values, "avg")
+            for k, v in zip(keys, values):
+                logs[k] = float(v)
+
+
+def distribute(model: Any, ctx: Any, root: int = 0, **callback_kwargs: Any) -> List[Any]:
+    """Makes a compiled Keras 3 model train data-parallel over the Ember
+    collective; returns the callbacks to pass to ``model.fit``.
+
+    :param model: a compiled ``keras.Model`` (TensorFlow backend).
+    :param ctx: the node's ``ctx`` (or an ``ember.collective.Collective``).
+    :param root: the rank whose initial weights every rank starts from.
+    :param callback_kwargs: passed to :class:`EmberCallback`.
+    """
+    _check_backend()
+    if getattr(model, "optimizer", None) is None:
+        raise ValueError("distribute() needs a compiled model: call model.compile() first")
+    DistributedOptimizer(model.optimizer, ctx)
+    return [EmberCallback(ctx, root=root, **callback_kwargs)]
