@@ -309,6 +309,33 @@ static PyObject *py_hdfs_delete(PyObject *m, PyObject *args, PyObject *kwargs) {
   return PyBool_FromLong(deleted);
 }
 
+PyDoc_STRVAR(hdfs_rename_doc,
+             "hdfs_rename(src, dst, overwrite=False, *, namenode=None, ...) -> None\n\n"
+             "Renames the HDFS path src (a URL) to dst (an absolute path, or a URL on the\n"
+             "same file system), atomically.  Never moves src *into* a directory dst.\n"
+             "An existing dst raises EmberError ('already exists') unless overwrite,\n"
+             "which replaces a file or an empty directory.  dst's parent must exist.\n\n"
+             OPTS_DOC);
+
+static PyObject *py_hdfs_rename(PyObject *m, PyObject *args, PyObject *kwargs) {
+  static char *kwlist[] = {"src", "dst", "overwrite", OPTS_KW, NULL};
+  const char *src, *dst;
+  int overwrite = 0;
+  OPTS_DECL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ss|p$" OPTS_FMT ":hdfs_rename", kwlist, &src,
+                                   &dst, &overwrite, OPTS_ARGS) ||
+      OPTS_FINISH() < 0)
+    return NULL;
+  embpy_err e;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  EMBPY_CALL(rc, &e, ember_webhdfs_rename(src, dst, overwrite ? EMBER_WEBHDFS_OVERWRITE : 0,
+                                          &ho.o));
+  Py_END_ALLOW_THREADS
+  if (rc != EMBER_OK) return hdfs_raise(m, &e);
+  Py_RETURN_NONE;
+}
+
 /* ================================================================ HdfsFile */
 
 typedef struct {
@@ -598,6 +625,8 @@ static PyMethodDef hdfs_functions[] = {
      hdfs_mkdirs_doc},
     {"hdfs_delete", (PyCFunction)(void (*)(void))py_hdfs_delete, METH_VARARGS | METH_KEYWORDS,
      hdfs_delete_doc},
+    {"hdfs_rename", (PyCFunction)(void (*)(void))py_hdfs_rename, METH_VARARGS | METH_KEYWORDS,
+     hdfs_rename_doc},
     {NULL, NULL, 0, NULL},
 };
 

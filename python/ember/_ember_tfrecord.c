@@ -20,6 +20,15 @@
 #include "ember/crc32c.h"
 #include "ember/example.h"
 #include "ember/tfrecord.h"
+#include "ember/webhdfs.h"
+
+/* hdfs://, webhdfs:// and swebhdfs:// sources and sinks go through
+ * libember's WebHDFS client (ember/webhdfs.h), resolved from
+ * HADOOP_CONF_DIR as there; everything else is a local path. */
+static int is_hdfs_url(const char *p) {
+  return strncmp(p, "hdfs://", 7) == 0 || strncmp(p, "webhdfs://", 10) == 0 ||
+         strncmp(p, "swebhdfs://", 11) == 0;
+}
 
 /* ================================================================ Buffer */
 
@@ -421,8 +430,10 @@ static PyObject *TFRecordReader_new(PyTypeObject *type, PyObject *args, PyObject
     PyObject *path = NULL;
     if (!PyUnicode_FSConverter(source, &path)) goto err;
     const char *p = PyBytes_AS_STRING(path);
+    int hdfs = is_hdfs_url(p);
     Py_BEGIN_ALLOW_THREADS
-    EMBPY_CALL(rc, &e, ember_tfr_reader_open_path(&r, p, &o));
+    if (hdfs) EMBPY_CALL(rc, &e, ember_webhdfs_tfr_reader_open(&r, p, NULL, &o));
+    else EMBPY_CALL(rc, &e, ember_tfr_reader_open_path(&r, p, &o));
     Py_END_ALLOW_THREADS
     Py_DECREF(path);
   } else {
@@ -600,7 +611,8 @@ static PyGetSetDef TFRecordReader_getset[] = {
 PyDoc_STRVAR(TFRecordReader_doc,
              "TFRecordReader(source, *, name=None, compression=0, check_crc=True,\n"
              "               skip_corrupt=False, max_record=0)\n\n"
-             "Reads a TFRecord file (source: a path) or buffer (bytes-like; name names\n"
+             "Reads a TFRecord file (source: a path, or an hdfs:// / webhdfs:// URL read\n"
+             "over WebHDFS with HADOOP_CONF_DIR's NameNode) or buffer (bytes-like; name names\n"
              "it in errors).  compression: 0 none, 1 GZIP, 2 ZLIB.  CRCs are checked\n"
              "unless check_crc is false; a corrupt or truncated record raises\n"
              "EmberCorruptError naming the file and byte offset, unless skip_corrupt,\n"
@@ -838,8 +850,12 @@ static PyObject *TFRecordWriter_new(PyTypeObject *type, PyObject *args, PyObject
     PyObject *p = NULL;
     if (!PyUnicode_FSConverter(path, &p)) goto err;
     const char *ps = PyBytes_AS_STRING(p);
+    int hdfs = is_hdfs_url(ps);
     Py_BEGIN_ALLOW_THREADS
-    EMBPY_CALL(rc, &e, ember_tfr_writer_open_path(&w, ps, compression, level));
+    if (hdfs) /* streamed: CREATE, then an APPEND per 8 MiB; complete at close() */
+      EMBPY_CALL(rc, &e, ember_webhdfs_tfr_writer_open(&w, ps, EMBER_WEBHDFS_OVERWRITE, NULL,
+                                                       compression, level));
+    else EMBPY_CALL(rc, &e, ember_tfr_writer_open_path(&w, ps, compression, level));
     Py_END_ALLOW_THREADS
     Py_DECREF(p);
   }

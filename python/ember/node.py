@@ -276,9 +276,25 @@ class NodeContext:
         return self._feed
 
     def absolute_path(self, path: str) -> str:
-        """Qualifies a relative path against the working dir (URIs pass through)."""
+        """A fully qualified URI for ``path`` (TensorFlowOnSpark's rules): URIs
+        pass through; with an HDFS default file system (``defaultFS``, else
+        ``fs.defaultFS`` of ``$HADOOP_CONF_DIR``) an absolute path goes under
+        it and a relative one under ``/user/<user>``; otherwise paths are
+        qualified against the working dir as ``file://``."""
         if "://" in path:
             return path
+        from ember import hdfs
+
+        fs = self.defaultFS if self.defaultFS and self.defaultFS != "file://" \
+            else hdfs.default_fs()
+        if fs.startswith(("hdfs://", "viewfs://", "webhdfs://", "swebhdfs://")):
+            fs = fs.rstrip("/")
+            if path.startswith("/"):
+                return fs + path
+            import getpass
+
+            user = os.environ.get("HADOOP_USER_NAME") or getpass.getuser()
+            return f"{fs}/user/{user}/{path}"
         return "file://" + os.path.abspath(os.path.join(self.working_dir, path))
 
     def report_progress(self, text: str) -> None:

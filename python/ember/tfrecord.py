@@ -12,8 +12,11 @@ The 5-line version::
 
 Framing, CRC-32C checks, GZIP/ZLIB and Example decoding run in C (libember)
 with the GIL released; batches arrive as numpy arrays over C buffers, with no
-Python object per value.  Paths are local (or a shared mount such as NFS);
-``file://`` prefixes are accepted.
+Python object per value.  Paths are local (or a shared mount such as NFS;
+``file://`` prefixes are accepted) or HDFS URLs (``hdfs://nn:8020/data``,
+``hdfs:///data``, ``webhdfs://nn:9870/data``), read and written by libember's
+WebHDFS client (see :mod:`ember.hdfs`: no libhdfs, JVM or CLASSPATH; the
+NameNode comes from ``$HADOOP_CONF_DIR``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import (Any, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Op
 import numpy as np
 
 from ember import _ember
+from ember import hdfs as _hdfs
 
 EmberCorruptError = _ember.EmberCorruptError
 EmberSchemaError = _ember.EmberSchemaError
@@ -53,8 +57,34 @@ def _local(path: str) -> str:
     if path.startswith("file://"):
         return path[len("file://"):]
     if "://" in path:
-        raise ValueError(f"{path}: only local paths (or file://) are supported")
+        raise ValueError(f"{path}: only local paths (file://) and HDFS URLs (hdfs://, "
+                         "webhdfs://) are supported")
     return path
+
+
+def _source(path: str) -> str:
+    """What the C reader/writer opens: an HDFS URL as is, else a local path."""
+    return path if _hdfs.is_hdfs(path) else _local(path)
+
+
+def _is_data_name(name: str) -> bool:
+    return not name.startswith(("_", "."))
+
+
+def _list_hdfs(path: str) -> List[str]:
+    try:
+        st = _hdfs.stat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and st["type"] == "DIRECTORY":
+        return [_hdfs.join(path, e["name"]) for e in _hdfs.list_status(path)
+                if e["type"] == "FILE" and _is_data_name(e["name"])]
+    if st is not None:
+        return [path]
+    found = _hdfs.glob(path)
+    if not found:
+        raise FileNotFoundError(f"no TFRecord files at {path}")
+    return found
 
 
 def list_files(path: Union[str, Sequence[str]]) -> List[str]:
@@ -62,6 +92,8 @@ def list_files(path: Union[str, Sequence[str]]) -> List[str]:
     starting with ``_`` or ``.``, sorted), a glob, or a list of these."""
     if not isinstance(path, (str, os.PathLike)):
         return [f for p in path for f in list_files(p)]
+    if _hdfs.is_hdfs(path):
+        return _list_hdfs(path)
     p = _local(os.fspath(path))
     if os.path.isdir(p):
         return sorted(os.path.join(p, n) for n in os.listdir(p)
@@ -77,8 +109,11 @@ def list_files(path: Union[str, Sequence[str]]) -> List[str]:
 def detect_compression(path: str) -> int:
     """0 (none), 1 (GZIP) or 2 (ZLIB), from the file's first bytes: a valid
     TFRecord header means none; then the gzip magic, then a zlib header."""
-    with open(_local(path), "rb") as f:
-        head = f.read(12)
+    if _hdfs.is_hdfs(path):
+        head = _ember.hdfs_read(path, 0, 12)
+    else:
+        with open(_local(path), "rb") as f:
+            head = f.read(12)
     if len(head) == 12 and _ember.masked_crc32c(head[:8]) == int.from_bytes(head[8:], "little"):
         return 0
     if head[:2] == b"\x1f\x8b":
@@ -102,8 +137,9 @@ def _compression(c: Union[str, int, None], path: str) -> int:
 def open_reader(path: str, compression: Union[str, int, None] = "auto", check_crc: bool = True,
                 skip_corrupt: bool = False) -> Any:
     """A C :class:`ember._ember.TFRecordReader` over ``path`` (iterate it for records)."""
-    return _ember.TFRecordReader(_local(path), compression=_compression(compression, path),
-                                 check_crc=check_crc, skip_corrupt=skip_corrupt)
+    with _hdfs.errors():
+        return _ember.TFRecordReader(_source(path), compression=_compression(compression, path),
+                                     check_crc=check_crc, skip_corrupt=skip_corrupt)
 
 
 def write(path: str, columns: Mapping[str, Any], compression: Optional[str] = None) -> int:
@@ -112,7 +148,8 @@ def write(path: str, columns: Mapping[str, Any], compression: Optional[str] = No
     ``columns`` maps feature names to arrays with the row axis first: floats
     become ``float_list`` (as float32), integers and bools ``int64_list``, and
     a sequence of ``bytes``/``str`` a one-value ``bytes_list``.  Returns the
-    number of records."""
+    number of records.  An HDFS ``path`` is streamed to a temporary name
+    beside it and renamed into place when complete."""
     cols, n = [], None
     for name, arr in columns.items():
         if isinstance(arr, np.ndarray) and arr.dtype.kind in "fiub":
@@ -130,6 +167,17 @@ def write(path: str, columns: Mapping[str, Any], compression: Optional[str] = No
         if n is not None and rows != n:
             raise ValueError(f"column {name!r} has {rows} rows, others {n}")
         n = rows
+    if _hdfs.is_hdfs(path):
+        head, name = path.rstrip("/").rsplit("/", 1)
+        tmp = f"{head}/.{name}.{uuid.uuid4().hex[:12]}.tmp"
+        try:
+            with _ember.TFRecordWriter(tmp, _compression(compression, path)) as w:
+                w.write_examples(cols, n or 0)
+            _hdfs.rename(tmp, path, overwrite=True)
+        except BaseException:
+            _hdfs.delete(tmp)
+            raise
+        return n or 0
     with _ember.TFRecordWriter(_local(path), _compression(compression, path)) as w:
         w.write_examples(cols, n or 0)
     return n or 0
@@ -434,7 +482,10 @@ def save(df: Any, path: str, *, compression: Optional[str] = None, mode: str = "
     Numbers become int64/float lists of one value, strings and binary a
     ``bytes_list``, arrays lists; nulls leave the feature out of the record.
     Each task writes ``_temporary/`` then renames its file into place, so a
-    failed or retried task never leaves a partial part file visible.
+    failed or retried task never leaves a partial part file visible.  An
+    ``hdfs://`` path is written the same way over WebHDFS (streamed by the C
+    writer, then an atomic RENAME); executors without ``HADOOP_CONF_DIR``
+    use the driver's when that directory exists on their host.
 
     :param mode: ``"error"`` (the path must not exist or be empty) or
         ``"overwrite"``.
@@ -442,6 +493,8 @@ def save(df: Any, path: str, *, compression: Optional[str] = None, mode: str = "
     """
     from pyspark import TaskContext
 
+    if _hdfs.is_hdfs(path):
+        return _save_hdfs(df, path, compression, mode, level)
     root = os.path.abspath(_local(path))
     comp = _compression(compression, root)
     plan = [_field_plan(f) for f in df.schema.fields]
@@ -480,6 +533,56 @@ def save(df: Any, path: str, *, compression: Optional[str] = None, mode: str = "
     rows = df.mapInArrow(write_part, "partition int, records long").collect()
     shutil.rmtree(tmpdir, ignore_errors=True)
     open(os.path.join(root, "_SUCCESS"), "w").close()
+    return sum(r.records for r in rows)
+
+
+def _save_hdfs(df: Any, path: str, compression: Optional[str], mode: str, level: int) -> int:
+    """save() to an HDFS URL: part files streamed to ``_temporary/`` by the C
+    WebHDFS writer, each renamed into place (atomic) when complete."""
+    from pyspark import TaskContext
+
+    if mode not in ("error", "overwrite"):
+        raise ValueError(f"mode must be 'error' or 'overwrite', not {mode!r}")
+    root = path.rstrip("/")
+    comp = _compression(compression, root)
+    plan = [_field_plan(f) for f in df.schema.fields]
+    if _hdfs.exists(root) and (not _hdfs.isdir(root) or _hdfs.listdir(root)):
+        if mode == "error":
+            raise FileExistsError(f"{path} exists and is not empty (use mode='overwrite')")
+        _hdfs.delete(root, recursive=True)
+    tmpdir = root + "/_temporary"
+    _hdfs.makedirs(tmpdir)
+    ext = _EXT[comp]
+    conf_dir = os.environ.get("HADOOP_CONF_DIR")
+
+    def write_part(batches: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+
+        _hdfs.ensure_conf_dir(conf_dir)
+        ctx = TaskContext.get()
+        pid = ctx.partitionId()
+        tmp = f"{tmpdir}/part-{pid:05d}-{ctx.attemptNumber()}-{uuid.uuid4().hex}"
+        try:
+            w = _ember.TFRecordWriter(tmp, comp, level)
+            for b in batches:
+                if b.num_rows:
+                    w.write_examples(_arrow_columns(b, plan), b.num_rows)
+            w.close()
+            # replaces a file an earlier attempt of this task renamed (same rows)
+            _hdfs.rename(tmp, f"{root}/part-{pid:05d}.tfrecord{ext}", overwrite=True)
+        except BaseException:
+            try:
+                _hdfs.delete(tmp)
+            except Exception:
+                pass
+            raise
+        yield pa.RecordBatch.from_arrays([pa.array([pid], pa.int32()),
+                                          pa.array([w.records], pa.int64())],
+                                         names=["partition", "records"])
+
+    rows = df.mapInArrow(write_part, "partition int, records long").collect()
+    _hdfs.delete(tmpdir, recursive=True)
+    _hdfs.write_bytes(root + "/_SUCCESS", b"")
     return sum(r.records for r in rows)
 
 
@@ -583,10 +686,12 @@ def load(spark: Any, path: Union[str, Sequence[str]], schema: Any = None, *,
         schema = _parse_datatype_string(schema)
     plan = [_field_plan(f) for f in schema.fields]
     specs = [(name, kind, 0, _ember.EX_OPTIONAL) for name, kind, _ in plan]
+    conf_dir = os.environ.get("HADOOP_CONF_DIR")
 
     def read_part(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
+        _hdfs.ensure_conf_dir(conf_dir)
         aschema = _arrow_schema(schema)
         for b in batches:
             for idx in b.column(0).to_pylist():
@@ -620,11 +725,14 @@ def inspect(path: str, records: int = 3, compression: Union[str, int, None] = "a
     "data_bytes", "features": {name: {"kind", "min", "max", "present"}},
     "first": [decoded records], "skipped", "error"}``; ``error`` is the
     message of a corrupt or truncated record (naming its byte offset), or None."""
-    comp = _compression(compression, path)
+    with _hdfs.errors():
+        comp = _compression(compression, path)
     out: Dict[str, Any] = {"path": path, "compression": ["none", "gzip", "zlib"][comp],
                            "features": {}, "first": [], "error": None}
     feats: Dict[str, Dict[str, Any]] = out["features"]
-    with _ember.TFRecordReader(_local(path), compression=comp, skip_corrupt=skip_corrupt) as r:
+    with _hdfs.errors():
+        r = _ember.TFRecordReader(_source(path), compression=comp, skip_corrupt=skip_corrupt)
+    with r:
         try:
             for rec in r:
                 try:
