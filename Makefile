@@ -25,8 +25,12 @@ EXT_SRCS  := $(wildcard python/ember/_ember*.c)
 EXT_HDRS  := $(wildcard python/ember/_ember*.h)
 
 APT_PACKAGES := dataset-fashion-mnist clang libssl-dev zlib1g-dev libcurl4-openssl-dev maven libprotobuf-c-dev protobuf-c-compiler openmpi-bin libopenmpi-dev
+# the PyTorch path (.venv-torch below); Debian's torch calls libblas.so.3, which is
+# the reference BLAS unless OpenBLAS is installed (5x slower training steps)
+APT_PACKAGES += python3-torch libopenblas0-openmp
 
 .PHONY: hadoop
+.PHONY: venv-torch test-torch
 .PHONY: help setup apt venv build lib ext test test-c test-py fuzz fuzz-smoke demo demo-quick \
         bench-reservation bench-allreduce bench-tfrecord bench-feed clean format-check
 
@@ -60,7 +64,30 @@ $(VENV)/.stamp: requirements.txt requirements-bench.txt
 	$(PY) -c "import sysconfig,os; open(os.path.join(sysconfig.get_paths()['purelib'],'ember-dev.pth'),'w').write(os.path.abspath('python')+'\n')"
 	@touch $@
 
-setup: apt venv build
+# The PyTorch path: Debian's CPU-only python3-torch 1.13.1, in a venv of its own
+# (.venv-torch, requirements-torch.txt) because Debian built it against numpy 1.x
+# and the main venv has numpy 2 (TensorFlow 2.20).  PyPI's torch wheels for Linux
+# x86_64 do not import without their CUDA libraries (torch 2.15.0 --no-deps:
+# "libcudart.so.13: cannot open shared object file", then libcublasLt not found;
+# the nvidia-*/cuda-toolkit wheels are several GB) and the CPU wheel index
+# (download.pytorch.org) is not reachable from CI.  Debian's torch package dir is
+# linked into the venv; nothing else of the system site-packages is visible.
+TORCH_VENV := .venv-torch
+TORCH_PY   := $(TORCH_VENV)/bin/python
+venv-torch: $(TORCH_VENV)/.stamp
+$(TORCH_VENV)/.stamp: requirements-torch.txt $(BUILD)/.apt-stamp
+	test -x $(TORCH_PY) || python3 -m venv $(TORCH_VENV)
+	$(TORCH_PY) -m pip install -q --upgrade pip
+	$(TORCH_PY) -m pip install -q -r requirements-torch.txt
+	mkdir -p $(TORCH_VENV)/debian-torch
+	ln -sfn /usr/lib/python3/dist-packages/torch $(TORCH_VENV)/debian-torch/torch
+	$(TORCH_PY) -c "import sysconfig,os; d=sysconfig.get_paths()['purelib']; \
+	  open(os.path.join(d,'ember-dev.pth'),'w').write(os.path.abspath('python')+'\n'); \
+	  open(os.path.join(d,'debian-torch.pth'),'w').write(os.path.abspath('$(TORCH_VENV)/debian-torch')+'\n')"
+	$(TORCH_PY) -c "import numpy, torch; torch.from_numpy(numpy.ones(2)).add_(1); print('torch', torch.__version__, 'numpy', numpy.__version__)"
+	@touch $@
+
+setup: apt venv build venv-torch
 
 # ---------------------------------------------------------------- build
 build: lib ext
@@ -128,6 +155,10 @@ fuzz: apt $(FUZZERS)
 test-py: setup hadoop
 	$(PY) -m pytest -q tests/python
 
+# PyTorch tests and example (in .venv-torch; skipped by the main venv's pytest run)
+test-torch: setup
+	$(TORCH_PY) -m pytest -q tests/python/test_torch.py
+
 demo: setup
 	PYTHONUNBUFFERED=1 $(PY) -m examples.fashion_mnist.main $(DEMO_ARGS)
 
@@ -139,6 +170,7 @@ test: setup hadoop
 	$(MAKE) --no-print-directory test-c
 	$(MAKE) --no-print-directory fuzz
 	$(PY) -m pytest -q tests/python
+	$(MAKE) --no-print-directory test-torch
 	$(MAKE) --no-print-directory demo-quick
 
 # ---------------------------------------------------------------- benchmarks

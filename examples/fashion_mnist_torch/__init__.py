@@ -1,0 +1,1 @@
+"""Fashion-MNIST with PyTorch on Spark through ember.spark.run (see main.py)."""
