@@ -128,3 +128,24 @@ def keras_fit(args: Dict[str, Any], ctx: Any) -> None:
                            shard=int(len(x)), first_label=int(y[0]), initial=initial,
                            epochs=epochs, loss=history.history["loss"],
                            accuracy=float(accuracy)))
+
+
+def peer_fails(args: Dict[str, Any], ctx: Any) -> None:
+    """Rank 1 raises after one allreduce; rank 0's next allreduce must fail
+    fast (the failed node's collective is closed), not at its timeout."""
+    import time
+
+    from ember import _ember
+
+    a = np.ones(1000, np.float32)
+    ctx.allreduce(a)
+    if ctx.collective.rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    start = time.monotonic()
+    try:
+        ctx.allreduce(np.ones(1 << 20, np.float32), timeout=120)
+        error = ""
+    except _ember.EmberError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    _write(args, ctx, dict(rank=0, first=float(a[0]), error=error,
+                           seconds=time.monotonic() - start))

@@ -13,7 +13,7 @@ import pytest
 
 import collfuns
 from conftest import read_json_files
-from ember.spark import InputMode, run
+from ember.spark import EmberNodeError, InputMode, run
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -38,3 +38,15 @@ def test_ctx_collectives_match_numpy(local_spark, tmp_path, ranks):
     assert len(others) == (1 if ranks == 3 else 0)
     for info in others:
         assert "only chief and worker nodes" in info["error"]
+
+
+def test_failed_peer_breaks_the_allreduce_fast(local_spark, tmp_path):
+    sc = local_spark.sparkContext
+    cluster = run(sc, collfuns.peer_fails, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.TENSORFLOW, reservation_timeout=60)
+    with pytest.raises(EmberNodeError, match="rank 1 fails on purpose"):
+        cluster.shutdown(timeout=120)
+    (info,) = read_json_files(str(tmp_path))
+    assert info["first"] == 2.0
+    assert info["error"] and "rank 1" in info["error"], info["error"]
+    assert info["seconds"] < 30, info  # the call's timeout is 120 s
