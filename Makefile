@@ -37,6 +37,7 @@ APT_PACKAGES += python3-torch libopenblas0-openmp
 help:
 	@echo "make demo   - set up this machine and run the Fashion-MNIST main job"
 	@echo "make test   - set up this machine and run every test (C under ASan/UBSan, fuzz, pytest, main job)"
+	@echo "make test-torch - the PyTorch path: ember.torch and examples/fashion_mnist_torch (in .venv-torch)"
 	@echo "make bench-reservation - Ember vs TensorFlowOnSpark reservation server"
 	@echo "make bench-allreduce - allreduce: Ember vs Open MPI (TCP, defaults) vs torch.distributed gloo, loopback limit"
 	@echo "make bench-feed - Spark -> trainer feed: Ember vs TensorFlowOnSpark, records/s and GB/s"
@@ -44,7 +45,7 @@ help:
 
 # ---------------------------------------------------------------- set-up
 apt: $(BUILD)/.apt-stamp
-$(BUILD)/.apt-stamp:
+$(BUILD)/.apt-stamp: Makefile
 	@mkdir -p $(BUILD)
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
@@ -75,7 +76,7 @@ $(VENV)/.stamp: requirements.txt requirements-bench.txt
 TORCH_VENV := .venv-torch
 TORCH_PY   := $(TORCH_VENV)/bin/python
 venv-torch: $(TORCH_VENV)/.stamp
-$(TORCH_VENV)/.stamp: requirements-torch.txt $(BUILD)/.apt-stamp
+$(TORCH_VENV)/.stamp: requirements-torch.txt | $(BUILD)/.apt-stamp
 	test -x $(TORCH_PY) || python3 -m venv $(TORCH_VENV)
 	$(TORCH_PY) -m pip install -q --upgrade pip
 	$(TORCH_PY) -m pip install -q -r requirements-torch.txt
@@ -195,8 +196,9 @@ bench-tfrecord: setup $(BUILD)/bench/crc32c $(BUILD)/bench/example_decode
 
 # Allreduce peers: Open MPI (APT_PACKAGES) and gloo through Debian's CPU-only
 # python3-torch, run by the system python3: the PyPI torch wheel does not
-# import without its multi-GB nvidia-* / cuda-toolkit dependencies.  Only this
-# benchmark needs python3-torch (~640 MB), so it is installed here, not by setup.
+# import without its multi-GB nvidia-* / cuda-toolkit dependencies.
+# python3-torch is in APT_PACKAGES (the PyTorch path, .venv-torch); the check
+# below only covers machines set up before it was.
 $(BUILD)/bench/mpi_allreduce: bench/mpi_allreduce.c
 	@mkdir -p $(@D)
 	mpicc -O2 -g $< -o $@
