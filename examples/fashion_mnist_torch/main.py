@@ -7,8 +7,10 @@
 1. Data setup: a Spark job converts Debian's Fashion-MNIST idx files to CSV.
 2. InputMode.SPARK: ``ember.spark.run`` starts 2 nodes; ``cluster.train`` pushes
    the CSV records through Ember's feed; each node trains the same PyTorch MLP
-   on what it receives, its gradients averaged on Ember's collective before
-   every step (``ember.torch.DistributedOptimizer``); rank 0 saves the model.
+   on what it receives under DistributedDataParallel (``--strategy ddp``: gloo
+   set up from the cluster spec; ``ddp-ember``: DDP's gradient allreduce on
+   Ember's collective; ``ember``: no torch.distributed, an optimizer wrapper
+   averages the gradients on Ember); rank 0 saves the model.
 3. InputMode.TENSORFLOW: the same, each node reading its own shard of the idx
    files.
 4. After each, ``cluster.inference`` runs the saved model over the 10,000 test
@@ -44,6 +46,8 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
     p.add_argument("--modes", default="spark,tensorflow")
     p.add_argument("--threads", type=int, default=1, help="torch threads per node")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--strategy", choices=("ddp", "ddp-ember", "ember"), default="ddp",
+                   help="DDP over gloo, DDP with Ember's comm hook, or Ember's optimizer wrapper")
     p.add_argument("--work-dir", dest="work_dir", default="out/fashion_mnist_torch")
     p.add_argument("--train-limit", dest="train_limit", type=int, default=0,
                    help="use only the first N training images (0 = all 60,000)")

@@ -1,12 +1,15 @@
 """The node functions of the PyTorch example (main_fun(args, ctx) of ember.spark.run).
 
-Training is data-parallel on every chief/worker node: the gradients are
-averaged on Ember's collective before each optimizer step
-(``ember.torch.DistributedOptimizer``), starting from rank 0's initial weights
-(``ember.torch.broadcast_parameters``), so the replicas stay identical; rank 0
-saves the model.  ``train_ddp`` is the same with torch's
-DistributedDataParallel (gloo process group from the cluster spec) and the
-gradient buckets reduced by Ember (``ember.torch.allreduce_hook``).
+Training is data-parallel on every chief/worker node, with one of three
+strategies (``args.strategy``); all start from rank 0's initial weights and
+keep the replicas identical; rank 0 saves the model.
+
+- ``ddp``: torch's DistributedDataParallel as is, its process group (gloo) set
+  up from the cluster spec by ``ember.torch.init_process_group``;
+- ``ddp-ember``: the same, with DDP's gradient buckets averaged on Ember's
+  collective (``ember.torch.allreduce_hook``);
+- ``ember``: no torch.distributed: ``ember.torch.broadcast_parameters`` and
+  ``ember.torch.DistributedOptimizer`` (gradients averaged before each step).
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def _file_batches(args: Any, rank: int, size: int,
 
 
 def train(args: Any, ctx: Any) -> None:
-    """Trains with ember.torch.DistributedOptimizer, in either input mode.
+    """Trains in either input mode with ``args.strategy``.
 
     Ranks may hold different amounts of data (Spark partitions fall unevenly),
     so before each step the ranks agree, with one tiny allreduce (min), whether
@@ -83,9 +86,22 @@ def train(args: Any, ctx: Any) -> None:
     rank, size = ctx.collective.rank, ctx.collective.size
     torch.manual_seed(args.seed + rank)  # different initial weights: the broadcast fixes that
     model = build_model()
-    ember.torch.broadcast_parameters(model, ctx)
-    opt = ember.torch.DistributedOptimizer(
-        torch.optim.Adam(model.parameters(), lr=args.learning_rate), ctx)
+    strategy = getattr(args, "strategy", "ddp")
+    if strategy == "ember":
+        ember.torch.broadcast_parameters(model, ctx)
+        net = model
+        opt = ember.torch.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=args.learning_rate), ctx)
+    elif strategy in ("ddp", "ddp-ember"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        ember.torch.init_process_group(ctx, timeout=600)
+        net = DistributedDataParallel(model)  # broadcasts rank 0's parameters
+        if strategy == "ddp-ember":
+            net.register_comm_hook(ctx.collective, ember.torch.allreduce_hook)
+        opt = torch.optim.Adam(net.parameters(), lr=args.learning_rate)
+    else:
+        raise ValueError(f"unknown strategy {strategy!r} (ddp, ddp-ember or ember)")
     loss_fn = torch.nn.CrossEntropyLoss()
     if args.input_mode == "spark":
         batches = _feed_batches(ctx, args.batch_size)
@@ -94,7 +110,7 @@ def train(args: Any, ctx: Any) -> None:
     have = np.zeros(1, np.int32)
     steps = records = 0
     start = time.monotonic()
-    model.train()
+    net.train()
     while True:
         batch: Optional[Tuple[np.ndarray, np.ndarray]] = next(batches, None)
         have[0] = batch is not None
@@ -102,7 +118,7 @@ def train(args: Any, ctx: Any) -> None:
             break
         x, y = batch  # type: ignore[misc]
         opt.zero_grad()
-        loss = loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y))
+        loss = loss_fn(net(torch.from_numpy(x)), torch.from_numpy(y))
         loss.backward()
         opt.step()
         steps += 1
@@ -114,7 +130,7 @@ def train(args: Any, ctx: Any) -> None:
     sums = ctx.allgather(np.array([digest], np.int64))
     if len(set(sums[:, 0].tolist())) != 1:
         raise RuntimeError(f"rank {rank}: replicas diverged (weight checksums {sums[:, 0]})")
-    _report(ctx, f"rank {rank}: {steps} steps, {records} records in "
+    _report(ctx, f"rank {rank} ({strategy}): {steps} steps, {records} records in "
                  f"{time.monotonic() - start:.1f} s ({left} left over); replicas identical")
     if rank == 0:
         os.makedirs(args.out_dir, exist_ok=True)
@@ -122,6 +138,10 @@ def train(args: Any, ctx: Any) -> None:
         os.replace(os.path.join(args.out_dir, "model.pt.tmp"),
                    os.path.join(args.out_dir, "model.pt"))
     ctx.barrier()  # the model is saved before any node reports done
+    if strategy != "ember":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 def _weights_bytes(model: Any) -> bytes:
