@@ -16,7 +16,7 @@ from conftest import read_json_files
 from ember.spark import EmberNodeError, InputMode, run
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_ctx_collectives_match_numpy(local_spark, tmp_path, ranks):
     sc = local_spark.sparkContext
     # 3 ranks: chief + 2 workers, plus an evaluator that is not part of the group
