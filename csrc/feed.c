@@ -603,6 +603,7 @@ typedef struct feed_conn {
   int helloed;
   uint32_t partition, flags;
   int dup;           /* partition already acknowledged: discard its data */
+  int acked_ok;      /* ACK(EMBER_OK) queued: the partition is delivered */
   uint64_t batches;  /* BATCH frames queued for this partition */
   uint64_t records;  /* rows in them */
   uint64_t end_count;
@@ -660,6 +661,10 @@ struct ember_feed_server {
   uint64_t next_id;
   uint32_t *acked; /* sorted partition ids acknowledged OK */
   size_t nacked, acked_cap;
+  /* records queued by connections that ended without an ACK, per partition
+   * (what a resuming producer skips); sorted by partition */
+  struct held_rows { uint32_t partition; uint64_t records; } *held;
+  size_t nheld, held_cap;
   ember_feed_stats stats;
   size_t nrings;
 
@@ -696,6 +701,45 @@ static int acked_find(const ember_feed_server *s, uint32_t p, size_t *at) {
   }
   *at = lo;
   return lo < s->nacked && s->acked[lo] == p;
+}
+
+static size_t held_find(const ember_feed_server *s, uint32_t p, int *found) {
+  size_t lo = 0, hi = s->nheld;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (s->held[mid].partition < p) lo = mid + 1;
+    else hi = mid;
+  }
+  *found = lo < s->nheld && s->held[lo].partition == p;
+  return lo;
+}
+
+static uint64_t held_records(const ember_feed_server *s, uint32_t p) {
+  int found;
+  size_t at = held_find(s, p, &found);
+  return found ? s->held[at].records : 0;
+}
+
+/* Remembers records of p queued by a connection that ended without an ACK.
+ * On ENOMEM the count is lost: a later resume re-sends them (duplicates),
+ * the pre-resume behaviour, never a loss. */
+static void held_add(ember_feed_server *s, uint32_t p, uint64_t records) {
+  int found;
+  size_t at = held_find(s, p, &found);
+  if (!found) {
+    if (s->nheld == s->held_cap) {
+      size_t ncap = s->held_cap ? s->held_cap * 2 : 16;
+      struct held_rows *n = realloc(s->held, ncap * sizeof *n);
+      if (n == NULL) return;
+      s->held = n;
+      s->held_cap = ncap;
+    }
+    memmove(s->held + at + 1, s->held + at, (s->nheld - at) * sizeof *s->held);
+    s->held[at].partition = p;
+    s->held[at].records = 0;
+    s->nheld++;
+  }
+  s->held[at].records += records;
 }
 
 static int acked_add(ember_feed_server *s, uint32_t p) {
@@ -908,7 +952,7 @@ static void handle_auth_frame(ember_feed_server *s, feed_conn *c) {
 }
 
 static void handle_hello(ember_feed_server *s, feed_conn *c) {
-  char why[160];
+  char why[256];
   size_t at = 0;
   if (c->fh.length != 8) {
     snprintf(why, sizeof why, "feed: FEED_HELLO payload is %u bytes, expected 8", c->fh.length);
@@ -917,15 +961,45 @@ static void handle_hello(ember_feed_server *s, feed_conn *c) {
   }
   c->partition = ember_wire_get_u32(c->body);
   c->flags = ember_wire_get_u32(c->body + 4);
-  if (c->flags & ~EMBER_FEED_WANT_RESULTS) {
+  if (c->flags & ~(EMBER_FEED_WANT_RESULTS | EMBER_FEED_RESUME)) {
     snprintf(why, sizeof why, "feed: FEED_HELLO has unknown flags 0x%x", c->flags);
     conn_refuse(s, c, EMBER_EPROTO, why);
     return;
+  }
+  if ((c->flags & EMBER_FEED_RESUME) && (c->flags & EMBER_FEED_WANT_RESULTS)) {
+    snprintf(why, sizeof why, "feed: FEED_HELLO asks to resume partition %u with results "
+             "(results of the skipped records are gone)", c->partition);
+    conn_refuse(s, c, EMBER_EPROTO, why);
+    return;
+  }
+  if (c->flags & EMBER_FEED_RESUME) {
+    /* The count is only final once every earlier connection of the partition
+     * has ended (and its ring reader stopped queueing). */
+    for (feed_conn *o = s->conns; o; o = o->next)
+      if (o != c && o->helloed && o->partition == c->partition && !o->dup && !o->acked_ok &&
+          !(o->flags & EMBER_FEED_WANT_RESULTS)) {
+        snprintf(why, sizeof why, "feed: partition %u is still being fed by another connection "
+                 "(%s, an earlier attempt of this task?); retry once it has ended",
+                 c->partition, o->peer);
+        conn_refuse(s, c, EMBER_ESTATE, why);
+        return;
+      }
   }
   c->helloed = 1;
   if (acked_find(s, c->partition, &at)) {
     c->dup = 1;
     s->stats.duplicate_partitions++;
+  }
+  if (c->flags & EMBER_FEED_RESUME) {
+    uint8_t frame[EMBER_WIRE_HEADER_LEN + 12];
+    ember_wire_encode_header(frame, EMBER_MSG_FEED_RESUME, 12);
+    ember_wire_put_u32(frame + EMBER_WIRE_HEADER_LEN, (uint32_t)c->dup);
+    ember_wire_put_u64(frame + EMBER_WIRE_HEADER_LEN + 4,
+                       c->dup ? 0 : held_records(s, c->partition));
+    if (queue_owned_frame(c, frame, sizeof frame) != EMBER_OK) {
+      conn_kill(s, c);
+      return;
+    }
   }
   c->state = C_STREAM;
   c->deadline = 0;
@@ -1438,6 +1512,7 @@ static void loop_progress(ember_feed_server *s) {
         snprintf(why, sizeof why, "out of memory recording partition %u", c->partition);
       } else {
         s->stats.partitions_acked++;
+        c->acked_ok = 1;
       }
       if (ready) {
         if (queue_status_frame(c, EMBER_MSG_ACK, st, why) != EMBER_OK) {
@@ -1474,6 +1549,9 @@ static void loop_progress(ember_feed_server *s) {
       s->nrings--;
     }
     ember_shm_ring_destroy(c->ring);
+    /* Its queued batches stay in the queue: a resumed attempt skips them. */
+    if (c->helloed && !c->dup && !c->acked_ok && c->records > 0)
+      held_add(s, c->partition, c->records);
     *pp = c->next;
     s->nconns--;
     if (c->outstanding)
@@ -1611,6 +1689,7 @@ void ember_feed_server_destroy(ember_feed_server *s) {
   if (s->secret) memset(s->secret, 0, s->secret_len);
   free(s->secret);
   free(s->acked);
+  free(s->held);
   free(s->pfds);
   free(s->pconns);
   free(s);
@@ -1891,6 +1970,8 @@ struct ember_feed_client {
   int fd;
   uint32_t partition, flags;
   uint64_t rows_sent;
+  uint64_t resume_records; /* FEED_RESUME: records the node already holds */
+  int resume_delivered;    /* FEED_RESUME: the partition was delivered whole */
   int broken; /* a send failed half-way or the server refused us */
   int ended;  /* END_PARTITION or END_FEED acknowledged */
   char peer[64];
@@ -1932,6 +2013,8 @@ int ember_feed_client_connect(ember_feed_client **out, const char *host, uint16_
                                       NULL, timeout_ms);
 }
 
+static int client_read_resume(ember_feed_client *c, int64_t deadline);
+
 int ember_feed_client_connect_ex(ember_feed_client **out, const char *host, uint16_t port,
                                  const uint8_t *secret, size_t secret_len, uint32_t partition,
                                  uint32_t flags, const ember_feed_client_options *opts,
@@ -1945,7 +2028,7 @@ int ember_feed_client_connect_ex(ember_feed_client **out, const char *host, uint
     goto cleanup;
   }
   *out = NULL;
-  if (flags & ~EMBER_FEED_WANT_RESULTS) {
+  if (flags & ~(EMBER_FEED_WANT_RESULTS | EMBER_FEED_RESUME)) {
     rc = ember__set_error(EMBER_EINVAL, "feed connect: unknown flags 0x%x", flags);
     goto cleanup;
   }
@@ -1982,6 +2065,10 @@ int ember_feed_client_connect_ex(ember_feed_client **out, const char *host, uint
   ember_wire_put_u32(hello + 4, flags);
   rc = ember_net_send_frame(c->fd, EMBER_MSG_FEED_HELLO, hello, sizeof hello, deadline);
   if (rc != EMBER_OK) goto cleanup;
+  if (flags & EMBER_FEED_RESUME) {
+    rc = client_read_resume(c, deadline);
+    if (rc != EMBER_OK) goto cleanup;
+  }
   *out = c;
   c = NULL;
 cleanup:
@@ -2028,6 +2115,34 @@ static int client_recv(ember_feed_client *c, ember_frame_header *fh, uint8_t **p
     rc = ember__set_error(EMBER_ECLOSED, "feed %s: node %s closed the connection (partition %u)",
                           what, c->peer, c->partition);
   return rc;
+}
+
+/* The answer to a resuming FEED_HELLO: FEED_RESUME, or REFUSED. */
+static int client_read_resume(ember_feed_client *c, int64_t deadline) {
+  ember_frame_header fh;
+  uint8_t *payload = NULL;
+  int rc = client_recv(c, &fh, &payload, deadline, "connect");
+  if (rc != EMBER_OK) goto done;
+  if (fh.type == EMBER_MSG_REFUSED) {
+    rc = client_status(c, fh.type, payload, fh.length);
+  } else if (fh.type != EMBER_MSG_FEED_RESUME || fh.length != 12) {
+    c->broken = 1;
+    rc = ember__set_error(EMBER_EPROTO, "feed connect: node %s answered a resuming FEED_HELLO "
+                          "with %s (%u bytes), expected FEED_RESUME (12 bytes)", c->peer,
+                          ember_wire_type_name(fh.type), fh.length);
+  } else {
+    c->resume_delivered = ember_wire_get_u32(payload) != 0;
+    c->resume_records = ember_wire_get_u64(payload + 4);
+  }
+done:
+  free(payload);
+  return rc;
+}
+
+void ember_feed_client_resume_point(const ember_feed_client *c, uint64_t *records,
+                                    int *delivered) {
+  if (records) *records = c ? c->resume_records : 0;
+  if (delivered) *delivered = c ? c->resume_delivered : 0;
 }
 
 /* Keeps a RESULTS payload that arrived while we waited for something else,

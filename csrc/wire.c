@@ -41,6 +41,7 @@ int ember_wire_known_type(uint16_t type) {
   case EMBER_MSG_FEED_ERROR:
   case EMBER_MSG_FEED_SHM:
   case EMBER_MSG_FEED_SHM_REPLY:
+  case EMBER_MSG_FEED_RESUME:
   case EMBER_MSG_COLL_HELLO:
   case EMBER_MSG_COLL_SHM:
   case EMBER_MSG_COLL_SHM_ACK:
@@ -70,6 +71,7 @@ const char *ember_wire_type_name(uint16_t type) {
   case EMBER_MSG_FEED_ERROR: return "FEED_ERROR";
   case EMBER_MSG_FEED_SHM: return "FEED_SHM";
   case EMBER_MSG_FEED_SHM_REPLY: return "FEED_SHM_REPLY";
+  case EMBER_MSG_FEED_RESUME: return "FEED_RESUME";
   case EMBER_MSG_COLL_HELLO: return "COLL_HELLO";
   case EMBER_MSG_COLL_SHM: return "COLL_SHM";
   case EMBER_MSG_COLL_SHM_ACK: return "COLL_SHM_ACK";

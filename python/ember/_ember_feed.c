@@ -598,7 +598,7 @@ static void feed_client_destroy(void *p) { ember_feed_client_destroy(p); }
 static PyObject *FeedClient_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
   static char *kwlist[] = {"host",         "port",      "secret", "partition",
                            "want_results", "timeout_s", "shm",    "shm_bytes",
-                           NULL};
+                           "resume",       NULL};
   ember_state *st = embpy_state_of_type(type);
   if (st == NULL)
     return NULL;
@@ -610,10 +610,11 @@ static PyObject *FeedClient_new(PyTypeObject *type, PyObject *args, PyObject *kw
   int64_t ms = 60000;
   PyObject *shm = Py_None;
   Py_ssize_t shm_bytes = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO&y*n|$pO&On:FeedClient", kwlist, &host,
+  int resume = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO&y*n|$pO&Onp:FeedClient", kwlist, &host,
                                    embpy_port_conv, &port, &secret, &partition,
                                    &want_results, embpy_timeout_conv, &ms, &shm,
-                                   &shm_bytes))
+                                   &shm_bytes, &resume))
     return NULL;
   FeedClientObject *self = NULL;
   uint32_t part;
@@ -646,7 +647,9 @@ static PyObject *FeedClient_new(PyTypeObject *type, PyObject *args, PyObject *kw
   Py_BEGIN_ALLOW_THREADS
   EMBPY_CALL(rc, &e,
              ember_feed_client_connect_ex(&c, host, port, secret.buf, (size_t)secret.len,
-                                          part, want_results ? EMBER_FEED_WANT_RESULTS : 0u,
+                                          part,
+                                          (want_results ? EMBER_FEED_WANT_RESULTS : 0u) |
+                                              (resume ? EMBER_FEED_RESUME : 0u),
                                           &opts, ms));
   Py_END_ALLOW_THREADS
   if (rc != EMBER_OK) {
@@ -851,7 +854,24 @@ static PyObject *FeedClient_uses_shm(PyObject *op, void *closure) {
   return PyBool_FromLong(v);
 }
 
+static PyObject *FeedClient_resume_point(PyObject *op, void *closure) {
+  FeedClientObject *self = (FeedClientObject *)op;
+  uint64_t records = 0;
+  int delivered = 0;
+  if (embpy_handle_enter(&self->h) < 0)
+    return NULL;
+  ember_feed_client_resume_point(self->h.ptr, &records, &delivered);
+  embpy_handle_leave(&self->h);
+  return Py_BuildValue("(KO)", (unsigned long long)records, delivered ? Py_True : Py_False);
+}
+
 static PyGetSetDef FeedClient_getset[] = {
+    {"resume_point", FeedClient_resume_point, NULL,
+     "(records, delivered) for a client made with resume=True: how many records\n"
+     "of this partition the node already holds from an earlier attempt (skip\n"
+     "them and send the rest), and whether it was delivered whole already.\n"
+     "(0, False) without resume.",
+     NULL},
     {"uses_shm", FeedClient_uses_shm, NULL,
      "True once this client's batches go through a shared-memory ring (decided\n"
      "by the first send); False for TCP.",
@@ -885,7 +905,7 @@ static PyMethodDef FeedClient_methods[] = {
 
 PyDoc_STRVAR(FeedClient_doc,
              "FeedClient(host, port, secret, partition, *, want_results=False,\n"
-             "           timeout_s=60.0, shm=None, shm_bytes=0)\n\n"
+             "           timeout_s=60.0, shm=None, shm_bytes=0, resume=False)\n\n"
              "A producer's connection to a node's feed server; connects,\n"
              "authenticates and sends FEED_HELLO at once.  Calls are serialized\n"
              "by a per-object lock.\n"
@@ -894,7 +914,10 @@ PyDoc_STRVAR(FeedClient_doc,
              "the environment says; False keeps to TCP.  The node may decline (other\n"
              "host, shm disabled): TCP then, transparently.  shm_bytes: the ring's\n"
              "size (0: EMBER_FEED_SHM_BYTES, else 16 MiB); a batch larger than half\n"
-             "the ring is split through it.  See uses_shm.");
+             "the ring is split through it.  See uses_shm.\n"
+             "resume: resume a partition an earlier attempt fed part of (see\n"
+             "resume_point); refused with EmberError while that attempt's\n"
+             "connection is still open.");
 
 static PyType_Slot FeedClient_slots[] = {
     {Py_tp_doc, (void *)FeedClient_doc},

@@ -123,11 +123,18 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
             raise ValueError(f"ember feeds at most {1 << _SEQ_BITS} partitions per call")
         host, port, name = targets[p % len(targets)]
         client = _ember.FeedClient(host, port, secret, (seq << _SEQ_BITS) | p,
-                                   want_results=want_results, timeout_s=feed_timeout)
+                                   want_results=want_results, timeout_s=feed_timeout,
+                                   resume=not want_results)
+        # a retried task skips what an earlier attempt already delivered
+        skip, delivered = client.resume_point
         sent = 0
         try:
             chunk: List[Any] = []
             for record in iterator:
+                if skip or delivered:
+                    skip -= 1 if skip else 0
+                    sent += 1
+                    continue
                 chunk.append(record)
                 if len(chunk) < chunk_rows:
                     continue
@@ -137,7 +144,7 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
             if chunk:
                 yield from _send(client, chunk, p, sent, want_results, feed_timeout)
                 sent += len(chunk)
-            if not want_results:
+            if not want_results and not delivered:
                 _end_mark(client, seq, p, parts, len(targets), feed_timeout)
             client.end_partition(feed_timeout)
         except _ember.EmberAborted:
@@ -193,12 +200,18 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
             raise ValueError(f"ember feeds at most {1 << _SEQ_BITS} partitions per call")
         host, port, name = targets[p % len(targets)]
         client = _ember.FeedClient(host, port, secret, (seq << _SEQ_BITS) | p,
-                                   want_results=False, timeout_s=feed_timeout)
+                                   want_results=False, timeout_s=feed_timeout, resume=True)
+        # a retried task skips what an earlier attempt already delivered
+        skip, delivered = client.resume_point
         sent = 0
         try:
             for rb in batches:
-                if rb.num_rows == 0:
+                if delivered or skip >= rb.num_rows:
+                    skip -= 0 if delivered else rb.num_rows
+                    sent += rb.num_rows
                     continue
+                if skip:
+                    rb, sent, skip = rb.slice(skip), sent + skip, 0
                 row_bytes = max(1, rb.nbytes // rb.num_rows)
                 step = max(1, chunk_bytes // row_bytes)
                 for off in range(0, rb.num_rows, step):
@@ -207,7 +220,8 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
                         part, where=f"partition {p} rows {sent}..{sent + part.num_rows - 1}")
                     client.send(cols, n, feed_timeout)
                     sent += n
-            _end_mark(client, seq, p, parts, len(targets), feed_timeout)
+            if not delivered:
+                _end_mark(client, seq, p, parts, len(targets), feed_timeout)
             client.end_partition(feed_timeout)
         except _ember.EmberAborted:
             pass  # the node terminated its feed: TensorFlowOnSpark drops the rest

@@ -662,6 +662,83 @@ TEST(duplicate_partition_discarded) {
   LEAK_CHECK();
 }
 
+/* A feeding task that dies half-way through its partition and is retried:
+ * the node tells the retry how many records it already holds, the retry sends
+ * only the rest, and every record arrives exactly once. */
+static ember_feed_client *connect_resume(uint16_t port, uint32_t partition, uint64_t *held,
+                                         int *delivered) {
+  ember_feed_client *c = NULL;
+  CHECK_OK(ember_feed_client_connect(&c, "127.0.0.1", port, SECRET, sizeof SECRET, partition,
+                                     EMBER_FEED_RESUME, 5000));
+  ember_feed_client_resume_point(c, held, delivered);
+  return c;
+}
+
+TEST(resumed_partition_delivered_exactly_once) {
+  ember_feed_server *s = start_server(0, 0);
+  uint16_t port = ember_feed_server_port(s);
+  ember_feed_client *c, *busy = NULL;
+  ember_feed_stats st;
+  ember_feed_item *it = NULL;
+  uint64_t held = 99, next = 0;
+  int delivered = 7;
+  gen_batch g;
+  /* first attempt: 3 batches of 10 rows, then the task dies */
+  c = connect_resume(port, 4, &held, &delivered);
+  CHECK_EQ_INT(held, 0);
+  CHECK_EQ_INT(delivered, 0);
+  for (uint64_t b = 0; b < 3; b++) {
+    gen_make(&g, 4, b * 10, 10, 8);
+    CHECK_OK(ember_feed_client_send(c, g.cols, 4, g.nrows, 5000));
+    gen_free(&g);
+  }
+  pop_partition(s, 4, 3, &next);
+  /* while it is still connected, a second attempt must wait */
+  CHECK_EQ_INT(ember_feed_client_connect(&busy, "127.0.0.1", port, SECRET, sizeof SECRET, 4,
+                                         EMBER_FEED_RESUME, 5000),
+               EMBER_ESTATE);
+  CHECK(strstr(ember_last_error(), "still being fed") != NULL);
+  ember_feed_client_destroy(c);
+  /* the retry hears 30 and sends rows 30..49 */
+  for (int i = 0; i < 200; i++) {
+    c = NULL;
+    if (ember_feed_client_connect(&c, "127.0.0.1", port, SECRET, sizeof SECRET, 4,
+                                  EMBER_FEED_RESUME, 5000) == EMBER_OK)
+      break;
+    CHECK(strstr(ember_last_error(), "still being fed") != NULL);
+    sleep_ms(10);
+  }
+  CHECK(c != NULL);
+  ember_feed_client_resume_point(c, &held, &delivered);
+  CHECK_EQ_INT(held, 30);
+  CHECK_EQ_INT(delivered, 0);
+  for (uint64_t b = 0; b < 2; b++) {
+    gen_make(&g, 4, held + b * 10, 10, 8);
+    CHECK_OK(ember_feed_client_send(c, g.cols, 4, g.nrows, 5000));
+    gen_free(&g);
+  }
+  pop_partition(s, 4, 2, &next);
+  CHECK_EQ_INT(next, 50);
+  CHECK_OK(ember_feed_client_end_partition(c, 5000));
+  ember_feed_client_destroy(c);
+  /* a third attempt hears that the partition is delivered */
+  c = connect_resume(port, 4, &held, &delivered);
+  CHECK_EQ_INT(delivered, 1);
+  CHECK_EQ_INT(held, 0);
+  CHECK_OK(ember_feed_client_end_partition(c, 5000));
+  ember_feed_client_destroy(c);
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 100), EMBER_ETIMEDOUT);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.records_received, 50);
+  CHECK_EQ_INT(st.partitions_acked, 1);
+  /* resuming with results is refused: the results of skipped rows are gone */
+  CHECK_EQ_INT(ember_feed_client_connect(&busy, "127.0.0.1", port, SECRET, sizeof SECRET, 5,
+                                         EMBER_FEED_RESUME | EMBER_FEED_WANT_RESULTS, 5000),
+               EMBER_EPROTO);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
 TEST(wrong_secret_rejected_others_served) {
   ember_feed_server *s = start_server(0, 0);
   producer_args a;
@@ -1365,12 +1442,14 @@ TCP_VARIANT(results_round_trip_in_order)
 TCP_VARIANT(end_feed_item_after_queued_batches)
 TCP_VARIANT(destroy_with_connected_producers_leaks_nothing)
 TCP_VARIANT(client_fail_marker)
+TCP_VARIANT(resumed_partition_delivered_exactly_once)
 
 RUN_TESTS(T(dtype_sizes), T(codec_roundtrip_every_dtype), T(codec_zero_columns_and_bytes_only),
           T(codec_encode_rejects_inconsistent_columns), T(decode_rejects_every_truncation),
           T(decode_rejects_bad_fields), T(one_producer_in_order), T(four_concurrent_producers),
           T(backpressure_blocks_until_pop), T(backpressure_deadline_times_out),
-          T(duplicate_partition_discarded), T(wrong_secret_rejected_others_served),
+          T(duplicate_partition_discarded), T(resumed_partition_delivered_exactly_once),
+          T(wrong_secret_rejected_others_served),
           T(handshake_deadline_drops_silent_client), T(malformed_batch_closes_only_that_producer),
           T(client_send_sees_refusal), T(record_count_mismatch_acks_eproto),
           T(terminate_aborts_and_never_blocks_producers), T(results_round_trip_in_order),
@@ -1385,4 +1464,5 @@ RUN_TESTS(T(dtype_sizes), T(codec_roundtrip_every_dtype), T(codec_zero_columns_a
           T(tcp_malformed_batch_closes_only_that_producer), T(tcp_client_send_sees_refusal),
           T(tcp_terminate_aborts_and_never_blocks_producers), T(tcp_results_round_trip_in_order),
           T(tcp_end_feed_item_after_queued_batches),
-          T(tcp_destroy_with_connected_producers_leaks_nothing), T(tcp_client_fail_marker))
+          T(tcp_destroy_with_connected_producers_leaks_nothing), T(tcp_client_fail_marker),
+          T(tcp_resumed_partition_delivered_exactly_once))

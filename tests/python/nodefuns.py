@@ -115,3 +115,44 @@ def collect_columns(args: Dict[str, Any], ctx: Any) -> None:
             if "vec" in cols and cols["vec"][j].tolist() != [float(i), 1.0]:
                 bad.append(("vec", i))
     _write(args, ctx, ids=ids, layout=layout, bad=bad[:10])
+
+
+def fail_first_attempt(marker_dir: str, partition: int, after: int) -> Any:
+    """RDD mapPartitionsWithIndex: partition ``partition`` raises on its first
+    attempt after yielding ``after`` records (a feeding task lost half-way)."""
+    def gen(index: int, records: Any) -> Any:
+        from pyspark import TaskContext
+
+        first = TaskContext.get().attemptNumber() == 0
+        for n, record in enumerate(records):
+            if first and index == partition and n == after:
+                open(os.path.join(marker_dir, f"failed-{index}"), "w").close()
+                raise RuntimeError(f"injected failure of partition {index} after {n} records")
+            yield record
+    return gen
+
+
+def arrow_rows_failing_first_attempt(marker_dir: str, partition: int, after: int) -> Any:
+    """mapInArrow over spark.range: rows (id, x=[id]*8) in 500-row batches;
+    partition ``partition`` raises on its first attempt after ``after`` rows."""
+    def gen(batches: Any) -> Any:
+        import numpy as np
+        import pyarrow as pa
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        first, index, n = ctx.attemptNumber() == 0, ctx.partitionId(), 0
+        for b in batches:
+            ids = b.column(0).to_numpy()
+            for off in range(0, len(ids), 500):
+                if first and index == partition and n >= after:
+                    open(os.path.join(marker_dir, f"failed-{index}"), "w").close()
+                    raise RuntimeError(f"injected failure of partition {index} after {n} rows")
+                part = ids[off:off + 500]
+                x = np.repeat(part.astype(np.float32), 8)
+                offsets = pa.array(np.arange(0, len(x) + 1, 8, dtype=np.int32))
+                yield pa.RecordBatch.from_arrays(
+                    [pa.array(part), pa.ListArray.from_arrays(offsets, pa.array(x))],
+                    names=["id", "x"])
+                n += len(part)
+    return gen

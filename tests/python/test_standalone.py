@@ -149,3 +149,32 @@ def test_killed_trainer_restarts_from_checkpoint(cluster_spark, tmp_path):
     assert len(pairs) == n_test
     accuracy = float(np.mean(pairs[:, 0] == pairs[:, 1]))
     assert accuracy > 0.6, f"accuracy {accuracy} after restart (chance is 0.1)"
+
+
+@pytest.mark.parametrize("kind", ["rdd", "dataframe"])
+def test_retried_feeding_task_delivers_every_record_once(cluster_spark, tmp_path, kind):
+    """Partition 1's feeding task dies after 1,500 of its 2,000 records on its
+    first attempt; Spark retries it, the node tells the retry how many records
+    it already holds, and every record arrives exactly once."""
+    spark = cluster_spark
+    sc = spark.sparkContext
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    if kind == "rdd":
+        data = sc.parallelize([(i, [float(i)] * 8) for i in range(4000)], 2) \
+            .mapPartitionsWithIndex(nodefuns.fail_first_attempt(str(marks), 1, 1500))
+    else:
+        spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "500")
+        data = spark.range(0, 4000, numPartitions=2).mapInArrow(
+            nodefuns.arrow_rows_failing_first_attempt(str(marks), 1, 1500),
+            "id long, x array<float>")
+    cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=120)
+    try:
+        assert cluster.train(data) == 4000
+    finally:
+        cluster.shutdown(timeout=120)
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    assert os.listdir(marks) == ["failed-1"]  # the failure did happen
+    got = collections.Counter(i for info in read_json_files(str(tmp_path)) for i in info["ids"])
+    assert got == collections.Counter(range(4000))

@@ -124,6 +124,18 @@ int ember_batch_decode(const uint8_t *buf, size_t len, ember_column *cols,
 /* ------------------------------------------------------------ server */
 
 #define EMBER_FEED_WANT_RESULTS 1u
+/* Resume a partition an earlier attempt fed part of (a retried Spark task).
+ * The node keeps, per partition, the records it queued from connections that
+ * ended without an ACK (those batches are still delivered to the trainer),
+ * and answers this HELLO with FEED_RESUME: how many records of the partition
+ * it already holds, or that the partition was delivered whole.  The producer
+ * skips that many records of its (deterministic) partition and sends the
+ * rest, so a task that failed half-way and is retried delivers every record
+ * exactly once.  Only one connection at a time may feed a partition with
+ * this flag: while an earlier one is still open the HELLO is refused with
+ * EMBER_ESTATE (its task fails and Spark retries it later).  Not for
+ * WANT_RESULTS: results of the skipped records went to the dead connection. */
+#define EMBER_FEED_RESUME 2u
 
 typedef enum {
   EMBER_FEED_ITEM_BATCH = 1, /* data = an encoded batch */
@@ -213,6 +225,13 @@ int ember_feed_client_connect_ex(ember_feed_client **out, const char *host, uint
                                  const uint8_t *secret, size_t secret_len,
                                  uint32_t partition, uint32_t flags,
                                  const ember_feed_client_options *opts, int64_t timeout_ms);
+
+/* With EMBER_FEED_RESUME in the HELLO flags: the records of this partition
+ * the node already holds (skip them), and whether the partition was already
+ * delivered whole (*delivered = 1: send nothing, end_partition answers OK).
+ * Both are 0 without the flag. */
+void ember_feed_client_resume_point(const ember_feed_client *c, uint64_t *records,
+                                    int *delivered);
 
 /* Encodes and sends one BATCH.  Over TCP: header and columns in one writev
  * (no copy of the column data).  Over shared memory: encoded straight into

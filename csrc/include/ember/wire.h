@@ -62,6 +62,10 @@ typedef enum {
                                    32-byte token (a shm ring to attach) */
   EMBER_MSG_FEED_SHM_REPLY = 40, /* node->producer: u32 status (0: attached, BATCH
                                    payloads now go through the ring), str reason */
+  EMBER_MSG_FEED_RESUME = 41,   /* node->producer, answer to a FEED_HELLO with
+                                   EMBER_FEED_RESUME: u32 delivered (1: the
+                                   partition was acknowledged already), u64
+                                   records of it the node already holds */
 
   /* collectives, set-up only (see collective.h; data flows unframed) */
   EMBER_MSG_COLL_HELLO = 48,  /* both ways: u32 rank, u32 size */
