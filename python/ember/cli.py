@@ -69,6 +69,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                      help="skip and count corrupt records instead of stopping")
     ins.add_argument("--json", action="store_true", help="one JSON object per file")
     ins.set_defaults(func=tfrecord_inspect)
+    yarn = sub.add_parser("yarn", help="Hadoop/YARN").add_subparsers(dest="action",
+                                                                    required=True)
+    chk = yarn.add_parser("check", help="check HADOOP_CONF_DIR, HDFS read/write, the "
+                          "ResourceManager and a one-container round trip")
+    chk.add_argument("--conf-dir", default=None, help="instead of $HADOOP_CONF_DIR")
+    chk.add_argument("--no-container", action="store_true",
+                     help="skip the Spark-on-YARN container round trip")
+    chk.set_defaults(func=lambda a: __import__("ember.yarn", fromlist=["check_main"])
+                     .check_main(a))
     args = p.parse_args(argv)
     return int(args.func(args))
 

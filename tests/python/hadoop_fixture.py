@@ -143,7 +143,19 @@ class MiniHadoop:
                "-Dember.hadoop.log.level=" + os.environ.get("EMBER_HADOOP_LOG_LEVEL", "WARN"),
                *JAVA17_OPENS,
                "-cp", os.pathsep.join(classpath), "org.ember.hadoop.MiniHadoop",
-               "--conf-dir", self.conf_dir, "--work-dir", self.work_dir]
+               "--conf-dir", self.conf_dir, "--work-dir", self.work_dir,
+               # Spark executors on YARN fork Python workers and Ember nodes
+               # (TensorFlow: GBs of virtual memory) outside the JVM's heap:
+               # no vmem/pmem kill switch in a test (as Spark's docs advise
+               # for Python-heavy jobs); container sizes still bound the
+               # scheduler's placement.
+               "-Dyarn.nodemanager.vmem-check-enabled=false",
+               "-Dyarn.nodemanager.pmem-check-enabled=false",
+               # room for an AM + 2 executors of 2 GiB (bookkeeping only:
+               # nothing is reserved or enforced)
+               # (MiniYARNCluster sizes its NodeManager from this key, not
+               # yarn.nodemanager.resource.memory-mb)
+               "-Dyarn.minicluster.yarn.nodemanager.resource.memory-mb=8192"]
         t0 = time.monotonic()
         with open(self.log_path, "wb") as log:
             # cwd: MiniYARNCluster works under ./target; start_new_session: a
