@@ -1021,7 +1021,9 @@ static PyGetSetDef TFRecordWriter_getset[] = {
 
 PyDoc_STRVAR(TFRecordWriter_doc,
              "TFRecordWriter(path, compression=0, level=-1)\n\n"
-             "Writes a TFRecord file (path None: into memory, see getvalue()).\n"
+             "Writes a TFRecord file (path None: into memory, see getvalue()).  An\n"
+             "hdfs:// or webhdfs:// path is streamed over WebHDFS (created or\n"
+             "overwritten; complete only once close() returns).\n"
              "compression: 0 none, 1 GZIP, 2 ZLIB; level: zlib level or -1.  Nothing\n"
              "is guaranteed written until close() returns.");
 

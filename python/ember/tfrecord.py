@@ -171,11 +171,15 @@ def write(path: str, columns: Mapping[str, Any], compression: Optional[str] = No
         head, name = path.rstrip("/").rsplit("/", 1)
         tmp = f"{head}/.{name}.{uuid.uuid4().hex[:12]}.tmp"
         try:
-            with _ember.TFRecordWriter(tmp, _compression(compression, path)) as w:
-                w.write_examples(cols, n or 0)
+            with _hdfs.errors():
+                with _ember.TFRecordWriter(tmp, _compression(compression, path)) as w:
+                    w.write_examples(cols, n or 0)
             _hdfs.rename(tmp, path, overwrite=True)
         except BaseException:
-            _hdfs.delete(tmp)
+            try:
+                _hdfs.delete(tmp)
+            except Exception:  # the first error is the story
+                pass
             raise
         return n or 0
     with _ember.TFRecordWriter(_local(path), _compression(compression, path)) as w:
@@ -563,11 +567,12 @@ def _save_hdfs(df: Any, path: str, compression: Optional[str], mode: str, level:
         pid = ctx.partitionId()
         tmp = f"{tmpdir}/part-{pid:05d}-{ctx.attemptNumber()}-{uuid.uuid4().hex}"
         try:
-            w = _ember.TFRecordWriter(tmp, comp, level)
-            for b in batches:
-                if b.num_rows:
-                    w.write_examples(_arrow_columns(b, plan), b.num_rows)
-            w.close()
+            with _hdfs.errors():
+                w = _ember.TFRecordWriter(tmp, comp, level)
+                for b in batches:
+                    if b.num_rows:
+                        w.write_examples(_arrow_columns(b, plan), b.num_rows)
+                w.close()
             # replaces a file an earlier attempt of this task renamed (same rows)
             _hdfs.rename(tmp, f"{root}/part-{pid:05d}.tfrecord{ext}", overwrite=True)
         except BaseException:

@@ -140,6 +140,26 @@ def test_tfrecord_write_reader_inspect_over_hdfs(hconf: HadoopCluster) -> None:
         tfr.open_reader(base + "/missing.tfrecord", compression=None)
 
 
+def test_tfrecord_permission_denied_names_path_and_user(hconf: HadoopCluster,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import urllib.parse
+    import urllib.request
+
+    base = _url(hconf, "perm")
+    tfr.write(base + "/private.tfrecord", {"y": np.arange(3)})
+    q = urllib.parse.urlencode({"op": "SETPERMISSION", "permission": "700",
+                                "user.name": hconf.user})
+    path = base[len(hconf.fs):]
+    req = urllib.request.Request(f"{hconf.webhdfs}/webhdfs/v1{path}?{q}", method="PUT")
+    urllib.request.urlopen(req, timeout=30).close()
+    monkeypatch.setenv("HADOOP_USER_NAME", "mallory")
+    with pytest.raises(PermissionError, match="mallory") as ei:
+        list(tfr.reader(base + "/private.tfrecord", 10, ["y"]))
+    assert isinstance(ei.value, hdfs.EmberPermissionError) and "private.tfrecord" in str(ei.value)
+    with pytest.raises(PermissionError, match="other.tfrecord.*mallory|mallory.*other.tfrecord"):
+        tfr.write(base + "/other.tfrecord", {"y": np.arange(3)})
+
+
 def test_tfrecord_save_load_hdfs_with_spark(hconf: HadoopCluster, local_spark) -> None:
     spark = local_spark
     url = _url(hconf, "spark-save")
