@@ -1,0 +1,217 @@
+"""make bench-inference: distributed batched inference on one local Spark.
+
+The Fashion-MNIST test set x20 (200,000 rows of image array<float>[784]) goes
+through the same SavedModel (784-256-128-10 MLP, ``serving_default``:
+image -> classes) by
+
+  (a) Ember's ``ember.ml.EmberModel.transform`` (mapInArrow, model cached
+      per Python worker, Arrow buffers viewed as numpy),
+  (b) ``pyspark.ml.functions.predict_batch_udf`` at the best batch size of a
+      small sweep,
+  (c) TensorFlowOnSpark 2.2.5's ``pipeline.TFModel`` (rdd.mapPartitions, rows
+      as Python lists, ``spark.createDataFrame`` of the results),
+
+each materialized completely (``write.format("noop")``) after a warm-up run
+(so every Python worker has loaded its model).  All three produce the same
+classes on the same rows (checked).  Prints a table and
+
+  RESULT inference ember_rps=<x> pbu_rps=<y> tfos_rps=<z> ratio_vs_pbu=<x/y> ratio_vs_tfos=<x/z>
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [REPO, os.path.join(REPO, "python")]
+
+
+def build_saved_model(export_dir: str, train_images: np.ndarray, train_labels: np.ndarray) -> None:
+    """The example's model, trained one epoch in this process, exported with the
+    example's serving signature (image -> logits, probabilities, classes)."""
+    import tensorflow as tf
+    import tf_keras as keras
+
+    from examples.fashion_mnist import model as fm
+
+    tf.get_logger().setLevel("ERROR")
+    m = fm.build_model()
+    m.compile(optimizer=keras.optimizers.Adam(1e-3),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    m.fit(train_images, train_labels, batch_size=128, epochs=1, verbose=0)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 784], tf.float32, name="image")])
+    def serve(image):
+        logits = m(image, training=False)
+        return {"logits": logits, "probabilities": tf.nn.softmax(logits),
+                "classes": tf.argmax(logits, axis=-1)}
+
+    tf.saved_model.save(m, export_dir, signatures={"serving_default": serve})
+
+
+def _expand(batches):  # mapInArrow: chunks -> one row per image
+    import pyarrow as pa
+
+    for b in batches:
+        for imgs, lbls, first in zip(b.column(0).to_pylist(), b.column(1).to_pylist(),
+                                     b.column(2).to_pylist()):
+            x = np.frombuffer(imgs, dtype=np.uint8).astype(np.float32) / 255.0
+            y = np.frombuffer(lbls, dtype=np.int64)
+            offsets = pa.array(np.arange(0, x.size + 1, 784, dtype=np.int32))
+            yield pa.RecordBatch.from_arrays(
+                [pa.array(np.arange(first, first + y.size, dtype=np.int64)),
+                 pa.ListArray.from_arrays(offsets, pa.array(x)), pa.array(y)],
+                names=["id", "image", "label"])
+
+
+def frame(spark, images, labels, copies, parts):
+    images = np.tile(images.reshape(-1, 784), (copies, 1))
+    labels = np.tile(labels.astype(np.int64), copies)
+    step = 10000
+    chunks = [(images[a:a + step].tobytes(), labels[a:a + step].tobytes(), a)
+              for a in range(0, len(labels), step)]
+    blobs = spark.createDataFrame(chunks, "images binary, labels binary, first long")
+    return blobs.repartition(parts).mapInArrow(_expand, "id long, image array<float>, label long")
+
+
+def timed(what, build, rows):
+    out = build()
+    start = time.perf_counter()
+    out.write.format("noop").mode("overwrite").save()
+    secs = time.perf_counter() - start
+    print(f"  {what}: {rows} rows in {secs:.2f} s = {rows / secs:,.0f} rows/s", flush=True)
+    return secs
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--copies", type=int, default=20, help="test set copies (default 20: 200,000 rows)")
+    p.add_argument("--cores", type=int, default=2, help="local[N] Spark")
+    p.add_argument("--sweep", default="256,1024,4096,10000", help="predict_batch_udf batch sizes")
+    p.add_argument("--tfos-batch", type=int, default=0,
+                   help="TFoS TFModel BatchSize (default: the best predict_batch_udf batch size)")
+    args = p.parse_args()
+
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as F
+
+    from examples.fashion_mnist import data
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    spark = (SparkSession.builder.master(f"local[{args.cores}]").appName("bench-inference")
+             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+             .config("spark.ui.enabled", "false").config("spark.driver.memory", "4g")
+             .config("spark.sql.shuffle.partitions", str(args.cores))
+             .config("spark.executorEnv.PYTHONPATH",
+                     os.pathsep.join([REPO, os.path.join(REPO, "python"), os.path.join(REPO, "bench")]))
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    work = tempfile.mkdtemp(prefix="ember-bench-inference-")
+    export = os.path.join(work, "export")
+    try:
+        tr_x, tr_y = data.load_split("train")
+        te_x, te_y = data.load_split("test")
+        t = time.perf_counter()
+        build_saved_model(export, tr_x.reshape(-1, 784).astype(np.float32) / 255.0, tr_y.astype(np.int64))
+        print(f"SavedModel trained (1 epoch) and exported in {time.perf_counter() - t:.1f} s", flush=True)
+
+        parts = args.cores * 2
+        df = frame(spark, te_x, te_y, args.copies, parts).cache()
+        rows = df.count()
+        small = frame(spark, te_x, te_y, 1, parts).cache()
+        small.count()
+        src, small_src = df.select("image"), small.select("image")
+        print(f"{rows} rows x 784 floats cached in {parts} partitions; local[{args.cores}]", flush=True)
+
+        # (a) Ember
+        from ember.ml import EmberModel
+
+        ember = (EmberModel().setExportDir(export).setInputMapping({"image": "image"})
+                 .setOutputMapping({"classes": "prediction"}))
+        ember_out = lambda d: ember.transform(d)  # noqa: E731
+
+        # (b) predict_batch_udf
+        from pyspark.ml.functions import predict_batch_udf
+        from pyspark.sql.types import LongType
+
+        def make_predict_fn():
+            import tensorflow as tf
+
+            fn = tf.saved_model.load(export).signatures["serving_default"]
+
+            def predict(x):
+                return fn(image=tf.constant(x))["classes"].numpy()
+            return predict
+
+        def pbu_out(d, bs):
+            udf = predict_batch_udf(make_predict_fn, return_type=LongType(), batch_size=bs,
+                                    input_tensor_shapes=[[784]])
+            return d.withColumn("prediction", udf(F.col("image")))
+
+        # (c) TensorFlowOnSpark
+        from tensorflowonspark import pipeline as tfos_pipeline
+
+        def tfos_out(d, bs):
+            m = (tfos_pipeline.TFModel({"batch_size": bs}).setInputMapping({"image": "image"})
+                 .setOutputMapping({"classes": "prediction"}).setExportDir(export)
+                 .setSignatureDefKey("serving_default").setTagSet("serve").setBatchSize(bs))
+            return m.transform(d)
+
+        print("warm-up and checks (10,000 rows)", flush=True)
+        ref = np.array([r[0] for r in ember.transform(small.select("id", "image"))
+                        .orderBy("id").select("prediction").collect()])
+        got_pbu = np.array([r[0] for r in pbu_out(small.select("id", "image"), 1024)
+                            .orderBy("id").select("prediction").collect()])
+        got_tfos = np.array([r[0] for r in tfos_out(small.select("image"), 1024).collect()])
+        accuracy = float(np.mean(ref == te_y))
+        agree_pbu = float(np.mean(ref == got_pbu))
+        # TFoS returns predictions only (no id); compare the multisets of classes
+        agree_tfos = float(np.array_equal(np.sort(ref), np.sort(got_tfos)))
+        print(f"  test accuracy {accuracy:.4f}; predict_batch_udf agrees on {agree_pbu:.4f} of rows; "
+              f"TFoS class counts equal: {bool(agree_tfos)}", flush=True)
+        if agree_pbu != 1.0 or not agree_tfos:
+            raise RuntimeError("the three methods disagree on predictions")
+        timed("ember warm-up", lambda: ember_out(small_src), len(te_y))
+
+        print(f"predict_batch_udf batch-size sweep ({len(te_y) * 4} rows)", flush=True)
+        sweep_src = small_src.unionAll(small_src).unionAll(small_src).unionAll(small_src)
+        best, best_secs = 0, float("inf")
+        for bs in [int(b) for b in args.sweep.split(",")]:
+            secs = timed(f"batch_size={bs}", lambda: pbu_out(sweep_src, bs), len(te_y) * 4)
+            if secs < best_secs:
+                best, best_secs = bs, secs
+        tfos_bs = args.tfos_batch or best
+        timed("tfos warm-up", lambda: tfos_out(small_src, tfos_bs), len(te_y))
+
+        print(f"timed runs ({rows} rows)", flush=True)
+        e_secs = timed("ember EmberModel.transform", lambda: ember_out(src), rows)
+        p_secs = timed(f"predict_batch_udf (batch_size={best})", lambda: pbu_out(src, best), rows)
+        t_secs = timed(f"TFoS pipeline.TFModel (BatchSize={tfos_bs})", lambda: tfos_out(src, tfos_bs), rows)
+
+        e_rps, p_rps, t_rps = rows / e_secs, rows / p_secs, rows / t_secs
+        print()
+        print(f"{'method':<44}{'seconds':>10}{'rows/s':>14}{'vs ember':>10}")
+        for name, secs, rps in (("ember EmberModel.transform", e_secs, e_rps),
+                                (f"predict_batch_udf (batch_size={best})", p_secs, p_rps),
+                                (f"TFoS 2.2.5 pipeline.TFModel (BatchSize={tfos_bs})", t_secs, t_rps)):
+            print(f"{name:<44}{secs:>10.2f}{rps:>14,.0f}{e_rps / rps:>9.2f}x")
+        print(f"RESULT inference ember_rps={e_rps:.0f} pbu_rps={p_rps:.0f} tfos_rps={t_rps:.0f} "
+              f"ratio_vs_pbu={e_rps / p_rps:.2f} ratio_vs_tfos={e_rps / t_rps:.2f}", flush=True)
+        return 0
+    finally:
+        spark.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

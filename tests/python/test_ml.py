@@ -1,0 +1,326 @@
+"""ember.ml on a local Spark: a Fashion-MNIST Pipeline (fit on 2 nodes, 10,000
+test rows, accuracy with Spark's evaluator, save/load with identical
+predictions), CrossValidator over a 2-point grid, SavedModels with and
+without signatures, output column types, bad input named on the driver, and
+a Structured Streaming query through EmberModel.transform."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+# (not importorskip: Python workers import this module for its mapInArrow
+# functions, and should not pay for importing TensorFlow)
+if importlib.util.find_spec("tensorflow") is None:
+    pytest.skip("tensorflow is not installed", allow_module_level=True)
+
+from ember.ml import EmberEstimator, EmberModel, ModelInputError, TFEstimator, TFModel  # noqa: E402
+from ember.ml import _runtime  # noqa: E402
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+
+# --------------------------------------------------------------------------- data
+
+def _expand(batches):
+    """mapInArrow: rows of whole chunks (images bytes, labels bytes, first id) -> one
+    row per image: id long, pixels array<float> (0..255), label long."""
+    import pyarrow as pa
+
+    for b in batches:
+        for imgs, lbls, first in zip(b.column(0).to_pylist(), b.column(1).to_pylist(),
+                                     b.column(2).to_pylist()):
+            x = np.frombuffer(imgs, dtype=np.uint8).astype(np.float32)
+            y = np.frombuffer(lbls, dtype=np.int64)
+            offsets = pa.array(np.arange(0, x.size + 1, 784, dtype=np.int32))
+            yield pa.RecordBatch.from_arrays(
+                [pa.array(np.arange(first, first + y.size, dtype=np.int64)),
+                 pa.ListArray.from_arrays(offsets, pa.array(x)), pa.array(y)],
+                names=["id", "pixels", "label"])
+
+
+def fashion_frame(spark, split, limit=0, parts=4):
+    """Fashion-MNIST as a DataFrame: id long, pixels array<float> (raw 0..255), label long."""
+    from examples.fashion_mnist import data
+
+    images, labels = data.load_split(split)
+    if limit:
+        images, labels = images[:limit], labels[:limit]
+    images = images.reshape(-1, 784)
+    bounds = np.linspace(0, len(labels), parts + 1).astype(int)
+    chunks = [(images[a:b].tobytes(), labels[a:b].astype(np.int64).tobytes(), int(a))
+              for a, b in zip(bounds[:-1], bounds[1:])]
+    # one chunk per partition: equal partitions, so the nodes get equal shares
+    blobs = spark.createDataFrame(spark.sparkContext.parallelize(chunks, parts),
+                                  "images binary, labels binary, first long")
+    return blobs.mapInArrow(_expand, "id long, pixels array<float>, label long")
+
+
+SCALE_SQL = "SELECT id, transform(pixels, p -> CAST(p / 255.0 AS FLOAT)) AS image, label FROM __THIS__"
+
+
+def _train_args(tmp_path, **extra):
+    return argparse.Namespace(learning_rate=1e-3, intra_op_threads=1, inter_op_threads=1,
+                              **extra)
+
+
+# --------------------------------------------------------------------------- pipeline
+
+def test_fashion_mnist_pipeline_fit_transform_save_load(local_spark, tmp_path):
+    from pyspark.ml import Pipeline, PipelineModel
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    from pyspark.ml.feature import SQLTransformer
+
+    from examples.fashion_mnist import model as fm
+
+    spark = local_spark
+    train = fashion_frame(spark, "train", parts=4).cache()
+    test = fashion_frame(spark, "test", parts=2).cache()
+    assert train.count() == 60000 and test.count() == 10000
+    est = (TFEstimator(fm.train_spark, _train_args(tmp_path, train_records=60000))
+           .setInputMapping({"image": "image", "label": "label"})
+           .setOutputMapping({"classes": "prediction", "probabilities": "probability"})
+           .setClusterSize(2).setEpochs(2).setBatchSize(64).setReservationTimeout(120)
+           .setModelDir(str(tmp_path / "model")).setExportDir(str(tmp_path / "export")))
+    pipeline = Pipeline(stages=[SQLTransformer(statement=SCALE_SQL), est])
+    fitted = pipeline.fit(train)
+    model = fitted.stages[-1]
+    assert isinstance(model, EmberModel) and model.getInputMapping() == {"image": "image"}
+
+    out = fitted.transform(test)
+    types = {f.name: f.dataType.simpleString() for f in out.schema.fields}
+    assert types["prediction"] == "bigint" and types["probability"] == "array<float>"
+    accuracy = MulticlassClassificationEvaluator(
+        labelCol="label", predictionCol="prediction", metricName="accuracy").evaluate(out)
+    print(f"Fashion-MNIST pipeline accuracy: {accuracy:.4f}")
+    assert accuracy >= 0.85
+    first = {r["id"]: (r["prediction"], r["probability"])
+             for r in out.select("id", "prediction", "probability").collect()}
+    assert len(first) == 10000
+
+    # each Python worker loaded the model once, whatever number of tasks it ran
+    loads = test.repartition(6).mapInArrow(_runtime.worker_loads, "pid long, loads long").collect()
+    assert loads and all(r["loads"] <= 1 for r in loads), loads
+
+    # Pipeline and PipelineModel round trips
+    fitted.write().overwrite().save(str(tmp_path / "pipeline_model"))
+    pipeline.write().overwrite().save(str(tmp_path / "pipeline"))
+    again = PipelineModel.load(str(tmp_path / "pipeline_model"))
+    second = {r["id"]: (r["prediction"], r["probability"])
+              for r in again.transform(test).select("id", "prediction", "probability").collect()}
+    assert second == first
+    loaded_est = Pipeline.load(str(tmp_path / "pipeline")).getStages()[-1]
+    assert isinstance(loaded_est, EmberEstimator)
+    assert loaded_est.train_fn is fm.train_spark
+    assert loaded_est.tf_args.train_records == 60000
+    assert loaded_est.getClusterSize() == 2 and loaded_est.getEpochs() == 2
+    assert loaded_est.getInputMapping() == {"image": "image", "label": "label"}
+    train.unpersist()
+    test.unpersist()
+
+
+def test_cross_validator_two_point_grid(local_spark, tmp_path):
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    from pyspark.ml.feature import SQLTransformer
+    from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+
+    from examples.fashion_mnist import model as fm
+
+    spark = local_spark
+    df = SQLTransformer(statement=SCALE_SQL).transform(
+        fashion_frame(spark, "train", limit=1200, parts=2)).cache()
+    est = (EmberEstimator(fm.train_spark, {"learning_rate": 1e-3, "intra_op_threads": 1,
+                                           "train_records": 600})
+           .setInputMapping({"image": "image", "label": "label"})
+           .setOutputMapping({"classes": "prediction"})
+           .setClusterSize(1).setBatchSize(32).setReservationTimeout(120)
+           .setModelDir(str(tmp_path / "model")).setExportDir(str(tmp_path / "export")))
+    # a dict tf_args reaches train_fn as a dict: fm.train_spark reads attributes,
+    # so give it a Namespace the way TFoS users do
+    est.tf_args = argparse.Namespace(**est.tf_args)
+    grid = ParamGridBuilder().addGrid(est.epochs, [1, 3]).build()
+    evaluator = MulticlassClassificationEvaluator(labelCol="label", predictionCol="prediction",
+                                                  metricName="accuracy")
+    cv = CrossValidator(estimator=est, estimatorParamMaps=grid, evaluator=evaluator,
+                        numFolds=2, seed=7)
+    cvm = cv.fit(df)
+    assert len(cvm.avgMetrics) == 2
+    print(f"CrossValidator accuracy by epochs [1, 3]: {cvm.avgMetrics}")
+    assert all(0.3 < m <= 1.0 for m in cvm.avgMetrics)
+    assert isinstance(cvm.bestModel, EmberModel)
+    best_epochs = [1, 3][int(np.argmax(cvm.avgMetrics))]
+    assert cvm.bestModel.tf_args.epochs == best_epochs
+    df.unpersist()
+
+
+# --------------------------------------------------------------------------- small models
+
+W = np.arange(8, dtype=np.float32).reshape(4, 2) / 10.0
+
+
+def _expected(x, n):
+    y = x @ W
+    return y, (x.sum(axis=1) * 2.0).astype(np.float64), n * 3
+
+
+@pytest.fixture(scope="module")
+def small_models(tmp_path_factory):
+    """A TF2 SavedModel with a signature (x float32 [None, 4], n int64 [None] ->
+    y float32 [None, 2], s float64 [None], k int64 [None]) and a TF1 graph
+    SavedModel (placeholder x -> tensor y, no signature used)."""
+    import tensorflow as tf
+
+    root = tmp_path_factory.mktemp("models")
+    sig_dir, graph_dir = str(root / "sig"), str(root / "graph")
+
+    class Small(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = tf.Variable(W)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.float32, name="x"),
+                                      tf.TensorSpec([None], tf.int64, name="n")])
+        def serve(self, x, n):
+            return {"y": tf.matmul(x, self.w),
+                    "s": tf.cast(tf.reduce_sum(x, axis=1), tf.float64) * 2.0,
+                    "k": n * 3}
+
+    m = Small()
+    tf.saved_model.save(m, sig_dir, signatures={"predict": m.serve})
+
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf.compat.v1.get_variable("w", initializer=tf.constant(W))
+        tf.identity(tf.matmul(x, w), name="y")
+        with tf.compat.v1.Session(graph=g) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            b = tf.compat.v1.saved_model.Builder(graph_dir)
+            b.add_meta_graph_and_variables(sess, ["serve"])
+            b.save()
+    return {"sig": sig_dir, "graph": graph_dir}
+
+
+def _small_frame(spark, n=500, parts=3):
+    rng = np.random.default_rng(3)
+    x = rng.random((n, 4), dtype=np.float32)
+    rows = [(i, x[i].tolist(), i) for i in range(n)]
+    return spark.createDataFrame(rows, "id long, feats array<float>, cnt long").repartition(parts), x
+
+
+def _sig_model(path):
+    return (EmberModel().setExportDir(path).setSignatureDefKey("predict")
+            .setInputMapping({"feats": "x", "cnt": "n"})
+            .setOutputMapping({"y": "y", "s": "s", "k": "k"}).setBatchSize(64))
+
+
+def test_signature_model_types_and_values(local_spark, small_models):
+    df, x = _small_frame(local_spark)
+    out = _sig_model(small_models["sig"]).transform(df)
+    types = {f.name: f.dataType.simpleString() for f in out.schema.fields}
+    assert types == {"id": "bigint", "feats": "array<float>", "cnt": "bigint",
+                     "y": "array<float>", "s": "double", "k": "bigint"}
+    rows = sorted(out.collect(), key=lambda r: r["id"])
+    ids = np.array([r["id"] for r in rows])
+    y, s, k = _expected(x[ids], ids)
+    np.testing.assert_allclose(np.array([r["y"] for r in rows]), y, rtol=1e-6)
+    np.testing.assert_allclose(np.array([r["s"] for r in rows]), s, rtol=1e-6)
+    assert [r["k"] for r in rows] == k.tolist()
+
+
+def test_vector_column_and_tensor_names(local_spark, small_models):
+    from pyspark.ml.feature import VectorAssembler
+    from pyspark.sql import functions as F
+
+    df, x = _small_frame(local_spark, n=200, parts=2)
+    flat = df.select("id", *[F.col("feats")[i].alias(f"f{i}") for i in range(4)])
+    vec = VectorAssembler(inputCols=[f"f{i}" for i in range(4)], outputCol="features").transform(flat)
+    # a TF1 graph, mappings by tensor name (no signature)
+    m = (EmberModel().setExportDir(small_models["graph"]).setSignatureDefKey(None)
+         .setInputMapping({"features": "x"}).setOutputMapping({"y:0": "y"}))
+    rows = sorted(m.transform(vec).select("id", "y").collect(), key=lambda r: r["id"])
+    ids = np.array([r["id"] for r in rows])
+    np.testing.assert_allclose(np.array([r["y"] for r in rows]), x[ids] @ W, rtol=1e-5)
+    bad = m.setOutputMapping({"nope": "y"})
+    with pytest.raises(ModelInputError, match="tensor 'nope' is not in the graph"):
+        bad.transform(vec)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", r"InputMapping column\(s\) \['feats'\] not in the DataFrame"),
+    ("string", r"column 'feats' has type array<string>; model input 'x' \(float32 \[None, 4\]\) needs numbers"),
+    ("float_for_int", r"column 'cnt' has type double; model input 'n' \(int64 \[None\]\) takes integers"),
+    ("scalar_for_array", r"column 'feats' holds one number per row \(float\); model input 'x'"),
+    ("array_for_scalar", r"column 'cnt' holds arrays \(array<bigint>\); model input 'n'"),
+    ("length", r"column 'feats' has arrays of 3 values; model input 'x' \(float32 \[None, 4\]\) takes 4 per row"),
+    ("signature", r"SignatureDefKey 'nope' is not in .* \(signatures: \['predict'\]\)"),
+    ("output", r"signature 'predict' has no output 'z' \(outputs: \['k', 's', 'y'\]\)"),
+])
+def test_bad_input_is_named_before_any_task(local_spark, small_models, case, message):
+    spark = local_spark
+    m = _sig_model(small_models["sig"])
+    frames = {
+        "missing": "SELECT 1L AS id, 2L AS cnt",
+        "string": "SELECT array('a','b','c','d') AS feats, 1L AS cnt",
+        "float_for_int": "SELECT array(1.0F, 2.0F, 3.0F, 4.0F) AS feats, 1.5D AS cnt",
+        "scalar_for_array": "SELECT 1.0F AS feats, 1L AS cnt",
+        "array_for_scalar": "SELECT array(1.0F, 2.0F, 3.0F, 4.0F) AS feats, array(1L) AS cnt",
+        "length": "SELECT array(1.0F, 2.0F, 3.0F) AS feats, 1L AS cnt",
+    }
+    df = spark.sql(frames.get(case, "SELECT array(1.0F, 2.0F, 3.0F, 4.0F) AS feats, 1L AS cnt"))
+    if case == "signature":
+        m.setSignatureDefKey("nope")
+    if case == "output":
+        m.setOutputMapping({"z": "z"})
+    tracker = spark.sparkContext.statusTracker()
+    before = tracker.getJobIdsForGroup(None)
+    with pytest.raises(ModelInputError, match=message):
+        m.transform(df)
+    # only the length check may run a (one-row) job; no inference task ran
+    if case != "length":
+        assert tracker.getJobIdsForGroup(None) == before
+
+
+def test_estimator_persistence_and_args(tmp_path):
+    from examples.fashion_mnist import model as fm
+
+    est = (EmberEstimator(fm.train_spark, {"lr": 0.5}).setInputMapping({"a": "x"})
+           .setClusterSize(3).setSteps(7).setMaxRestarts(2))
+    assert (est.getBatchSize(), est.getNumPS(), est.getReaders(), est.getTensorboard(),
+            est.getEpochs(), est.getProtocol(), est.getInputMode()) == (100, 0, 1, False, 1, "grpc", 1)
+    merged = est._merged_args(est.tf_args)
+    assert merged["lr"] == 0.5 and merged["steps"] == 7 and merged["cluster_size"] == 3
+    assert merged["input_mapping"] == {"a": "x"} and merged["max_restarts"] == 2
+    est.save(str(tmp_path / "est"))
+    back = EmberEstimator.load(str(tmp_path / "est"))
+    assert back.train_fn is fm.train_spark and back.tf_args == {"lr": 0.5}
+    assert back.getClusterSize() == 3 and back.getSteps() == 7 and back.uid == est.uid
+    with pytest.raises(ValueError, match="only a function importable by module and name"):
+        EmberEstimator(lambda args, ctx: None, {}).save(str(tmp_path / "lambda"))
+    with pytest.raises(ValueError, match="JSON-serializable"):
+        EmberEstimator(fm.train_spark, {"bad": object()}).save(str(tmp_path / "obj"))
+
+
+def test_streaming_file_source_to_file_sink(local_spark, small_models, tmp_path):
+    spark = local_spark
+    df, x = _small_frame(spark, n=300, parts=3)
+    src, sink, ckpt = (str(tmp_path / d) for d in ("in", "out", "ckpt"))
+    df.write.parquet(src)
+    stream = spark.readStream.schema(df.schema).option("maxFilesPerTrigger", 1).parquet(src)
+    assert stream.isStreaming
+    out = _sig_model(small_models["sig"]).transform(stream)
+    query = (out.writeStream.format("parquet").option("checkpointLocation", ckpt)
+             .trigger(availableNow=True).start(sink))
+    query.awaitTermination(180)
+    assert query.exception() is None
+    rows = sorted(spark.read.parquet(sink).collect(), key=lambda r: r["id"])
+    assert len(rows) == 300
+    ids = np.array([r["id"] for r in rows])
+    y, s, k = _expected(x[ids], ids)
+    np.testing.assert_allclose(np.array([r["y"] for r in rows]), y, rtol=1e-6)
+    assert [r["k"] for r in rows] == k.tolist()
+    assert TFModel is EmberModel
