@@ -42,6 +42,7 @@ help:
 	@echo "make bench-allreduce - allreduce: Ember vs Open MPI (TCP, defaults) vs torch.distributed gloo, loopback limit"
 	@echo "make bench-feed - Spark -> trainer feed: Ember vs TensorFlowOnSpark, records/s and GB/s"
 	@echo "make bench-tfrecord - TFRecord reading: Ember vs tf.data; CRC-32C; Example decoder vs protobuf-c"
+	@echo "make bench-inference - Spark ML inference: ember.ml.EmberModel vs predict_batch_udf vs TFoS TFModel"
 
 # ---------------------------------------------------------------- set-up
 apt: $(BUILD)/.apt-stamp
@@ -224,6 +225,12 @@ bench-feed-channel: setup $(BUILD)/bench/feed_channel
 # InputMode.SPARK queue, with the bare channel and memcpy as limits.
 bench-feed: setup $(BUILD)/bench/feed_channel
 	PYTHONUNBUFFERED=1 $(PY) bench/feed.py
+
+# Spark ML inference (issue 5): 200,000 Fashion-MNIST rows through one
+# SavedModel by ember.ml.EmberModel, predict_batch_udf and TFoS's TFModel.
+.PHONY: bench-inference
+bench-inference: setup
+	PYTHONUNBUFFERED=1 $(PY) bench/inference.py
 
 clean:
 	rm -rf $(BUILD) python/ember/_ember*.so
