@@ -61,6 +61,8 @@ def fashion_frame(spark, split, limit=0, parts=4):
 
 
 SCALE_SQL = "SELECT id, transform(pixels, p -> CAST(p / 255.0 AS FLOAT)) AS image, label FROM __THIS__"
+# Spark's evaluators want a double prediction; the model's classes are int64
+CAST_SQL = "SELECT *, CAST(class AS DOUBLE) AS prediction FROM __THIS__"
 
 
 def _train_args(tmp_path, **extra):
@@ -83,17 +85,18 @@ def test_fashion_mnist_pipeline_fit_transform_save_load(local_spark, tmp_path):
     assert train.count() == 60000 and test.count() == 10000
     est = (TFEstimator(fm.train_spark, _train_args(tmp_path, train_records=60000))
            .setInputMapping({"image": "image", "label": "label"})
-           .setOutputMapping({"classes": "prediction", "probabilities": "probability"})
-           .setClusterSize(2).setEpochs(2).setBatchSize(64).setReservationTimeout(120)
+           .setOutputMapping({"classes": "class", "probabilities": "probability"})
+           .setClusterSize(2).setEpochs(3).setBatchSize(64).setReservationTimeout(120)
            .setModelDir(str(tmp_path / "model")).setExportDir(str(tmp_path / "export")))
-    pipeline = Pipeline(stages=[SQLTransformer(statement=SCALE_SQL), est])
+    pipeline = Pipeline(stages=[SQLTransformer(statement=SCALE_SQL), est,
+                                SQLTransformer(statement=CAST_SQL)])
     fitted = pipeline.fit(train)
-    model = fitted.stages[-1]
+    model = fitted.stages[1]
     assert isinstance(model, EmberModel) and model.getInputMapping() == {"image": "image"}
 
     out = fitted.transform(test)
     types = {f.name: f.dataType.simpleString() for f in out.schema.fields}
-    assert types["prediction"] == "bigint" and types["probability"] == "array<float>"
+    assert types["class"] == "bigint" and types["probability"] == "array<float>"
     accuracy = MulticlassClassificationEvaluator(
         labelCol="label", predictionCol="prediction", metricName="accuracy").evaluate(out)
     print(f"Fashion-MNIST pipeline accuracy: {accuracy:.4f}")
@@ -113,17 +116,18 @@ def test_fashion_mnist_pipeline_fit_transform_save_load(local_spark, tmp_path):
     second = {r["id"]: (r["prediction"], r["probability"])
               for r in again.transform(test).select("id", "prediction", "probability").collect()}
     assert second == first
-    loaded_est = Pipeline.load(str(tmp_path / "pipeline")).getStages()[-1]
+    loaded_est = Pipeline.load(str(tmp_path / "pipeline")).getStages()[1]
     assert isinstance(loaded_est, EmberEstimator)
     assert loaded_est.train_fn is fm.train_spark
     assert loaded_est.tf_args.train_records == 60000
-    assert loaded_est.getClusterSize() == 2 and loaded_est.getEpochs() == 2
+    assert loaded_est.getClusterSize() == 2 and loaded_est.getEpochs() == 3
     assert loaded_est.getInputMapping() == {"image": "image", "label": "label"}
     train.unpersist()
     test.unpersist()
 
 
 def test_cross_validator_two_point_grid(local_spark, tmp_path):
+    from pyspark.ml import Pipeline
     from pyspark.ml.evaluation import MulticlassClassificationEvaluator
     from pyspark.ml.feature import SQLTransformer
     from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
@@ -136,7 +140,7 @@ def test_cross_validator_two_point_grid(local_spark, tmp_path):
     est = (EmberEstimator(fm.train_spark, {"learning_rate": 1e-3, "intra_op_threads": 1,
                                            "train_records": 600})
            .setInputMapping({"image": "image", "label": "label"})
-           .setOutputMapping({"classes": "prediction"})
+           .setOutputMapping({"classes": "class"})
            .setClusterSize(1).setBatchSize(32).setReservationTimeout(120)
            .setModelDir(str(tmp_path / "model")).setExportDir(str(tmp_path / "export")))
     # a dict tf_args reaches train_fn as a dict: fm.train_spark reads attributes,
@@ -145,15 +149,15 @@ def test_cross_validator_two_point_grid(local_spark, tmp_path):
     grid = ParamGridBuilder().addGrid(est.epochs, [1, 3]).build()
     evaluator = MulticlassClassificationEvaluator(labelCol="label", predictionCol="prediction",
                                                   metricName="accuracy")
-    cv = CrossValidator(estimator=est, estimatorParamMaps=grid, evaluator=evaluator,
-                        numFolds=2, seed=7)
+    cv = CrossValidator(estimator=Pipeline(stages=[est, SQLTransformer(statement=CAST_SQL)]),
+                        estimatorParamMaps=grid, evaluator=evaluator, numFolds=2, seed=7)
     cvm = cv.fit(df)
     assert len(cvm.avgMetrics) == 2
     print(f"CrossValidator accuracy by epochs [1, 3]: {cvm.avgMetrics}")
     assert all(0.3 < m <= 1.0 for m in cvm.avgMetrics)
-    assert isinstance(cvm.bestModel, EmberModel)
-    best_epochs = [1, 3][int(np.argmax(cvm.avgMetrics))]
-    assert cvm.bestModel.tf_args.epochs == best_epochs
+    best = cvm.bestModel.stages[0]
+    assert isinstance(best, EmberModel)
+    assert best.tf_args.epochs == [1, 3][int(np.argmax(cvm.avgMetrics))]
     df.unpersist()
 
 
