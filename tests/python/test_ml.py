@@ -86,7 +86,7 @@ def test_fashion_mnist_pipeline_fit_transform_save_load(local_spark, tmp_path):
     est = (TFEstimator(fm.train_spark, _train_args(tmp_path, train_records=60000))
            .setInputMapping({"image": "image", "label": "label"})
            .setOutputMapping({"classes": "class", "probabilities": "probability"})
-           .setClusterSize(2).setEpochs(3).setBatchSize(64).setReservationTimeout(120)
+           .setClusterSize(2).setEpochs(4).setBatchSize(64).setReservationTimeout(120)
            .setModelDir(str(tmp_path / "model")).setExportDir(str(tmp_path / "export")))
     pipeline = Pipeline(stages=[SQLTransformer(statement=SCALE_SQL), est,
                                 SQLTransformer(statement=CAST_SQL)])
@@ -120,7 +120,7 @@ def test_fashion_mnist_pipeline_fit_transform_save_load(local_spark, tmp_path):
     assert isinstance(loaded_est, EmberEstimator)
     assert loaded_est.train_fn is fm.train_spark
     assert loaded_est.tf_args.train_records == 60000
-    assert loaded_est.getClusterSize() == 2 and loaded_est.getEpochs() == 3
+    assert loaded_est.getClusterSize() == 2 and loaded_est.getEpochs() == 4
     assert loaded_est.getInputMapping() == {"image": "image", "label": "label"}
     train.unpersist()
     test.unpersist()
@@ -222,9 +222,15 @@ def _sig_model(path):
             .setOutputMapping({"y": "y", "s": "s", "k": "k"}).setBatchSize(64))
 
 
-def test_signature_model_types_and_values(local_spark, small_models):
+@pytest.mark.parametrize("path", ["udf", "mapInArrow"])
+def test_signature_model_types_and_values(local_spark, small_models, path):
     df, x = _small_frame(local_spark)
-    out = _sig_model(small_models["sig"]).transform(df)
+    out = _sig_model(small_models["sig"]).setArrowPath(path).transform(df)
+    plan = out._jdf.queryExecution().executedPlan().toString()
+    if path == "udf":  # one Python evaluation for the three output columns
+        assert plan.count("ArrowEvalPython") == 1, plan
+    else:
+        assert "MapInArrow" in plan, plan
     types = {f.name: f.dataType.simpleString() for f in out.schema.fields}
     assert types == {"id": "bigint", "feats": "array<float>", "cnt": "bigint",
                      "y": "array<float>", "s": "double", "k": "bigint"}

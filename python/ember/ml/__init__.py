@@ -32,6 +32,7 @@ import argparse
 import importlib
 import json
 import sys
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from pyspark.ml import Estimator, Model
@@ -118,6 +119,10 @@ _PARAMS = {
     "signature_def_key": ("SignatureDefKey", "SavedModel signature; None: mappings name "
                           "graph tensors", _to_str_or_none),
     "tag_set": ("TagSet", "comma-separated tags of the SavedModel MetaGraph", _to_str_or_none),
+    "arrow_path": ("ArrowPath", "how transform reaches the Python workers: 'udf' (an Arrow UDF, "
+                   "Spark >= 4.1: only the input columns cross to Python) or 'mapInArrow' "
+                   "(every column crosses and comes back); default: 'udf' where available",
+                   _to_str_or_none),
 }
 
 
@@ -346,16 +351,18 @@ class EmberModel(Model, _EmberParams, _Persist):
     number column (float, double, long, int...), a larger one ``array<...>``
     (flattened row-major).  BatchSize is the rows per model call (Arrow
     batches are at most ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows).
+    ArrowPath picks an Arrow UDF (default on Spark >= 4.1) or ``mapInArrow``.
     """
 
     _param_names = ["input_mapping", "output_mapping", "model_dir", "export_dir",
-                    "signature_def_key", "tag_set", "batch_size"]
+                    "signature_def_key", "tag_set", "batch_size", "arrow_path"]
 
     def __init__(self, tf_args: Union[argparse.Namespace, Dict[str, Any], None] = None) -> None:
         super().__init__()
         self.tf_args = tf_args
         self._setDefault(input_mapping={}, output_mapping={}, model_dir=None, export_dir=None,
-                         signature_def_key="serving_default", tag_set="serve", batch_size=8192)
+                         signature_def_key="serving_default", tag_set="serve", batch_size=10000,
+                         arrow_path=None)
 
     def _inference_spec(self, dataset: Any) -> Dict[str, Any]:
         """Checks the DataFrame against the model on the driver; the worker spec."""
@@ -439,13 +446,38 @@ class EmberModel(Model, _EmberParams, _Persist):
     def _transform(self, dataset: Any) -> Any:
         import functools
 
+        from pyspark.sql import functions as F
         from pyspark.sql import types as T
 
+        path = self.getArrowPath() or ("udf" if hasattr(F, "arrow_udf") else "mapInArrow")
+        if path not in ("udf", "mapInArrow"):
+            raise ValueError(f"ArrowPath must be 'udf' or 'mapInArrow', not {path!r}")
+        if path == "udf" and not hasattr(F, "arrow_udf"):
+            raise ValueError("ArrowPath 'udf' needs Spark >= 4.1 (pyspark.sql.functions.arrow_udf)")
         spec = self._inference_spec(dataset)
-        fields = list(dataset.schema.fields) + [
-            T.StructField(c, t, True) for c, t in zip(spec["output_columns"], spec.pop("output_types"))]
-        return dataset.mapInArrow(functools.partial(_runtime.infer_partition, spec),
-                                  T.StructType(fields))
+        out_cols, types = spec["output_columns"], spec.pop("output_types")
+        if path == "mapInArrow":
+            fields = list(dataset.schema.fields) + [
+                T.StructField(c, t, True) for c, t in zip(out_cols, types)]
+            return dataset.mapInArrow(functools.partial(_runtime.infer_partition, spec),
+                                      T.StructType(fields))
+        # An Arrow UDF (ArrowEvalPython): only the input columns go to Python;
+        # Spark keeps the others and zips the results back (no copy of the
+        # input arrays back into the JVM, which mapInArrow has to make).
+        spec["struct"] = len(out_cols) > 1
+        ret = T.StructType([T.StructField(c, t, True) for c, t in zip(out_cols, types)]) \
+            if spec["struct"] else types[0]
+        with warnings.catch_warnings():  # "prefer type hints": a partial has none
+            warnings.simplefilter("ignore", UserWarning)
+            udf = F.arrow_udf(functools.partial(_runtime.infer_arrays, spec), ret,
+                              F.ArrowUDFType.SCALAR)
+        call = udf(*[F.col(f"`{c}`") for c in spec["columns"]])
+        if not spec["struct"]:
+            return dataset.withColumn(out_cols[0], call)
+        tmp = f"__ember_out_{self.uid}"
+        out = dataset.withColumn(tmp, call)
+        return out.select(*[F.col(f"`{c}`") for c in dataset.columns],
+                          *[F.col(f"`{tmp}`")[c].alias(c) for c in out_cols])
 
 
 #: TensorFlowOnSpark's names.

@@ -350,6 +350,33 @@ def infer_partition(spec: Dict[str, Any], batches: Iterable[Any]) -> Iterator[An
                 schema=schema)
 
 
+def infer_arrays(spec: Dict[str, Any], *columns: Any) -> Any:
+    """The Arrow UDF of EmberModel.transform: input columns (pyarrow arrays of one
+    Arrow batch) -> the output column, or a struct of the output columns."""
+    import pyarrow as pa
+
+    p = predictor(spec)
+    out_cols = spec["output_columns"]
+    n = len(columns[0]) if columns else 0
+    step = max(1, int(spec["batch_size"]))
+    pieces: List[List[Any]] = [[] for _ in out_cols]
+    for off in range(0, n, step):
+        cols = [c.slice(off, step) if (off or n > step) else c for c in columns]
+        rows = len(cols[0])
+        where = f"rows {off}..{off + rows - 1} of an Arrow batch"
+        xs = [column_to_numpy(a, c, info, where)
+              for a, c, info in zip(cols, spec["columns"], p.inputs)]
+        for i, (y, info) in enumerate(zip(p.run(xs), p.outputs)):
+            if y.ndim == 0 or y.shape[0] != rows:
+                raise ModelInputError(f"model output {info.key!r} has shape {list(y.shape)} "
+                                      f"for {rows} input rows")
+            pieces[i].append(numpy_to_arrow(y, info, out_cols[i]))
+    arrays = [pa.concat_arrays(x) if len(x) != 1 else x[0] for x in pieces]
+    if not spec.get("struct"):
+        return arrays[0]
+    return pa.StructArray.from_arrays(arrays, names=out_cols)
+
+
 def worker_loads(_: Any) -> Iterator[Any]:
     """mapInArrow helper for tests: (pid, models loaded by this Python worker)."""
     import pyarrow as pa
