@@ -1031,6 +1031,31 @@ static int queue_batch(ember_feed_server *s, feed_conn *c, uint8_t *body, size_t
   return EMBER_OK;
 }
 
+/* Queues an ERROR item for the consumer after the batches c already queued:
+ * its producer failed, with this reason.  Under s->mu.  Best effort: without
+ * memory the consumer just does not hear of it (the task's failure still
+ * reaches the driver). */
+static void queue_error(ember_feed_server *s, feed_conn *c, const char *reason) {
+  size_t len = strlen(reason);
+  qnode *n;
+  if (s->terminated || c->dup) return;
+  n = calloc(1, sizeof *n);
+  if (n == NULL) return;
+  n->item.data = malloc(len + 1);
+  if (n->item.data == NULL) {
+    free(n);
+    return;
+  }
+  memcpy(n->item.data, reason, len + 1);
+  n->item.kind = EMBER_FEED_ITEM_ERROR;
+  n->item.source = c->id;
+  n->item.partition = c->partition;
+  n->item.flags = c->flags;
+  n->item.len = len;
+  s->qbytes += len;
+  queue_push(s, n);
+}
+
 static void handle_batch(ember_feed_server *s, feed_conn *c) {
   char why[FEED_REASON_MAX];
   uint32_t nc = 0, nr = 0;
@@ -1118,6 +1143,7 @@ static void *ring_reader(void *arg) {
       c->ring_failed = 1;
       snprintf(why, sizeof why, "feed: the producer of partition %u failed: %s", c->partition,
                m.reason);
+      queue_error(s, c, why); /* here: the connection may already be closing */
       break;
     }
     if (body == NULL) continue; /* discarded */
@@ -1131,7 +1157,7 @@ static void *ring_reader(void *arg) {
     }
   }
   /* still under s->mu */
-  if (code != EMBER_OK) {
+  if (code != EMBER_OK || c->ring_failed) {
     c->ring_err = code;
     memcpy(c->ring_why, why, sizeof c->ring_why);
   }
@@ -1246,12 +1272,23 @@ static void conn_frame(ember_feed_server *s, feed_conn *c) {
           break;
         case EMBER_MSG_END_FEED: handle_end_feed(s, c); break;
         case EMBER_MSG_FEED_SHM: handle_shm_request(s, c); break;
-        case EMBER_MSG_FEED_ERROR:
+        case EMBER_MSG_FEED_ERROR: {
           /* The producer could not read its partition and says so; it will
            * not send END_PARTITION.  Its queued batches stay (see
-           * conn_eof), and the Spark task's failure reaches the driver. */
+           * conn_eof), the consumer gets an ERROR item after them, and the
+           * Spark task's failure reaches the driver. */
+          char reason[FEED_REASON_MAX + 1], failed[FEED_REASON_MAX + 96];
+          ember_wire_reader r;
+          ember_wire_reader_init(&r, c->body, c->fh.length);
+          ember_wire_read_str(&r, reason, sizeof reason);
+          if (ember_wire_reader_finish(&r, 1, "FEED_ERROR") != EMBER_OK)
+            snprintf(reason, sizeof reason, "(malformed FEED_ERROR)");
+          snprintf(failed, sizeof failed, "feed: the producer of partition %u failed: %s",
+                   c->partition, reason);
+          queue_error(s, c, failed);
           conn_kill(s, c);
           break;
+        }
         default: break; /* filtered in conn_header */
       }
       break;
@@ -2574,7 +2611,20 @@ int ember_feed_client_fail(ember_feed_client *c, const char *reason, int64_t tim
   if (reason == NULL) reason = "";
   if (c->ring) {
     rc = ember_shm_ring_fail(c->ring, EMBER_EIO, reason, timeout_ms);
-    if (rc != EMBER_OK) rc = client_ring_failed(c, rc, deadline, "fail");
+    if (rc != EMBER_OK) {
+      rc = client_ring_failed(c, rc, deadline, "fail");
+    } else {
+      /* Wait (up to the deadline) until the node has read the marker and
+       * dropped the connection: closing at once would tear the ring down
+       * before its reader reaches the marker, and the reason would be lost. */
+      for (;;) {
+        ember_frame_header fh;
+        uint8_t *payload = NULL;
+        int r = ember_net_recv_frame(c->fd, FEED_CLIENT_MAX_FRAME, &fh, &payload, deadline);
+        free(payload);
+        if (r != EMBER_OK) break;
+      }
+    }
   } else {
     ember_wire_writer w;
     char cut[FEED_REASON_MAX + 1];

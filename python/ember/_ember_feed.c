@@ -23,7 +23,7 @@
 
 #define EMBPY_SLICE_MS 250
 
-enum { ITEM_BATCH = 1, ITEM_END = 2, ITEM_RESULTS = 3 };
+enum { ITEM_BATCH = 1, ITEM_END = 2, ITEM_RESULTS = 3, ITEM_ERROR = 4 };
 
 static PyObject *self_enter(PyObject *self, PyObject *Py_UNUSED(ignored)) {
   return Py_NewRef(self);
@@ -161,6 +161,7 @@ static const char *item_kind_name(int kind) {
   case ITEM_BATCH: return "batch";
   case ITEM_END: return "end";
   case ITEM_RESULTS: return "results";
+  case ITEM_ERROR: return "error";
   default: return "unknown";
   }
 }
@@ -176,6 +177,12 @@ static PyObject *FeedItem_get_partition(PyObject *op, void *c) {
 }
 static PyObject *FeedItem_get_flags(PyObject *op, void *c) {
   return PyLong_FromUnsignedLong(((FeedItemObject *)op)->flags);
+}
+static PyObject *FeedItem_get_reason(PyObject *op, void *c) {
+  FeedItemObject *self = (FeedItemObject *)op;
+  if (self->kind != ITEM_ERROR || self->data == NULL)
+    Py_RETURN_NONE;
+  return PyUnicode_DecodeUTF8((const char *)self->data, (Py_ssize_t)self->len, "replace");
 }
 static PyObject *FeedItem_get_nrows(PyObject *op, void *c) {
   return PyLong_FromUnsignedLong(((FeedItemObject *)op)->nrows);
@@ -202,7 +209,12 @@ static PyMethodDef FeedItem_methods[] = {
 };
 
 static PyGetSetDef FeedItem_getset[] = {
-    {"kind", FeedItem_get_kind, NULL, "'batch', 'end' or 'results'.", NULL},
+    {"kind", FeedItem_get_kind, NULL,
+     "'batch', 'end', 'results', or 'error' (a producer failed; see reason).", NULL},
+    {"reason", FeedItem_get_reason, NULL,
+     "For an 'error' item: why its producer failed (the batches it sent before\n"
+     "came first).  None for other kinds.",
+     NULL},
     {"source", FeedItem_get_source, NULL,
      "The producer connection id (for FeedServer.send_results); 0 for results.", NULL},
     {"partition", FeedItem_get_partition, NULL, "The producer's partition id.", NULL},
@@ -406,7 +418,9 @@ static PyObject *FeedServer_next(PyObject *op, PyObject *arg) {
     embpy_decoded_free(&d);
     return NULL;
   }
-  int kind = item->kind == EMBER_FEED_ITEM_END ? ITEM_END : ITEM_BATCH;
+  int kind = item->kind == EMBER_FEED_ITEM_END     ? ITEM_END
+             : item->kind == EMBER_FEED_ITEM_ERROR ? ITEM_ERROR
+                                                   : ITEM_BATCH;
   PyObject *res = FeedItem_create(st, kind, item->source, item->partition, item->flags,
                                   item, NULL, item->data, item->len, &d);
   embpy_decoded_free(&d);

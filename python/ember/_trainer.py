@@ -190,10 +190,12 @@ def _linger(client: Any, feed_server: Any) -> None:
     acknowledged as dropped) and stays up until the driver's END_FEED or STOP.
     """
     feed_server.terminate()
+    # After terminate, next() answers "end" at once, so it cannot tell when
+    # the driver is done: wait for its STOP (sent by shutdown) instead.
+    # Closing earlier would cut off feeding tasks still ending their
+    # partitions (e.g. right after the trainer read its last partition).
     while client.stop_state() == 0:
-        item = feed_server.next(0.5)
-        if item is not None and item.kind == "end":
-            break
+        time.sleep(0.2)
     feed_server.close()
 
 

@@ -11,6 +11,7 @@ view that memory without a copy.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -72,6 +73,11 @@ class _Chunk:
         self.answered = 0
 
 
+class FeedProducerError(RuntimeError):
+    """A feeding task failed; raised by ``next_batch`` when the feed was made
+    with ``on_producer_error="raise"``."""
+
+
 class DataFeed:
     """Records pushed into this node by ``cluster.train`` / ``cluster.inference``.
 
@@ -86,10 +92,24 @@ class DataFeed:
 
     In inference, call :meth:`batch_results` with one result per record of each
     batch, in order; results travel back to the feeding Spark task.
+
+    A feeding task that fails (its partition's iterator raised, a record did
+    not convert) marks the failure in the feed after the batches it sent.
+    ``on_producer_error="wait"`` (the default) logs it, records the reason in
+    :attr:`producer_errors` and keeps reading: Spark retries the task and the
+    retry sends only the records not yet delivered.  ``"raise"`` raises
+    :class:`FeedProducerError` from ``next_batch`` instead.
     """
 
     def __init__(self, server: Any, train_mode: bool = True, feed_timeout: float = 600.0,
-                 stop_check: Any = None, node_name: str = "node") -> None:
+                 stop_check: Any = None, node_name: str = "node",
+                 on_producer_error: str = "wait") -> None:
+        if on_producer_error not in ("wait", "raise"):
+            raise ValueError(f"on_producer_error must be 'wait' or 'raise', not "
+                             f"{on_producer_error!r}")
+        self._on_producer_error = on_producer_error
+        #: why feeding tasks failed (their batches before the failure were delivered)
+        self.producer_errors: List[str] = []
         self._server = server
         self.train_mode = train_mode
         self._feed_timeout = feed_timeout
@@ -126,10 +146,21 @@ class DataFeed:
             if item.kind == "end":
                 self._ended = True
                 return None
+            if item.kind == "error":
+                # A feeding task failed half-way.  Spark retries it and the
+                # retry resumes after the records delivered here (exactly
+                # once), so by default the trainer keeps going.
+                self.producer_errors.append(item.reason)
+                if self._on_producer_error == "raise":
+                    raise FeedProducerError(f"{self._node_name}: {item.reason}")
+                print(f"[ember] {self._node_name}: {item.reason} (its records so far were "
+                      "delivered; Spark's retry of the task sends the rest)",
+                      file=sys.stderr, flush=True)
+                continue
             if item.nrows == 0:
                 continue
             chunk = _Chunk(item)
-            seq = item.source >> 20
+            seq = item.partition >> 20  # the feed key: (train() call << 20) | partition
             if chunk.names == [_columns.PARTITION_END_FIELD]:
                 mark_seq, part, expected = (int(v) for v in chunk.columns[0][0])
                 self._start_call(mark_seq)
@@ -263,8 +294,10 @@ class NodeContext:
 
     def get_data_feed(self, train_mode: bool = True, qname_in: str = "input",
                       qname_out: str = "output", input_mapping: Any = None,
-                      feed_timeout: float = 600.0) -> DataFeed:
-        """The feed of this node (InputMode.SPARK on chief/worker nodes only)."""
+                      feed_timeout: float = 600.0,
+                      on_producer_error: str = "wait") -> DataFeed:
+        """The feed of this node (InputMode.SPARK on chief/worker nodes only);
+        ``on_producer_error``: see :class:`DataFeed`."""
         if self._feed_server is None:
             raise RuntimeError(
                 f"{self.job_name}:{self.task_index} has no data feed: only chief and "
@@ -272,7 +305,8 @@ class NodeContext:
         if self._feed is None or self._feed.train_mode != train_mode:
             stop = (lambda: self._control.stop_state() != 0) if self._control else None
             self._feed = DataFeed(self._feed_server, train_mode, feed_timeout, stop,
-                                  f"node {self.worker_num} ({self.job_name}:{self.task_index})")
+                                  f"node {self.worker_num} ({self.job_name}:{self.task_index})",
+                                  on_producer_error)
         return self._feed
 
     def absolute_path(self, path: str) -> str:

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ember import _ember
 
@@ -151,6 +151,9 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
             pass  # the node terminated its feed: TensorFlowOnSpark drops the rest
         except _ember.EmberError as exc:
             raise RuntimeError(f"feeding partition {p} to {name} at {host}:{port}: {exc}") from exc
+        except Exception as exc:
+            _fail_partition(client, p, sent, exc, feed_timeout)
+            raise
         finally:
             client.close()
         if not want_results:
@@ -175,6 +178,16 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
     return feed
 
 
+def _fail_partition(client: Any, p: int, at: int, exc: BaseException, timeout: float) -> None:
+    """Tells the node this partition's task failed (the node logs it, or raises
+    it in the trainer with on_producer_error="raise"); the task still fails."""
+    try:
+        client.fail(f"partition {p} failed after {at} records: {type(exc).__name__}: {exc}",
+                    min(timeout, 10.0))
+    except _ember.EmberError:
+        pass  # the node is gone or the connection broke: the task's own error says enough
+
+
 def _end_mark(client: Any, seq: int, p: int, parts: int, nodes: int, timeout: float) -> None:
     """Tells the node this partition is complete and how many it gets in this call,
     so it sees the end of the call's data (see DataFeed) without waiting for shutdown."""
@@ -185,7 +198,8 @@ def _end_mark(client: Any, seq: int, p: int, parts: int, nodes: int, timeout: fl
 
 
 def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
-                  chunk_bytes: int, parts: int) -> Callable[[Any], Any]:
+                  chunk_bytes: int, parts: int,
+                  fail_at: Optional[Tuple[int, int]] = None) -> Callable[[Any], Any]:
     """The feeding task of a DataFrame (``mapInArrow``): Arrow record batches go
     to the node as columnar batches, their buffers encoded straight from Arrow
     memory (no Python object per value).  Yields one row: the records fed."""
@@ -215,6 +229,9 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
                 row_bytes = max(1, rb.nbytes // rb.num_rows)
                 step = max(1, chunk_bytes // row_bytes)
                 for off in range(0, rb.num_rows, step):
+                    if fail_at and p == fail_at[0] and sent >= fail_at[1] and \
+                            TaskContext.get().attemptNumber() == 0:
+                        raise RuntimeError(f"injected failure of partition {p} after {sent} rows")
                     part = rb.slice(off, step)
                     cols, n = _columns.arrow_to_columns(
                         part, where=f"partition {p} rows {sent}..{sent + part.num_rows - 1}")
@@ -227,6 +244,9 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
             pass  # the node terminated its feed: TensorFlowOnSpark drops the rest
         except _ember.EmberError as exc:
             raise RuntimeError(f"feeding partition {p} to {name} at {host}:{port}: {exc}") from exc
+        except Exception as exc:
+            _fail_partition(client, p, sent, exc, feed_timeout)
+            raise
         finally:
             client.close()
         yield pa.RecordBatch.from_pydict({"fed": pa.array([sent], pa.int64())})
@@ -248,6 +268,9 @@ class Cluster:
         self.job_id = uuid.uuid4().hex[:12]
         self.nodes: List[Dict[str, Any]] = []
         self.chunk_rows = 1024  # records per feed batch from an RDD
+        # tests only: (partition, rows): that DataFrame feeding task raises on
+        # its first attempt after sending that many rows
+        self._fault_feed_fail_at: Optional[Tuple[int, int]] = None
         self.chunk_bytes = 4 << 20  # bytes per feed batch from a DataFrame's Arrow batches
         self.restarts = 0
         self.restart_causes: List[EmberNodeError] = []  # the failures that caused restarts
@@ -494,7 +517,8 @@ class Cluster:
         start = time.monotonic()
         if _is_dataframe(source):
             parts = source.rdd.getNumPartitions()
-            fn = _arrow_feeder(targets, self._secret, seq, feed_timeout, self.chunk_bytes, parts)
+            fn = _arrow_feeder(targets, self._secret, seq, feed_timeout, self.chunk_bytes, parts,
+                               self._fault_feed_fail_at)
             action = lambda: sum(r[0] for r in source.mapInArrow(fn, "fed long").collect())  # noqa: E731
         else:
             parts = source.getNumPartitions()

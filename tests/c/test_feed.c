@@ -1313,6 +1313,15 @@ TEST(client_fail_marker) {
   CHECK_EQ_INT(ember_feed_client_send(c, g.cols, 4, 10, 100), EMBER_ESTATE);
   CHECK_EQ_INT(ember_feed_client_end_partition(c, 100), EMBER_ESTATE);
   CHECK_EQ_INT(pop_partition(s, 5, 2, &next), 20);
+  /* after its batches, the consumer hears why the producer failed */
+  CHECK_OK(ember_feed_server_next(s, &it, 5000));
+  CHECK_EQ_INT(it->kind, EMBER_FEED_ITEM_ERROR);
+  CHECK_EQ_INT(it->partition, 5);
+  CHECK(strstr((const char *)it->data, "producer of partition 5 failed") != NULL);
+  CHECK(strstr((const char *)it->data, "cannot read partition 5: disk gone") != NULL);
+  CHECK_EQ_INT(it->len, strlen((const char *)it->data));
+  ember_feed_item_free(it);
+  it = NULL;
   CHECK_EQ_INT(ember_feed_server_next(s, &it, 300), EMBER_ETIMEDOUT);
   ember_feed_server_stats(s, &st);
   CHECK_EQ_INT(st.partitions_acked, 0);

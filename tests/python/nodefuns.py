@@ -51,7 +51,7 @@ def count_records(args: Dict[str, Any], ctx: Any) -> None:
             assert float(rec[1][0]) == float(rec[0]), rec
     if args.get("slow"):
         time.sleep(args["slow"])
-    _write(args, ctx, ids=ids, sizes=sizes)
+    _write(args, ctx, ids=ids, sizes=sizes, errors=feed.producer_errors)
 
 
 def train_then_raise(args: Dict[str, Any], ctx: Any) -> None:
@@ -131,28 +131,3 @@ def fail_first_attempt(marker_dir: str, partition: int, after: int) -> Any:
             yield record
     return gen
 
-
-def arrow_rows_failing_first_attempt(marker_dir: str, partition: int, after: int) -> Any:
-    """mapInArrow over spark.range: rows (id, x=[id]*8) in 500-row batches;
-    partition ``partition`` raises on its first attempt after ``after`` rows."""
-    def gen(batches: Any) -> Any:
-        import numpy as np
-        import pyarrow as pa
-        from pyspark import TaskContext
-
-        ctx = TaskContext.get()
-        first, index, n = ctx.attemptNumber() == 0, ctx.partitionId(), 0
-        for b in batches:
-            ids = b.column(0).to_numpy()
-            for off in range(0, len(ids), 500):
-                if first and index == partition and n >= after:
-                    open(os.path.join(marker_dir, f"failed-{index}"), "w").close()
-                    raise RuntimeError(f"injected failure of partition {index} after {n} rows")
-                part = ids[off:off + 500]
-                x = np.repeat(part.astype(np.float32), 8)
-                offsets = pa.array(np.arange(0, len(x) + 1, 8, dtype=np.int32))
-                yield pa.RecordBatch.from_arrays(
-                    [pa.array(part), pa.ListArray.from_arrays(offsets, pa.array(x))],
-                    names=["id", "x"])
-                n += len(part)
-    return gen

@@ -77,3 +77,34 @@ def test_fail_and_bad_options():
             E.FeedClient(HOST, srv.port, secret, 6, shm_bytes=1000)
         with pytest.raises(ValueError):
             E.FeedClient(HOST, srv.port, secret, 6, shm_bytes=-1)
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_failed_producer_surfaces_in_the_trainer_after_its_batches(shm):
+    """A feeding task that fails marks it in the feed: the trainer first gets
+    the batches it sent, then, with on_producer_error="raise", an exception
+    naming the partition and the task's reason (default: a log line and
+    DataFeed.producer_errors, waiting for Spark's retry)."""
+    from ember.node import DataFeed, FeedProducerError
+
+    secret = E.random_secret()
+    for policy in ("raise", "wait"):
+        srv = E.FeedServer(secret, host="127.0.0.1")
+        try:
+            with E.FeedClient("127.0.0.1", srv.port, secret, 3, timeout_s=10.0, shm=shm) as c:
+                ids = np.arange(100, dtype=np.int64)
+                c.send([("id", E.DT_I64, 1, ids, None)], 100, 10.0)
+                assert c.uses_shm is shm
+                c.fail("partition 3 failed after 100 records: OSError: disk gone", 5.0)
+            feed = DataFeed(srv, feed_timeout=2.0, on_producer_error=policy)
+            got = feed.next_batch(100)
+            assert list(got.columns[0]) == list(range(100))
+            if policy == "raise":
+                with pytest.raises(FeedProducerError, match="producer of partition 3 failed.*disk gone"):
+                    feed.next_batch(10)
+            else:
+                with pytest.raises(TimeoutError):  # keeps waiting for the retry's data
+                    feed.next_batch(10)
+                assert len(feed.producer_errors) == 1 and "disk gone" in feed.producer_errors[0]
+        finally:
+            srv.close()

@@ -164,17 +164,29 @@ def test_retried_feeding_task_delivers_every_record_once(cluster_spark, tmp_path
         data = sc.parallelize([(i, [float(i)] * 8) for i in range(4000)], 2) \
             .mapPartitionsWithIndex(nodefuns.fail_first_attempt(str(marks), 1, 1500))
     else:
+        # The failure must happen in the feeding task itself: when an upstream
+        # Python stage fails, Spark ends the Arrow stream to the feeding task
+        # as if the partition were complete (see README, "Exactly the data given")
         spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "500")
-        data = spark.range(0, 4000, numPartitions=2).mapInArrow(
-            nodefuns.arrow_rows_failing_first_attempt(str(marks), 1, 1500),
-            "id long, x array<float>")
+        data = spark.range(0, 4000, numPartitions=2).selectExpr(
+            "id", "array_repeat(cast(id as float), 8) as x")
+        open(marks / "failed-1", "w").close()
     cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
                   input_mode=InputMode.SPARK, reservation_timeout=120)
+    if kind == "dataframe":
+        cluster._fault_feed_fail_at = (1, 1500)
     try:
         assert cluster.train(data) == 4000
     finally:
         cluster.shutdown(timeout=120)
         spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
     assert os.listdir(marks) == ["failed-1"]  # the failure did happen
-    got = collections.Counter(i for info in read_json_files(str(tmp_path)) for i in info["ids"])
+    infos = read_json_files(str(tmp_path))
+    # the node heard of it through the feed's error marker (and kept reading)
+    errors = [e for info in infos for e in info["errors"]]
+    assert len(errors) == 1 and "partition 1 failed after" in errors[0], errors
+    assert "injected failure of partition 1" in errors[0], errors
+    # it failed mid-partition: the retry had to resume, not restart
+    assert "failed after 0 records" not in errors[0], errors
+    got = collections.Counter(i for info in infos for i in info["ids"])
     assert got == collections.Counter(range(4000))

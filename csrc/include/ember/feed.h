@@ -139,7 +139,10 @@ int ember_batch_decode(const uint8_t *buf, size_t len, ember_column *cols,
 
 typedef enum {
   EMBER_FEED_ITEM_BATCH = 1, /* data = an encoded batch */
-  EMBER_FEED_ITEM_END = 2    /* END_FEED: no more data will come */
+  EMBER_FEED_ITEM_END = 2,   /* END_FEED: no more data will come */
+  EMBER_FEED_ITEM_ERROR = 3  /* a producer failed (FEED_ERROR or a ring ERROR
+                                marker): data = its reason, NUL-terminated, len
+                                without the NUL; after the batches it sent */
 } ember_feed_item_kind;
 
 typedef struct {
