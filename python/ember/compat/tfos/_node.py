@@ -38,6 +38,12 @@ def call_marker_columns(seq: int, queue_index: int, is_train: bool,
     return [_columns.array_column(CALL_MARKER_FIELD, mark, "call marker")]
 
 
+def _seq_of(item: Any) -> int:
+    """The feed call (sequence) of a received item, from its partition key."""
+    key = item.partition if hasattr(item, "partition") else item.source
+    return int(key) >> _SEQ_SHIFT
+
+
 def cluster_spec_of(nodes: Sequence[Dict[str, Any]], master_node: Optional[str]) -> Dict[str, List[str]]:
     """TFoS's cluster spec: role -> ["host:port"] in executor order (ps, master, evaluator,
     workers), the evaluator included, the chief named ``master_node``."""
@@ -66,6 +72,9 @@ class _Demux:
         self.queues = list(queues)
         self._stash: Dict[str, Deque[Any]] = {q: deque() for q in self.queues}
         self._route: Dict[int, str] = {}  # feed seq -> queue name
+        # items that arrived before their call's marker: the marker travels on its own
+        # connection, and the server does not order items across connections
+        self._parked: Dict[int, List[Any]] = {}
         self.train_seqs: set = set()  # feed seqs of train() calls (no results wanted)
         self.streaming = False
         self.ended = False  # the driver ended the feed (shutdown)
@@ -73,7 +82,8 @@ class _Demux:
         self._lock = threading.Lock()
 
     def _queue_of(self, item: Any) -> Optional[str]:
-        """The queue an item belongs to, or None for a call marker (consumed here)."""
+        """The queue an item belongs to, or None when consumed here (a call marker,
+        the end of the feed, or an item parked until its call's marker arrives)."""
         if item.kind == "end":
             self.ended, self._end_item = True, item
             return None
@@ -88,8 +98,13 @@ class _Demux:
                 if is_train:
                     self.train_seqs.add(seq)
                 self.streaming |= bool(streaming)
+                self._stash[self.queues[qi]].extend(self._parked.pop(seq, []))
                 return None
-        return self._route.get(item.source >> _SEQ_SHIFT, "input")
+        seq = _seq_of(item)
+        if seq not in self._route:
+            self._parked.setdefault(seq, []).append(item)
+            return None
+        return self._route[seq]
 
     def next_for(self, queue: str, timeout: float) -> Any:
         """The next item of ``queue`` (or the end of the feed), None after ``timeout``."""
@@ -215,7 +230,7 @@ class DataFeed:
             # an inference-mode feed reading train() data (TFoS's keras example does
             # this): those batches want no results, so do not hold them for results
             awaiting, train_seqs = self._feed._awaiting, self.mgr._demux.train_seqs
-            while awaiting and (awaiting[-1][0].source >> _SEQ_SHIFT) in train_seqs:
+            while awaiting and _seq_of(awaiting[-1][0].item) in train_seqs:
                 awaiting.pop()
                 self._train_batches_unanswered = True
         return batch

@@ -1,0 +1,305 @@
+"""TensorFlowOnSpark programs on Ember (ember.compat.tfos), on local Spark.
+
+The programs under tfos_programs/ import only from ember.compat.tfos (plus
+TensorFlow, numpy, pyspark), as TFoS 2.2.x programs after changing their
+imports.  Fashion-MNIST subsets keep each TensorFlow test well under a minute
+or two on a 2-core machine; record counts are always checked, accuracy where
+a model is trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from conftest import read_json_files
+from ember.compat.tfos import TFCluster, TFNode, dfutil
+from ember.compat.tfos._node import TFNodeContext, cluster_spec_of, tf_config_of
+from tfos_programs import feed_programs as fp
+
+TRAIN, TEST = 4096, 1000
+
+
+def _json(out):
+    return {i["executor_id"]: i for i in read_json_files(str(out))}
+
+
+# --------------------------------------------------------------------------- no TF
+
+def test_hdfs_path_matches_tensorflowonspark():
+    ctx = TFNodeContext(0, "worker", 0, {}, "file://", "/home/me/job")
+    assert TFNode.hdfs_path(ctx, "model") == "file:///home/me/job/model"
+    assert TFNode.hdfs_path(ctx, "/abs/model") == "file:///abs/model"
+    assert TFNode.hdfs_path(ctx, "s3a://bucket/x") == "s3a://bucket/x"
+    assert ctx.absolute_path("m") == "file:///home/me/job/m"
+    h = TFNodeContext(0, "worker", 0, {}, "hdfs://nn:8020", "/ignored")
+    import getpass
+    assert h.absolute_path("data") == f"hdfs://nn:8020/user/{getpass.getuser()}/data"
+    assert h.absolute_path("/data") == "hdfs://nn:8020/data"
+
+
+def test_cluster_spec_and_tf_config_follow_tensorflowonspark():
+    nodes = [dict(index=i, role=r, task_index=t, host="h", ports=[1000 + i])
+             for i, (r, t) in enumerate([("ps", 0), ("chief", 0), ("evaluator", 0),
+                                         ("worker", 0), ("worker", 1)])]
+    spec = cluster_spec_of(nodes, "master")
+    assert list(spec) == ["ps", "master", "evaluator", "worker"]
+    assert spec["worker"] == ["h:1003", "h:1004"]
+    cfg = json.loads(tf_config_of(spec, "worker", 1))
+    assert cfg == {"cluster": spec, "task": {"type": "worker", "index": 1},
+                   "environment": "cloud"}
+    assert tf_config_of({"worker": ["h:1"]}, "worker", 0) is None
+
+
+def test_run_validates_arguments_like_tensorflowonspark(local_spark):
+    sc = local_spark.sparkContext
+    with pytest.raises(Exception, match="only supported in InputMode.TENSORFLOW"):
+        TFCluster.run(sc, fp.roles, {}, 3, 1, input_mode=TFCluster.InputMode.SPARK,
+                      driver_ps_nodes=True)
+    with pytest.raises(Exception, match="evaluator nodes is only supported"):
+        TFCluster.run(sc, fp.roles, {}, 3, 0, input_mode=TFCluster.InputMode.SPARK,
+                      eval_node=True)
+    with pytest.raises(AssertionError, match="requires 3 nodes"):
+        TFCluster.run(sc, fp.roles, {}, 2, 1, master_node="chief", eval_node=True)
+
+
+def test_roles_order_and_tf_config_only_with_a_master(local_spark, tmp_path):
+    sc = local_spark.sparkContext
+    out = tmp_path / "a"
+    out.mkdir()
+    cluster = TFCluster.run(sc, fp.roles, {"out": str(out)}, 4, 1, master_node="master",
+                            eval_node=True, reservation_timeout=60)
+    cluster.shutdown(timeout=60)
+    infos = _json(out)
+    roles = {i: (infos[i]["job_name"], infos[i]["task_index"]) for i in infos}
+    assert roles == {0: ("ps", 0), 1: ("master", 0), 2: ("evaluator", 0), 3: ("worker", 0)}
+    for info in infos.values():
+        assert list(info["cluster_spec"]) == ["ps", "master", "evaluator", "worker"]
+        assert info["num_workers"] == 2
+        cfg = json.loads(info["tf_config"])
+        assert cfg["task"] == {"type": info["job_name"], "index": info["task_index"]}
+        assert info["defaultFS"] == "file://" and info["working_dir"] == os.getcwd()
+    assert [n["job_name"] for n in cluster.cluster_info] == ["ps", "master", "evaluator", "worker"]
+
+    out = tmp_path / "b"
+    out.mkdir()
+    cluster = TFCluster.run(sc, fp.roles, {"out": str(out)}, 2, 0, reservation_timeout=60)
+    cluster.shutdown(timeout=60)
+    infos = _json(out)
+    assert {(i["job_name"], i["task_index"]) for i in infos.values()} == {("worker", 0),
+                                                                         ("worker", 1)}
+    assert all(i["tf_config"] is None for i in infos.values())  # no master: no TF_CONFIG
+
+
+def test_reservation_error_names_missing_nodes_and_cause(local_spark):
+    sc = local_spark.sparkContext  # local[4]: 4 slots for 6 barrier tasks
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        TFCluster.run(sc, fp.roles, {}, 6, 0, reservation_timeout=20)
+    assert time.monotonic() - start < 60
+    assert "only 4 task slot(s) for 6 nodes" in str(err.value)
+
+
+def test_train_num_epochs_zero_is_ten_passes_uneven_partitions(local_spark, tmp_path, capfd):
+    sc = local_spark.sparkContext
+    # uneven partitions (one empty); TFoS's keras example reads with train_mode=False
+    rdd = sc.parallelize([(i, i) for i in range(300)], 3).mapPartitionsWithIndex(
+        lambda p, it: it if p != 1 else iter(()))
+    cluster = TFCluster.run(sc, fp.count_feed, {"out": str(tmp_path), "train_mode": False},
+                            2, 0, input_mode=TFCluster.InputMode.SPARK, master_node="chief",
+                            reservation_timeout=60)
+    fed = cluster.train(rdd)
+    cluster.shutdown(timeout=60)
+    assert fed == 10 * rdd.count()
+    assert "num_epochs=0): feeding the data 10 times" in capfd.readouterr().err
+    got = collections.Counter(i for info in _json(tmp_path).values() for i in info["ids"])
+    assert got == collections.Counter({r[0]: 10 for r in rdd.collect()})
+
+
+def test_eval_feed_alongside_training(local_spark, tmp_path):
+    sc = local_spark.sparkContext
+    cluster = TFCluster.run(sc, fp.train_and_eval_feeds, {"out": str(tmp_path)}, 2, 0,
+                            input_mode=TFCluster.InputMode.SPARK, master_node="chief",
+                            queues=["input", "eval", "output", "error"], reservation_timeout=60)
+    cluster.train(sc.parallelize(range(0, 400), 4), num_epochs=1)
+    cluster.train(sc.parallelize(range(1000, 1100), 2), num_epochs=1, qname="eval")
+    cluster.shutdown(timeout=60)
+    infos = _json(tmp_path).values()
+    assert sorted(i for info in infos for i in info["train"]) == list(range(400))
+    assert sorted(i for info in infos for i in info["eval"]) == list(range(1000, 1100))
+    with pytest.raises(AssertionError, match="Unknown queue"):
+        cluster.train(sc.parallelize(range(3)), 1, qname="nope")
+
+
+def test_inference_results_and_input_mapping(local_spark):
+    sc = local_spark.sparkContext
+    cluster = TFCluster.run(sc, fp.square, {}, 2, 0, input_mode=TFCluster.InputMode.SPARK,
+                            reservation_timeout=60)
+    try:
+        out = cluster.inference(sc.parallelize([(i,) for i in range(500)], 4)).collect()
+    finally:
+        cluster.shutdown(timeout=60)
+    assert [tuple(r) for r in out] == [(i, i * i) for i in range(500)]
+    cluster = TFCluster.run(sc, fp.mapped, {}, 2, 0, input_mode=TFCluster.InputMode.SPARK,
+                            reservation_timeout=60)
+    try:
+        out = cluster.inference(sc.parallelize([(i, 2 * i) for i in range(123)], 3)).collect()
+    finally:
+        cluster.shutdown(timeout=60)
+    assert out == [3 * i for i in range(123)]
+
+
+def test_streaming_reads_across_micro_batches(local_spark, tmp_path):
+    from pyspark.streaming import StreamingContext
+
+    sc = local_spark.sparkContext
+    ssc = StreamingContext(sc, 1)
+    batches = [sc.parallelize([(i,) for i in range(k * 50, k * 50 + 50)], 2) for k in range(4)]
+    stream = ssc.queueStream(batches, oneAtATime=True)
+    cluster = TFCluster.run(sc, fp.streaming_count, {"out": str(tmp_path), "stop_after": 60},
+                            1, 0, input_mode=TFCluster.InputMode.SPARK, reservation_timeout=60)
+    cluster.train(stream, feed_timeout=60)
+    ssc.start()
+    cluster.shutdown(ssc, timeout=120)
+    ssc.stop(stopSparkContext=False)
+    ids = _json(tmp_path)[0]["ids"]
+    # 60 records span the first two micro-batches (50 each): next_batch waited for the
+    # second one instead of ending at the end of the first
+    assert len(ids) == 60 and len(set(ids)) == 60
+    assert all(i < 100 for i in ids) and min(ids) < 50 <= max(ids)
+
+
+def test_tfparallel_runs_independent_instances(local_spark, tmp_path):
+    from ember.compat.tfos import TFParallel
+
+    def fn(args, ctx):
+        with open(os.path.join(args, f"{ctx.worker_num}.json"), "w") as f:
+            json.dump(dict(worker_num=ctx.worker_num, executor_id=ctx.executor_id,
+                           num_workers=ctx.num_workers, defaultFS=ctx.defaultFS), f)
+
+    TFParallel.run(local_spark.sparkContext, fn, str(tmp_path), 3)
+    infos = sorted(read_json_files(str(tmp_path)), key=lambda i: i["worker_num"])
+    assert [i["worker_num"] for i in infos] == [0, 1, 2]
+    assert all(i["num_workers"] == 3 and i["defaultFS"] == "file://" for i in infos)
+
+
+def test_dfutil_round_trip(local_spark, tmp_path):
+    from pyspark.sql import Row
+
+    spark = local_spark
+    rows = [Row(a=i, b=i / 4, c=f"s{i}", d=bytearray(b"\x00\xff" + bytes([i])),
+                e=[i, i + 1], f=[float(i), 0.5]) for i in range(40)]
+    df = spark.createDataFrame(rows, "a long, b double, c string, d binary, e array<long>, "
+                                     "f array<double>").repartition(3)
+    path = str(tmp_path / "tfr")
+    assert dfutil.saveAsTFRecords(df, path) == 40
+    back = dfutil.loadTFRecords(spark.sparkContext, path, binary_features=["d"])
+    assert dfutil.isLoadedDF(back)
+    assert back.schema.simpleString() == ("struct<a:bigint,b:double,c:string,d:binary,"
+                                          "e:array<bigint>,f:array<double>>")
+    got = sorted(back.collect())
+    assert [tuple(r) for r in got] == [(i, i / 4, f"s{i}", bytes(b"\x00\xff" + bytes([i])),
+                                        [i, i + 1], [float(i), 0.5]) for i in range(40)]
+    # toTFExample/fromTFExample: TFoS's (bytearray, None) records, checked against TF
+    recs = df.rdd.mapPartitions(dfutil.toTFExample(df.dtypes)).collect()
+    assert len(recs) == 40 and all(isinstance(r[0], bytearray) and r[1] is None for r in recs)
+    rows2 = sorted(dfutil.fromTFExample(recs, ["d"]))
+    assert [tuple(r) for r in rows2] == [tuple(r) for r in got]
+    tf = pytest.importorskip("tensorflow")
+    ex = tf.train.Example()
+    ex.ParseFromString(bytes(recs[0][0]))
+    assert ex.features.feature["c"].bytes_list.value[0].startswith(b"s")
+    assert dfutil.infer_schema(ex, ["d"]) == back.schema
+
+
+# --------------------------------------------------------------------------- Fashion-MNIST
+
+@pytest.fixture(scope="module")
+def fmnist():
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    from examples.fashion_mnist import data
+
+    xtr, ytr = data.load_split("train")
+    xte, yte = data.load_split("test")
+    return (xtr[:TRAIN].reshape(TRAIN, 784), ytr[:TRAIN], xte[:TEST].reshape(TEST, 784),
+            yte[:TEST])
+
+
+def _args(tmp_path, **kw):
+    a = argparse.Namespace(batch_size=64, epochs=2, learning_rate=2e-3, train_records=TRAIN,
+                           model_dir=str(tmp_path / "model"), export_dir=str(tmp_path / "export"))
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+def _records(x, y):
+    return [(x[i].tolist(), int(y[i])) for i in range(len(y))]
+
+
+def test_keras_mnist_input_mode_spark(local_spark, tmp_path, fmnist):
+    from tfos_programs import mnist_keras
+
+    sc = local_spark.sparkContext
+    xtr, ytr, xte, yte = fmnist
+    images_labels = sc.parallelize(_records(xtr, ytr), 4)
+    args = _args(tmp_path)
+    cluster = TFCluster.run(sc, mnist_keras.main_fun, args, 2, num_ps=0,
+                            input_mode=TFCluster.InputMode.SPARK, master_node="chief",
+                            reservation_timeout=120)
+    cluster.train(images_labels, args.epochs + 1)
+    cluster.shutdown(timeout=300)
+    assert os.path.exists(os.path.join(args.export_dir, "saved_model.pb"))
+
+    cluster = TFCluster.run(sc, mnist_keras.inference, args, 2, num_ps=0,
+                            input_mode=TFCluster.InputMode.SPARK, reservation_timeout=120)
+    try:
+        results = cluster.inference(sc.parallelize(_records(xte, yte), 3)).collect()
+    finally:
+        cluster.shutdown(timeout=120)
+    assert len(results) == TEST
+    labels = np.array([r[0] for r in results])
+    assert (labels == yte).all()  # in order, one result per record
+    accuracy = float(np.mean([r[0] == r[1] for r in results]))
+    print(f"InputMode.SPARK accuracy {accuracy:.3f}")
+    assert accuracy > 0.65
+
+
+def test_keras_mnist_input_mode_tensorflow_and_tfparallel(local_spark, tmp_path, fmnist):
+    from ember.compat.tfos import TFParallel
+    from tfos_programs import mnist_keras
+
+    spark = local_spark
+    sc = spark.sparkContext
+    xtr, ytr, xte, yte = fmnist
+    schema = "image array<long>, label long"
+    train_dir, test_dir = str(tmp_path / "train"), str(tmp_path / "test")
+    assert dfutil.saveAsTFRecords(spark.createDataFrame(_records(xtr, ytr), schema)
+                                  .repartition(4), train_dir) == TRAIN
+    assert dfutil.saveAsTFRecords(spark.createDataFrame(_records(xte, yte), schema)
+                                  .repartition(3), test_dir) == TEST
+    args = _args(tmp_path, images_labels=train_dir)
+    cluster = TFCluster.run(sc, mnist_keras.main_fun_tf, args, 2, num_ps=0,
+                            input_mode=TFCluster.InputMode.TENSORFLOW, master_node="chief",
+                            reservation_timeout=120)
+    cluster.shutdown(timeout=300)
+    assert os.path.exists(os.path.join(args.export_dir, "saved_model.pb"))
+
+    inf = _args(tmp_path, images_labels=test_dir, output=str(tmp_path / "predictions"))
+    TFParallel.run(sc, mnist_keras.parallel_inference, inf, 2)
+    pairs = [tuple(map(int, line.split()))
+             for f in sorted(glob.glob(inf.output + "/part-*")) for line in open(f)]
+    assert len(pairs) == TEST
+    assert collections.Counter(p[0] for p in pairs) == collections.Counter(yte.tolist())
+    accuracy = float(np.mean([a == b for a, b in pairs]))
+    print(f"InputMode.TENSORFLOW accuracy {accuracy:.3f}")
+    assert accuracy > 0.65
