@@ -12,7 +12,8 @@ image -> classes) by
       as Python lists, ``spark.createDataFrame`` of the results),
 
 each materialized completely (``write.format("noop")``) after a warm-up run
-(so every Python worker has loaded its model).  All three produce the same
+(so every Python worker has loaded its model), in 3 interleaved rounds of
+which each method's best counts.  All three produce the same
 classes on the same rows (checked).  Prints a table and
 
   RESULT inference ember_rps=<x> pbu_rps=<y> tfos_rps=<z> ratio_vs_pbu=<x/y> ratio_vs_tfos=<x/z>
@@ -98,6 +99,7 @@ def main() -> int:
     p.add_argument("--copies", type=int, default=20, help="test set copies (default 20: 200,000 rows)")
     p.add_argument("--cores", type=int, default=2, help="local[N] Spark")
     p.add_argument("--sweep", default="256,1024,4096,10000", help="predict_batch_udf batch sizes")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds; each method's best counts")
     p.add_argument("--tfos-batch", type=int, default=0,
                    help="TFoS TFModel BatchSize (default: the best predict_batch_udf batch size)")
     args = p.parse_args()
@@ -193,13 +195,19 @@ def main() -> int:
         tfos_bs = args.tfos_batch or best
         timed("tfos warm-up", lambda: tfos_out(small_src, tfos_bs), len(te_y))
 
-        print(f"timed runs ({rows} rows)", flush=True)
-        e_secs = timed("ember EmberModel.transform", lambda: ember_out(src), rows)
-        p_secs = timed(f"predict_batch_udf (batch_size={best})", lambda: pbu_out(src, best), rows)
-        t_secs = timed(f"TFoS pipeline.TFModel (BatchSize={tfos_bs})", lambda: tfos_out(src, tfos_bs), rows)
+        # Rounds interleave the three methods, and each keeps its best round:
+        # the 2 cores are shared with other work, whose load comes and goes.
+        e_secs = p_secs = t_secs = float("inf")
+        for r in range(args.rounds):
+            print(f"timed round {r + 1}/{args.rounds} ({rows} rows)", flush=True)
+            e_secs = min(e_secs, timed("ember EmberModel.transform", lambda: ember_out(src), rows))
+            p_secs = min(p_secs, timed(f"predict_batch_udf (batch_size={best})",
+                                       lambda: pbu_out(src, best), rows))
+            t_secs = min(t_secs, timed(f"TFoS pipeline.TFModel (BatchSize={tfos_bs})",
+                                       lambda: tfos_out(src, tfos_bs), rows))
 
         e_rps, p_rps, t_rps = rows / e_secs, rows / p_secs, rows / t_secs
-        print()
+        print(f"\nbest of {args.rounds} rounds, {rows} rows, local[{args.cores}]")
         print(f"{'method':<44}{'seconds':>10}{'rows/s':>14}{'vs ember':>10}")
         for name, secs, rps in (("ember EmberModel.transform", e_secs, e_rps),
                                 (f"predict_batch_udf (batch_size={best})", p_secs, p_rps),

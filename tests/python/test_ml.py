@@ -206,7 +206,9 @@ def small_models(tmp_path_factory):
             b = tf.compat.v1.saved_model.Builder(graph_dir)
             b.add_meta_graph_and_variables(sess, ["serve"])
             b.save()
-    return {"sig": sig_dir, "graph": graph_dir}
+            # the same graph as a TF1 checkpoint (+ .meta) in a model dir
+            tf.compat.v1.train.Saver().save(sess, str(root / "ckpt" / "model"), global_step=3)
+    return {"sig": sig_dir, "graph": graph_dir, "ckpt": str(root / "ckpt")}
 
 
 def _small_frame(spark, n=500, parts=3):
@@ -242,7 +244,7 @@ def test_signature_model_types_and_values(local_spark, small_models, path):
     assert [r["k"] for r in rows] == k.tolist()
 
 
-def test_vector_column_and_tensor_names(local_spark, small_models):
+def test_vector_column_tensor_names_and_checkpoint(local_spark, small_models):
     from pyspark.ml.feature import VectorAssembler
     from pyspark.sql import functions as F
 
@@ -255,6 +257,13 @@ def test_vector_column_and_tensor_names(local_spark, small_models):
     rows = sorted(m.transform(vec).select("id", "y").collect(), key=lambda r: r["id"])
     ids = np.array([r["id"] for r in rows])
     np.testing.assert_allclose(np.array([r["y"] for r in rows]), x[ids] @ W, rtol=1e-5)
+    # the same graph as a TF1 checkpoint in ModelDir (no ExportDir)
+    c = (EmberModel().setModelDir(small_models["ckpt"]).setInputMapping({"features": "x"})
+         .setOutputMapping({"y": "y"}))
+    rows = sorted(c.transform(vec).select("id", "y").collect(), key=lambda r: r["id"])
+    np.testing.assert_allclose(np.array([r["y"] for r in rows]), x[ids] @ W, rtol=1e-5)
+    with pytest.raises(ModelInputError, match="holds no checkpoint"):
+        c.setModelDir(small_models["graph"]).transform(vec)
     bad = m.setOutputMapping({"nope": "y"})
     with pytest.raises(ModelInputError, match="tensor 'nope' is not in the graph"):
         bad.transform(vec)

@@ -346,7 +346,9 @@ class EmberModel(Model, _EmberParams, _Persist):
     outputs to new columns.  With a SignatureDefKey (default
     ``serving_default``) the names are the signature's input/output aliases;
     with ``setSignatureDefKey(None)`` they are graph tensor names (``"x"``
-    meaning ``"x:0"``), as for a TF1 graph.  ``transform(df)`` returns ``df``
+    meaning ``"x:0"``), as for a TF1 graph.  Without ExportDir, the latest TF1
+    checkpoint in ModelDir runs with its ``.meta`` graph (mappings by tensor
+    name; TensorFlowOnSpark's checkpoint style).  ``transform(df)`` returns ``df``
     with the output columns appended; an output of one value per row becomes a
     number column (float, double, long, int...), a larger one ``array<...>``
     (flattened row-major).  BatchSize is the rows per model call (Arrow
@@ -366,9 +368,15 @@ class EmberModel(Model, _EmberParams, _Persist):
 
     def _inference_spec(self, dataset: Any) -> Dict[str, Any]:
         """Checks the DataFrame against the model on the driver; the worker spec."""
-        export = self.getExportDir()
+        export, checkpoint = self.getExportDir(), None
+        if not export and self.getModelDir():
+            # TensorFlowOnSpark's checkpoint style: the latest TF1 checkpoint in
+            # ModelDir with its MetaGraph; mappings name graph tensors
+            checkpoint = self.getModelDir()
+            export, stamp = _runtime.checkpoint_export(checkpoint)
         if not export:
-            raise ValueError("EmberModel: set ExportDir (the SavedModel to run)")
+            raise ValueError("EmberModel: set ExportDir (a SavedModel) or ModelDir (a TF1 "
+                             "checkpoint with its .meta graph)")
         in_map, out_map = self.getInputMapping(), self.getOutputMapping()
         if not in_map:
             raise ValueError("EmberModel: set InputMapping (DataFrame column -> model input)")
@@ -384,9 +392,12 @@ class EmberModel(Model, _EmberParams, _Persist):
             raise ModelInputError(f"OutputMapping column(s) {clash} already exist in the DataFrame")
         outs = sorted(out_map)
         sig, tags = self.getSignatureDefKey(), _tags(self.getTagSet())
-        stamp = _runtime.saved_model_stamp(export)
+        if checkpoint:
+            sig, tags = None, ["serve"]
+        else:
+            stamp = _runtime.saved_model_stamp(export)
         feeds, fetches = _runtime.resolve(export, sig, tags, [in_map[c] for c in cols], outs)
-        spec = dict(export_dir=export, signature=sig, tags=tags, feeds=feeds, fetches=fetches,
+        spec = dict(export_dir=export, checkpoint=checkpoint, signature=sig, tags=tags, feeds=feeds, fetches=fetches,
                     input_keys=[in_map[c] for c in cols], output_keys=outs, stamp=stamp,
                     columns=cols, output_columns=[out_map[o] for o in outs],
                     keep=list(dataset.columns), batch_size=self.getBatchSize())

@@ -23,7 +23,7 @@ import numpy as np
 #: (export_dir, signature key, tags, inputs, outputs, stamp) -> _Predictor; one
 #: per Python worker process, reused by every task that worker runs.
 _CACHE: Dict[Tuple[Any, ...], "_Predictor"] = {}
-_CACHE_LOCK = threading.Lock()
+_CACHE_LOCK = threading.RLock()  # checkpoint_export runs inside predictor()
 _LOADS = 0  # how many models this process loaded (tests read it through a task)
 
 
@@ -166,15 +166,57 @@ class _Predictor:
 
 def predictor(spec: Dict[str, Any]) -> _Predictor:
     """The cached predictor of ``spec`` in this process (loaded on first use)."""
-    key = (spec["export_dir"], spec["signature"], tuple(spec["tags"] or ()),
+    source = spec.get("checkpoint") or spec["export_dir"]
+    key = (source, spec["signature"], tuple(spec["tags"] or ()),
            tuple(spec["feeds"]), tuple(spec["fetches"]), spec["stamp"])
     with _CACHE_LOCK:
         p = _CACHE.get(key)
         if p is None:
-            p = _Predictor(spec["export_dir"], spec["tags"], spec["feeds"], spec["fetches"],
+            export = checkpoint_export(spec["checkpoint"])[0] if spec.get("checkpoint") \
+                else spec["export_dir"]
+            p = _Predictor(export, spec["tags"], spec["feeds"], spec["fetches"],
                            spec["input_keys"], spec["output_keys"])
             _CACHE[key] = p
         return p
+
+
+_CHECKPOINTS: Dict[Tuple[str, int], str] = {}
+
+
+def checkpoint_export(model_dir: str) -> Tuple[str, int]:
+    """The latest TF1 checkpoint in ``model_dir`` (with its ``.meta`` graph) as a
+    SavedModel (tag ``serve``, no signatures) in a local temporary directory,
+    made once per process; returns (its path, the checkpoint's stamp).
+
+    This is TensorFlowOnSpark's "checkpoint in ModelDir" style: the graph comes
+    from the checkpoint's MetaGraph, so mappings name graph tensors.  A TF2
+    object-based checkpoint holds no graph; export a SavedModel for those."""
+    import tempfile
+
+    tf = _import_tf()
+    ckpt = tf.train.latest_checkpoint(model_dir)
+    if not ckpt:
+        raise ModelInputError(f"ModelDir {model_dir!r} holds no checkpoint (no 'checkpoint' "
+                              "index file naming one)")
+    meta = ckpt + ".meta"
+    if not os.path.exists(meta):
+        raise ModelInputError(f"checkpoint {ckpt} has no MetaGraph ({meta}): only TF1 "
+                              "checkpoints carry their graph; set ExportDir to a SavedModel")
+    key = (ckpt, os.stat(meta).st_mtime_ns)
+    with _CACHE_LOCK:
+        out = _CHECKPOINTS.get(key)
+        if out is None:
+            out = os.path.join(tempfile.mkdtemp(prefix="ember-checkpoint-"), "saved_model")
+            g = tf.Graph()
+            with g.as_default():
+                saver = tf.compat.v1.train.import_meta_graph(meta, clear_devices=True)
+                with tf.compat.v1.Session(graph=g) as sess:
+                    saver.restore(sess, ckpt)
+                    builder = tf.compat.v1.saved_model.Builder(out)
+                    builder.add_meta_graph_and_variables(sess, ["serve"])
+                    builder.save()
+            _CHECKPOINTS[key] = out
+    return out, key[1]
 
 
 # --------------------------------------------------------------------------- Arrow -> numpy
