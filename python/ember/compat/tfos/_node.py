@@ -67,8 +67,9 @@ def tf_config_of(spec: Dict[str, List[str]], job_name: str, task_index: int) -> 
 class _Demux:
     """Splits this node's feed server into TFoS's named queues (thread-safe)."""
 
-    def __init__(self, server: Any, queues: Sequence[str]) -> None:
+    def __init__(self, server: Any, queues: Sequence[str], announced: bool = True) -> None:
         self.server = server
+        self.announced = announced  # False: the driver sends no call markers (all is "input")
         self.queues = list(queues)
         self._stash: Dict[str, Deque[Any]] = {q: deque() for q in self.queues}
         self._route: Dict[int, str] = {}  # feed seq -> queue name
@@ -101,6 +102,8 @@ class _Demux:
                 self._stash[self.queues[qi]].extend(self._parked.pop(seq, []))
                 return None
         seq = _seq_of(item)
+        if not self.announced:
+            return "input"
         if seq not in self._route:
             self._parked.setdefault(seq, []).append(item)
             return None
@@ -153,11 +156,11 @@ class _QueueView:
 class TFManager:
     """What TFoS code knows as ``ctx.mgr``: the node's feed, by queue name."""
 
-    def __init__(self, ctx: Any, queues: Sequence[str]) -> None:
+    def __init__(self, ctx: Any, queues: Sequence[str], announced: bool = True) -> None:
         self._ctx = ctx
         self.queues = list(queues)
         server = getattr(ctx, "_feed_server", None)
-        self._demux = _Demux(server, queues) if server is not None else None
+        self._demux = _Demux(server, queues, announced) if server is not None else None
         self._feeds: Dict[Any, Any] = {}
         self._lock = threading.Lock()
 
@@ -372,14 +375,14 @@ class TFNodeContext:
 
 
 def node_context(ctx: Any, master_node: Optional[str], default_fs: str, working_dir: str,
-                 queues: Sequence[str]) -> TFNodeContext:
+                 queues: Sequence[str], announced: bool = True) -> TFNodeContext:
     """A TFoS ctx for an Ember node context; exports TF_CONFIG as TFoS did."""
     spec = cluster_spec_of(ctx.nodes, master_node)
     me = next(n for n in ctx.nodes if n["index"] == ctx.worker_num)
     job_name = master_node if me["role"] == "chief" and master_node else me["role"]
     tctx = TFNodeContext(ctx.worker_num, job_name, me["task_index"], spec, default_fs,
                          working_dir)
-    tctx.mgr = TFManager(ctx, queues)
+    tctx.mgr = TFManager(ctx, queues, announced)
     tctx._ember_ctx = ctx
     tf_config = tf_config_of(spec, job_name, me["task_index"])
     if tf_config is None:
@@ -390,12 +393,16 @@ def node_context(ctx: Any, master_node: Optional[str], default_fs: str, working_
 
 
 def wrap_main(fn: Callable[[Any, Any], Any], master_node: Optional[str], default_fs: str,
-              working_dir: str, queues: Sequence[str]) -> Callable[[Any, Any], Any]:
-    """The main_fun Ember runs: builds TFoS's ctx, sets sys.argv for list args, calls ``fn``."""
+              working_dir: str, queues: Sequence[str], announced: bool = True
+              ) -> Callable[[Any, Any], Any]:
+    """The main_fun Ember runs: builds TFoS's ctx, sets sys.argv for list args, calls ``fn``.
+
+    ``announced=False`` when the driver feeds through ``ember.spark`` directly (no call
+    markers): everything then goes to the ``input`` queue."""
     queues = list(queues)
 
     def tfos_main(args: Any, ctx: Any) -> None:
-        tctx = node_context(ctx, master_node, default_fs, working_dir, queues)
+        tctx = node_context(ctx, master_node, default_fs, working_dir, queues, announced)
         if isinstance(args, list):
             sys.argv = args
         fn(args, tctx)
