@@ -303,3 +303,32 @@ def test_keras_mnist_input_mode_tensorflow_and_tfparallel(local_spark, tmp_path,
     accuracy = float(np.mean([a == b for a, b in pairs]))
     print(f"InputMode.TENSORFLOW accuracy {accuracy:.3f}")
     assert accuracy > 0.65
+
+
+def test_pipeline_tfestimator_tfmodel(local_spark, tmp_path, fmnist):
+    from ember.compat.tfos import pipeline
+    from tfos_programs import mnist_keras
+
+    spark = local_spark
+    xtr, ytr, xte, yte = fmnist
+    n_train = 2048
+
+    def df_of(x, y):
+        return spark.createDataFrame([((x[i] / 255.0).astype(float).tolist(), int(y[i]))
+                                      for i in range(len(y))], "image array<float>, label long")
+
+    est = (pipeline.TFEstimator(mnist_keras.pipeline_train_fn, {"unused": 1})
+           .setInputMapping({"image": "image", "label": "label"})
+           .setClusterSize(1).setEpochs(3).setBatchSize(256).setGraceSecs(0)
+           .setExportDir(str(tmp_path / "export")).setModelDir(str(tmp_path / "model")))
+    assert pipeline.TFEstimator(mnist_keras.pipeline_train_fn, {}).getGraceSecs() == 30
+    model = est.fit(df_of(xtr[:n_train], ytr[:n_train]).repartition(2))
+    tfmodel = (pipeline.TFModel({}).setInputMapping({"image": "image"})
+               .setOutputMapping({"prediction": "scores"}).setSignatureDefKey("serving_default")
+               .setTagSet("serve").setExportDir(str(tmp_path / "export")))
+    assert model is not None
+    rows = tfmodel.transform(df_of(xte, yte)).select("label", "scores").collect()
+    assert len(rows) == TEST
+    accuracy = float(np.mean([int(np.argmax(r.scores)) == r.label for r in rows]))
+    print(f"pipeline accuracy {accuracy:.3f}")
+    assert accuracy > 0.65

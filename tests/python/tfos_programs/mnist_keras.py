@@ -140,3 +140,34 @@ def parallel_inference(args, ctx):
                 preds = np.argmax(model.predict(images, verbose=0), axis=1)
                 for lab, p in zip(labels.numpy(), preds):
                     out.write("%d %d\n" % (lab, p))
+
+
+def pipeline_train_fn(args, ctx):
+    """TFoS's pipeline example (keras/mnist_pipeline.py): TFEstimator's train_fn reads
+    the InputMapping's tensors from the feed and exports a SavedModel on the chief."""
+    import numpy as np
+    import tensorflow as tf
+    from ember.compat.tfos import TFNode, compat
+
+    strategy = tf.distribute.experimental.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = tf.keras.Sequential([
+            tf.keras.Input(shape=(784,), name="image"),
+            tf.keras.layers.Dense(128, activation="relu"),
+            tf.keras.layers.Dense(10, activation="softmax", name="prediction"),
+        ])
+        model.compile(loss="sparse_categorical_crossentropy",
+                      optimizer=tf.keras.optimizers.Adam(learning_rate=2e-3),
+                      metrics=["accuracy"])
+
+    tf_feed = TFNode.DataFeed(ctx.mgr, True, input_mapping=args.input_mapping)
+    images, labels = [], []
+    while not tf_feed.should_stop():
+        batch = tf_feed.next_batch(args.batch_size)
+        if len(batch["image"]) == 0:
+            break
+        images.append(np.asarray(batch["image"], dtype=np.float32))
+        labels.append(np.asarray(batch["label"], dtype=np.int64))
+    x, y = np.concatenate(images), np.concatenate(labels)
+    model.fit(x, y, batch_size=64, epochs=args.epochs, verbose=0)
+    compat.export_saved_model(model, args.export_dir, ctx.job_name == "chief")
