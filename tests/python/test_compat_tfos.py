@@ -247,9 +247,13 @@ def _records(x, y):
 
 
 def test_keras_mnist_input_mode_spark(local_spark, tmp_path, fmnist):
+    _keras_mnist_spark(local_spark, tmp_path, fmnist)
+
+
+def _keras_mnist_spark(spark, tmp_path, fmnist):
     from tfos_programs import mnist_keras
 
-    sc = local_spark.sparkContext
+    sc = spark.sparkContext
     xtr, ytr, xte, yte = fmnist
     images_labels = sc.parallelize(_records(xtr, ytr), 4)
     args = _args(tmp_path)
@@ -332,3 +336,29 @@ def test_pipeline_tfestimator_tfmodel(local_spark, tmp_path, fmnist):
     accuracy = float(np.mean([int(np.argmax(r.scores)) == r.label for r in rows]))
     print(f"pipeline accuracy {accuracy:.3f}")
     assert accuracy > 0.65
+
+
+# --------------------------------------------------------------------------- standalone
+# (last: switching to the standalone cluster stops the local session)
+
+def test_standalone_feed_and_inference(cluster_spark, tmp_path):
+    sc = cluster_spark.sparkContext
+    rdd = sc.parallelize([(i, i) for i in range(200)], 3)
+    cluster = TFCluster.run(sc, fp.count_feed, {"out": str(tmp_path)}, 2, 0,
+                            input_mode=TFCluster.InputMode.SPARK, master_node="chief",
+                            reservation_timeout=120)
+    assert cluster.train(rdd, 2) == 400
+    cluster.shutdown(timeout=120)
+    got = collections.Counter(i for info in _json(tmp_path).values() for i in info["ids"])
+    assert got == collections.Counter({i: 2 for i in range(200)})
+    cluster = TFCluster.run(sc, fp.square, {}, 2, 0, input_mode=TFCluster.InputMode.SPARK,
+                            reservation_timeout=120)
+    try:
+        out = cluster.inference(sc.parallelize([(i,) for i in range(300)], 3)).collect()
+    finally:
+        cluster.shutdown(timeout=120)
+    assert [tuple(r) for r in out] == [(i, i * i) for i in range(300)]
+
+
+def test_standalone_keras_mnist_input_mode_spark(cluster_spark, tmp_path, fmnist):
+    _keras_mnist_spark(cluster_spark, tmp_path, fmnist)
