@@ -90,6 +90,17 @@ def _check_array(array: Any, what: str, dtypes: bool = True) -> np.ndarray:
     return array
 
 
+def collective_of(ctx: Any) -> Any:
+    """A NodeContext's collective, or a Collective itself (anything with
+    allreduce/broadcast/size/rank), for the framework adapters."""
+    coll = getattr(ctx, "collective", ctx)
+    for name in ("allreduce", "broadcast", "size", "rank"):
+        if not hasattr(coll, name):
+            raise TypeError(f"expected an ember NodeContext or ember.collective.Collective, "
+                            f"not {type(ctx).__name__}")
+    return coll
+
+
 class Collective:
     """The communicator of one rank, created on first use.
 

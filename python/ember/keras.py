@@ -34,6 +34,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ember.collective import collective_of
+
 if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes"):
     raise ImportError("ember.keras is for Keras 3; TF_USE_LEGACY_KERAS is set in this process "
                       "(unset it before TensorFlow is imported)")
@@ -45,16 +47,6 @@ if not keras.__version__.startswith("3."):
 
 __all__ = ["distribute", "DistributedOptimizer", "EmberCallback", "allreduce_gradients",
            "broadcast_variables"]
-
-
-def _collective(ctx: Any) -> Any:
-    """A NodeContext's collective, or a Collective (anything with allreduce/broadcast)."""
-    coll = getattr(ctx, "collective", ctx)
-    for name in ("allreduce", "broadcast", "size", "rank"):
-        if not hasattr(coll, name):
-            raise TypeError(f"expected an ember NodeContext or ember.collective.Collective, "
-                            f"not {type(ctx).__name__}")
-    return coll
 
 
 def _check_backend() -> None:
@@ -78,7 +70,7 @@ def allreduce_gradients(grads: Sequence[Any], ctx: Any, op: str = "avg") -> List
     """
     import tensorflow as tf
 
-    coll = _collective(ctx)
+    coll = collective_of(ctx)
     out: List[Any] = list(grads)
     groups: Dict[Any, List[int]] = {}
     for i, g in enumerate(out):
@@ -122,7 +114,7 @@ def DistributedOptimizer(optimizer: Any, ctx: Any) -> Any:
     _check_backend()
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"expected a keras.optimizers.Optimizer, not {type(optimizer).__name__}")
-    coll = _collective(ctx)
+    coll = collective_of(ctx)
     if getattr(optimizer, "_ember_collective", None) is not None:
         optimizer._ember_collective = coll
         return optimizer
@@ -144,7 +136,7 @@ def DistributedOptimizer(optimizer: Any, ctx: Any) -> Any:
 def broadcast_variables(variables: Sequence[Any], ctx: Any, root: int = 0) -> None:
     """Assigns rank ``root``'s values to ``variables`` on every rank (one
     broadcast of all of them packed as bytes)."""
-    coll = _collective(ctx)
+    coll = collective_of(ctx)
     variables = list(variables)
     if not variables:
         return
@@ -179,7 +171,7 @@ class EmberCallback(keras.callbacks.Callback):
     def __init__(self, ctx: Any, root: int = 0, average_logs: bool = True,
                  average_non_trainable: bool = True) -> None:
         super().__init__()
-        self._coll = _collective(ctx)
+        self._coll = collective_of(ctx)
         self.root = root
         self.average_logs = average_logs
         self.average_non_trainable = average_non_trainable

@@ -40,21 +40,13 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from ember.collective import collective_of
+
 __all__ = ["init_process_group", "allreduce_hook", "allreduce_gradients",
            "DistributedOptimizer", "broadcast_parameters"]
 
 _WIRE = {torch.float32: np.float32, torch.float64: np.float64,
          torch.int32: np.int32, torch.int64: np.int64}
-
-
-def _collective(ctx: Any) -> Any:
-    """A NodeContext's collective, or a Collective (anything with allreduce/broadcast)."""
-    coll = getattr(ctx, "collective", ctx)
-    for name in ("allreduce", "broadcast", "size", "rank"):
-        if not hasattr(coll, name):
-            raise TypeError(f"expected an ember NodeContext or ember.collective.Collective, "
-                            f"not {type(ctx).__name__}")
-    return coll
 
 
 def _host_array(t: torch.Tensor, what: str) -> np.ndarray:
@@ -108,7 +100,7 @@ def allreduce_hook(state: Any, bucket: Any) -> Any:
     reduced in place (the call blocks, with the GIL released, until every rank
     has contributed) and returned as a completed future.
     """
-    coll = _collective(state)
+    coll = collective_of(state)
     buf = bucket.buffer()
     coll.allreduce(_host_array(buf, "the gradient bucket"), "avg")
     fut: Any = torch.futures.Future()
@@ -151,7 +143,7 @@ def allreduce_gradients(params: Any, ctx: Any, op: str = "avg") -> None:
     as zeros and is set, so every rank reduces the same layout); the
     gradients are packed into one buffer per dtype, one allreduce each.
     """
-    coll = _collective(ctx)
+    coll = collective_of(ctx)
     groups: Dict[torch.dtype, List[torch.Tensor]] = {}
     for p in _params(params):
         if not p.requires_grad:
@@ -182,7 +174,7 @@ def broadcast_parameters(params: Any, ctx: Any, root: int = 0) -> None:
     ``params``: a module (parameters and buffers, e.g. BatchNorm statistics),
     a state dict, or an iterable of tensors.  One broadcast of everything
     packed as bytes."""
-    coll = _collective(ctx)
+    coll = collective_of(ctx)
     if isinstance(params, torch.nn.Module):
         tensors = list(params.parameters()) + list(params.buffers())
     elif isinstance(params, dict):
@@ -220,7 +212,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, ctx: Any) -> torch.op
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, not {type(optimizer).__name__}")
-    coll = _collective(ctx)
+    coll = collective_of(ctx)
     if getattr(optimizer, "_ember_collective", None) is not None:
         optimizer._ember_collective = coll
         return optimizer
