@@ -81,7 +81,7 @@ class TFCluster:
     defaultFS: Optional[str] = None  #: e.g. ``file://`` or ``hdfs://<namenode>:8020``
     working_dir: Optional[str] = None  #: the driver's working directory
     num_executors: Optional[int] = None
-    nodeRDD: Any = None  #: ``sc.parallelize(range(num_executors), num_executors)`` (unused by Ember)
+    nodeRDD: Any = None  #: TFoS's node RDD; None (Ember launches nodes itself)
     cluster_id: Optional[int] = None
     cluster_info: Optional[List[Dict[str, Any]]] = None  #: one dict per node
     cluster_meta: Optional[Dict[str, Any]] = None

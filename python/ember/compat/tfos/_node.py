@@ -44,7 +44,8 @@ def _seq_of(item: Any) -> int:
     return int(key) >> _SEQ_SHIFT
 
 
-def cluster_spec_of(nodes: Sequence[Dict[str, Any]], master_node: Optional[str]) -> Dict[str, List[str]]:
+def cluster_spec_of(nodes: Sequence[Dict[str, Any]],
+                    master_node: Optional[str]) -> Dict[str, List[str]]:
     """TFoS's cluster spec: role -> ["host:port"] in executor order (ps, master, evaluator,
     workers), the evaluator included, the chief named ``master_node``."""
     spec: Dict[str, List[str]] = {}
