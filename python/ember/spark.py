@@ -478,7 +478,8 @@ class Cluster:
             raise ValueError("train() feeds data only in InputMode.SPARK; in "
                              "InputMode.TENSORFLOW the nodes read their own input")
         if num_epochs <= 0:
-            _log(f"num_epochs={num_epochs}: feeding the data once (TensorFlowOnSpark's meaning)")
+            _log(f"num_epochs={num_epochs}: feeding the data once (TensorFlowOnSpark fed 10 passes; "
+                 "ember.compat.tfos keeps that)")
         epochs = max(1, num_epochs)
         # k epochs are one Spark job over k copies of the data; the copies read
         # a cached dataset, so the upstream lineage runs once, not k times
