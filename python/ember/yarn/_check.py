@@ -1,12 +1,6 @@
-"""YARN helpers: the Spark-on-YARN settings Ember needs, and an environment
-check (``python -m ember yarn check``), as tf-yarn's ``check_hadoop_env``.
-
-The 5-line version::
-
-    from ember import yarn
-    conf = yarn.spark_conf(executors=2)           # dict of spark.* settings
-    spark = SparkSession.builder.master("yarn").config(map=conf).getOrCreate()
-    # or, from a shell:  python -m ember yarn check
+"""Spark-on-YARN settings (:func:`spark_conf`) and the environment check
+(``python -m ember yarn check``, :func:`check`), as tf-yarn's
+``check_hadoop_env``.  Re-exported by :mod:`ember.yarn`.
 
 ``check()`` verifies, in order: ``HADOOP_CONF_DIR`` and its site files
 (fs.defaultFS, the ResourceManager address), an HDFS write / read / rename /
@@ -14,9 +8,6 @@ delete through Ember's WebHDFS client, the ResourceManager's REST API
 (running NodeManagers), and a one-container round trip: a Spark-on-YARN
 application with one executor whose task, inside its YARN container, imports
 Ember and writes a file to HDFS that the check then reads back.
-
-(``run_on_yarn``, tf-yarn's way of running TensorFlow/PyTorch on YARN
-containers without Spark, is not implemented yet.)
 """
 
 from __future__ import annotations
@@ -167,7 +158,7 @@ def check(conf_dir: Optional[str] = None, container: bool = True,
     try:
         if container:
             marker = base + "/container.json"
-            p = subprocess.run([sys.executable, "-m", "ember.yarn", "_probe", marker],
+            p = subprocess.run([sys.executable, "-m", "ember.yarn._check", "_probe", marker],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                timeout=timeout)
             if p.returncode != 0:
