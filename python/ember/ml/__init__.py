@@ -39,10 +39,11 @@ from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import (DefaultParamsReader, DefaultParamsWriter, MLReadable, MLWritable)
 
-from ember.ml import _runtime
+from ember.ml import _runtime, _torch
 from ember.ml._runtime import ModelInputError
 
-__all__ = ["EmberEstimator", "EmberModel", "TFEstimator", "TFModel", "ModelInputError"]
+__all__ = ["EmberEstimator", "EmberModel", "EmberTorchModel", "TFEstimator", "TFModel",
+           "TorchModel", "ModelInputError", "save_torchscript"]
 
 
 def _log(msg: str) -> None:
@@ -300,7 +301,13 @@ class EmberEstimator(Estimator, _EmberParams, _Persist):
         cluster.shutdown(grace_secs=self.getGraceSecs())
         return self._make_model(args)
 
-    def _make_model(self, args: Any) -> "EmberModel":
+    def _make_model(self, args: Any) -> "_ArrowInference":
+        """The Model of what train_fn exported: an EmberTorchModel when ExportDir
+        holds a TorchScript archive, else an EmberModel (SavedModel, or the
+        TF1 checkpoint in ModelDir)."""
+        export = self.getExportDir()
+        if export and _torch.torchscript_file(export):
+            return self._make_torch_model(args, export)
         model = EmberModel(args)
         for name in ("model_dir", "export_dir", "signature_def_key", "tag_set", "output_mapping"):
             if self.isDefined(getattr(self, name)):
@@ -325,6 +332,22 @@ class EmberEstimator(Estimator, _EmberParams, _Persist):
         model._set(input_mapping=mapping)
         return model
 
+    def _make_torch_model(self, args: Any, export: str) -> "EmberTorchModel":
+        model = EmberTorchModel(args).setExportDir(export)
+        if self.isDefined(self.output_mapping):
+            model.setOutputMapping(self.getOutputMapping())
+        # the mapped columns that name forward() arguments (not the label)
+        path = _torch.torchscript_file(export)
+        module, _ = _torch.load(path)
+        names = {n for n, _, _ in _torch.forward_arguments(module)}
+        positions = {str(i) for i in range(len(names))}
+        mapping = {c: t for c, t in self.getInputMapping().items() if t in names or t in positions}
+        dropped = {c: t for c, t in self.getInputMapping().items() if c not in mapping}
+        if dropped:
+            _log(f"the model's InputMapping leaves out {dropped} (not arguments of forward() "
+                 f"of {path})")
+        return model.setInputMapping(mapping)
+
 
 # --------------------------------------------------------------------------- model
 
@@ -338,50 +361,24 @@ def _spark_type(info: "_runtime.TensorInfo") -> Any:
     return from_arrow_type(_runtime.arrow_type(info))
 
 
-@_declare
-class EmberModel(Model, _EmberParams, _Persist):
-    """Distributed batched inference with a SavedModel (``mapInArrow``).
-
-    InputMapping maps DataFrame columns to model inputs and OutputMapping model
-    outputs to new columns.  With a SignatureDefKey (default
-    ``serving_default``) the names are the signature's input/output aliases;
-    with ``setSignatureDefKey(None)`` they are graph tensor names (``"x"``
-    meaning ``"x:0"``), as for a TF1 graph.  Without ExportDir, the latest TF1
-    checkpoint in ModelDir runs with its ``.meta`` graph (mappings by tensor
-    name; TensorFlowOnSpark's checkpoint style).  ``transform(df)`` returns ``df``
-    with the output columns appended; an output of one value per row becomes a
-    number column (float, double, long, int...), a larger one ``array<...>``
-    (flattened row-major).  BatchSize is the rows per model call (Arrow
-    batches are at most ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows).
-    ArrowPath picks an Arrow UDF (default on Spark >= 4.1) or ``mapInArrow``.
-    """
-
-    _param_names = ["input_mapping", "output_mapping", "model_dir", "export_dir",
-                    "signature_def_key", "tag_set", "batch_size", "arrow_path"]
-
-    def __init__(self, tf_args: Union[argparse.Namespace, Dict[str, Any], None] = None) -> None:
-        super().__init__()
-        self.tf_args = tf_args
-        self._setDefault(input_mapping={}, output_mapping={}, model_dir=None, export_dir=None,
-                         signature_def_key="serving_default", tag_set="serve", batch_size=10000,
-                         arrow_path=None)
+class _ArrowInference(Model, _EmberParams, _Persist):
+    """What EmberModel and EmberTorchModel share: ``transform`` through Spark's
+    Arrow path (an Arrow UDF or ``mapInArrow``) over the spec a subclass's
+    ``_inference_spec`` checks on the driver, and the column checks."""
 
     def _inference_spec(self, dataset: Any) -> Dict[str, Any]:
-        """Checks the DataFrame against the model on the driver; the worker spec."""
-        export, checkpoint = self.getExportDir(), None
-        if not export and self.getModelDir():
-            # TensorFlowOnSpark's checkpoint style: the latest TF1 checkpoint in
-            # ModelDir with its MetaGraph; mappings name graph tensors
-            checkpoint = self.getModelDir()
-            export, stamp = _runtime.checkpoint_export(checkpoint)
-        if not export:
-            raise ValueError("EmberModel: set ExportDir (a SavedModel) or ModelDir (a TF1 "
-                             "checkpoint with its .meta graph)")
+        raise NotImplementedError
+
+    def _check_mappings(self, dataset: Any) -> tuple:
+        """(sorted input columns, sorted output keys), after the checks every
+        model makes: both mappings set, the input columns present, no output
+        column that exists already."""
+        name = type(self).__name__
         in_map, out_map = self.getInputMapping(), self.getOutputMapping()
         if not in_map:
-            raise ValueError("EmberModel: set InputMapping (DataFrame column -> model input)")
+            raise ValueError(f"{name}: set InputMapping (DataFrame column -> model input)")
         if not out_map:
-            raise ValueError("EmberModel: set OutputMapping (model output -> DataFrame column)")
+            raise ValueError(f"{name}: set OutputMapping (model output -> DataFrame column)")
         cols = sorted(in_map)
         missing = [c for c in cols if c not in dataset.columns]
         if missing:
@@ -390,23 +387,7 @@ class EmberModel(Model, _EmberParams, _Persist):
         clash = [c for c in out_map.values() if c in dataset.columns]
         if clash:
             raise ModelInputError(f"OutputMapping column(s) {clash} already exist in the DataFrame")
-        outs = sorted(out_map)
-        sig, tags = self.getSignatureDefKey(), _tags(self.getTagSet())
-        if checkpoint:
-            sig, tags = None, ["serve"]
-        else:
-            stamp = _runtime.saved_model_stamp(export)
-        feeds, fetches = _runtime.resolve(export, sig, tags, [in_map[c] for c in cols], outs)
-        spec = dict(export_dir=export, checkpoint=checkpoint, signature=sig, tags=tags, feeds=feeds, fetches=fetches,
-                    input_keys=[in_map[c] for c in cols], output_keys=outs, stamp=stamp,
-                    columns=cols, output_columns=[out_map[o] for o in outs],
-                    keep=list(dataset.columns), batch_size=self.getBatchSize())
-        p = _runtime.predictor(spec)  # loads the model on the driver once (cached)
-        schema = dataset.schema
-        for c, info in zip(cols, p.inputs):
-            self._check_column(dataset, schema[c], info)
-        spec["output_types"] = [_spark_type(info) for info in p.outputs]
-        return spec
+        return cols, sorted(out_map)
 
     @staticmethod
     def _check_column(dataset: Any, field: Any, info: "_runtime.TensorInfo") -> None:
@@ -491,6 +472,189 @@ class EmberModel(Model, _EmberParams, _Persist):
                           *[F.col(f"`{tmp}`")[c].alias(c) for c in out_cols])
 
 
+
+@_declare
+class EmberModel(_ArrowInference):
+    """Distributed batched inference with a SavedModel (``mapInArrow``).
+
+    InputMapping maps DataFrame columns to model inputs and OutputMapping model
+    outputs to new columns.  With a SignatureDefKey (default
+    ``serving_default``) the names are the signature's input/output aliases;
+    with ``setSignatureDefKey(None)`` they are graph tensor names (``"x"``
+    meaning ``"x:0"``), as for a TF1 graph.  Without ExportDir, the latest TF1
+    checkpoint in ModelDir runs with its ``.meta`` graph (mappings by tensor
+    name; TensorFlowOnSpark's checkpoint style).  ``transform(df)`` returns ``df``
+    with the output columns appended; an output of one value per row becomes a
+    number column (float, double, long, int...), a larger one ``array<...>``
+    (flattened row-major).  BatchSize is the rows per model call (Arrow
+    batches are at most ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows).
+    ArrowPath picks an Arrow UDF (default on Spark >= 4.1) or ``mapInArrow``.
+    """
+
+    _param_names = ["input_mapping", "output_mapping", "model_dir", "export_dir",
+                    "signature_def_key", "tag_set", "batch_size", "arrow_path"]
+
+    def __init__(self, tf_args: Union[argparse.Namespace, Dict[str, Any], None] = None) -> None:
+        super().__init__()
+        self.tf_args = tf_args
+        self._setDefault(input_mapping={}, output_mapping={}, model_dir=None, export_dir=None,
+                         signature_def_key="serving_default", tag_set="serve", batch_size=10000,
+                         arrow_path=None)
+
+    def _inference_spec(self, dataset: Any) -> Dict[str, Any]:
+        """Checks the DataFrame against the model on the driver; the worker spec."""
+        export, checkpoint = self.getExportDir(), None
+        if not export and self.getModelDir():
+            # TensorFlowOnSpark's checkpoint style: the latest TF1 checkpoint in
+            # ModelDir with its MetaGraph; mappings name graph tensors
+            checkpoint = self.getModelDir()
+            export, stamp = _runtime.checkpoint_export(checkpoint)
+        if not export:
+            raise ValueError("EmberModel: set ExportDir (a SavedModel) or ModelDir (a TF1 "
+                             "checkpoint with its .meta graph)")
+        cols, outs = self._check_mappings(dataset)
+        in_map, out_map = self.getInputMapping(), self.getOutputMapping()
+        sig, tags = self.getSignatureDefKey(), _tags(self.getTagSet())
+        if checkpoint:
+            sig, tags = None, ["serve"]
+        else:
+            stamp = _runtime.saved_model_stamp(export)
+        feeds, fetches = _runtime.resolve(export, sig, tags, [in_map[c] for c in cols], outs)
+        spec = dict(export_dir=export, checkpoint=checkpoint, signature=sig, tags=tags, feeds=feeds, fetches=fetches,
+                    input_keys=[in_map[c] for c in cols], output_keys=outs, stamp=stamp,
+                    columns=cols, output_columns=[out_map[o] for o in outs],
+                    keep=list(dataset.columns), batch_size=self.getBatchSize())
+        p = _runtime.predictor(spec)  # loads the model on the driver once (cached)
+        schema = dataset.schema
+        for c, info in zip(cols, p.inputs):
+            self._check_column(dataset, schema[c], info)
+        spec["output_types"] = [_spark_type(info) for info in p.outputs]
+        return spec
+
+@_declare
+class EmberTorchModel(_ArrowInference):
+    """Distributed batched inference with a TorchScript module (``torch.jit``).
+
+    ExportDir is a TorchScript archive (what ``torch.jit.save`` writes) or a
+    directory holding one as ``model.pt`` (what :func:`save_torchscript` and
+    a train_fn of :class:`EmberEstimator` write).  InputMapping maps DataFrame
+    columns to ``forward()`` arguments, by name or by position (``"0"``,
+    ``"1"``...); every argument without a default must be mapped.
+    OutputMapping maps ``forward()``'s outputs to new columns: the keys of a
+    returned dict, the positions of a returned tuple, or ``"0"`` for a single
+    tensor.  Each output needs the row axis first and gets its column type
+    as in :class:`EmberModel` (one value per row: ``float``, ``double``,
+    ``bigint``...; more: ``array<...>``, flattened row-major).
+
+    Input dtypes and shapes: a module saved by :func:`save_torchscript` with
+    example inputs declares them, and columns are checked against them and
+    cast/reshaped to them.  Otherwise columns of floats or doubles become
+    tensors of the module's floating dtype (its first floating parameter;
+    float32 for most models), integer columns int64, booleans bool, arrays
+    keep Spark's flat row shape; and one row of the DataFrame goes through
+    ``forward()`` on the driver before any task runs (a dry run), so a
+    mismatch fails there, naming the column and what forward() said.
+
+    ``transform(df)`` runs the module in every Python worker as EmberModel
+    runs a SavedModel (an Arrow UDF or ``mapInArrow``, loaded once per worker
+    process, BatchSize rows per ``forward()`` call under
+    ``torch.inference_mode()``; torch uses ``OMP_NUM_THREADS`` threads,
+    which Spark sets to ``spark.task.cpus``).
+    """
+
+    _param_names = ["input_mapping", "output_mapping", "export_dir", "batch_size", "arrow_path"]
+
+    def __init__(self, tf_args: Union[argparse.Namespace, Dict[str, Any], None] = None) -> None:
+        super().__init__()
+        self.tf_args = tf_args
+        self._setDefault(input_mapping={}, output_mapping={}, export_dir=None, batch_size=10000,
+                         arrow_path=None)
+
+    @staticmethod
+    def _column_info(field: Any, key: str, arg: str, floating: Any) -> "_runtime.TensorInfo":
+        """The tensor an undeclared input gets from column ``field``."""
+        import numpy as np
+        from pyspark.sql import types as T
+
+        t, depth = field.dataType, 0
+        while isinstance(t, T.ArrayType):
+            t, depth = t.elementType, depth + 1
+        if type(t).__name__ == "VectorUDT":
+            t, depth = T.DoubleType(), depth + 1
+        if isinstance(t, (T.FloatType, T.DoubleType)):
+            dtype = floating if floating is not None else \
+                np.dtype(np.float32 if isinstance(t, T.FloatType) else np.float64)
+        elif isinstance(t, T.BooleanType):
+            dtype = np.dtype(np.bool_)
+        elif isinstance(t, T.IntegralType):
+            dtype = np.dtype(np.int64)
+        else:  # not a number: _check_column names the column
+            dtype = floating if floating is not None else np.dtype(np.float32)
+        return _runtime.TensorInfo(key, arg, dtype, (None,) * (depth + 1))
+
+    def _inference_spec(self, dataset: Any) -> Dict[str, Any]:
+        """Checks the DataFrame against the module on the driver; the worker spec."""
+        import numpy as np
+        from pyspark.sql import functions as F
+
+        export = self.getExportDir()
+        if not export:
+            raise ValueError("EmberTorchModel: set ExportDir (a TorchScript archive, or a "
+                             f"directory holding one as {_torch.TORCHSCRIPT_FILE})")
+        cols, outs = self._check_mappings(dataset)
+        in_map, out_map = self.getInputMapping(), self.getOutputMapping()
+        path = _torch.require_file(export)
+        module, meta = _torch.load(path)
+        keys = [in_map[c] for c in cols]
+        args = _torch.bind_inputs(module, path, keys)
+        schema = dataset.schema
+        inputs = _torch.declared_inputs(meta, args, keys)
+        if inputs is not None:
+            for c, info in zip(cols, inputs):
+                self._check_column(dataset, schema[c], info)
+            xs = [np.zeros((1, *info.shape[1:]), info.dtype) for info in inputs]
+            where = "zeros of its declared input shapes"
+        else:
+            floating = _torch.floating_dtype(module)
+            inputs = [self._column_info(schema[c], k, a, floating)
+                      for c, k, a in zip(cols, keys, args)]
+            for c, info in zip(cols, inputs):
+                self._check_column(dataset, schema[c], info)
+            if dataset.isStreaming:
+                raise ModelInputError(
+                    f"{path} declares no input shapes, and a streaming DataFrame has no row "
+                    "to type the outputs with: save the module with ember.ml.save_torchscript"
+                    "(module, export_dir, example_inputs=...)")
+            first = dataset.select(*[F.col(f"`{c}`") for c in cols]).limit(1).toArrow()
+            if first.num_rows == 0:
+                raise ModelInputError(
+                    f"the DataFrame is empty, and {path} declares no input shapes to type the "
+                    "outputs with: save the module with ember.ml.save_torchscript(module, "
+                    "export_dir, example_inputs=...)")
+            where = "the DataFrame's first row"
+            xs = [_runtime.column_to_numpy(first.column(c), c, info, where)
+                  for c, info in zip(cols, inputs)]
+        outputs = _torch.dry_run(module, path, args, inputs, xs, outs, cols, where)
+        return dict(format="torchscript", export_dir=path, checkpoint=None,
+                    stamp=_torch.stamp(path), feeds=args, fetches=outs, input_keys=keys,
+                    output_keys=outs, torch_inputs=[_torch.info_dict(i) for i in inputs],
+                    torch_outputs=[_torch.info_dict(o) for o in outputs], columns=cols,
+                    output_columns=[out_map[o] for o in outs], keep=list(dataset.columns),
+                    batch_size=self.getBatchSize(),
+                    output_types=[_spark_type(info) for info in outputs])
+
+
+def save_torchscript(module: Any, export_dir: str, example_inputs: Any = None,
+                     method: str = "script") -> str:
+    """Saves a ``torch.nn.Module`` as TorchScript (``export_dir/model.pt``) for
+    :class:`EmberTorchModel`; with ``example_inputs`` (a dict of forward()
+    argument -> tensor, or a tuple in argument order, row axis first) the
+    inputs' dtypes and row shapes are recorded.  See
+    :func:`ember.ml._torch.save_torchscript`."""
+    return _torch.save_torchscript(module, export_dir, example_inputs, method)
+
+
 #: TensorFlowOnSpark's names.
 TFEstimator = EmberEstimator
 TFModel = EmberModel
+TorchModel = EmberTorchModel

@@ -164,18 +164,29 @@ class _Predictor:
         return [o.numpy() for o in out]
 
 
-def predictor(spec: Dict[str, Any]) -> _Predictor:
-    """The cached predictor of ``spec`` in this process (loaded on first use)."""
+def predictor(spec: Dict[str, Any]) -> Any:
+    """The cached predictor of ``spec`` in this process (loaded on first use): a
+    SavedModel's, or a TorchScript module's (``spec['format'] == 'torchscript'``,
+    :class:`ember.ml._torch.TorchPredictor`); both have ``inputs``,
+    ``outputs`` and ``run``."""
+    global _LOADS
     source = spec.get("checkpoint") or spec["export_dir"]
-    key = (source, spec["signature"], tuple(spec["tags"] or ()),
-           tuple(spec["feeds"]), tuple(spec["fetches"]), spec["stamp"])
+    key = (spec.get("format", "savedmodel"), source, spec.get("signature"),
+           tuple(spec.get("tags") or ()), tuple(spec["feeds"]), tuple(spec["fetches"]),
+           spec["stamp"])
     with _CACHE_LOCK:
         p = _CACHE.get(key)
         if p is None:
-            export = checkpoint_export(spec["checkpoint"])[0] if spec.get("checkpoint") \
-                else spec["export_dir"]
-            p = _Predictor(export, spec["tags"], spec["feeds"], spec["fetches"],
-                           spec["input_keys"], spec["output_keys"])
+            if spec.get("format") == "torchscript":
+                from ember.ml._torch import TorchPredictor
+
+                p = TorchPredictor(spec)
+                _LOADS += 1
+            else:
+                export = checkpoint_export(spec["checkpoint"])[0] if spec.get("checkpoint") \
+                    else spec["export_dir"]
+                p = _Predictor(export, spec["tags"], spec["feeds"], spec["fetches"],
+                               spec["input_keys"], spec["output_keys"])
             _CACHE[key] = p
         return p
 
