@@ -159,7 +159,9 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
     try:
         if _fault(boot, "raise"):
             raise RuntimeError(f"injected failure in {name}")
-        boot["main_fun"](boot["args"], ctx)
+        result = boot["main_fun"](boot["args"], ctx)
+        if boot.get("report_result") and isinstance(result, str):
+            text = result  # ember.yarn.task: the task's metrics (JSON) travel in DONE
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
         text = "" if code == 0 else f"{name}: main_fun called sys.exit({exc.code!r})"

@@ -20,6 +20,8 @@ import importlib
 from typing import Any
 
 from ember.yarn._check import Step, check, check_main, spark_conf
+from ember.yarn._client import (Metrics, NodeLabel, RunFailed, TaskResult, TaskSpec,
+                                ps_strategy_topology, run_on_yarn, single_server_topology)
 
 # name -> submodule, loaded on first access (PEP 562) so that `import ember.yarn`
 # stays light: the experiment module pulls in TensorFlow/PyTorch when used
@@ -30,7 +32,9 @@ _LAZY = {
     "DistributedDataParallelArgs": "ember.yarn.experiment",
 }
 
-__all__ = ["Step", "check", "check_main", "spark_conf", *_LAZY]
+__all__ = ["Step", "check", "check_main", "spark_conf", "run_on_yarn", "TaskSpec", "NodeLabel",
+           "single_server_topology", "ps_strategy_topology", "RunFailed", "Metrics",
+           "TaskResult", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -458,12 +458,24 @@ public final class EmberAppMaster {
         byte[] b = new byte[8192];
         int r;
         while ((r = in.read(b)) > 0 && buf.size() < 4 * n + 65536) buf.write(b, 0, r);
-        return tail(buf.toString(StandardCharsets.UTF_8), n);
+        return tail(logContents(buf.toString(StandardCharsets.UTF_8)), n);
       }
     } catch (IOException e) {
       log("log " + file + " of " + t.name() + ": " + e);
       return null;
     }
+  }
+
+  /*
+   * The NodeManager wraps a log in a header ("Container: ...", "LogType:",
+   * "LogContents:") and a trailer ("End of LogType:..."); keep the log.
+   */
+  private static String logContents(String page) {
+    int start = page.indexOf("LogContents:\n");
+    if (start < 0) return page;
+    start += "LogContents:\n".length();
+    int end = page.lastIndexOf("End of LogType:");
+    return page.substring(start, end >= start ? end : page.length());
   }
 
   private static String tail(String s, int n) {

@@ -1,0 +1,815 @@
+"""``run_on_yarn``: tf-yarn's launcher on Ember (the client side, pure Python).
+
+The 10-line version::
+
+    from ember.yarn import run_on_yarn, TaskSpec
+
+    def experiment_fn():
+        def task(ctx):                      # or a KerasExperiment / PytorchExperiment
+            total = ctx.allreduce(np.array([ctx.collective.rank], np.float64))
+            return {"role": ctx.job_name, "sum_of_ranks": float(total[0])}
+        return task
+
+    metrics = run_on_yarn(experiment_fn, {"chief": TaskSpec("1 GiB", 1),
+                                          "worker": TaskSpec("1 GiB", 1, instances=2)})
+    print(metrics["worker:1"].metrics)
+
+What happens: the client stages on HDFS (``/user/<user>/.ember/<name>-<id>``,
+a 0700 directory) the cloudpickled ``experiment_fn``, Ember's
+ApplicationMaster jar, its Hadoop configuration, the user's ``files``, the
+packed Python environment if any, and per attempt a task plan (JSON) and a
+fresh 32-byte secret (a 0600 file).  It starts Ember's reservation server (C,
+authenticated: every connection proves the secret) and submits the
+application through the ResourceManager's REST API.  The AM starts
+``python -m ember.yarn.task`` in one container per task; YARN localizes the
+secret into each container as a private file (it never appears in a command
+line or an environment variable), and each task registers with the client,
+gets its role, the cluster spec and ``TF_CONFIG``, runs the experiment and
+reports DONE with its metrics, or FAILED with its traceback.  A failed
+application is submitted again (a new attempt: ``EMBER_YARN_ATTEMPT``, a new
+secret) up to ``nb_retries`` times; ``model_dir`` checkpoints make training
+resume.  When every attempt failed, :class:`RunFailed` names the failing task
+and carries its traceback and the tail of its container logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import getpass
+import io
+import json
+import mmap
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+import zipfile
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+
+from ember import _ember, hdfs
+from ember.yarn._topology import EXPERIMENT_FILE, RDV_ORDER, role_of
+
+#: the task types run_on_yarn accepts (tf-yarn's)
+TASK_TYPES = ("chief", "worker", "ps", "evaluator", "tensorboard")
+#: Java 17 closes JDK internals that Hadoop reaches into (as Spark's list;
+#: tests/python/hadoop_fixture.py passes the same to the mini clusters)
+JAVA17_OPENS = [
+    f"--add-opens=java.base/{pkg}=ALL-UNNAMED"
+    for pkg in ("java.lang", "java.lang.invoke", "java.lang.reflect", "java.io", "java.net",
+                "java.nio", "java.util", "java.util.concurrent",
+                "java.util.concurrent.atomic", "sun.nio.ch", "sun.nio.cs",
+                "sun.security.action", "sun.util.calendar")
+]
+#: YarnConfiguration.DEFAULT_YARN_CROSS_PLATFORM_APPLICATION_CLASSPATH
+_DEFAULT_APP_CLASSPATH = [
+    "{{HADOOP_CONF_DIR}}",
+    "{{HADOOP_COMMON_HOME}}/share/hadoop/common/*",
+    "{{HADOOP_COMMON_HOME}}/share/hadoop/common/lib/*",
+    "{{HADOOP_HDFS_HOME}}/share/hadoop/hdfs/*",
+    "{{HADOOP_HDFS_HOME}}/share/hadoop/hdfs/lib/*",
+    "{{HADOOP_YARN_HOME}}/share/hadoop/yarn/*",
+    "{{HADOOP_YARN_HOME}}/share/hadoop/yarn/lib/*",
+]
+_AM_JAR = "ember-yarn-am.jar"
+_PLAN = "ember-plan.json"
+_SECRET = "ember.secret"
+_CONF = "ember_conf"  # the client's Hadoop configuration, unpacked in every container
+
+
+def _log(msg: str) -> None:
+    print(f"[ember.yarn] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- specs
+
+class NodeLabel(enum.Enum):
+    """YARN node label of a task's containers (tf-yarn's): CPU is the
+    default partition (no label expression), GPU the ``gpu`` label."""
+
+    CPU = ""
+    GPU = "gpu"
+
+
+_UNITS = {"": 1 << 20, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_memory(memory: Union[int, str]) -> int:
+    """MiB from an int (MiB, as tf-yarn) or a string such as ``"2 GiB"``,
+    ``"512 MiB"``, ``"2GB"`` (decimal), ``"2g"`` (binary); rounded up."""
+    if isinstance(memory, bool):
+        raise ValueError(f"memory must be MiB or a string like '2 GiB', not {memory!r}")
+    if isinstance(memory, int):
+        mib = memory
+    elif isinstance(memory, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", memory)
+        unit = m.group(2).lower() if m else ""
+        if not m or unit not in _UNITS:
+            raise ValueError(f"memory {memory!r} is not a size like '2 GiB', '512 MiB', "
+                             "'2 GB' or an int of MiB")
+        nbytes = float(m.group(1)) * _UNITS[unit]
+        mib = -(-int(nbytes) // (1 << 20))
+    else:
+        raise ValueError(f"memory must be MiB (int) or a string like '2 GiB', "
+                         f"not {type(memory).__name__}")
+    if mib <= 0:
+        raise ValueError(f"memory must be positive, got {memory!r}")
+    return mib
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """Resources of one task type (tf-yarn's ``TaskSpec``).
+
+    Attributes:
+        memory: per container, MiB (int) or a string such as ``"2 GiB"``.
+        vcores: virtual cores per container.
+        instances: containers of this type.
+        nb_proc_per_worker: processes per ``worker`` container, each its own
+            node (local rank ``LOCAL_RANK``), e.g. one per GPU.
+        label: :class:`NodeLabel` of the containers.
+    """
+
+    memory: Union[int, str]
+    vcores: int
+    instances: int = 1
+    nb_proc_per_worker: int = 1
+    label: NodeLabel = NodeLabel.CPU
+
+    @property
+    def memory_mb(self) -> int:
+        return parse_memory(self.memory)
+
+
+def single_server_topology(memory: Union[int, str] = "2 GiB", vcores: int = 1,
+                           nb_proc_per_worker: int = 1) -> Dict[str, TaskSpec]:
+    """One chief (tf-yarn's ``single_server_topology``)."""
+    return {"chief": TaskSpec(memory, vcores, nb_proc_per_worker=nb_proc_per_worker)}
+
+
+def ps_strategy_topology(nb_workers: int = 2, nb_ps: int = 1, memory: Union[int, str] = "2 GiB",
+                         vcores: int = 1, nb_proc_per_worker: int = 1,
+                         evaluator: bool = False,
+                         tensorboard: bool = False) -> Dict[str, TaskSpec]:
+    """A chief, ``nb_workers`` workers and ``nb_ps`` parameter servers
+    (tf-yarn's ``ps_strategy_topology``), plus an evaluator and a tensorboard
+    task when asked."""
+    topo = {"chief": TaskSpec(memory, vcores),
+            "worker": TaskSpec(memory, vcores, instances=nb_workers,
+                               nb_proc_per_worker=nb_proc_per_worker),
+            "ps": TaskSpec(memory, vcores, instances=nb_ps)}
+    if evaluator:
+        topo["evaluator"] = TaskSpec(memory, vcores)
+    if tensorboard:
+        topo["tensorboard"] = TaskSpec(memory, vcores)
+    return topo
+
+
+def _validate(task_specs: Mapping[str, TaskSpec]) -> Dict[str, int]:
+    """Checks the specs before anything is staged; returns the rendezvous
+    topology (nodes per role, nb_proc)."""
+    if not isinstance(task_specs, Mapping) or not task_specs:
+        raise ValueError("task_specs must be a non-empty dict of task type -> TaskSpec")
+    for kind, spec in task_specs.items():
+        if kind not in TASK_TYPES:
+            raise ValueError(f"unknown task type {kind!r} in task_specs; run_on_yarn accepts "
+                             f"{', '.join(TASK_TYPES)}")
+        if not isinstance(spec, TaskSpec):
+            raise ValueError(f"task_specs[{kind!r}] must be a TaskSpec, not "
+                             f"{type(spec).__name__}")
+        if not isinstance(spec.instances, int) or spec.instances < 1:
+            raise ValueError(f"task_specs[{kind!r}].instances must be >= 1, got "
+                             f"{spec.instances!r} (leave the type out instead)")
+        spec.memory_mb  # raises on a bad size
+        if not isinstance(spec.vcores, int) or spec.vcores < 1:
+            raise ValueError(f"task_specs[{kind!r}].vcores must be >= 1, got {spec.vcores!r}")
+        if not isinstance(spec.label, NodeLabel):
+            raise ValueError(f"task_specs[{kind!r}].label must be a NodeLabel, "
+                             f"not {spec.label!r}")
+        if not isinstance(spec.nb_proc_per_worker, int) or spec.nb_proc_per_worker < 1 or \
+                (kind != "worker" and spec.nb_proc_per_worker != 1):
+            raise ValueError(f"task_specs[{kind!r}].nb_proc_per_worker must be 1"
+                             + (" or more" if kind == "worker" else
+                                " (several processes per container are for workers)")
+                             + f", got {spec.nb_proc_per_worker!r}")
+    for kind in ("chief", "evaluator", "tensorboard"):
+        if kind in task_specs and task_specs[kind].instances != 1:
+            raise ValueError(f"task_specs[{kind!r}].instances must be 1 (TensorFlow has one "
+                             f"{kind}), got {task_specs[kind].instances}")
+    if "chief" not in task_specs and "worker" not in task_specs:
+        raise ValueError("task_specs needs a 'chief' or a 'worker' task: nothing would train")
+    nb_proc = task_specs["worker"].nb_proc_per_worker if "worker" in task_specs else 1
+    topo = {kind: (task_specs[kind].instances if kind in task_specs else 0)
+            for kind in RDV_ORDER}
+    topo["worker"] *= nb_proc
+    topo["nb_proc"] = nb_proc
+    return topo
+
+
+# --------------------------------------------------------------------------- results
+
+@dataclasses.dataclass
+class TaskResult:
+    """One task's outcome.  ``metrics`` is what the task returned (the dict
+    of the experiment or of ``f(ctx)``); ``wall_s`` its time from start to
+    report; ``exit_status`` its container's exit status (None when unknown);
+    ps and tensorboard containers are stopped by the AM (``stopped``)."""
+
+    task: str
+    exit_status: Optional[int] = None
+    wall_s: Optional[float] = None
+    metrics: Optional[Dict[str, Any]] = None
+    container: Optional[str] = None
+    host: Optional[str] = None
+    stopped: bool = False
+
+
+@dataclasses.dataclass
+class Metrics:
+    """What :func:`run_on_yarn` returns: per task results (``metrics["worker:1"]``),
+    the application ids of every attempt, and the wall time of the run."""
+
+    tasks: Dict[str, TaskResult]
+    app_ids: List[str]
+    wall_s: float
+
+    @property
+    def attempts(self) -> int:
+        return len(self.app_ids)
+
+    @property
+    def app_id(self) -> str:
+        return self.app_ids[-1]
+
+    def __getitem__(self, task: str) -> TaskResult:
+        return self.tasks[task]
+
+
+class RunFailed(RuntimeError):
+    """Every attempt of :func:`run_on_yarn` failed.  The message names the
+    failing task of the last attempt and includes its traceback and the tail
+    of its container logs.
+
+    Attributes:
+        task: the failing task (``"worker:1"``), or None if no task failed
+            (the application itself did, e.g. timed out or was killed).
+        app_ids: every attempt's application id.
+        traceback: the failing task's traceback ("" if it sent none).
+        logs: container log tails of the failing task, file name -> text.
+        failures: every attempt's message.
+    """
+
+    def __init__(self, message: str, task: Optional[str], app_ids: List[str],
+                 traceback: str, logs: Dict[str, str], failures: List[str]) -> None:
+        super().__init__(message)
+        self.task = task
+        self.app_ids = app_ids
+        self.traceback = traceback
+        self.logs = logs
+        self.failures = failures
+
+
+# --------------------------------------------------------------------------- HTTP
+
+def _http(method: str, url: str, body: Any = None, timeout: float = 30.0,
+          accept: str = "application/json") -> Tuple[int, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Accept": accept, "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        text = e.read().decode(errors="replace")
+        try:
+            text = json.loads(text)["RemoteException"]["message"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        raise RuntimeError(f"{method} {url.split('?')[0]}: HTTP {e.code}: {text[:2000]}") from None
+    except urllib.error.URLError as e:
+        raise RuntimeError(f"{method} {url.split('?')[0]}: {e.reason}") from None
+
+
+class _ResourceManager:
+    """The ResourceManager REST API (``/ws/v1/cluster``), simple auth (``user.name``)."""
+
+    def __init__(self, web: str, user: str) -> None:
+        self.web = web.rstrip("/")
+        self.user = user
+
+    def _url(self, path: str) -> str:
+        return f"{self.web}/ws/v1/cluster{path}?" + urllib.parse.urlencode({"user.name": self.user})
+
+    def new_application(self) -> Dict[str, Any]:
+        return json.loads(_http("POST", self._url("/apps/new-application"))[1])
+
+    def submit(self, context: Dict[str, Any]) -> None:
+        _http("POST", self._url("/apps"), context)
+
+    def app(self, app_id: str) -> Dict[str, Any]:
+        return json.loads(_http("GET", self._url(f"/apps/{app_id}"))[1])["app"]
+
+    def kill(self, app_id: str) -> None:
+        _http("PUT", self._url(f"/apps/{app_id}/state"), {"state": "KILLED"})
+
+    def am_log_tail(self, app_id: str, nbytes: int = 4096) -> str:
+        """The tail of the AM's stderr (best effort: the NodeManager may have
+        aggregated and removed it already)."""
+        try:
+            attempts = json.loads(_http("GET", self._url(f"/apps/{app_id}/appattempts"))[1])
+            last = attempts["appAttempts"]["appAttempt"][-1]
+            q = urllib.parse.urlencode({"size": -nbytes, "user.name": self.user})
+            url = (f"http://{last['nodeHttpAddress']}/ws/v1/node/containerlogs/"
+                   f"{last['containerId']}/AppMaster.stderr?{q}")
+            return _http("GET", url, accept="text/plain")[1].decode(errors="replace")[-nbytes:]
+        except Exception as e:  # logs gone, or no attempt started
+            return f"(AppMaster.stderr not available: {e})"
+
+
+# --------------------------------------------------------------------------- staging
+
+def _namenodes_http(conf_dir: str) -> List[str]:
+    """The NameNodes' HTTP addresses from hdfs-site.xml (HA nameservices too)."""
+    props = hdfs._conf_props(os.path.join(conf_dir, "hdfs-site.xml"))
+    out = [props["dfs.namenode.http-address"]] if "dfs.namenode.http-address" in props else []
+    for ns in filter(None, props.get("dfs.nameservices", "").split(",")):
+        for nn in filter(None, props.get(f"dfs.ha.namenodes.{ns}", "").split(",")):
+            addr = props.get(f"dfs.namenode.http-address.{ns}.{nn.strip()}")
+            if addr:
+                out.append(addr)
+    return out
+
+
+def _set_permission(conf_dir: str, user: str, url: str, op: str, permission: str) -> None:
+    """MKDIRS or SETPERMISSION with a mode, over WebHDFS (ember.hdfs has no
+    permission argument); a standby NameNode's refusal moves on to the next."""
+    path = urllib.parse.urlparse(url).path
+    q = urllib.parse.urlencode({"op": op, "permission": permission, "user.name": user})
+    errors = []
+    for nn in _namenodes_http(conf_dir) or ["(no dfs.namenode.http-address)"]:
+        try:
+            _http("PUT", f"http://{nn}/webhdfs/v1{urllib.parse.quote(path)}?{q}")
+            return
+        except RuntimeError as e:
+            errors.append(str(e))
+    raise RuntimeError(f"WebHDFS {op} {url}: " + "; ".join(errors))
+
+
+class _Stager:
+    """Puts files in the staging dir and describes them as YARN local resources."""
+
+    def __init__(self, root: str, conf_dir: str) -> None:
+        self.root = root
+        self.conf_dir = conf_dir
+
+    def resource(self, name: str, url: str, kind: str = "FILE") -> Dict[str, Any]:
+        st = _ember.hdfs_stat(url, conf_dir=self.conf_dir)
+        # YARN checks size and modification time at localization: a file
+        # changed after submission fails the container instead of running
+        # something else
+        return {"name": name, "uri": url, "size": int(st["length"]),
+                "timestamp": int(st["modification_time"]), "type": kind}
+
+    def put_bytes(self, rel: str, data: bytes) -> str:
+        url = f"{self.root}/{rel}"
+        _ember.hdfs_write(url, data, overwrite=True, conf_dir=self.conf_dir)
+        return url
+
+    def put_file(self, rel: str, local: str) -> str:
+        url = f"{self.root}/{rel}"
+        with open(local, "rb") as f:
+            if os.path.getsize(local) == 0:
+                _ember.hdfs_write(url, b"", overwrite=True, conf_dir=self.conf_dir)
+            else:
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                    _ember.hdfs_write(url, m, overwrite=True, conf_dir=self.conf_dir)
+        return url
+
+
+def _zip_dir(path: str, only: Optional[List[str]] = None) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for base, _, names in os.walk(path):
+            for n in sorted(names):
+                full = os.path.join(base, n)
+                rel = os.path.relpath(full, path)
+                if only is None or rel in only:
+                    z.write(full, rel)
+    return buf.getvalue()
+
+
+def _archive_kind(path: str) -> str:
+    low = path.lower()
+    if low.endswith((".tar.gz", ".tgz", ".tar", ".zip", ".jar")):
+        return "ARCHIVE"
+    if low.endswith(".pex"):
+        return "FILE"
+    raise ValueError(f"pyenv_zip_path {path!r}: expected a packed environment "
+                     "(.tar.gz/.tgz/.tar/.zip from venv-pack or conda-pack) or a .pex file")
+
+
+def _dumps_experiment(experiment_fn: Callable[[], Any]) -> bytes:
+    try:
+        import cloudpickle  # type: ignore[import-not-found]
+    except ImportError:
+        from pyspark import cloudpickle  # the same code, vendored by pyspark
+    return cloudpickle.dumps(experiment_fn)
+
+
+def _java_home() -> Optional[str]:
+    home = os.environ.get("JAVA_HOME")
+    java = shutil.which("java")
+    if not home and java:
+        home = os.path.dirname(os.path.dirname(os.path.realpath(java)))
+    return home
+
+
+def _am_jar() -> str:
+    jar = os.environ.get("EMBER_YARN_AM_JAR")
+    if jar:
+        return jar
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    jar = os.path.join(repo, "build", "hadoop", _AM_JAR)
+    if not os.path.isfile(jar):
+        raise RuntimeError(f"Ember's ApplicationMaster jar is missing ({jar}): run "
+                           "`make yarn-app`, or point EMBER_YARN_AM_JAR at it")
+    return jar
+
+
+def _client_host(rm_web: str) -> str:
+    """The address the containers reach this client at: the one this host
+    uses towards the ResourceManager (EMBER_YARN_CLIENT_HOST overrides)."""
+    if os.environ.get("EMBER_YARN_CLIENT_HOST"):
+        return os.environ["EMBER_YARN_CLIENT_HOST"]
+    host = urllib.parse.urlparse(rm_web).hostname or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
+
+
+# --------------------------------------------------------------------------- run
+
+def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskSpec], *,
+                env: Optional[Mapping[str, str]] = None,
+                files: Optional[Mapping[str, str]] = None, queue: str = "default",
+                name: str = "RunOnYarn", nb_retries: int = 0,
+                pyenv_zip_path: Optional[str] = None,
+                custom_task_module: Optional[str] = None, python: Optional[str] = None,
+                conf_dir: Optional[str] = None, timeout: float = 3600.0,
+                am_memory: Union[int, str] = "512 MiB") -> Metrics:
+    """Runs ``experiment_fn``'s experiment on YARN containers, one per task
+    (tf-yarn's ``run_on_yarn``; see the module docstring).
+
+    Args:
+        experiment_fn: called in every task (after the rendezvous), returns a
+            ``KerasExperiment``/``PytorchExperiment`` (:mod:`ember.yarn.experiment`)
+            or a plain callable ``f(ctx) -> dict | None``; cloudpickled.
+        task_specs: task type -> :class:`TaskSpec`; types ``chief``,
+            ``worker``, ``ps``, ``evaluator``, ``tensorboard``.
+        env: extra environment of every task.
+        files: container file name -> local path (a directory is zipped and
+            unpacked under that name) or ``hdfs://`` URL, localized into every
+            task's working directory.
+        queue, name: the YARN queue and application name.
+        nb_retries: how many times a failed application is submitted again.
+        pyenv_zip_path: a packed environment (venv-pack/conda-pack
+            ``.tar.gz``/``.zip``, local or ``hdfs://``; its ``bin/python`` is
+            used) or a ``.pex``; default: ``python``.
+        custom_task_module: a module run with ``python -m`` instead of
+            ``ember.yarn.task`` (it calls :func:`ember.yarn.task.run_node`).
+        python: the interpreter in the containers (default: this one,
+            ``sys.executable``, which suits a grid whose hosts share it).
+        conf_dir: the Hadoop configuration (default ``$HADOOP_CONF_DIR``).
+        timeout: seconds one attempt may take before it is killed.
+        am_memory: the ApplicationMaster's container.
+
+    Returns:
+        :class:`Metrics` of the successful attempt.
+
+    Raises:
+        ValueError: bad ``task_specs`` or arguments (before anything is submitted).
+        RunFailed: every attempt failed.
+    """
+    topo = _validate(task_specs)
+    if not callable(experiment_fn):
+        raise ValueError(f"experiment_fn must be callable, not {type(experiment_fn).__name__}")
+    if not isinstance(nb_retries, int) or nb_retries < 0:
+        raise ValueError(f"nb_retries must be an int >= 0, got {nb_retries!r}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    d = conf_dir or os.environ.get("HADOOP_CONF_DIR")
+    if not d or not os.path.isfile(os.path.join(d, "yarn-site.xml")):
+        raise ValueError(f"no Hadoop configuration: conf_dir / HADOOP_CONF_DIR is {d!r} "
+                         "(a directory with core-site.xml, hdfs-site.xml and yarn-site.xml)")
+    conf_dir = d
+    fs = hdfs.default_fs(conf_dir)
+    if not fs.startswith("hdfs://"):
+        raise ValueError(f"fs.defaultFS of {conf_dir} is {fs!r}: run_on_yarn stages its files "
+                         "on HDFS")
+    from ember.yarn._check import _rm_web
+
+    rm_web = _rm_web(conf_dir)
+    if not rm_web:
+        raise ValueError(f"{conf_dir}/yarn-site.xml has no yarn.resourcemanager.webapp.address "
+                         "or yarn.resourcemanager.hostname")
+    user = os.environ.get("HADOOP_USER_NAME") or getpass.getuser()
+    rm = _ResourceManager(rm_web, user)
+    files = dict(files or {})
+    for fname in files:
+        if not fname or "/" in fname or fname in (_SECRET, _PLAN, _AM_JAR, _CONF, "pyenv",
+                                                  EXPERIMENT_FILE):
+            raise ValueError(f"files: {fname!r} is not a usable container file name")
+    pyenv_kind = _archive_kind(pyenv_zip_path) if pyenv_zip_path else ""
+    am_mb = parse_memory(am_memory)
+    pickled = _dumps_experiment(experiment_fn)
+
+    t0 = time.monotonic()
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
+    staging = f"{fs.rstrip('/')}/user/{user}/.ember/{safe}-{uuid.uuid4().hex[:12]}"
+    stager = _Stager(staging, conf_dir)
+    _set_permission(conf_dir, user, staging, "MKDIRS", "700")
+    app_ids: List[str] = []
+    failures: List[str] = []
+    last: Optional[RunFailed] = None
+    try:
+        _log(f"staging in {staging}")
+        shared = [
+            stager.resource(EXPERIMENT_FILE,
+                            stager.put_bytes(EXPERIMENT_FILE, pickled)),
+            stager.resource(_CONF, stager.put_bytes(
+                "ember-conf.zip", _zip_dir(conf_dir, ["core-site.xml", "hdfs-site.xml",
+                                                      "yarn-site.xml"])), "ARCHIVE"),
+        ]
+        for fname, src in sorted(files.items()):
+            if hdfs.is_hdfs(src):
+                shared.append(stager.resource(fname, src))
+            elif os.path.isdir(src):
+                shared.append(stager.resource(
+                    fname, stager.put_bytes(f"files/{fname}.zip", _zip_dir(src)), "ARCHIVE"))
+            elif os.path.isfile(src):
+                shared.append(stager.resource(fname, stager.put_file(f"files/{fname}", src)))
+            else:
+                raise ValueError(f"files[{fname!r}]: {src!r} does not exist")
+        py = python or sys.executable
+        if pyenv_zip_path:
+            url = pyenv_zip_path if hdfs.is_hdfs(pyenv_zip_path) else stager.put_file(
+                "pyenv" + (".pex" if pyenv_kind == "FILE" else
+                           pyenv_zip_path[pyenv_zip_path.rfind(".tar") if ".tar" in
+                                          pyenv_zip_path else pyenv_zip_path.rfind("."):]),
+                pyenv_zip_path)
+            link = "pyenv.pex" if pyenv_kind == "FILE" else "pyenv"
+            shared.append(stager.resource(link, url, pyenv_kind))
+            py = python or ("./pyenv.pex" if pyenv_kind == "FILE" else "./pyenv/bin/python")
+        am_jar = stager.resource(_AM_JAR, stager.put_file(_AM_JAR, _am_jar()))
+
+        for attempt in range(1, nb_retries + 2):
+            result, failure = _attempt(
+                rm, stager, shared, am_jar, attempt, task_specs, topo, user, env or {},
+                f"{py} -m {custom_task_module or 'ember.yarn.task'}", queue, name, timeout,
+                am_mb, app_ids, rm_web)
+            if result is not None:
+                result.wall_s = time.monotonic() - t0
+                result.app_ids = list(app_ids)
+                _log(f"{name}: succeeded ({app_ids[-1]}, attempt {attempt}, "
+                     f"{result.wall_s:.1f} s)")
+                return result
+            assert failure is not None
+            failures.append(str(failure))
+            last = failure
+            more = attempt <= nb_retries
+            _log(f"{name}: attempt {attempt} ({app_ids[-1] if app_ids else '-'}) failed: "
+                 f"{str(failure).splitlines()[0]}" + ("; retrying" if more else ""))
+    finally:
+        try:
+            _ember.hdfs_delete(staging, True, conf_dir=conf_dir)
+        except Exception as e:  # never mask the outcome
+            _log(f"could not remove {staging}: {e}")
+    assert last is not None
+    attempts = nb_retries + 1
+    raise RunFailed(f"{name}: all {attempts} attempt(s) failed ({', '.join(app_ids)}); "
+                    f"the last: {last}", last.task, app_ids, last.traceback, last.logs, failures)
+
+
+def _attempt(rm: _ResourceManager, stager: _Stager, shared: List[Dict[str, Any]],
+             am_jar: Dict[str, Any], attempt: int, task_specs: Mapping[str, TaskSpec],
+             topo: Dict[str, int], user: str, user_env: Mapping[str, str], command: str,
+             queue: str, name: str, timeout: float, am_mb: int, app_ids: List[str],
+             rm_web: str) -> Tuple[Optional[Metrics], Optional[RunFailed]]:
+    """One application: a fresh secret and rendezvous; (Metrics, None) on
+    success, (None, RunFailed) on failure."""
+    secret = _ember.random_secret()
+    nodes = sum(topo[r] for r in RDV_ORDER)
+    server = _ember.RendezvousServer(secret, nodes, num_ps=topo["ps"],
+                                     chief=topo["chief"] > 0, evaluator=topo["evaluator"] > 0,
+                                     heartbeat_timeout_ms=30000)
+    try:
+        adir = f"attempt-{attempt}"
+        secret_url = stager.put_bytes(f"{adir}/{_SECRET}", secret)
+        _set_permission(stager.conf_dir, user, secret_url, "SETPERMISSION", "600")
+        env = {k: str(v) for k, v in user_env.items() if not k.startswith("EMBER_YARN_")}
+        env.update({
+            "EMBER_YARN_RDV": f"{_client_host(rm_web)}:{server.port}",
+            "EMBER_YARN_SECRET_FILE": _SECRET,
+            "EMBER_YARN_TOPOLOGY": ",".join(f"{k}={v}" for k, v in topo.items()),
+            "EMBER_YARN_ATTEMPT": str(attempt),
+            "EMBER_YARN_RDV_TIMEOUT": str(int(min(timeout, 900))),
+            "HADOOP_USER_NAME": user,
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.setdefault("HADOOP_CONF_DIR", "{{PWD}}/" + _CONF)
+        report_url = f"{stager.root}/{adir}/am-report.json"
+        plan = {
+            "user": user, "attempt": attempt, "report": report_url, "command": command,
+            "log_tail_bytes": 4096, "env": env,
+            "resources": shared + [stager.resource(_SECRET, secret_url)],
+            "tasks": [{"type": kind, "instances": spec.instances, "memory_mb": spec.memory_mb,
+                       "vcores": spec.vcores, "node_label": spec.label.value}
+                      for kind, spec in task_specs.items()],
+        }
+        plan_url = stager.put_bytes(f"{adir}/{_PLAN}", json.dumps(plan, indent=1).encode())
+        app = rm.new_application()
+        app_id = app["application-id"]
+        app_ids.append(app_id)
+        _submit(rm, app_id, name, queue, am_mb, user, [
+            am_jar, stager.resource(_PLAN, plan_url),
+            next(r for r in shared if r["name"] == _CONF)], stager.conf_dir)
+        _log(f"{name}: attempt {attempt} submitted as {app_id} "
+             f"({', '.join(f'{k} x{s.instances}' for k, s in task_specs.items())}; "
+             f"{rm_web}/cluster/app/{app_id})")
+        return _watch(rm, server, app_id, attempt, topo, report_url, stager, timeout, user)
+    finally:
+        server.close()
+
+
+def _submit(rm: _ResourceManager, app_id: str, name: str, queue: str, am_mb: int, user: str,
+            resources: List[Dict[str, Any]], conf_dir: str) -> None:
+    """POST /ws/v1/cluster/apps: the AM's container launch context."""
+    app_cp = _app_classpath(conf_dir)
+    extra = [p for p in os.environ.get("EMBER_YARN_AM_CLASSPATH", "").split(os.pathsep) if p]
+    classpath = "<CPS>".join(["{{PWD}}/" + _AM_JAR, "{{PWD}}/" + _CONF, *app_cp, *extra])
+    env = {"CLASSPATH": classpath, "HADOOP_USER_NAME": user}
+    java_home = _java_home()
+    if java_home:
+        env["JAVA_HOME"] = java_home
+    cmd = " ".join(["{{JAVA_HOME}}/bin/java", f"-Xmx{max(128, am_mb * 3 // 4)}m",
+                    "-Djava.net.preferIPv4Stack=true", *JAVA17_OPENS,
+                    "org.ember.yarn.EmberAppMaster", _PLAN,
+                    "1><LOG_DIR>/AppMaster.stdout", "2><LOG_DIR>/AppMaster.stderr"])
+    rm.submit({
+        "application-id": app_id,
+        "application-name": name,
+        "queue": queue,
+        "am-container-spec": {
+            "local-resources": {"entry": [
+                {"key": r["name"], "value": {"resource": r["uri"], "type": r["type"],
+                                             "visibility": "APPLICATION", "size": r["size"],
+                                             "timestamp": r["timestamp"]}}
+                for r in resources]},
+            "commands": {"command": cmd},
+            "environment": {"entry": [{"key": k, "value": v} for k, v in env.items()]},
+        },
+        "unmanaged-AM": False,
+        # the client retries whole applications (fresh rendezvous and secret)
+        "max-app-attempts": 1,
+        "resource": {"memory": am_mb, "vCores": 1},
+        "application-type": "EMBER",
+        "keep-containers-across-application-attempts": False,
+    })
+    # Without an authentication filter on the RM's web app (core-site's
+    # hadoop.http.filter.initializers), user.name is ignored and the
+    # application runs as the static web user: it could not read our 0700
+    # staging directory, so say what to change instead of failing obscurely.
+    owner = rm.app(app_id).get("user")
+    if owner and owner != user:
+        try:
+            rm.kill(app_id)
+        except RuntimeError:
+            pass
+        raise RuntimeError(
+            f"the ResourceManager ran {app_id} as {owner!r}, not {user!r}: its REST API "
+            "ignores user.name without an authentication filter; set "
+            "hadoop.http.filter.initializers=org.apache.hadoop.security."
+            "AuthenticationFilterInitializer and hadoop.http.authentication.type=simple")
+
+
+def _app_classpath(conf_dir: str) -> List[str]:
+    """yarn.application.classpath of the client configuration, else YARN's default."""
+    raw = hdfs._conf_props(os.path.join(conf_dir, "yarn-site.xml")).get(
+        "yarn.application.classpath", "")
+    parts = [p.strip() for p in raw.split(",") if p.strip()]
+    return parts or list(_DEFAULT_APP_CLASSPATH)
+
+
+def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: Dict[str, int],
+           report_url: str, stager: _Stager, timeout: float,
+           user: str) -> Tuple[Optional[Metrics], Optional[RunFailed]]:
+    """Waits for the application to end, collecting the nodes' reports."""
+    done: Dict[str, Dict[str, Any]] = {}
+    failed: Dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    state, app = "", {}
+    next_poll = 0.0
+    killed_for = ""
+
+    def drain(wait: float) -> None:
+        while True:
+            ev = server.next_event(wait)
+            if ev is None:
+                return
+            kind, node, code, text = ev
+            who = role_of(node, topo) if node >= 0 else "?"
+            if kind == "done":
+                try:
+                    done[who] = json.loads(text) if text else {}
+                except ValueError:
+                    done[who] = {"metrics": None, "raw": text}
+            elif kind == "failed":
+                failed.setdefault(who, text)
+                _log(f"{app_id}: {who} failed (exit code {code})")
+            elif kind == "progress":
+                _log(f"{app_id}: {who}: {text}")
+            elif kind == "lost":
+                _log(f"{app_id}: lost contact with {who}")
+            elif kind == "rejected":
+                _log(f"{app_id}: rendezvous rejected a connection: {text}")
+            wait = 0.0
+
+    while True:
+        drain(0.5)
+        now = time.monotonic()
+        if now >= next_poll:
+            app = rm.app(app_id)
+            state = app.get("state", "")
+            next_poll = now + 1.0
+            if state in ("FINISHED", "FAILED", "KILLED"):
+                break
+        if now > deadline and not killed_for:
+            killed_for = f"timed out after {timeout:.0f} s (timeout=) in state {state}"
+            _log(f"{app_id}: {killed_for}; killing it")
+            rm.kill(app_id)
+    # reports sent just before the containers exited may still be queued
+    end = time.monotonic() + 5.0
+    deciding = [r for r in ("chief", "worker", "evaluator") for _ in range(topo[r])]
+    while time.monotonic() < end and len(done) + len(failed) < len(deciding):
+        drain(0.2)
+    drain(0.0)
+
+    report: Dict[str, Any] = {}
+    try:
+        report = json.loads(_ember.hdfs_read(report_url, conf_dir=stager.conf_dir))
+    except Exception as e:  # the AM died before writing it
+        _log(f"{app_id}: no AM report ({e})")
+    final = app.get("finalStatus", "")
+    by_container = {t["task"]: t for t in report.get("tasks", [])}
+    nb_proc = topo["nb_proc"]
+
+    def container_of(task: str) -> Dict[str, Any]:
+        kind, _, idx = task.partition(":")
+        if kind == "worker" and nb_proc > 1:
+            task = f"worker:{int(idx) // nb_proc}"
+        return by_container.get(task, {})
+
+    if state == "FINISHED" and final == "SUCCEEDED" and not failed:
+        tasks: Dict[str, TaskResult] = {}
+        names = set(done) | {t for t in by_container if not t.startswith("worker:")
+                             or nb_proc == 1}
+        for task in sorted(names):
+            c, d = container_of(task), done.get(task, {})
+            tasks[task] = TaskResult(task, c.get("exit_status"), d.get("wall_s"),
+                                     d.get("metrics"), c.get("container") or d.get("container"),
+                                     c.get("host") or d.get("host"),
+                                     bool(c.get("stopped_by_am")))
+        return Metrics(tasks, [app_id], 0.0), None
+
+    # failure: name the task the AM saw fail first, else the first report
+    task = report.get("failed_task") or next(iter(failed), None)
+    tb = failed.get(task or "", "") or next(iter(failed.values()), "")
+    c = container_of(task) if task else {}
+    logs = dict(c.get("log_tail") or {})
+    diag = (report.get("diagnostics") or app.get("diagnostics") or "").strip()
+    if not report:
+        logs["AppMaster.stderr"] = rm.am_log_tail(app_id)
+    lines = [f"attempt {attempt} ({app_id}) ended {state}/{final}"
+             + (f": task {task} failed" if task else "")
+             + (f" (container {c.get('container')} on {c.get('host')}, exit status "
+                f"{c.get('exit_status')})" if c.get("container") else "")
+             + (f"; {killed_for}" if killed_for else "")]
+    if tb:
+        lines.append(f"--- traceback of {task} ---\n{tb.rstrip()}")
+    for fname, text in logs.items():
+        lines.append(f"--- {task or 'AM'} {fname} (last {len(text)} bytes) ---\n{text.rstrip()}")
+    if diag and not logs:
+        lines.append(f"--- YARN diagnostics ---\n{diag[-4000:]}")
+    return None, RunFailed("\n".join(lines), task, [app_id], tb, logs, [])
