@@ -1,0 +1,79 @@
+"""Experiment functions for tests/python/test_yarn_run.py.
+
+They live in a module of their own, not in the test file: cloudpickle pickles
+functions of importable modules by reference, and the YARN containers import
+this one (the tests pass ``PYTHONPATH`` through ``run_on_yarn(env=...)``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import sys
+from typing import Any, Callable, Dict
+
+import numpy as np
+
+
+def roles_and_allreduce() -> Callable[[Any], Dict[str, Any]]:
+    """Each task: who it is, its cluster spec and TF_CONFIG, and an allreduce
+    of its rank over the chief and workers (Ember's collective, across YARN
+    containers)."""
+    def task(ctx: Any) -> Dict[str, Any]:
+        ranks = np.array([float(ctx.collective.rank)])
+        ctx.allreduce(ranks)
+        gathered = ctx.allgather(np.array([ctx.task_index], np.int64))
+        secret = os.environ["EMBER_YARN_SECRET_FILE"]
+        return {"job_name": ctx.job_name, "task_index": ctx.task_index,
+                "rank": ctx.collective.rank, "size": ctx.collective.size,
+                "cluster_spec": ctx.cluster_spec, "num_workers": ctx.num_workers,
+                "tf_config": json.loads(os.environ["TF_CONFIG"]),
+                "torch_env": {k: os.environ.get(k) for k in
+                              ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
+                "sum_of_ranks": float(ranks[0]), "gathered": gathered.ravel().tolist(),
+                "secret_mode": stat.S_IMODE(os.stat(os.path.realpath(secret)).st_mode),
+                "secret_len": os.path.getsize(secret),
+                "env_has_secret_bytes": any(open(secret, "rb").read().hex() in v
+                                            for v in os.environ.values()),
+                "container": os.environ.get("CONTAINER_ID"), "host": socket.gethostname(),
+                "attempt": int(os.environ["EMBER_YARN_ATTEMPT"]),
+                "absolute_path": ctx.absolute_path("models/x")}
+    return task
+
+
+def fails_on_first_attempt() -> Callable[[Any], Dict[str, Any]]:
+    """worker:0 raises on attempt 1; every task also reports what it got from
+    ``files=`` and which Python (the packed environment's) started it."""
+    def task(ctx: Any) -> Dict[str, Any]:
+        attempt = int(os.environ["EMBER_YARN_ATTEMPT"])
+        if ctx.job_name == "worker" and attempt == 1:
+            raise RuntimeError(f"injected failure of worker:{ctx.task_index} on attempt 1")
+        with open("notes.txt") as f:
+            notes = f.read()
+        with open(os.path.join("assets", "a.json")) as f:
+            asset = json.load(f)
+        return {"attempt": attempt, "notes": notes, "asset": asset,
+                "pyenv_marker": os.environ.get("EMBER_TEST_PYENV"),
+                "python": os.environ.get("EMBER_TEST_PYENV_ARGV0")}
+    return task
+
+
+def always_fails() -> Callable[[Any], Dict[str, Any]]:
+    """worker:0 raises; the chief succeeds (so the worker is the only failure)."""
+    def task(ctx: Any) -> Dict[str, Any]:
+        if ctx.job_name == "worker":
+            print(f"worker {ctx.task_index} about to fail", flush=True)
+            raise ValueError("the worker's data is bad (injected)")
+        return {}
+    return task
+
+
+def plain_value() -> Dict[str, Any]:
+    """Not a callable experiment: run_task would be needed (and is not asked here)."""
+    return {"not": "callable"}
+
+
+if __name__ == "__main__":
+    sys.exit("helper module for tests/python/test_yarn_run.py")
