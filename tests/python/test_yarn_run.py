@@ -177,3 +177,16 @@ def test_topologies_and_memory_sizes() -> None:
     assert [TaskSpec(m, 1).memory_mb for m in (512, "2 GiB", "2GB", "1.5g", "100 MiB")] == \
         [512, 2048, 1908, 1536, 100]
     assert TaskSpec(1, 1).label is NodeLabel.CPU and NodeLabel.GPU.value == "gpu"
+
+
+def test_tensorboard_task_serves_until_the_chief_is_done(yarn: HadoopCluster,
+                                                         tmp_path) -> None:
+    logs = tmp_path / "tb"
+    m = run_on_yarn(yarnfuns.reads_tensorboard, {"chief": SMALL, "tensorboard": SMALL},
+                    env=dict(ENV, EMBER_YARN_TENSORBOARD_DIR=f"file://{logs}"),
+                    name="ember-test-tensorboard", timeout=400)
+    r = m["chief:0"].metrics
+    assert r["status"] == 200 and r["logdir"]["logdir"] == str(logs)
+    assert m.tensorboard_url == r["url"]
+    tb = m["tensorboard:0"]
+    assert tb.stopped and tb.container and tb.metrics is None  # stopped by the AM at the end

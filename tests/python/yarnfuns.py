@@ -70,6 +70,26 @@ def always_fails() -> Callable[[Any], Dict[str, Any]]:
     return task
 
 
+def reads_tensorboard() -> Callable[[Any], Dict[str, Any]]:
+    """The chief waits for the tensorboard task's URL and fetches its page."""
+    def task(ctx: Any) -> Dict[str, Any]:
+        import time
+        import urllib.request
+
+        from ember import hdfs
+
+        where = os.environ["EMBER_YARN_STAGING"] + "/tensorboard.url"
+        deadline = time.monotonic() + 240
+        while not hdfs.exists(where):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {where} after 240 s")
+            time.sleep(1)
+        url = hdfs.read_bytes(where).decode()
+        with urllib.request.urlopen(url + "/data/logdir", timeout=60) as r:
+            return {"url": url, "status": r.status, "logdir": json.load(r)}
+    return task
+
+
 def plain_value() -> Dict[str, Any]:
     """Not a callable experiment: run_task would be needed (and is not asked here)."""
     return {"not": "callable"}

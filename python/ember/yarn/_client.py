@@ -211,6 +211,7 @@ def _validate(task_specs: Mapping[str, TaskSpec]) -> Dict[str, int]:
             for kind in RDV_ORDER}
     topo["worker"] *= nb_proc
     topo["nb_proc"] = nb_proc
+    topo["tensorboard"] = 1 if "tensorboard" in task_specs else 0
     return topo
 
 
@@ -240,6 +241,8 @@ class Metrics:
     tasks: Dict[str, TaskResult]
     app_ids: List[str]
     wall_s: float
+    #: where the tensorboard task served (None without one)
+    tensorboard_url: Optional[str] = None
 
     @property
     def attempts(self) -> int:
@@ -618,12 +621,13 @@ def _attempt(rm: _ResourceManager, stager: _Stager, shared: List[Dict[str, Any]]
         adir = f"attempt-{attempt}"
         secret_url = stager.put_bytes(f"{adir}/{_SECRET}", secret)
         _set_permission(stager.conf_dir, user, secret_url, "SETPERMISSION", "600")
-        env = {k: str(v) for k, v in user_env.items() if not k.startswith("EMBER_YARN_")}
+        env = {k: str(v) for k, v in user_env.items()}  # ours below win
         env.update({
             "EMBER_YARN_RDV": f"{_client_host(rm_web)}:{server.port}",
             "EMBER_YARN_SECRET_FILE": _SECRET,
             "EMBER_YARN_TOPOLOGY": ",".join(f"{k}={v}" for k, v in topo.items()),
             "EMBER_YARN_ATTEMPT": str(attempt),
+            "EMBER_YARN_STAGING": f"{stager.root}/{adir}",
             "EMBER_YARN_RDV_TIMEOUT": str(int(min(timeout, 900))),
             "HADOOP_USER_NAME": user,
             "PYTHONUNBUFFERED": "1",
@@ -722,6 +726,9 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
     state, app = "", {}
     next_poll = 0.0
     killed_for = ""
+    tb_url: Optional[str] = None
+    tb_file = report_url.rsplit("/", 1)[0] + "/tensorboard.url"
+    next_tb = time.monotonic() + 5.0 if topo.get("tensorboard") else float("inf")
 
     def drain(wait: float) -> None:
         while True:
@@ -755,10 +762,23 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
             next_poll = now + 1.0
             if state in ("FINISHED", "FAILED", "KILLED"):
                 break
+        if now >= next_tb:  # the tensorboard task publishes its URL there
+            next_tb = now + 5.0
+            try:
+                tb_url = _ember.hdfs_read(tb_file, conf_dir=stager.conf_dir).decode()
+                _log(f"{app_id}: TensorBoard at {tb_url}")
+                next_tb = float("inf")
+            except Exception:
+                pass
         if now > deadline and not killed_for:
             killed_for = f"timed out after {timeout:.0f} s (timeout=) in state {state}"
             _log(f"{app_id}: {killed_for}; killing it")
             rm.kill(app_id)
+    if topo.get("tensorboard") and tb_url is None:
+        try:
+            tb_url = _ember.hdfs_read(tb_file, conf_dir=stager.conf_dir).decode()
+        except Exception:
+            pass  # it never got to serve
     # reports sent just before the containers exited may still be queued
     end = time.monotonic() + 5.0
     deciding = [r for r in ("chief", "worker", "evaluator") for _ in range(topo[r])]
@@ -791,7 +811,7 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
                                      d.get("metrics"), c.get("container") or d.get("container"),
                                      c.get("host") or d.get("host"),
                                      bool(c.get("stopped_by_am")))
-        return Metrics(tasks, [app_id], 0.0), None
+        return Metrics(tasks, [app_id], 0.0, tb_url), None
 
     # failure: name the task the AM saw fail first, else the first report
     task = report.get("failed_task") or next(iter(failed), None)

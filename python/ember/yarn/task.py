@@ -161,46 +161,85 @@ def _experiment_task(ctx: Any) -> Optional[Dict[str, Any]]:
         raise RuntimeError(f"experiment_fn returned a {type(experiment).__name__}, which needs "
                            "ember.yarn.experiment (not importable here)")
     # experiment_fn was called once already: hand over what it built
-    return kinds_module.run_task(lambda: experiment, ctx)
+    return kinds_module.run_task(_Built(experiment_fn, experiment), ctx)
+
+
+def _same(fn: Callable[[], Any]) -> Callable[[], Any]:
+    return fn
+
+
+class _Built:
+    """``experiment_fn`` whose first call returns the experiment already built
+    (the model is not built twice); it pickles as ``experiment_fn`` itself, so
+    processes that run_task spawns (n_workers_per_executor) build their own."""
+
+    def __init__(self, fn: Callable[[], Any], built: Any) -> None:
+        self._fn, self._built = fn, built
+
+    def __call__(self) -> Any:
+        built, self._built = self._built, None
+        return built if built is not None else self._fn()
+
+    def __reduce__(self) -> Any:
+        return _same, (self._fn,)
 
 
 def _tensorboard() -> int:
-    """The tensorboard task: TensorBoard on the experiment's model_dir until stopped."""
+    """The tensorboard task: TensorBoard on the experiment's model_dir until
+    the AM stops it.  Its URL goes to ``tensorboard.url`` in the attempt's
+    staging directory, where the client picks it up (``Metrics.tensorboard_url``)."""
+    from ember import hdfs
+
     log_dir = os.environ.get("EMBER_YARN_TENSORBOARD_DIR", "")
     if not log_dir:
         experiment = load_experiment_fn()()
-        log_dir = getattr(experiment, "model_dir", None) or \
-            getattr(experiment, "tensorboard_hdfs_dir", None) or ""
+        try:
+            from ember.yarn.experiment import tensorboard_dir
+            log_dir = tensorboard_dir(experiment) or ""
+        except ImportError:
+            log_dir = getattr(experiment, "model_dir", None) or ""
     if not log_dir:
         raise RuntimeError("tensorboard task: set EMBER_YARN_TENSORBOARD_DIR (env=) or give "
-                           "the experiment a model_dir")
-    from ember import hdfs
-
-    local = log_dir
-    if hdfs.is_hdfs(log_dir):
-        # TensorBoard cannot read hdfs:// without libhdfs: serve a local copy,
-        # refreshed every 30 s
-        local = os.path.join(os.getcwd(), "tensorboard-logs")
-    elif log_dir.startswith("file://"):
-        local = log_dir[len("file://"):]
+                           "the experiment a model_dir / tensorboard_hdfs_dir")
+    log_dir = hdfs.qualify(log_dir)
+    # TensorBoard cannot read hdfs:// without libhdfs: it serves a local copy,
+    # refreshed every 30 s
+    mirror = hdfs.is_hdfs(log_dir)
+    local = os.path.join(os.getcwd(), "tensorboard-logs") if mirror else \
+        log_dir[len("file://"):] if log_dir.startswith("file://") else log_dir
     os.makedirs(local, exist_ok=True)
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", local,
                              "--port", str(port), "--bind_all"])
-    print(f"[ember.yarn.task] TensorBoard at http://{socket.gethostname()}:{port} ({log_dir})",
-          file=sys.stderr, flush=True)
+    host = os.environ.get("NM_HOST") or socket.gethostname()
+    url = f"http://{host}:{port}"
+    published = False
     try:
+        next_copy = 0.0
         while proc.poll() is None:
-            if local != log_dir:
+            if not published:
+                try:
+                    socket.create_connection((host, port), timeout=1).close()
+                except OSError:
+                    time.sleep(0.5)
+                    continue
+                print(f"[ember.yarn.task] TensorBoard at {url} ({log_dir})", file=sys.stderr,
+                      flush=True)
+                staging = os.environ.get("EMBER_YARN_STAGING", "")
+                if staging:
+                    hdfs.write_bytes(f"{staging}/tensorboard.url", url.encode())
+                published = True
+            if mirror and time.monotonic() >= next_copy:
+                next_copy = time.monotonic() + 30
                 try:
                     if hdfs.exists(log_dir):
                         hdfs.download(log_dir, local)
                 except Exception as e:  # a half-written checkpoint dir: try again later
                     print(f"[ember.yarn.task] copying {log_dir}: {e}", file=sys.stderr,
                           flush=True)
-            time.sleep(30)
+            time.sleep(1)
     finally:
         if proc.poll() is None:
             proc.terminate()
