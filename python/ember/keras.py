@@ -152,7 +152,9 @@ def broadcast_variables(variables: Sequence[Any], ctx: Any, root: int = 0) -> No
         return
     offset = 0
     for v, a, n in zip(variables, arrays, nbytes):
-        v.assign(packed[offset:offset + n].view(a.dtype).reshape(a.shape))
+        # v.shape, not a.shape: ascontiguousarray makes a scalar (the
+        # optimizer's iteration count) 1-d
+        v.assign(packed[offset:offset + n].view(a.dtype).reshape(tuple(v.shape)))
         offset += n
 
 
