@@ -1,13 +1,22 @@
-"""Hadoop YARN: Spark-on-YARN settings, an environment check, and
-``run_on_yarn`` (tf-yarn's launcher: TensorFlow/PyTorch tasks straight on
-YARN containers, without Spark).
+"""Hadoop YARN: ``run_on_yarn`` (tf-yarn's launcher: TensorFlow/PyTorch tasks
+straight on YARN containers, without Spark), Spark-on-YARN settings, and an
+environment check.
 
 The 5-line versions::
 
-    from ember import yarn
-    conf = yarn.spark_conf(executors=2)           # dict of spark.* settings
-    spark = SparkSession.builder.master("yarn").config(map=conf).getOrCreate()
-    # or, from a shell:  python -m ember yarn check
+    from ember.yarn import run_on_yarn, TaskSpec
+    metrics = run_on_yarn(experiment_fn, {"chief": TaskSpec("2 GiB", 1),
+                                          "worker": TaskSpec("2 GiB", 1, instances=2)})
+
+    conf = ember.yarn.spark_conf(executors=2)     # dict of spark.* settings for --master yarn
+    # from a shell:  python -m ember yarn check
+
+:func:`run_on_yarn` (:mod:`ember.yarn._client`) stages the pickled
+``experiment_fn`` on HDFS, submits Ember's ApplicationMaster
+(``hadoop/yarn-app``) through the ResourceManager's REST API, and each
+container runs :mod:`ember.yarn.task`, which joins the client's authenticated
+rendezvous and runs the experiment (:mod:`ember.yarn.experiment`'s
+``KerasExperiment`` / ``PytorchExperiment``, or a plain ``f(ctx)``).
 
 Importing this package imports neither TensorFlow nor PyTorch: the experiment
 kinds (``KerasExperiment``, ``PytorchExperiment``, ...) load
