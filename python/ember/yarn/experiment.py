@@ -854,9 +854,9 @@ def _torch_spawn(experiment_fn: Callable[[], Any], ctx: Any, task: str, n: int,
         p.join()
     if failure is not None:
         raise RuntimeError(f"{task}: a training process failed: {failure}")
-    first = results[0]
-    first["processes"] = [results[i] for i in range(n)]
-    return first
+    out = dict(results[0])  # local rank 0 speaks for the task; every process listed
+    out["processes"] = [results[i] for i in range(n)]
+    return out
 
 
 def _torch_child(payload: bytes, task: str, rank: int, world: int, local_rank: int,
