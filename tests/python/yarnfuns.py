@@ -90,6 +90,25 @@ def reads_tensorboard() -> Callable[[Any], Dict[str, Any]]:
     return task
 
 
+def keras_fails_once(model_dir: str, epochs: int) -> Any:
+    """Y2's Keras Fashion-MNIST experiment (yarn_experiment_fns.keras_fmnist)
+    whose worker:0 raises at the end of epoch 1 on attempt 1 (after the chief
+    has checkpointed epoch 1): attempt 2 must resume from that checkpoint."""
+    import keras
+
+    import yarn_experiment_fns
+
+    exp = yarn_experiment_fns.keras_fmnist(model_dir, epochs=epochs)
+
+    class FailOnce(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            if (epoch == 0 and os.environ.get("EMBER_YARN_ATTEMPT") == "1"
+                    and os.environ.get("EMBER_YARN_TASK") == "worker:0"):
+                raise RuntimeError("injected: worker:0 fails after epoch 1 on attempt 1")
+
+    return exp._replace(train_params=dict(exp.train_params, callbacks=[FailOnce()]))
+
+
 def plain_value() -> Dict[str, Any]:
     """Not a callable experiment: run_task would be needed (and is not asked here)."""
     return {"not": "callable"}
