@@ -164,7 +164,20 @@ def test_bad_task_specs_fail_before_submitting(yarn: HadoopCluster) -> None:
         run_on_yarn(yarnfuns.roles_and_allreduce, {"chief": SMALL}, nb_retries=-1)
     with pytest.raises(ValueError, match="pyenv_zip_path"):
         run_on_yarn(yarnfuns.roles_and_allreduce, {"chief": SMALL}, pyenv_zip_path="env.rar")
+    # larger than the cluster's largest container (asked the RM, nothing submitted)
+    with pytest.raises(ValueError, match="asks for 65536 MiB; the cluster's largest"):
+        run_on_yarn(yarnfuns.roles_and_allreduce, {"chief": TaskSpec("64 GiB", 1)}, env=ENV,
+                    name="ember-test-too-big")
     assert len(_apps(yarn)) == before  # nothing reached the ResourceManager
+    assert not _staging_left(yarn, "ember-test-too-big")
+
+
+def test_a_hung_task_is_killed_at_the_timeout(yarn: HadoopCluster) -> None:
+    with pytest.raises(RunFailed, match="timed out after 30 s") as ei:
+        run_on_yarn(yarnfuns.hangs, {"chief": SMALL}, env=ENV, name="ember-test-timeout",
+                    timeout=30)
+    app = [a for a in _apps(yarn) if a["id"] == ei.value.app_ids[0]][0]
+    assert app["state"] == "KILLED"
 
 
 def test_topologies_and_memory_sizes() -> None:

@@ -109,6 +109,14 @@ def keras_fails_once(model_dir: str, epochs: int) -> Any:
     return exp._replace(train_params=dict(exp.train_params, callbacks=[FailOnce()]))
 
 
+def hangs() -> Callable[[Any], Dict[str, Any]]:
+    def task(ctx: Any) -> Dict[str, Any]:
+        import time
+        time.sleep(3600)
+        return {}
+    return task
+
+
 def plain_value() -> Dict[str, Any]:
     """Not a callable experiment: run_task would be needed (and is not asked here)."""
     return {"not": "callable"}

@@ -567,11 +567,9 @@ def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskS
                 raise ValueError(f"files[{fname!r}]: {src!r} does not exist")
         py = python or sys.executable
         if pyenv_zip_path:
+            # the name keeps its extension: YARN picks how to unpack by it
             url = pyenv_zip_path if hdfs.is_hdfs(pyenv_zip_path) else stager.put_file(
-                "pyenv" + (".pex" if pyenv_kind == "FILE" else
-                           pyenv_zip_path[pyenv_zip_path.rfind(".tar") if ".tar" in
-                                          pyenv_zip_path else pyenv_zip_path.rfind("."):]),
-                pyenv_zip_path)
+                "pyenv-" + os.path.basename(pyenv_zip_path), pyenv_zip_path)
             link = "pyenv.pex" if pyenv_kind == "FILE" else "pyenv"
             shared.append(stager.resource(link, url, pyenv_kind))
             py = python or ("./pyenv.pex" if pyenv_kind == "FILE" else "./pyenv/bin/python")
@@ -645,6 +643,7 @@ def _attempt(rm: _ResourceManager, stager: _Stager, shared: List[Dict[str, Any]]
         plan_url = stager.put_bytes(f"{adir}/{_PLAN}", json.dumps(plan, indent=1).encode())
         app = rm.new_application()
         app_id = app["application-id"]
+        _check_capacity(task_specs, app.get("maximum-resource-capability") or {})
         app_ids.append(app_id)
         _submit(rm, app_id, name, queue, am_mb, user, [
             am_jar, stager.resource(_PLAN, plan_url),
@@ -652,9 +651,29 @@ def _attempt(rm: _ResourceManager, stager: _Stager, shared: List[Dict[str, Any]]
         _log(f"{name}: attempt {attempt} submitted as {app_id} "
              f"({', '.join(f'{k} x{s.instances}' for k, s in task_specs.items())}; "
              f"{rm_web}/cluster/app/{app_id})")
-        return _watch(rm, server, app_id, attempt, topo, report_url, stager, timeout, user)
+        try:
+            return _watch(rm, server, app_id, attempt, topo, report_url, stager, timeout)
+        except BaseException:
+            # interrupted, or the RM stopped answering: do not leave it running
+            try:
+                rm.kill(app_id)
+            except Exception:
+                pass
+            raise
     finally:
         server.close()
+
+
+def _check_capacity(task_specs: Mapping[str, TaskSpec], most: Mapping[str, Any]) -> None:
+    """A container larger than the cluster's largest would fail the AM's
+    request; say so before submitting."""
+    for kind, spec in task_specs.items():
+        for what, asked, limit in (("memory", spec.memory_mb, most.get("memory")),
+                                   ("vcores", spec.vcores, most.get("vCores"))):
+            if limit is not None and asked > int(limit):
+                raise ValueError(f"task_specs[{kind!r}] asks for {asked} "
+                                 f"{'MiB' if what == 'memory' else 'vcores'}; the cluster's "
+                                 f"largest container has {limit}")
 
 
 def _submit(rm: _ResourceManager, app_id: str, name: str, queue: str, am_mb: int, user: str,
@@ -717,8 +736,8 @@ def _app_classpath(conf_dir: str) -> List[str]:
 
 
 def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: Dict[str, int],
-           report_url: str, stager: _Stager, timeout: float,
-           user: str) -> Tuple[Optional[Metrics], Optional[RunFailed]]:
+           report_url: str, stager: _Stager,
+           timeout: float) -> Tuple[Optional[Metrics], Optional[RunFailed]]:
     """Waits for the application to end, collecting the nodes' reports."""
     done: Dict[str, Dict[str, Any]] = {}
     failed: Dict[str, str] = {}
@@ -729,6 +748,9 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
     tb_url: Optional[str] = None
     tb_file = report_url.rsplit("/", 1)[0] + "/tensorboard.url"
     next_tb = time.monotonic() + 5.0 if topo.get("tensorboard") else float("inf")
+
+    state_final = [False]  # after the end, ps/tensorboard going away is no news
+    errors = 0
 
     def drain(wait: float) -> None:
         while True:
@@ -747,7 +769,7 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
                 _log(f"{app_id}: {who} failed (exit code {code})")
             elif kind == "progress":
                 _log(f"{app_id}: {who}: {text}")
-            elif kind == "lost":
+            elif kind == "lost" and not state_final[0]:
                 _log(f"{app_id}: lost contact with {who}")
             elif kind == "rejected":
                 _log(f"{app_id}: rendezvous rejected a connection: {text}")
@@ -757,10 +779,19 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
         drain(0.5)
         now = time.monotonic()
         if now >= next_poll:
-            app = rm.app(app_id)
-            state = app.get("state", "")
             next_poll = now + 1.0
+            try:
+                app = rm.app(app_id)
+                errors = 0
+            except RuntimeError as e:  # a ResourceManager restart or failover
+                errors += 1
+                if errors >= 30:
+                    raise RuntimeError(f"{app_id}: the ResourceManager did not answer for "
+                                       f"30 s: {e}") from None
+                continue
+            state = app.get("state", "")
             if state in ("FINISHED", "FAILED", "KILLED"):
+                state_final[0] = True
                 break
         if now >= next_tb:  # the tensorboard task publishes its URL there
             next_tb = now + 5.0
@@ -774,6 +805,8 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
             killed_for = f"timed out after {timeout:.0f} s (timeout=) in state {state}"
             _log(f"{app_id}: {killed_for}; killing it")
             rm.kill(app_id)
+        if now > deadline + 120:
+            raise RuntimeError(f"{app_id} is still {state} 120 s after it was killed")
     if topo.get("tensorboard") and tb_url is None:
         try:
             tb_url = _ember.hdfs_read(tb_file, conf_dir=stager.conf_dir).decode()
