@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import time
+import uuid
 
 import pytest
 
@@ -130,6 +131,50 @@ def test_keras_experiment_bad_input_names_the_problem(tmp_path):
         run_task(uncompiled, Ctx())
     Ctx.job_name = "ps"
     assert run_task(uncompiled, Ctx())["kind"] == "ps"  # nothing to serve, no model built
+
+
+def test_keras_experiment_hdfs_model_dir(hadoop_cluster, monkeypatch):
+    """Checkpoints, export, evaluations and resume on an hdfs:// model_dir
+    (one rank in this process; the protocol is the same with more)."""
+    pytest.importorskip("tensorflow", reason="the Keras path runs in the main .venv")
+    from ember import hdfs
+    from ember.collective import Collective
+    from ember.yarn.experiment import run_task
+
+    monkeypatch.setenv("HADOOP_CONF_DIR", hadoop_cluster.conf_dir)
+    monkeypatch.setenv("HADOOP_USER_NAME", hadoop_cluster.user)
+    url = hadoop_cluster.hdfs_url(f"/yarn-experiment/{uuid.uuid4().hex[:8]}/model")
+
+    class Ctx:
+        task_index = 0
+
+        def __init__(self, job_name):
+            self.job_name = job_name
+
+        def absolute_path(self, path):
+            return path
+
+        def report_progress(self, text):
+            pass
+
+    chief = Ctx("chief")
+    with Collective(0, ["127.0.0.1:1"], os.urandom(32)) as chief.collective:
+        first = run_task(functools.partial(fns.keras_tiny, url, epochs=2), chief)
+        assert first["initial_epoch"] == 0 and len(first["history"]["loss"]) == 2
+        assert hdfs.listdir(url) == ["ckpt-00001.keras", "ckpt-00002.keras", "export"]
+        assert sorted(hdfs.listdir(url + "/export")) == ["export.json", "model.keras",
+                                                        "saved_model"]
+        evaluator = run_task(functools.partial(fns.keras_tiny, url, epochs=2), Ctx("evaluator"))
+        assert [e["epoch"] for e in evaluator["evaluations"]] == [1, 2]
+        assert hdfs.listdir(url + "/eval") == ["ckpt-00001.json", "ckpt-00002.json"]
+        assert evaluator["metrics"]["accuracy"] > 0.9, evaluator
+
+        second = run_task(functools.partial(fns.keras_tiny, url, epochs=3), chief)
+        assert second["initial_epoch"] == 2 and len(second["history"]["loss"]) == 1
+    evaluator = run_task(functools.partial(fns.keras_tiny, url, epochs=3), Ctx("evaluator"))
+    assert [e["epoch"] for e in evaluator["evaluations"]] == [3]
+    assert evaluator["epochs"] == 3
+    assert json.loads(hdfs.read_bytes(url + "/export/export.json"))["epoch"] == 3
 
 
 def test_pytorch_experiment_ddp_two_workers(local_spark, tmp_path):

@@ -67,6 +67,28 @@ def keras_fmnist(model_dir: str, epochs: int = 4, batch_size: int = 64,
         validation_data_fn=lambda: _images("test"))
 
 
+def keras_tiny(model_dir: str, epochs: int = 2) -> Any:
+    """A small synthetic problem (which side of a line), for model_dir tests."""
+    os.environ.pop("TF_USE_LEGACY_KERAS", None)
+    os.environ["KERAS_BACKEND"] = "tensorflow"
+    import keras
+    import numpy as np
+
+    from ember.yarn.experiment import KerasExperiment
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(2048, 8)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return KerasExperiment(model, model_dir, {"epochs": epochs, "batch_size": 64},
+                           lambda: x[:1536], lambda: y[:1536], lambda: (x[1536:], y[1536:]))
+
+
 # ---------------------------------------------------------------- PyTorch
 
 def _torch_mlp() -> Any:

@@ -37,7 +37,9 @@ Keras, ``evaluator``
     ``validation_data_fn()``'s data (results also written to
     ``<model_dir>/eval/ckpt-<epoch>.json``) until the chief's export for the
     final epoch (``train_params["epochs"]``) appears; returns the final
-    model's metrics.
+    model's metrics.  The evaluator reads what the chief writes: when tasks
+    run on different hosts, model_dir must be on a shared file system
+    (HDFS), not a container's local disk.
 PyTorch, ``chief`` / ``worker``
     ``torch.distributed`` (gloo on CPU, nccl on GPU) from the environment
     (:func:`ember.torch.init_process_group`), a ``DistributedSampler`` over
@@ -634,8 +636,13 @@ def _keras_evaluate(exp: KerasExperiment, ctx: Any, task: str, mdir: _ModelDir,
 
     def evaluate(local: str) -> Dict[str, float]:
         model.load_weights(local)
-        if isinstance(data, tuple):
-            result = model.evaluate(*data, batch_size=batch_size, verbose=0, return_dict=True)
+        if isinstance(data, tuple):  # (x, y) or (x, y, sample_weight)
+            if len(data) not in (2, 3):
+                raise ValueError(f"{task}: validation_data_fn returned a tuple of {len(data)}; "
+                                 "expected (x, y) or (x, y, sample_weight)")
+            result = model.evaluate(data[0], data[1], batch_size=batch_size, verbose=0,
+                                    sample_weight=data[2] if len(data) == 3 else None,
+                                    return_dict=True)
         else:
             result = model.evaluate(data, verbose=0, return_dict=True)
         return {k: float(v) for k, v in result.items()}
