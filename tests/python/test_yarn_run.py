@@ -163,7 +163,10 @@ def test_bad_task_specs_fail_before_submitting(yarn: HadoopCluster) -> None:
     with pytest.raises(ValueError, match="nb_retries"):
         run_on_yarn(yarnfuns.roles_and_allreduce, {"chief": SMALL}, nb_retries=-1)
     with pytest.raises(ValueError, match="pyenv_zip_path"):
-        run_on_yarn(yarnfuns.roles_and_allreduce, {"chief": SMALL}, pyenv_zip_path="env.rar")
+        run_on_yarn(yarnfuns.roles_and_allreduce, {"chief": SMALL}, pyenv_zip_path=__file__)
+    with pytest.raises(ValueError, match=r"files\['data'\]: '/nonexistent/x' does not exist"):
+        run_on_yarn(yarnfuns.roles_and_allreduce, {"chief": SMALL},
+                    files={"data": "/nonexistent/x"})
     # larger than the cluster's largest container (asked the RM, nothing submitted)
     with pytest.raises(ValueError, match="asks for 65536 MiB; the cluster's largest"):
         run_on_yarn(yarnfuns.roles_and_allreduce, {"chief": TaskSpec("64 GiB", 1)}, env=ENV,

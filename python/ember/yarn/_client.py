@@ -534,6 +534,10 @@ def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskS
         if not fname or "/" in fname or fname in (_SECRET, _PLAN, _AM_JAR, _CONF, "pyenv",
                                                   EXPERIMENT_FILE):
             raise ValueError(f"files: {fname!r} is not a usable container file name")
+    for what, src in [*((f"files[{k!r}]", v) for k, v in files.items()),
+                      ("pyenv_zip_path", pyenv_zip_path or "")]:
+        if src and not hdfs.is_hdfs(src) and not os.path.exists(src):
+            raise ValueError(f"{what}: {src!r} does not exist")
     pyenv_kind = _archive_kind(pyenv_zip_path) if pyenv_zip_path else ""
     am_mb = parse_memory(am_memory)
     pickled = _dumps_experiment(experiment_fn)
@@ -561,10 +565,8 @@ def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskS
             elif os.path.isdir(src):
                 shared.append(stager.resource(
                     fname, stager.put_bytes(f"files/{fname}.zip", _zip_dir(src)), "ARCHIVE"))
-            elif os.path.isfile(src):
-                shared.append(stager.resource(fname, stager.put_file(f"files/{fname}", src)))
             else:
-                raise ValueError(f"files[{fname!r}]: {src!r} does not exist")
+                shared.append(stager.resource(fname, stager.put_file(f"files/{fname}", src)))
         py = python or sys.executable
         if pyenv_zip_path:
             # the name keeps its extension: YARN picks how to unpack by it
