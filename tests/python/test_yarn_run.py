@@ -84,6 +84,19 @@ def test_roles_rendezvous_and_allreduce_across_containers(yarn: HadoopCluster) -
     assert not _staging_left(yarn, "ember-test-roles")
 
 
+def test_nb_proc_per_worker_runs_one_node_per_process(yarn: HadoopCluster) -> None:
+    m = run_on_yarn(yarnfuns.roles_and_allreduce,
+                    {"chief": SMALL, "worker": TaskSpec(512, 1, nb_proc_per_worker=2)},
+                    env=ENV, name="ember-test-nbproc", timeout=300)
+    assert sorted(m.tasks) == ["chief:0", "worker:0", "worker:1"]
+    w0, w1 = m["worker:0"], m["worker:1"]
+    # two processes of one YARN container, each its own node and rank
+    assert w0.container == w1.container != m["chief:0"].container
+    assert w0.metrics["container"] == w1.metrics["container"] == w0.container
+    assert [m[t].metrics["rank"] for t in ("chief:0", "worker:0", "worker:1")] == [0, 1, 2]
+    assert all(t.metrics["sum_of_ranks"] == 3 for t in m.tasks.values())
+
+
 def test_failed_task_is_retried_with_files_and_packed_env(yarn: HadoopCluster,
                                                           tmp_path) -> None:
     notes = tmp_path / "notes.txt"
