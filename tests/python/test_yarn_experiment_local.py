@@ -14,6 +14,7 @@ exercise the experiment kinds exactly as run_on_yarn does, minus the launcher.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import time
@@ -49,9 +50,15 @@ def _run(sc, experiment_fn, out, tasks, **kwargs):
 
 _KERAS_TASKS = ["chief:0", "worker:0", "evaluator:0"]
 
+# marks, not importorskip in the body: a skipped test must not start Spark or Hadoop
+needs_tf = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
+                              reason="the Keras path runs in the main .venv")
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                 reason="PyTorch runs in .venv-torch: make test-torch")
 
+
+@needs_tf
 def test_keras_experiment_chief_worker_evaluator_and_resume(local_spark, tmp_path):
-    pytest.importorskip("tensorflow", reason="the Keras path runs in the main .venv")
     sc = local_spark.sparkContext
     model_dir = str(tmp_path / "model")
 
@@ -95,7 +102,7 @@ def test_keras_experiment_chief_worker_evaluator_and_resume(local_spark, tmp_pat
     accuracy = evaluator["metrics"]["accuracy"]
     assert accuracy >= 0.85, accuracy  # the final model on the 10,000 test images
     # the final metrics are those of the chief's final weights: check them here
-    keras = pytest.importorskip("keras")
+    import keras
     from yarn_experiment_fns import _images
 
     model = keras.models.load_model(os.path.join(model_dir, "export", "model.keras"))
@@ -104,8 +111,8 @@ def test_keras_experiment_chief_worker_evaluator_and_resume(local_spark, tmp_pat
     assert abs(float((pred == y).mean()) - accuracy) < 1e-6
 
 
+@needs_tf
 def test_keras_experiment_bad_input_names_the_problem(tmp_path):
-    pytest.importorskip("tensorflow", reason="the Keras path runs in the main .venv")
     from ember.yarn.experiment import run_task
 
     class Ctx:  # run_task checks the experiment before touching the cluster
@@ -133,10 +140,10 @@ def test_keras_experiment_bad_input_names_the_problem(tmp_path):
     assert run_task(uncompiled, Ctx())["kind"] == "ps"  # nothing to serve, no model built
 
 
+@needs_tf
 def test_keras_experiment_hdfs_model_dir(hadoop_cluster, monkeypatch):
     """Checkpoints, export, evaluations and resume on an hdfs:// model_dir
     (one rank in this process; the protocol is the same with more)."""
-    pytest.importorskip("tensorflow", reason="the Keras path runs in the main .venv")
     from ember import hdfs
     from ember.collective import Collective
     from ember.yarn.experiment import run_task
@@ -177,8 +184,8 @@ def test_keras_experiment_hdfs_model_dir(hadoop_cluster, monkeypatch):
     assert json.loads(hdfs.read_bytes(url + "/export/export.json"))["epoch"] == 3
 
 
+@needs_torch
 def test_pytorch_experiment_ddp_two_workers(local_spark, tmp_path):
-    pytest.importorskip("torch", reason="PyTorch runs in .venv-torch: make test-torch")
     results = _run(local_spark.sparkContext, functools.partial(fns.torch_fmnist, epochs=4),
                    tmp_path / "out", ["chief:0", "worker:0"], num_executors=2, master_node="chief")
     assert sorted(results) == ["chief:0", "worker:0"]
@@ -192,8 +199,8 @@ def test_pytorch_experiment_ddp_two_workers(local_spark, tmp_path):
     assert a["metrics"]["accuracy"] >= 0.85, a["metrics"]
 
 
+@needs_torch
 def test_pytorch_experiment_two_processes_per_task(local_spark, tmp_path):
-    pytest.importorskip("torch", reason="PyTorch runs in .venv-torch: make test-torch")
     fn = functools.partial(fns.torch_fmnist, epochs=1, rows=4096, n_workers_per_executor=2)
     results = _run(local_spark.sparkContext, fn, tmp_path / "out", ["chief:0"], num_executors=1,
                    master_node="chief")
