@@ -197,7 +197,7 @@ def broadcast_parameters(params: Any, ctx: Any, root: int = 0) -> None:
     offset = 0
     with torch.no_grad():
         for t, a in zip(tensors, arrays):
-            value = packed[offset:offset + a.nbytes].view(a.dtype).reshape(a.shape)
+            value = packed[offset:offset + a.nbytes].view(a.dtype).reshape(tuple(t.shape))
             t.copy_(torch.from_numpy(value.copy()))
             offset += a.nbytes
 

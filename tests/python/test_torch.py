@@ -30,6 +30,7 @@ def test_ddp_gloo_ember_hook_and_optimizer_agree(local_spark, tmp_path):
     np.testing.assert_allclose(a["hook"], a["gloo"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(a["ember_opt"], a["gloo"], rtol=1e-5, atol=1e-6)
     assert a["opt_class"] == "SGD"
+    assert (a["bn_tracked"], b["bn_tracked"]) == (7, 7)  # rank 0's 0-d buffer
     assert "before attaching an LR scheduler" in a["scheduler_error"]
 
 

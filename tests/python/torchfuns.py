@@ -55,6 +55,11 @@ def ddp_paths(args: Dict[str, Any], ctx: Any) -> None:
     opt = ember.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), ctx)
     out["ember_opt"] = _train(model, opt, rank)
     out["opt_class"] = type(opt).__name__
+    # 0-d tensors (BatchNorm's num_batches_tracked) broadcast with their shape
+    bn = torch.nn.BatchNorm1d(3)
+    bn.num_batches_tracked.fill_(7 + rank)
+    ember.torch.broadcast_parameters(bn.state_dict(), ctx)
+    out["bn_tracked"] = int(bn.num_batches_tracked)
     try:  # a scheduler attached first would bypass the wrapper: refused
         plain = torch.optim.SGD(_model(0).parameters(), lr=0.1)
         torch.optim.lr_scheduler.StepLR(plain, 1)
