@@ -104,6 +104,21 @@ def keras_fails_once(model_dir: str, epochs: int) -> Any:
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             if (epoch == 0 and os.environ.get("EMBER_YARN_ATTEMPT") == "1"
                     and os.environ.get("EMBER_YARN_TASK") == "worker:0"):
+                # fail once the chief's checkpoint of epoch 1 is in model_dir:
+                # failing at once races the AM's stop of the chief against
+                # its upload, and the retry would rightly start from epoch 0
+                import re
+                import time
+
+                from ember import hdfs
+
+                deadline = time.monotonic() + 300
+                while not any(re.fullmatch(r"ckpt-0*1\.keras", n)
+                              for n in (hdfs.listdir(model_dir) if hdfs.exists(model_dir)
+                                        else [])):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"no checkpoint of epoch 1 in {model_dir}")
+                    time.sleep(0.5)
                 raise RuntimeError("injected: worker:0 fails after epoch 1 on attempt 1")
 
     return exp._replace(train_params=dict(exp.train_params, callbacks=[FailOnce()]))
