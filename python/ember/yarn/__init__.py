@@ -29,8 +29,9 @@ import importlib
 from typing import Any
 
 from ember.yarn._check import Step, check, check_main, spark_conf
-from ember.yarn._client import (Metrics, NodeLabel, RunFailed, TaskResult, TaskSpec,
-                                ps_strategy_topology, run_on_yarn, single_server_topology)
+from ember.yarn._client import run_on_yarn
+from ember.yarn._specs import (Metrics, NodeLabel, RunFailed, TaskResult, TaskSpec,
+                               ps_strategy_topology, single_server_topology)
 
 # name -> submodule, loaded on first access (PEP 562) so that `import ember.yarn`
 # stays light: the experiment module pulls in TensorFlow/PyTorch when used
