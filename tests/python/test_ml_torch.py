@@ -248,3 +248,28 @@ def test_bad_input_is_named_before_any_task(local_spark, modules, tmp_path, mode
     # at most the one-row job of a dry run or a length check; no inference task
     if not job:
         assert tracker.getJobIdsForGroup(None) == before
+
+
+def test_streaming_needs_declared_inputs(local_spark, modules, tmp_path):
+    spark = local_spark
+    df, x = _small_frame(spark, n=300, parts=3)
+    src, sink, ckpt = (str(tmp_path / d) for d in ("in", "out", "ckpt"))
+    df.write.parquet(src)
+    stream = spark.readStream.schema(df.schema).option("maxFilesPerTrigger", 1).parquet(src)
+    # a module saved with example inputs types its outputs without reading a row
+    m = (EmberTorchModel().setExportDir(modules["tuple"]).setInputMapping({"feats": "x"})
+         .setOutputMapping({"0": "y"}))
+    query = (m.transform(stream).writeStream.format("parquet").option("checkpointLocation", ckpt)
+             .trigger(availableNow=True).start(sink))
+    query.awaitTermination(180)
+    assert query.exception() is None
+    rows = sorted(spark.read.parquet(sink).collect(), key=lambda r: r["id"])
+    assert len(rows) == 300
+    ids = np.array([r["id"] for r in rows])
+    np.testing.assert_allclose(np.array([r["y"] for r in rows]), x[ids] @ W, rtol=1e-5)
+    # a plain torch.jit.save file declares nothing: a streaming DataFrame has no row
+    # for the dry run, and the error says what to do
+    plain = (EmberTorchModel().setExportDir(modules["dict"])
+             .setInputMapping({"feats": "x", "cnt": "n"}).setOutputMapping({"y": "y"}))
+    with pytest.raises(ModelInputError, match=r"declares no input shapes.*save_torchscript"):
+        plain.transform(stream)
