@@ -29,7 +29,7 @@ APT_PACKAGES := dataset-fashion-mnist clang libssl-dev zlib1g-dev libcurl4-opens
 # the reference BLAS unless OpenBLAS is installed (5x slower training steps)
 APT_PACKAGES += python3-torch libopenblas0-openmp
 
-.PHONY: hadoop
+.PHONY: hadoop yarn-app
 .PHONY: venv-torch test-torch
 .PHONY: help setup apt venv build lib ext test test-c test-py fuzz fuzz-smoke demo demo-quick \
         bench-reservation bench-allreduce bench-tfrecord bench-feed clean format-check
@@ -118,12 +118,23 @@ MVN       ?= mvn
 M2_REPO   ?= $(abspath $(BUILD)/m2)
 HADOOP_MVN = $(MVN) -B -q -f hadoop/minicluster/pom.xml -Dmaven.repo.local=$(M2_REPO) \
              -Dember.out=$(abspath $(BUILD)/hadoop) package
-hadoop: apt $(BUILD)/hadoop/classpath.txt
+hadoop: apt $(BUILD)/hadoop/classpath.txt $(BUILD)/hadoop/ember-yarn-am.jar
 $(BUILD)/hadoop/classpath.txt: hadoop/minicluster/pom.xml $(shell find hadoop/minicluster/src -type f 2>/dev/null)
 	@java -version >/dev/null 2>&1 || { echo "Java 17 is required (java not found)"; exit 1; }
 	@command -v $(MVN) >/dev/null || { echo "Maven is required ($(MVN) not found; apt-get install maven)"; exit 1; }
 	@nice -n 10 $(HADOOP_MVN) -o >/dev/null 2>&1 || nice -n 10 $(HADOOP_MVN)
 	@touch $@
+
+# hadoop/yarn-app: the ApplicationMaster of ember.yarn.run_on_yarn (Hadoop in
+# `provided` scope: the jar holds only Ember's classes).  Built in a folder of
+# its own (the minicluster's classes live in build/hadoop), same local repository.
+YARN_AM_MVN = $(MVN) -B -q -f hadoop/yarn-app/pom.xml -Dmaven.repo.local=$(M2_REPO) \
+              -Dember.out=$(abspath $(BUILD)/hadoop/yarn-app) package
+yarn-app: apt $(BUILD)/hadoop/ember-yarn-am.jar
+$(BUILD)/hadoop/ember-yarn-am.jar: hadoop/yarn-app/pom.xml $(shell find hadoop/yarn-app/src -type f 2>/dev/null)
+	@command -v $(MVN) >/dev/null || { echo "Maven is required ($(MVN) not found; apt-get install maven)"; exit 1; }
+	@nice -n 10 $(YARN_AM_MVN) -o >/dev/null 2>&1 || nice -n 10 $(YARN_AM_MVN)
+	@cp $(BUILD)/hadoop/yarn-app/ember-yarn-am.jar $@
 
 # ---------------------------------------------------------------- C tests (ASan + UBSan)
 $(BUILD)/san/%.o: csrc/%.c $(LIB_HDRS)
@@ -158,8 +169,9 @@ test-py: setup hadoop
 	$(PY) -m pytest -q tests/python
 
 # PyTorch tests and example (in .venv-torch; skipped by the main venv's pytest run)
-test-torch: setup
-	$(TORCH_PY) -m pytest -q tests/python/test_torch.py
+test-torch: setup hadoop
+	$(TORCH_PY) -m pytest -q tests/python/test_torch.py tests/python/test_ml_torch.py \
+		tests/python/test_yarn_experiment_local.py tests/python/test_yarn_experiments.py
 
 demo: setup
 	PYTHONUNBUFFERED=1 $(PY) -m examples.fashion_mnist.main $(DEMO_ARGS)
