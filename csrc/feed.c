@@ -1510,17 +1510,18 @@ static void loop_progress(ember_feed_server *s) {
       conn_kill(s, c);
       continue;
     }
-    if (c->ring_done && !c->ring_handled) {
+    /* A refused connection (C_LINGER) closed its ring, which is why the
+     * reader stopped: leave it lingering, its reason still has to reach the
+     * producer. */
+    if (c->ring_done && !c->ring_handled && c->state != C_LINGER) {
       c->ring_handled = 1;
       if (c->ring_failed) {
         conn_kill(s, c); /* as FEED_ERROR: queued batches stay, no ACK */
         continue;
-      }
-      if (c->ring_err == EMBER_ECLOSED) {
+      } else if (c->ring_err == EMBER_ECLOSED) {
         conn_eof(s, c); /* the producer went away (its socket says so too) */
         continue;
-      }
-      if (c->ring_err != EMBER_OK) {
+      } else if (c->ring_err != EMBER_OK) {
         conn_refuse(s, c, c->ring_err, c->ring_why);
         continue;
       }

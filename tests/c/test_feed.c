@@ -1292,6 +1292,37 @@ TEST(shm_raw_negotiation_and_malformed_batch) {
   LEAK_CHECK();
 }
 
+/* A refusal closes the connection's ring, which stops its reader thread; the
+ * refusal's reason must still reach the producer whichever finishes first
+ * (once lost to that race: the loop saw the stopped reader and dropped the
+ * connection before flushing).  Repeated to meet both orders. */
+TEST(shm_refusal_reason_outlives_the_ring_reader) {
+  ember_feed_server *s = start_server(0, 0);
+  uint16_t port = ember_feed_server_port(s);
+  ember_feed_stats st;
+  char reason[1100];
+  uint8_t junk[8] = {0};
+  for (uint32_t i = 0; i < 60; i++) {
+    ember_shm_ring *ring = NULL;
+    ember_shm_ring_desc d;
+    int fd;
+    CHECK_OK(ember_shm_ring_create(&ring, 65536, EMBER_SHM_PRODUCER));
+    ember_shm_ring_describe(ring, &d);
+    fd = raw_producer(port, 100 + i);
+    send_shm_offer(fd, &d, 0);
+    CHECK_EQ_INT(raw_status(fd, EMBER_MSG_FEED_SHM_REPLY, reason, sizeof reason), 0);
+    CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_BATCH, junk, 8, ember_deadline_after(2000)));
+    CHECK_EQ_INT(raw_status(fd, EMBER_MSG_REFUSED, reason, sizeof reason), EMBER_EPROTO);
+    CHECK(strstr(reason, "BATCH over TCP after setting up a shared-memory ring") != NULL);
+    ember_net_close(fd);
+    ember_shm_ring_destroy(ring);
+  }
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.producers_rejected, 60);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
 /* The producer gives up on its partition: batches already sent are
  * delivered, nothing is acknowledged, the client cannot go on. */
 TEST(client_fail_marker) {
@@ -1382,22 +1413,33 @@ TEST(shm_trainer_killed_producer_gets_error) {
 }
 
 TEST(shm_producer_killed_node_cleans_up) {
-  ember_feed_server *s = start_server(1, 0); /* one batch fills the queue */
-  uint16_t port = ember_feed_server_port(s);
-  int before = dev_shm_entries(), status = 0;
+  ember_feed_server *s;
+  uint16_t port = 0;
+  int before = dev_shm_entries(), status = 0, pfd[2];
   ember_feed_item *it = NULL;
   ember_feed_stats st;
   producer_args a;
   pthread_t t;
   uint64_t next = 0;
-  pid_t pid = fork();
+  pid_t pid;
+  /* Fork before the server starts its threads: a child forked while one of
+   * them holds a lock (malloc's, OpenSSL's) can deadlock on it. */
+  CHECK(pipe(pfd) == 0);
+  pid = fork();
   if (pid == 0) { /* a feeding task that keeps sending until killed */
-    ember_feed_client *c = connect_opts(port, 6, EMBER_FEED_SHM_ON, 1u << 20);
+    ember_feed_client *c;
+    if (read(pfd[0], &port, sizeof port) != sizeof port) _exit(2);
+    c = connect_opts(port, 6, EMBER_FEED_SHM_ON, 1u << 20);
     gen_batch g;
     gen_make(&g, 6, 0, 100, 1000);
     for (;;)
       if (ember_feed_client_send(c, g.cols, 4, g.nrows, 60000) != EMBER_OK) _exit(3);
   }
+  s = start_server(1, 0); /* one batch fills the queue */
+  port = ember_feed_server_port(s);
+  CHECK(write(pfd[1], &port, sizeof port) == sizeof port);
+  close(pfd[0]);
+  close(pfd[1]);
   CHECK_OK(ember_feed_server_next(s, &it, 10000)); /* data flows */
   CHECK_EQ_INT(it->partition, 6);
   ember_feed_item_free(it);
@@ -1407,7 +1449,7 @@ TEST(shm_producer_killed_node_cleans_up) {
   waitpid(pid, &status, 0);
   CHECK(WIFSIGNALED(status));
   /* the node drops the connection and its ring */
-  for (int i = 0; i < 300 && ring_mapped_here(); i++) {
+  for (int64_t until = ember_now_ms() + 10000; ember_now_ms() < until && ring_mapped_here();) {
     ember_feed_item *x = NULL;
     if (ember_feed_server_next(s, &x, 10) == EMBER_OK) ember_feed_item_free(x);
   }
@@ -1465,6 +1507,7 @@ RUN_TESTS(T(dtype_sizes), T(codec_roundtrip_every_dtype), T(codec_zero_columns_a
           T(end_feed_item_after_queued_batches), T(destroy_with_connected_producers_leaks_nothing),
           T(create_rejects_bad_config), T(shm_and_tcp_deliver_identical_batches),
           T(shm_declined_when_the_node_disables_it), T(shm_raw_negotiation_and_malformed_batch),
+          T(shm_refusal_reason_outlives_the_ring_reader),
           T(client_fail_marker), T(shm_trainer_killed_producer_gets_error),
           T(shm_producer_killed_node_cleans_up), T(tcp_one_producer_in_order),
           T(tcp_four_concurrent_producers), T(tcp_backpressure_blocks_until_pop),
