@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from ember import _ember
+from ember import _env, _ember
 
 __all__ = ["Collective", "trainer_addresses", "DEFAULT_TIMEOUT"]
 
@@ -56,20 +56,6 @@ def trainer_addresses(nodes: List[Dict[str, Any]]) -> List[str]:
 
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _timeout_default() -> float:
-    value = os.environ.get("EMBER_COLLECTIVE_TIMEOUT", "")
-    if not value:
-        return DEFAULT_TIMEOUT
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"EMBER_COLLECTIVE_TIMEOUT must be a number of seconds, "
-                         f"got {value!r}") from None
-    if seconds <= 0:
-        raise ValueError(f"EMBER_COLLECTIVE_TIMEOUT must be positive, got {value!r}")
-    return seconds
 
 
 def _check_array(array: Any, what: str, dtypes: bool = True) -> np.ndarray:
@@ -116,7 +102,8 @@ class Collective:
         self.rank = rank
         self.size = len(addresses)
         self.addresses = list(addresses)
-        self.timeout = _timeout_default() if timeout is None else float(timeout)
+        self.timeout = (_env.seconds("EMBER_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT)
+                        if timeout is None else float(timeout))
         self._secret = secret
         self._listen_fd = listen_fd
         self._tcp_only = tcp_only

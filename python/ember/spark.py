@@ -488,9 +488,9 @@ class Cluster:
         cached = epochs > 1 and not data.is_cached if _is_dataframe(data) else \
             epochs > 1 and not data.getStorageLevel().useMemory and \
             not data.getStorageLevel().useDisk
-        if cached:
-            from pyspark import StorageLevel
+        from pyspark import StorageLevel
 
+        if cached:
             data = data.persist(StorageLevel.MEMORY_AND_DISK)
         try:
             if _is_dataframe(data):
@@ -501,13 +501,22 @@ class Cluster:
                 source = self.sc.union([data] * epochs) if epochs > 1 else data
             while True:
                 failure = self._failure()
-                if failure is not None:
-                    self._restart_or_raise(failure)
-                    continue
-                try:
-                    return self._feed_once(source, epochs, feed_timeout)
-                except EmberNodeError as exc:
-                    self._restart_or_raise(exc)
+                if failure is None:
+                    try:
+                        return self._feed_once(source, epochs, feed_timeout)
+                    except EmberNodeError as exc:
+                        failure = exc
+                self._restart_or_raise(failure)
+                if cached:
+                    # The cancelled feed left the cached partitions wherever its
+                    # tasks happened to run.  Spark runs a task where its
+                    # partition is cached first, so that scatter can give every
+                    # free slot partitions of one node, whose feeding tasks then
+                    # wait for it to consume while it waits in its collectives
+                    # for a peer nobody feeds (seen on the standalone cluster).
+                    # Cache afresh: the tasks run as in a first feed.
+                    data.unpersist(blocking=True)
+                    data.persist(StorageLevel.MEMORY_AND_DISK)
         finally:
             if cached:
                 data.unpersist()

@@ -1232,6 +1232,26 @@ static void send_shm_offer(int fd, const ember_shm_ring_desc *d, int corrupt_tok
   CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_FEED_SHM, req, sizeof req, ember_deadline_after(2000)));
 }
 
+/* A raw producer sets up a ring, then sends a BATCH over TCP: refused, with
+ * the reason. */
+static void batch_over_tcp_after_ring(uint16_t port, uint32_t partition) {
+  ember_shm_ring *ring = NULL;
+  ember_shm_ring_desc d;
+  char reason[1100];
+  uint8_t junk[8] = {0};
+  int fd;
+  CHECK_OK(ember_shm_ring_create(&ring, 65536, EMBER_SHM_PRODUCER));
+  ember_shm_ring_describe(ring, &d);
+  fd = raw_producer(port, partition);
+  send_shm_offer(fd, &d, 0);
+  CHECK_EQ_INT(raw_status(fd, EMBER_MSG_FEED_SHM_REPLY, reason, sizeof reason), 0);
+  CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_BATCH, junk, 8, ember_deadline_after(2000)));
+  CHECK_EQ_INT(raw_status(fd, EMBER_MSG_REFUSED, reason, sizeof reason), EMBER_EPROTO);
+  CHECK(strstr(reason, "BATCH over TCP after setting up a shared-memory ring") != NULL);
+  ember_net_close(fd);
+  ember_shm_ring_destroy(ring);
+}
+
 TEST(shm_raw_negotiation_and_malformed_batch) {
   ember_feed_server *s = start_server(0, 0);
   uint16_t port = ember_feed_server_port(s);
@@ -1275,16 +1295,7 @@ TEST(shm_raw_negotiation_and_malformed_batch) {
   ember_net_close(fd);
   ember_shm_ring_destroy(ring);
   /* 3. a BATCH over TCP after the ring was set up */
-  CHECK_OK(ember_shm_ring_create(&ring, 65536, EMBER_SHM_PRODUCER));
-  ember_shm_ring_describe(ring, &d);
-  fd = raw_producer(port, 10);
-  send_shm_offer(fd, &d, 0);
-  CHECK_EQ_INT(raw_status(fd, EMBER_MSG_FEED_SHM_REPLY, reason, sizeof reason), 0);
-  CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_BATCH, junk, 8, ember_deadline_after(2000)));
-  CHECK_EQ_INT(raw_status(fd, EMBER_MSG_REFUSED, reason, sizeof reason), EMBER_EPROTO);
-  CHECK(strstr(reason, "BATCH over TCP after setting up a shared-memory ring") != NULL);
-  ember_net_close(fd);
-  ember_shm_ring_destroy(ring);
+  batch_over_tcp_after_ring(port, 10);
   ember_feed_server_stats(s, &st);
   CHECK_EQ_INT(st.producers_rejected, 3);
   CHECK_EQ_INT(st.batches_received, 0);
@@ -1300,23 +1311,7 @@ TEST(shm_refusal_reason_outlives_the_ring_reader) {
   ember_feed_server *s = start_server(0, 0);
   uint16_t port = ember_feed_server_port(s);
   ember_feed_stats st;
-  char reason[1100];
-  uint8_t junk[8] = {0};
-  for (uint32_t i = 0; i < 60; i++) {
-    ember_shm_ring *ring = NULL;
-    ember_shm_ring_desc d;
-    int fd;
-    CHECK_OK(ember_shm_ring_create(&ring, 65536, EMBER_SHM_PRODUCER));
-    ember_shm_ring_describe(ring, &d);
-    fd = raw_producer(port, 100 + i);
-    send_shm_offer(fd, &d, 0);
-    CHECK_EQ_INT(raw_status(fd, EMBER_MSG_FEED_SHM_REPLY, reason, sizeof reason), 0);
-    CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_BATCH, junk, 8, ember_deadline_after(2000)));
-    CHECK_EQ_INT(raw_status(fd, EMBER_MSG_REFUSED, reason, sizeof reason), EMBER_EPROTO);
-    CHECK(strstr(reason, "BATCH over TCP after setting up a shared-memory ring") != NULL);
-    ember_net_close(fd);
-    ember_shm_ring_destroy(ring);
-  }
+  for (uint32_t i = 0; i < 60; i++) batch_over_tcp_after_ring(port, 100 + i);
   ember_feed_server_stats(s, &st);
   CHECK_EQ_INT(st.producers_rejected, 60);
   ember_feed_server_destroy(s);

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
-from hadoop_fixture import hadoop_cluster  # noqa: F401  (HDFS + YARN mini clusters)
+from hadoop_fixture import hadoop_cluster, yarn  # noqa: F401  (HDFS + YARN mini clusters)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

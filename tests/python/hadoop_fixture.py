@@ -32,22 +32,16 @@ from typing import Dict, Iterator, List, Optional
 
 import pytest
 
+# Java 17 closes the JDK internals that Hadoop (and its shaded Guice, Jersey,
+# protobuf) reach into: the list ember.yarn passes to its ApplicationMaster
+from ember.yarn._client import JAVA17_OPENS
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD_DIR = os.path.join(REPO, "build", "hadoop")
 
 #: Seconds to wait for the READY line (~10 s on 2 cores, ~25 s when they are busy).
 #: Environment: EMBER_HADOOP_START_TIMEOUT, EMBER_HADOOP_LOG_LEVEL (default WARN).
 START_TIMEOUT_S = float(os.environ.get("EMBER_HADOOP_START_TIMEOUT", "180"))
-
-# Java 17 closes the JDK internals that Hadoop (and its shaded Guice, Jersey,
-# protobuf) reach into; the same list Spark passes to its JVMs.
-JAVA17_OPENS = [
-    f"--add-opens=java.base/{pkg}=ALL-UNNAMED"
-    for pkg in ("java.lang", "java.lang.invoke", "java.lang.reflect", "java.io", "java.net",
-                "java.nio", "java.util", "java.util.concurrent",
-                "java.util.concurrent.atomic", "sun.nio.ch", "sun.nio.cs",
-                "sun.security.action", "sun.util.calendar")
-]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,3 +215,16 @@ def hadoop_cluster() -> Iterator[HadoopCluster]:
         yield cluster
     finally:
         mh.stop()
+
+
+@pytest.fixture(scope="module")
+def yarn(hadoop_cluster: HadoopCluster) -> Iterator[HadoopCluster]:
+    """The mini cluster, with HADOOP_CONF_DIR set and the AM's classpath for
+    ember.yarn.run_on_yarn: a MiniYARNCluster has no HADOOP_HOME, so the AM
+    gets the jars the mini cluster itself runs on (build/hadoop/classpath.txt)."""
+    with open(os.path.join(BUILD_DIR, "classpath.txt")) as f:
+        classpath = f.read().strip()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HADOOP_CONF_DIR", hadoop_cluster.conf_dir)
+        mp.setenv("EMBER_YARN_AM_CLASSPATH", classpath)
+        yield hadoop_cluster

@@ -7,59 +7,20 @@ import argparse
 import os
 from typing import Any, Dict
 
-import numpy as np
-
-try:
-    import torch
-except ImportError:  # the main venv: only the data helpers are used there
-    torch = None
+import torch
 
 
-def _expand(batches: Any) -> Any:
-    """mapInArrow: rows of whole chunks (images bytes, labels bytes, first id) -> one
-    row per image: id long, pixels array<float> (0..255), label long."""
-    import pyarrow as pa
+class Classifier(torch.nn.Module):
+    """A trained MLP with the serving outputs of the TF example's signature."""
 
-    for b in batches:
-        for imgs, lbls, first in zip(b.column(0).to_pylist(), b.column(1).to_pylist(),
-                                     b.column(2).to_pylist()):
-            x = np.frombuffer(imgs, dtype=np.uint8).astype(np.float32)
-            y = np.frombuffer(lbls, dtype=np.int64)
-            offsets = pa.array(np.arange(0, x.size + 1, 784, dtype=np.int32))
-            yield pa.RecordBatch.from_arrays(
-                [pa.array(np.arange(first, first + y.size, dtype=np.int64)),
-                 pa.ListArray.from_arrays(offsets, pa.array(x)), pa.array(y)],
-                names=["id", "pixels", "label"])
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
 
-
-def fashion_frame(spark: Any, split: str, limit: int = 0, parts: int = 4) -> Any:
-    """Fashion-MNIST as a DataFrame: id long, pixels array<float> (raw 0..255), label long."""
-    from examples.fashion_mnist import data
-
-    images, labels = data.load_split(split)
-    if limit:
-        images, labels = images[:limit], labels[:limit]
-    images = images.reshape(-1, 784)
-    bounds = np.linspace(0, len(labels), parts + 1).astype(int)
-    chunks = [(images[a:b].tobytes(), labels[a:b].astype(np.int64).tobytes(), int(a))
-              for a, b in zip(bounds[:-1], bounds[1:])]
-    blobs = spark.createDataFrame(spark.sparkContext.parallelize(chunks, parts),
-                                  "images binary, labels binary, first long")
-    return blobs.mapInArrow(_expand, "id long, pixels array<float>, label long")
-
-
-if torch is not None:
-    class Classifier(torch.nn.Module):
-        """A trained MLP with the serving outputs of the TF example's signature."""
-
-        def __init__(self, net: torch.nn.Module) -> None:
-            super().__init__()
-            self.net = net
-
-        def forward(self, image: torch.Tensor) -> Dict[str, torch.Tensor]:
-            logits = self.net(image)
-            return {"logits": logits, "probabilities": torch.softmax(logits, dim=-1),
-                    "classes": logits.argmax(dim=-1)}
+    def forward(self, image: torch.Tensor) -> Dict[str, torch.Tensor]:
+        logits = self.net(image)
+        return {"logits": logits, "probabilities": torch.softmax(logits, dim=-1),
+                "classes": logits.argmax(dim=-1)}
 
 
 def train_fn(args: Any, ctx: Any) -> None:

@@ -19,50 +19,10 @@ if importlib.util.find_spec("tensorflow") is None:
     pytest.skip("tensorflow is not installed", allow_module_level=True)
 
 from ember.ml import EmberEstimator, EmberModel, ModelInputError, TFEstimator, TFModel  # noqa: E402
-from ember.ml import _runtime  # noqa: E402
+from ml_fashion import (CAST_SQL, SCALE_SQL, check_fitted_pipeline, fashion_frame,  # noqa: E402
+                        fashion_pipeline)
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-
-
-# --------------------------------------------------------------------------- data
-
-def _expand(batches):
-    """mapInArrow: rows of whole chunks (images bytes, labels bytes, first id) -> one
-    row per image: id long, pixels array<float> (0..255), label long."""
-    import pyarrow as pa
-
-    for b in batches:
-        for imgs, lbls, first in zip(b.column(0).to_pylist(), b.column(1).to_pylist(),
-                                     b.column(2).to_pylist()):
-            x = np.frombuffer(imgs, dtype=np.uint8).astype(np.float32)
-            y = np.frombuffer(lbls, dtype=np.int64)
-            offsets = pa.array(np.arange(0, x.size + 1, 784, dtype=np.int32))
-            yield pa.RecordBatch.from_arrays(
-                [pa.array(np.arange(first, first + y.size, dtype=np.int64)),
-                 pa.ListArray.from_arrays(offsets, pa.array(x)), pa.array(y)],
-                names=["id", "pixels", "label"])
-
-
-def fashion_frame(spark, split, limit=0, parts=4):
-    """Fashion-MNIST as a DataFrame: id long, pixels array<float> (raw 0..255), label long."""
-    from examples.fashion_mnist import data
-
-    images, labels = data.load_split(split)
-    if limit:
-        images, labels = images[:limit], labels[:limit]
-    images = images.reshape(-1, 784)
-    bounds = np.linspace(0, len(labels), parts + 1).astype(int)
-    chunks = [(images[a:b].tobytes(), labels[a:b].astype(np.int64).tobytes(), int(a))
-              for a, b in zip(bounds[:-1], bounds[1:])]
-    # one chunk per partition: equal partitions, so the nodes get equal shares
-    blobs = spark.createDataFrame(spark.sparkContext.parallelize(chunks, parts),
-                                  "images binary, labels binary, first long")
-    return blobs.mapInArrow(_expand, "id long, pixels array<float>, label long")
-
-
-SCALE_SQL = "SELECT id, transform(pixels, p -> CAST(p / 255.0 AS FLOAT)) AS image, label FROM __THIS__"
-# Spark's evaluators want a double prediction; the model's classes are int64
-CAST_SQL = "SELECT *, CAST(class AS DOUBLE) AS prediction FROM __THIS__"
 
 
 def _train_args(tmp_path, **extra):
@@ -73,50 +33,19 @@ def _train_args(tmp_path, **extra):
 # --------------------------------------------------------------------------- pipeline
 
 def test_fashion_mnist_pipeline_fit_transform_save_load(local_spark, tmp_path):
-    from pyspark.ml import Pipeline, PipelineModel
-    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
-    from pyspark.ml.feature import SQLTransformer
-
     from examples.fashion_mnist import model as fm
 
     spark = local_spark
     train = fashion_frame(spark, "train", parts=4).cache()
     test = fashion_frame(spark, "test", parts=2).cache()
     assert train.count() == 60000 and test.count() == 10000
-    est = (TFEstimator(fm.train_spark, _train_args(tmp_path, train_records=60000))
-           .setInputMapping({"image": "image", "label": "label"})
-           .setOutputMapping({"classes": "class", "probabilities": "probability"})
-           .setClusterSize(2).setEpochs(4).setBatchSize(64).setReservationTimeout(120)
-           .setModelDir(str(tmp_path / "model")).setExportDir(str(tmp_path / "export")))
-    pipeline = Pipeline(stages=[SQLTransformer(statement=SCALE_SQL), est,
-                                SQLTransformer(statement=CAST_SQL)])
+    est = TFEstimator(fm.train_spark, _train_args(tmp_path, train_records=60000))
+    pipeline = fashion_pipeline(est, 4, str(tmp_path))
     fitted = pipeline.fit(train)
     model = fitted.stages[1]
     assert isinstance(model, EmberModel) and model.getInputMapping() == {"image": "image"}
 
-    out = fitted.transform(test)
-    types = {f.name: f.dataType.simpleString() for f in out.schema.fields}
-    assert types["class"] == "bigint" and types["probability"] == "array<float>"
-    accuracy = MulticlassClassificationEvaluator(
-        labelCol="label", predictionCol="prediction", metricName="accuracy").evaluate(out)
-    print(f"Fashion-MNIST pipeline accuracy: {accuracy:.4f}")
-    assert accuracy >= 0.85
-    first = {r["id"]: (r["prediction"], r["probability"])
-             for r in out.select("id", "prediction", "probability").collect()}
-    assert len(first) == 10000
-
-    # each Python worker loaded the model once, whatever number of tasks it ran
-    loads = test.repartition(6).mapInArrow(_runtime.worker_loads, "pid long, loads long").collect()
-    assert loads and all(r["loads"] <= 1 for r in loads), loads
-
-    # Pipeline and PipelineModel round trips
-    fitted.write().overwrite().save(str(tmp_path / "pipeline_model"))
-    pipeline.write().overwrite().save(str(tmp_path / "pipeline"))
-    again = PipelineModel.load(str(tmp_path / "pipeline_model"))
-    second = {r["id"]: (r["prediction"], r["probability"])
-              for r in again.transform(test).select("id", "prediction", "probability").collect()}
-    assert second == first
-    loaded_est = Pipeline.load(str(tmp_path / "pipeline")).getStages()[1]
+    _, loaded_est = check_fitted_pipeline(fitted, pipeline, test, str(tmp_path), "TensorFlow")
     assert isinstance(loaded_est, EmberEstimator)
     assert loaded_est.train_fn is fm.train_spark
     assert loaded_est.tf_args.train_records == 60000

@@ -18,32 +18,21 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch runs in .venv-torch: make test-torch")
 
 import ml_torchfuns  # noqa: E402
+from ml_fashion import check_fitted_pipeline, fashion_frame, fashion_pipeline  # noqa: E402
 from ember.ml import (EmberEstimator, EmberTorchModel, ModelInputError, TorchModel,  # noqa: E402
-                      _runtime, save_torchscript)
+                      save_torchscript)
 
-SCALE_SQL = "SELECT id, transform(pixels, p -> CAST(p / 255.0 AS FLOAT)) AS image, label FROM __THIS__"
-CAST_SQL = "SELECT *, CAST(class AS DOUBLE) AS prediction FROM __THIS__"
 
 
 # --------------------------------------------------------------------------- pipeline
 
 def test_fashion_mnist_torch_pipeline_fit_transform_save_load(local_spark, tmp_path):
-    from pyspark.ml import Pipeline, PipelineModel
-    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
-    from pyspark.ml.feature import SQLTransformer
-
     spark = local_spark
-    train = ml_torchfuns.fashion_frame(spark, "train", parts=4).cache()
-    test = ml_torchfuns.fashion_frame(spark, "test", parts=2).cache()
+    train = fashion_frame(spark, "train", parts=4).cache()
+    test = fashion_frame(spark, "test", parts=2).cache()
     assert train.count() == 60000 and test.count() == 10000
     args = argparse.Namespace(learning_rate=1e-3, seed=1, threads=1, strategy="ddp-ember")
-    est = (EmberEstimator(ml_torchfuns.train_fn, args)
-           .setInputMapping({"image": "image", "label": "label"})
-           .setOutputMapping({"classes": "class", "probabilities": "probability"})
-           .setClusterSize(2).setEpochs(3).setBatchSize(64).setReservationTimeout(120)
-           .setModelDir(str(tmp_path / "model")).setExportDir(str(tmp_path / "export")))
-    pipeline = Pipeline(stages=[SQLTransformer(statement=SCALE_SQL), est,
-                                SQLTransformer(statement=CAST_SQL)])
+    pipeline = fashion_pipeline(EmberEstimator(ml_torchfuns.train_fn, args), 3, str(tmp_path))
     fitted = pipeline.fit(train)
     model = fitted.stages[1]
     # fit() returns the torch Model of what train_fn exported; the label is no
@@ -52,33 +41,9 @@ def test_fashion_mnist_torch_pipeline_fit_transform_save_load(local_spark, tmp_p
     assert model.getInputMapping() == {"image": "image"}
     assert model.getExportDir() == str(tmp_path / "export")
 
-    out = fitted.transform(test)
-    types = {f.name: f.dataType.simpleString() for f in out.schema.fields}
-    assert types["class"] == "bigint" and types["probability"] == "array<float>"
-    accuracy = MulticlassClassificationEvaluator(
-        labelCol="label", predictionCol="prediction", metricName="accuracy").evaluate(out)
-    print(f"Fashion-MNIST torch pipeline accuracy: {accuracy:.4f}")
-    assert accuracy >= 0.85
-    first = {r["id"]: (r["prediction"], r["probability"])
-             for r in out.select("id", "prediction", "probability").collect()}
-    assert len(first) == 10000
-    probs = np.array([p for _, p in first.values()])
-    np.testing.assert_allclose(probs.sum(axis=1), 1.0, rtol=1e-4)
-
-    # each Python worker loaded the model once, whatever number of tasks it ran
-    loads = test.repartition(6).mapInArrow(_runtime.worker_loads, "pid long, loads long").collect()
-    assert loads and all(r["loads"] <= 1 for r in loads), loads
-
-    # Pipeline and PipelineModel round trips
-    fitted.write().overwrite().save(str(tmp_path / "pipeline_model"))
-    pipeline.write().overwrite().save(str(tmp_path / "pipeline"))
-    again = PipelineModel.load(str(tmp_path / "pipeline_model"))
+    again, loaded_est = check_fitted_pipeline(fitted, pipeline, test, str(tmp_path), "torch")
     assert isinstance(again.stages[1], EmberTorchModel)
     assert again.stages[1].tf_args.strategy == "ddp-ember"
-    second = {r["id"]: (r["prediction"], r["probability"])
-              for r in again.transform(test).select("id", "prediction", "probability").collect()}
-    assert second == first
-    loaded_est = Pipeline.load(str(tmp_path / "pipeline")).getStages()[1]
     assert isinstance(loaded_est, EmberEstimator)
     assert loaded_est.train_fn is ml_torchfuns.train_fn
     assert loaded_est.getEpochs() == 3 and loaded_est.getClusterSize() == 2

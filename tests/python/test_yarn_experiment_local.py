@@ -112,8 +112,12 @@ def test_keras_experiment_chief_worker_evaluator_and_resume(local_spark, tmp_pat
 
 
 @needs_tf
-def test_keras_experiment_bad_input_names_the_problem(tmp_path):
+def test_keras_experiment_bad_input_names_the_problem(tmp_path, monkeypatch):
     from ember.yarn.experiment import run_task
+
+    # in process: test_ml.py sets TF_USE_LEGACY_KERAS for the whole session,
+    # and run_task refuses Keras 3 experiments under it (checked first)
+    monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
 
     class Ctx:  # run_task checks the experiment before touching the cluster
         job_name, task_index = "chief", 0

@@ -27,16 +27,6 @@ ENV = {"PYTHONPATH": os.pathsep.join([HERE, REPO])}
 SPEC = TaskSpec("2 GiB", 1)
 
 
-@pytest.fixture(scope="module")
-def yarn(hadoop_cluster: HadoopCluster):
-    with open(os.path.join(REPO, "build", "hadoop", "classpath.txt")) as f:
-        classpath = f.read().strip()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HADOOP_CONF_DIR", hadoop_cluster.conf_dir)
-        mp.setenv("EMBER_YARN_AM_CLASSPATH", classpath)
-        yield hadoop_cluster
-
-
 def test_keras_fashion_mnist_chief_worker_evaluator_resumes_after_a_failure(
         yarn: HadoopCluster) -> None:
     pytest.importorskip("tensorflow", reason="the Keras path runs in the main .venv")

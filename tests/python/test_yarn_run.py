@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from hadoop_fixture import REPO, HadoopCluster
+from hadoop_fixture import HadoopCluster
 from ember import hdfs
 from ember.yarn import (NodeLabel, RunFailed, TaskSpec, ps_strategy_topology, run_on_yarn,
                         single_server_topology)
@@ -24,19 +24,6 @@ import yarnfuns
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {"PYTHONPATH": HERE}
 SMALL = TaskSpec(memory="512 MiB", vcores=1)
-
-
-@pytest.fixture(scope="module")
-def yarn(hadoop_cluster: HadoopCluster):
-    """The mini cluster, with HADOOP_CONF_DIR set and the AM's classpath:
-    a MiniYARNCluster has no HADOOP_HOME, so the AM gets the jars the mini
-    cluster itself runs on (build/hadoop/classpath.txt)."""
-    with open(os.path.join(REPO, "build", "hadoop", "classpath.txt")) as f:
-        classpath = f.read().strip()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HADOOP_CONF_DIR", hadoop_cluster.conf_dir)
-        mp.setenv("EMBER_YARN_AM_CLASSPATH", classpath)
-        yield hadoop_cluster
 
 
 def _apps(cluster: HadoopCluster) -> list:

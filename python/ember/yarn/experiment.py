@@ -76,6 +76,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from ember import _env
+
 __all__ = ["KerasExperiment", "PytorchExperiment", "DataLoaderArgs",
            "DistributedDataParallelArgs", "run_task", "tensorboard_dir",
            "EVALUATOR_TIMEOUT"]
@@ -607,20 +609,6 @@ def _keras_export(model: Any, mdir: _ModelDir, tmp: str, epoch: int, task: str) 
     return url
 
 
-def _evaluator_timeout() -> float:
-    value = os.environ.get("EMBER_EVALUATOR_TIMEOUT", "")
-    if not value:
-        return EVALUATOR_TIMEOUT
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"EMBER_EVALUATOR_TIMEOUT must be a number of seconds, got "
-                         f"{value!r}") from None
-    if seconds <= 0:
-        raise ValueError(f"EMBER_EVALUATOR_TIMEOUT must be positive, got {value!r}")
-    return seconds
-
-
 def _keras_evaluate(exp: KerasExperiment, ctx: Any, task: str, mdir: _ModelDir,
                     keras: Any) -> Dict[str, Any]:
     if exp.validation_data_fn is None:
@@ -632,7 +620,7 @@ def _keras_evaluate(exp: KerasExperiment, ctx: Any, task: str, mdir: _ModelDir,
     model = exp.model
     if not model.optimizer.built:  # so that loading a checkpoint restores every variable
         model.optimizer.build(model.trainable_variables)
-    timeout = _evaluator_timeout()
+    timeout = _env.seconds("EMBER_EVALUATOR_TIMEOUT", EVALUATOR_TIMEOUT)
 
     def evaluate(local: str) -> Dict[str, float]:
         model.load_weights(local)

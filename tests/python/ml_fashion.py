@@ -1,0 +1,106 @@
+"""The Fashion-MNIST pipeline of the ember.ml tests (TensorFlow: test_ml.py,
+PyTorch: test_ml_torch.py): its DataFrames, SQL stages and the checks both
+runs must pass.  Spark's Python workers import this module by name (for
+_expand), so it imports neither TensorFlow nor PyTorch."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import numpy as np
+
+SCALE_SQL = "SELECT id, transform(pixels, p -> CAST(p / 255.0 AS FLOAT)) AS image, label FROM __THIS__"
+# Spark's evaluators want a double prediction; the model's classes are int64
+CAST_SQL = "SELECT *, CAST(class AS DOUBLE) AS prediction FROM __THIS__"
+
+
+def _expand(batches: Any) -> Any:
+    """mapInArrow: rows of whole chunks (images bytes, labels bytes, first id) -> one
+    row per image: id long, pixels array<float> (0..255), label long."""
+    import pyarrow as pa
+
+    for b in batches:
+        for imgs, lbls, first in zip(b.column(0).to_pylist(), b.column(1).to_pylist(),
+                                     b.column(2).to_pylist()):
+            x = np.frombuffer(imgs, dtype=np.uint8).astype(np.float32)
+            y = np.frombuffer(lbls, dtype=np.int64)
+            offsets = pa.array(np.arange(0, x.size + 1, 784, dtype=np.int32))
+            yield pa.RecordBatch.from_arrays(
+                [pa.array(np.arange(first, first + y.size, dtype=np.int64)),
+                 pa.ListArray.from_arrays(offsets, pa.array(x)), pa.array(y)],
+                names=["id", "pixels", "label"])
+
+
+def fashion_frame(spark: Any, split: str, limit: int = 0, parts: int = 4) -> Any:
+    """Fashion-MNIST as a DataFrame: id long, pixels array<float> (raw 0..255), label long."""
+    from examples.fashion_mnist import data
+
+    images, labels = data.load_split(split)
+    if limit:
+        images, labels = images[:limit], labels[:limit]
+    images = images.reshape(-1, 784)
+    bounds = np.linspace(0, len(labels), parts + 1).astype(int)
+    chunks = [(images[a:b].tobytes(), labels[a:b].astype(np.int64).tobytes(), int(a))
+              for a, b in zip(bounds[:-1], bounds[1:])]
+    # one chunk per partition: equal partitions, so the nodes get equal shares
+    blobs = spark.createDataFrame(spark.sparkContext.parallelize(chunks, parts),
+                                  "images binary, labels binary, first long")
+    return blobs.mapInArrow(_expand, "id long, pixels array<float>, label long")
+
+
+def fashion_pipeline(est: Any, epochs: int, path: str) -> Any:
+    """[scale pixels to image, est on 2 nodes, cast class to prediction]: est
+    (an EmberEstimator) maps image and label in and classes/probabilities out,
+    with its model and export directories under path."""
+    from pyspark.ml import Pipeline
+    from pyspark.ml.feature import SQLTransformer
+
+    est = (est.setInputMapping({"image": "image", "label": "label"})
+           .setOutputMapping({"classes": "class", "probabilities": "probability"})
+           .setClusterSize(2).setEpochs(epochs).setBatchSize(64).setReservationTimeout(120)
+           .setModelDir(f"{path}/model").setExportDir(f"{path}/export"))
+    return Pipeline(stages=[SQLTransformer(statement=SCALE_SQL), est,
+                            SQLTransformer(statement=CAST_SQL)])
+
+
+Predictions = Dict[int, Tuple[float, Any]]
+
+
+def _predictions(out: Any) -> Predictions:
+    return {r["id"]: (r["prediction"], r["probability"])
+            for r in out.select("id", "prediction", "probability").collect()}
+
+
+def check_fitted_pipeline(fitted: Any, pipeline: Any, test: Any, path: str,
+                          what: str) -> Tuple[Any, Any]:
+    """Transforms the 10,000 test rows with the fitted [scale, model, cast]
+    pipeline: output types, accuracy >= 0.85 by Spark's evaluator, one model
+    load per Python worker; then saves and reloads the PipelineModel (identical
+    predictions) and the Pipeline.  Returns (reloaded PipelineModel, reloaded
+    Estimator) for the caller's own checks."""
+    from pyspark.ml import Pipeline, PipelineModel
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+
+    from ember.ml import _runtime
+
+    out = fitted.transform(test)
+    types = {f.name: f.dataType.simpleString() for f in out.schema.fields}
+    assert types["class"] == "bigint" and types["probability"] == "array<float>"
+    accuracy = MulticlassClassificationEvaluator(
+        labelCol="label", predictionCol="prediction", metricName="accuracy").evaluate(out)
+    print(f"Fashion-MNIST {what} pipeline accuracy: {accuracy:.4f}")
+    assert accuracy >= 0.85
+    first = _predictions(out)
+    assert len(first) == 10000
+    probs = np.array([p for _, p in first.values()])
+    np.testing.assert_allclose(probs.sum(axis=1), 1.0, rtol=1e-4)
+
+    # each Python worker loaded the model once, whatever number of tasks it ran
+    loads = test.repartition(6).mapInArrow(_runtime.worker_loads, "pid long, loads long").collect()
+    assert loads and all(r["loads"] <= 1 for r in loads), loads
+
+    fitted.write().overwrite().save(f"{path}/pipeline_model")
+    pipeline.write().overwrite().save(f"{path}/pipeline")
+    again = PipelineModel.load(f"{path}/pipeline_model")
+    assert _predictions(again.transform(test)) == first
+    return again, Pipeline.load(f"{path}/pipeline").getStages()[1]
