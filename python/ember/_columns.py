@@ -20,11 +20,12 @@ more than one dimension (``image|28x28``) and whether bytes are ``str``
 from __future__ import annotations
 
 import numbers
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ember import _ember
+from ember import tensors as tensors_mod
 
 #: The single column of a batch whose records are plain values, not tuples.
 VALUE_FIELD = ""
@@ -215,31 +216,44 @@ def _arrow_values(col: Any, field: str, where: str) -> np.ndarray:
     return col.to_numpy(zero_copy_only=True)
 
 
-def _arrow_column(col: Any, field: str, where: str) -> ColumnSpec:
+def _arrow_column(col: Any, field: str, where: str,
+                  tensors: Mapping[str, Any]) -> ColumnSpec:
     import pyarrow as pa
 
     t = col.type
+    if field in tensors and (pa.types.is_binary(t) or pa.types.is_large_binary(t)):
+        values, offs = _arrow_binary(col, field, where)
+        return array_column(field, tensors_mod.view(values, offs, len(col), tensors[field],
+                                                    field, where), where)
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
         return array_column(field, _arrow_values(col, field, where), where)
     if pa.types.is_string(t) or pa.types.is_large_string(t) or \
             pa.types.is_binary(t) or pa.types.is_large_binary(t):
-        if col.null_count:
-            _arrow_values(col, field, where)  # raises, naming the row
         is_str = pa.types.is_string(t) or pa.types.is_large_string(t)
-        offsets_type = np.int64 if (pa.types.is_large_string(t) or
-                                    pa.types.is_large_binary(t)) else np.int32
-        offs = np.frombuffer(col.buffers()[1], dtype=offsets_type,
-                             count=len(col) + 1, offset=col.offset * np.dtype(offsets_type).itemsize)
-        start, end = int(offs[0]), int(offs[-1])
-        data = memoryview(col.buffers()[2])[start:end] if end > start else b""
-        return (_encode_name(field, (), is_str), _ember.DT_BYTES, 0, data,
-                (offs - start).astype(np.uint64))
+        data, offs = _arrow_binary(col, field, where)
+        return (_encode_name(field, (), is_str), _ember.DT_BYTES, 0, data, offs.astype(np.uint64))
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
         return _arrow_list_column(col, field, where)
     if pa.types.is_struct(t) and {f.name for f in t} == {"type", "size", "indices", "values"}:
         return _arrow_vector_column(col, field, where)
     raise TypeError(f"{where}: column {field!r} has Arrow type {t}, which the feed does not "
                     "carry (numbers, strings, binary, arrays of numbers, ML vectors)")
+
+
+def _arrow_binary(col: Any, field: str, where: str) -> Tuple[Any, np.ndarray]:
+    """(values, offsets from 0) of a null-free string/binary Arrow array, no copy."""
+    import pyarrow as pa
+
+    if col.null_count:
+        _arrow_values(col, field, where)  # raises, naming the row
+    t = col.type
+    offsets_type = np.int64 if (pa.types.is_large_string(t) or
+                                pa.types.is_large_binary(t)) else np.int32
+    offs = np.frombuffer(col.buffers()[1], dtype=offsets_type,
+                         count=len(col) + 1, offset=col.offset * np.dtype(offsets_type).itemsize)
+    start, end = int(offs[0]), int(offs[-1])
+    data = memoryview(col.buffers()[2])[start:end] if end > start else b""
+    return data, offs - start
 
 
 def _arrow_list_column(col: Any, field: str, where: str) -> ColumnSpec:
@@ -286,7 +300,11 @@ def _arrow_vector_column(col: Any, field: str, where: str) -> ColumnSpec:
     return array_column(field, out, where)
 
 
-def arrow_to_columns(batch: Any, where: str = "batch") -> Tuple[List[ColumnSpec], int]:
-    """Columns (views of the Arrow buffers where the layout allows) of a RecordBatch."""
-    return ([_arrow_column(batch.column(i), name, where)
+def arrow_to_columns(batch: Any, where: str = "batch",
+                     tensors: Optional[Mapping[str, Any]] = None) -> Tuple[List[ColumnSpec], int]:
+    """Columns (views of the Arrow buffers where the layout allows) of a RecordBatch.
+
+    ``tensors`` ({field: (dtype, shape)}, from :func:`ember.tensors.tensor_specs`)
+    names the binary columns that hold packed tensors."""
+    return ([_arrow_column(batch.column(i), name, where, tensors or {})
              for i, name in enumerate(batch.schema.names)], batch.num_rows)

@@ -28,6 +28,7 @@ import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ember import _ember
+from ember.tensors import tensor_specs
 
 FEED_ROLES = ("chief", "worker")
 _SEQ_BITS = 20  # feed partition key = (feed sequence << 20) | partition index
@@ -198,7 +199,7 @@ def _end_mark(client: Any, seq: int, p: int, parts: int, nodes: int, timeout: fl
 
 
 def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
-                  chunk_bytes: int, parts: int,
+                  chunk_bytes: int, parts: int, tensors: Dict[str, Any],
                   fail_at: Optional[Tuple[int, int]] = None) -> Callable[[Any], Any]:
     """The feeding task of a DataFrame (``mapInArrow``): Arrow record batches go
     to the node as columnar batches, their buffers encoded straight from Arrow
@@ -234,7 +235,8 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
                         raise RuntimeError(f"injected failure of partition {p} after {sent} rows")
                     part = rb.slice(off, step)
                     cols, n = _columns.arrow_to_columns(
-                        part, where=f"partition {p} rows {sent}..{sent + part.num_rows - 1}")
+                        part, where=f"partition {p} rows {sent}..{sent + part.num_rows - 1}",
+                        tensors=tensors)
                     client.send(cols, n, feed_timeout)
                     sent += n
             if not delivered:
@@ -462,8 +464,9 @@ class Cluster:
         An RDD's records arrive as TensorFlowOnSpark's records (``batch[i]``)
         and as columns; a DataFrame goes through Spark's Arrow path
         (``mapInArrow``) and arrives as named columns (``batch.column(name)``):
-        numbers, strings/binary, arrays of numbers (one length per column) and
-        ML vectors, each a numpy array with the row axis first.  With
+        numbers, strings/binary, arrays of numbers (one length per column),
+        ML vectors and tensor columns (:func:`ember.tensors.pack`: the fastest
+        layout, see the README), each a numpy array with the row axis first.  With
         ``num_epochs > 1`` an uncached ``data`` is persisted for the call (so
         the upstream lineage runs once) and unpersisted after.
 
@@ -528,7 +531,7 @@ class Cluster:
         if _is_dataframe(source):
             parts = source.rdd.getNumPartitions()
             fn = _arrow_feeder(targets, self._secret, seq, feed_timeout, self.chunk_bytes, parts,
-                               self._fault_feed_fail_at)
+                               tensor_specs(source.schema), self._fault_feed_fail_at)
             action = lambda: sum(r[0] for r in source.mapInArrow(fn, "fed long").collect())  # noqa: E731
         else:
             parts = source.getNumPartitions()

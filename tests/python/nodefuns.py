@@ -108,7 +108,7 @@ def collect_columns(args: Dict[str, Any], ctx: Any) -> None:
                   for name, c in cols.items()}
         for j, i in enumerate(cols["id"].tolist()):
             ids.append(i)
-            if "image" in cols and cols["image"][j].tolist() != [i * 0.5] * 4:
+            if "image" in cols and cols["image"][j].reshape(-1).tolist() != [i * 0.5] * 4:
                 bad.append(("image", i))
             if "name" in cols and cols["name"][j] != f"r{i}":
                 bad.append(("name", i))

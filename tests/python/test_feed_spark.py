@@ -137,3 +137,68 @@ def test_node_without_a_partition_stops_instead_of_waiting(local_spark, tmp_path
         cluster.shutdown(timeout=60)
     ids = {info["index"]: info["ids"] for info in read_json_files(str(tmp_path))}
     assert sorted(ids[0]) == list(range(500)) and ids[1] == []
+
+
+def test_tensor_columns_arrive_as_the_arrays_they_pack(local_spark, tmp_path):
+    """ember.tensors.pack stores image as packed float32 bytes; the node gets
+    the same (rows, 4) float32 arrays the array column gives, over 2 epochs
+    (the metadata survives the epochs' union)."""
+    from ember import tensors
+
+    df = _frame(local_spark, 1000, 3)
+    packed = tensors.pack(df, {"image": (4,)}).cache()
+    assert packed.schema["image"].dataType.typeName() == "binary"
+    assert tensors.tensor_specs(packed.schema)["image"][1] == (4,)
+    cluster = run(local_spark.sparkContext, nodefuns.collect_columns, {"out": str(tmp_path)},
+                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60)
+    try:
+        assert cluster.train(packed, num_epochs=2) == 2000
+    finally:
+        cluster.shutdown(timeout=60)
+        packed.unpersist()
+    infos = read_json_files(str(tmp_path))
+    got = collections.Counter(i for info in infos for i in info["ids"])
+    assert got == collections.Counter({i: 2 for i in range(1000)})
+    for info in infos:
+        assert info["bad"] == []
+        assert info["layout"] == {"id": ["int64", []], "image": ["float32", [4]],
+                                  "label": ["int32", []], "name": ["list", []],
+                                  "vec": ["float64", [2]]}
+
+
+def test_tensor_column_shapes_and_truncated_values():
+    """The feed's view of a packed column: a 2x2 shape arrives as (rows, 2, 2)
+    without a copy; a value of the wrong length is named by column and row."""
+    import numpy as np
+    import pyarrow as pa
+
+    from ember import _columns, tensors
+
+    x = np.arange(12, dtype=np.float64).reshape(3, 4)
+    col = tensors._pack_column(pa.array(x.tolist(), pa.list_(pa.float64())), "m", "<f8", (2, 2),
+                               where="test")
+    spec = {"m": (np.dtype("<f8"), (2, 2))}
+    (name, _, width, view, _), = _columns.arrow_to_columns(
+        pa.RecordBatch.from_arrays([col], names=["m"]), tensors=spec)[0]
+    assert (name, width) == ("m|2x2", 4) and view.shape == (3, 2, 2)
+    assert np.shares_memory(view, np.frombuffer(col.buffers()[2], dtype=np.uint8))
+    np.testing.assert_array_equal(view.reshape(3, 4), x)
+    short = pa.array([bytes(32), bytes(24), bytes(32)], pa.binary())
+    with pytest.raises(ValueError, match=r"batch: tensor column 'm' row 1 has 24 bytes; "
+                                         r"float64\[2, 2\] is 32"):
+        _columns.arrow_to_columns(pa.RecordBatch.from_arrays([short], names=["m"]), tensors=spec)
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([(1, [1.0, 2.0]), (2, [1.0])], "column 'v' row 1 has 1 values; its tensor shape (2,) needs 2"),
+    ([(1, [1.0, 2.0]), (2, None)], "column 'v' has a null array at row 1"),
+])
+def test_tensor_pack_bad_rows_name_the_row(local_spark, rows, message):
+    from ember import tensors
+
+    df = local_spark.createDataFrame(rows, "id long, v array<double>").coalesce(1)
+    with pytest.raises(Exception) as err:
+        tensors.pack(df, {"v": (2,)}).collect()
+    assert message in str(err.value) and "partition 0" in str(err.value)
+    with pytest.raises(TypeError, match="column 'id' is bigint"):
+        tensors.pack(df, {"id": (1,)})
