@@ -25,23 +25,27 @@ def _frame(spark, n, parts):
     return spark.createDataFrame(rows, schema).repartition(parts)
 
 
-def test_dataframe_arrives_as_named_columns(local_spark, tmp_path):
-    spark = local_spark
-    df = _frame(spark, 3000, 5)
-    cluster = run(spark.sparkContext, nodefuns.collect_columns, {"out": str(tmp_path)},
+def _feed_frame_twice(spark, df, n, out):
+    """Feeds ``df`` (made by _frame) for 2 epochs; checks every id arrived twice
+    with every column equal to what the id implies, in _frame's layout."""
+    cluster = run(spark.sparkContext, nodefuns.collect_columns, {"out": str(out)},
                   num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60)
     try:
-        assert cluster.train(df, num_epochs=2) == 6000
+        assert cluster.train(df, num_epochs=2) == 2 * n
     finally:
         cluster.shutdown(timeout=60)
-    infos = read_json_files(str(tmp_path))
+    infos = read_json_files(str(out))
     got = collections.Counter(i for info in infos for i in info["ids"])
-    assert got == collections.Counter({i: 2 for i in range(3000)})
+    assert got == collections.Counter({i: 2 for i in range(n)})
     for info in infos:
         assert info["bad"] == []
         assert info["layout"] == {"id": ["int64", []], "image": ["float32", [4]],
                                   "label": ["int32", []], "name": ["list", []],
                                   "vec": ["float64", [2]]}
+
+
+def test_dataframe_arrives_as_named_columns(local_spark, tmp_path):
+    _feed_frame_twice(local_spark, _frame(local_spark, 3000, 5), 3000, tmp_path)
 
 
 def test_epochs_run_the_lineage_once(local_spark, tmp_path):
@@ -149,21 +153,10 @@ def test_tensor_columns_arrive_as_the_arrays_they_pack(local_spark, tmp_path):
     packed = tensors.pack(df, {"image": (4,)}).cache()
     assert packed.schema["image"].dataType.typeName() == "binary"
     assert tensors.tensor_specs(packed.schema)["image"][1] == (4,)
-    cluster = run(local_spark.sparkContext, nodefuns.collect_columns, {"out": str(tmp_path)},
-                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60)
     try:
-        assert cluster.train(packed, num_epochs=2) == 2000
+        _feed_frame_twice(local_spark, packed, 1000, tmp_path)
     finally:
-        cluster.shutdown(timeout=60)
         packed.unpersist()
-    infos = read_json_files(str(tmp_path))
-    got = collections.Counter(i for info in infos for i in info["ids"])
-    assert got == collections.Counter({i: 2 for i in range(1000)})
-    for info in infos:
-        assert info["bad"] == []
-        assert info["layout"] == {"id": ["int64", []], "image": ["float32", [4]],
-                                  "label": ["int32", []], "name": ["list", []],
-                                  "vec": ["float64", [2]]}
 
 
 def test_tensor_column_shapes_and_truncated_values():
