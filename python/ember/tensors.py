@@ -66,13 +66,14 @@ def pack(df: Any, shapes: Mapping[str, Sequence[int]]) -> Any:
                              "have at least one dimension, all positive")
         dtype = _ELEMENT_DTYPES[t.elementType.typeName()]
         specs[field.name] = (dtype, shape)
-        fields.append(StructField(field.name, BinaryType(), False,
-                                  {METADATA_KEY: {"dtype": dtype, "shape": list(shape)}}))
+        fields.append(StructField(field.name, BinaryType(), False))
     missing = sorted(set(shapes) - set(specs))
     if missing:
         raise ValueError(f"ember.tensors.pack: no column {missing[0]!r} in {df.columns}")
+    if not specs:
+        return df
     out = df.mapInArrow(_packer(specs), StructType(fields))
-    for name, (dtype, shape) in specs.items():  # mapInArrow's output schema drops metadata
+    for name, (dtype, shape) in specs.items():  # what tensor_specs() and the feed read
         out = out.withMetadata(name, {METADATA_KEY: {"dtype": dtype, "shape": list(shape)}})
     return out
 
@@ -85,10 +86,9 @@ def _packer(specs: Dict[str, Tuple[str, Tuple[int, ...]]]) -> Any:
 
         partition = TaskContext.get().partitionId()
         row = 0
+        widest = max(int(np.prod(s)) * np.dtype(d).itemsize for d, s in specs.values())
+        step = max(1, _MAX_BATCH_BYTES // widest)
         for rb in batches:
-            row_bytes = max(1, max((int(np.prod(s)) * np.dtype(d).itemsize
-                                    for d, s in specs.values()), default=1))
-            step = max(1, _MAX_BATCH_BYTES // row_bytes)
             for off in range(0, rb.num_rows, step):
                 part = rb.slice(off, step)
                 cols = []
