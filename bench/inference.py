@@ -64,21 +64,6 @@ def build_saved_model(export_dir: str, train_images: np.ndarray, train_labels: n
     tf.saved_model.save(m, export_dir, signatures={"serving_default": serve})
 
 
-def _expand(batches):  # mapInArrow: chunks -> one row per image
-    import pyarrow as pa
-
-    for b in batches:
-        for imgs, lbls, first in zip(b.column(0).to_pylist(), b.column(1).to_pylist(),
-                                     b.column(2).to_pylist()):
-            x = np.frombuffer(imgs, dtype=np.uint8).astype(np.float32) / 255.0
-            y = np.frombuffer(lbls, dtype=np.int64)
-            offsets = pa.array(np.arange(0, x.size + 1, 784, dtype=np.int32))
-            yield pa.RecordBatch.from_arrays(
-                [pa.array(np.arange(first, first + y.size, dtype=np.int64)),
-                 pa.ListArray.from_arrays(offsets, pa.array(x)), pa.array(y)],
-                names=["id", "image", "label"])
-
-
 def _zeros(column):  # the no-op Arrow UDF: one 0 per row
     import pyarrow as pa
 
@@ -86,13 +71,12 @@ def _zeros(column):  # the no-op Arrow UDF: one 0 per row
 
 
 def frame(spark, images, labels, copies, parts):
+    from examples.fashion_mnist import data
+
     images = np.tile(images.reshape(-1, 784), (copies, 1))
     labels = np.tile(labels.astype(np.int64), copies)
-    step = 10000
-    chunks = [(images[a:a + step].tobytes(), labels[a:a + step].tobytes(), a)
-              for a in range(0, len(labels), step)]
-    blobs = spark.createDataFrame(chunks, "images binary, labels binary, first long")
-    return blobs.repartition(parts).mapInArrow(_expand, "id long, image array<float>, label long")
+    chunks = max(1, len(labels) // 10000)  # then spread over the partitions by a shuffle
+    return data.to_dataframe(spark, images, labels, chunks).repartition(parts)
 
 
 def tree_cpu(root: int) -> float:

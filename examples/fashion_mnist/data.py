@@ -141,7 +141,7 @@ def parse_csv_line(line):
 # ---------------------------------------------------------------- Spark data set-up
 
 def _chunks(images, labels, num_partitions):
-    """Split the arrays into num_partitions contiguous (index, images, labels) chunks."""
+    """Split the arrays into num_partitions contiguous (first index, images, labels) chunks."""
     images = np.ascontiguousarray(np.asarray(images, dtype=np.uint8).reshape(-1, NUM_PIXELS))
     labels = np.asarray(labels).reshape(-1).astype(np.int64)
     if images.shape[0] != labels.shape[0]:
@@ -149,7 +149,7 @@ def _chunks(images, labels, num_partitions):
     num_partitions = max(1, min(int(num_partitions), images.shape[0] or 1))
     bounds = np.linspace(0, images.shape[0], num_partitions + 1).astype(np.int64)
     return [
-        (i, images[bounds[i]:bounds[i + 1]], labels[bounds[i]:bounds[i + 1]])
+        (int(bounds[i]), images[bounds[i]:bounds[i + 1]], labels[bounds[i]:bounds[i + 1]])
         for i in range(num_partitions)
     ]
 
@@ -179,19 +179,37 @@ def to_csv(sc, images, labels, out_dir, num_partitions, overwrite=True):
     return int(sum(c[2].shape[0] for c in chunks))
 
 
-def _expand_chunks(batches):
-    """mapInArrow: rows (images bytes, labels bytes) of whole chunks -> one row
-    per record, image array<float> scaled to [0,1] and label long."""
+def _expand_chunks(scaled, batches):
+    """mapInArrow: rows (images bytes, labels bytes, first id) of whole chunks ->
+    one row per record: id, pixels array<float> ([0,1] if scaled, else 0..255), label."""
     import pyarrow as pa
 
     for b in batches:
-        for imgs, lbls in zip(b.column(0).to_pylist(), b.column(1).to_pylist()):
-            x = np.frombuffer(imgs, dtype=np.uint8).astype(np.float32) / 255.0
+        for imgs, lbls, first in zip(b.column(0).to_pylist(), b.column(1).to_pylist(),
+                                     b.column(2).to_pylist()):
+            x = np.frombuffer(imgs, dtype=np.uint8).astype(np.float32)
+            if scaled:
+                x /= 255.0
             y = np.frombuffer(lbls, dtype=np.int64)
             offsets = pa.array(np.arange(0, x.size + 1, NUM_PIXELS, dtype=np.int32))
             yield pa.RecordBatch.from_arrays(
-                [pa.ListArray.from_arrays(offsets, pa.array(x)), pa.array(y)],
-                names=["image", "label"])
+                [pa.array(np.arange(first, first + y.size, dtype=np.int64)),
+                 pa.ListArray.from_arrays(offsets, pa.array(x)), pa.array(y)],
+                names=["id", "pixels", "label"])
+
+
+def to_dataframe(spark, images, labels, num_partitions, scaled=True):
+    """The records as a DataFrame, one contiguous chunk per partition (equal
+    partitions): id long (the record's index), image array<float> in [0,1]
+    and label long; with scaled=False the raw 0..255 values, named pixels."""
+    import functools
+
+    chunks = _chunks(images, labels, num_partitions)
+    blobs = spark.sparkContext.parallelize(
+        [(imgs.tobytes(), lbls.tobytes(), first) for first, imgs, lbls in chunks], len(chunks))
+    df = spark.createDataFrame(blobs, "images binary, labels binary, first long").mapInArrow(
+        functools.partial(_expand_chunks, scaled), "id long, pixels array<float>, label long")
+    return df.withColumnRenamed("pixels", "image") if scaled else df
 
 
 def to_tfrecords(sc, images, labels, out_dir, num_partitions, overwrite=True):
@@ -206,11 +224,7 @@ def to_tfrecords(sc, images, labels, out_dir, num_partitions, overwrite=True):
     from ember import tfrecord
 
     spark = SparkSession.builder.getOrCreate()
-    chunks = _chunks(images, labels, num_partitions)
-    blobs = sc.parallelize([(imgs.tobytes(), lbls.tobytes()) for _, imgs, lbls in chunks],
-                           len(chunks))
-    df = spark.createDataFrame(blobs, "images binary, labels binary") \
-        .mapInArrow(_expand_chunks, "image array<float>, label long")
+    df = to_dataframe(spark, images, labels, num_partitions).select("image", "label")
     return tfrecord.save(df, _local_path(out_dir), mode="overwrite" if overwrite else "error")
 
 

@@ -1,7 +1,6 @@
 """The Fashion-MNIST pipeline of the ember.ml tests (TensorFlow: test_ml.py,
 PyTorch: test_ml_torch.py): its DataFrames, SQL stages and the checks both
-runs must pass.  Spark's Python workers import this module by name (for
-_expand), so it imports neither TensorFlow nor PyTorch."""
+runs must pass.  It imports neither TensorFlow nor PyTorch."""
 
 from __future__ import annotations
 
@@ -14,23 +13,6 @@ SCALE_SQL = "SELECT id, transform(pixels, p -> CAST(p / 255.0 AS FLOAT)) AS imag
 CAST_SQL = "SELECT *, CAST(class AS DOUBLE) AS prediction FROM __THIS__"
 
 
-def _expand(batches: Any) -> Any:
-    """mapInArrow: rows of whole chunks (images bytes, labels bytes, first id) -> one
-    row per image: id long, pixels array<float> (0..255), label long."""
-    import pyarrow as pa
-
-    for b in batches:
-        for imgs, lbls, first in zip(b.column(0).to_pylist(), b.column(1).to_pylist(),
-                                     b.column(2).to_pylist()):
-            x = np.frombuffer(imgs, dtype=np.uint8).astype(np.float32)
-            y = np.frombuffer(lbls, dtype=np.int64)
-            offsets = pa.array(np.arange(0, x.size + 1, 784, dtype=np.int32))
-            yield pa.RecordBatch.from_arrays(
-                [pa.array(np.arange(first, first + y.size, dtype=np.int64)),
-                 pa.ListArray.from_arrays(offsets, pa.array(x)), pa.array(y)],
-                names=["id", "pixels", "label"])
-
-
 def fashion_frame(spark: Any, split: str, limit: int = 0, parts: int = 4) -> Any:
     """Fashion-MNIST as a DataFrame: id long, pixels array<float> (raw 0..255), label long."""
     from examples.fashion_mnist import data
@@ -38,14 +20,8 @@ def fashion_frame(spark: Any, split: str, limit: int = 0, parts: int = 4) -> Any
     images, labels = data.load_split(split)
     if limit:
         images, labels = images[:limit], labels[:limit]
-    images = images.reshape(-1, 784)
-    bounds = np.linspace(0, len(labels), parts + 1).astype(int)
-    chunks = [(images[a:b].tobytes(), labels[a:b].astype(np.int64).tobytes(), int(a))
-              for a, b in zip(bounds[:-1], bounds[1:])]
     # one chunk per partition: equal partitions, so the nodes get equal shares
-    blobs = spark.createDataFrame(spark.sparkContext.parallelize(chunks, parts),
-                                  "images binary, labels binary, first long")
-    return blobs.mapInArrow(_expand, "id long, pixels array<float>, label long")
+    return data.to_dataframe(spark, images, labels, parts, scaled=False)
 
 
 def fashion_pipeline(est: Any, epochs: int, path: str) -> Any:
