@@ -31,7 +31,7 @@ APT_PACKAGES += python3-torch libopenblas0-openmp
 
 .PHONY: hadoop yarn-app
 .PHONY: venv-torch test-torch
-.PHONY: help setup apt venv build lib ext test test-c test-py fuzz fuzz-smoke demo demo-quick \
+.PHONY: help setup apt venv build lib ext spark-jar test test-c test-py fuzz fuzz-smoke demo demo-quick \
         bench-reservation bench-allreduce bench-tfrecord bench-feed clean format-check
 
 help:
@@ -92,7 +92,7 @@ $(TORCH_VENV)/.stamp: requirements-torch.txt | $(BUILD)/.apt-stamp
 setup: apt venv build venv-torch
 
 # ---------------------------------------------------------------- build
-build: lib ext
+build: lib ext spark-jar
 lib: $(BUILD)/libember.a
 
 $(BUILD)/obj/%.o: csrc/%.c $(LIB_HDRS)
@@ -107,6 +107,19 @@ ext: $(VENV)/.stamp $(BUILD)/libember.a
 	@$(MAKE) --no-print-directory python/ember/_ember$(EXT_SUFFIX)
 python/ember/_ember%.so: $(EXT_SRCS) $(EXT_HDRS) $(BUILD)/libember.a
 	$(CC) $(BASE) $(OPT) -fvisibility=hidden -shared -I$(PY_INC) $(EXT_SRCS) $(BUILD)/libember.a $(LIBS) -o $@
+
+# Ember's Spark jar (spark/src): EmberModel's direct inference path in the
+# executor JVM, compiled against the venv's own Spark jars (the Spark it runs in).
+SPARK_JAR      := python/ember/jars/ember-spark.jar
+SPARK_JAR_SRCS := $(wildcard spark/src/ember/spark/*.java)
+spark-jar: $(VENV)/.stamp
+	@$(MAKE) --no-print-directory $(SPARK_JAR)
+$(SPARK_JAR): $(SPARK_JAR_SRCS) requirements.txt
+	@command -v javac >/dev/null || { echo "javac (JDK 17) is required for $(SPARK_JAR)"; exit 1; }
+	rm -rf $(BUILD)/spark && mkdir -p $(BUILD)/spark/classes $(@D)
+	javac --release 17 -Xlint:all,-path,-serial,-classfile -Werror -d $(BUILD)/spark/classes \
+	  -cp "$$($(PY) -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')/jars/*" $(SPARK_JAR_SRCS)
+	jar cf $@ -C $(BUILD)/spark/classes ember
 
 # ---------------------------------------------------------------- test Hadoop (HDFS + YARN)
 # hadoop/minicluster: one JVM with a MiniDFSCluster and a MiniYARNCluster, for
@@ -245,4 +258,4 @@ bench-inference: setup
 	PYTHONUNBUFFERED=1 $(PY) bench/inference.py
 
 clean:
-	rm -rf $(BUILD) python/ember/_ember*.so
+	rm -rf $(BUILD) python/ember/_ember*.so python/ember/jars

@@ -39,7 +39,7 @@ from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import (DefaultParamsReader, DefaultParamsWriter, MLReadable, MLWritable)
 
-from ember.ml import _runtime, _torch
+from ember.ml import _direct, _runtime, _torch
 from ember.ml._runtime import ModelInputError
 
 __all__ = ["EmberEstimator", "EmberModel", "EmberTorchModel", "TFEstimator", "TFModel",
@@ -441,13 +441,21 @@ class _ArrowInference(Model, _EmberParams, _Persist):
         from pyspark.sql import functions as F
         from pyspark.sql import types as T
 
-        path = self.getArrowPath() or ("udf" if hasattr(F, "arrow_udf") else "mapInArrow")
-        if path not in ("udf", "mapInArrow"):
-            raise ValueError(f"ArrowPath must be 'udf' or 'mapInArrow', not {path!r}")
+        chosen = self.getArrowPath()
+        path = chosen or ("udf" if hasattr(F, "arrow_udf") else "mapInArrow")
+        if path not in ("direct", "udf", "mapInArrow"):
+            raise ValueError(f"ArrowPath must be 'direct', 'udf' or 'mapInArrow', not {path!r}")
         if path == "udf" and not hasattr(F, "arrow_udf"):
             raise ValueError("ArrowPath 'udf' needs Spark >= 4.1 (pyspark.sql.functions.arrow_udf)")
         spec = self._inference_spec(dataset)
         out_cols, types = spec["output_columns"], spec.pop("output_types")
+        if chosen in (None, "direct"):
+            columns, why = _direct.plan(dataset, spec["columns"], _runtime.predictor(spec).inputs)
+            if columns is not None:
+                return _direct.transform(dataset, spec, columns, [
+                    T.StructField(c, t, True) for c, t in zip(out_cols, types)])
+            if chosen == "direct":
+                raise ValueError(f"ArrowPath 'direct' cannot run this DataFrame: {why}")
         if path == "mapInArrow":
             fields = list(dataset.schema.fields) + [
                 T.StructField(c, t, True) for c, t in zip(out_cols, types)]

@@ -336,7 +336,15 @@ def column_to_numpy(arr: Any, column: str, info: TensorInfo, where: str) -> np.n
         raise ModelInputError(f"column {column!r} has Arrow type {arr.type} in {where}; model "
                               f"input {info.key!r} needs numbers ({info.describe()})")
     flat = arr.to_numpy(zero_copy_only=False)
-    x = flat.reshape((n, *dims)) if dims or flat.shape[0] != n else flat
+    return fit_input(flat.reshape((n, *dims)) if dims or flat.shape[0] != n else flat,
+                     column, info, where)
+
+
+def fit_input(x: np.ndarray, column: str, info: TensorInfo, where: str) -> np.ndarray:
+    """Rows of ``column`` (row axis first) as model input ``info`` takes them:
+    cast to its dtype, reshaped to its row shape when only the flat length
+    agrees (Spark arrays are flat); raises when the rows do not fit."""
+    n = x.shape[0]
     if x.dtype != info.dtype:
         x = x.astype(info.dtype)
     want = info.shape
@@ -425,16 +433,24 @@ def infer_partition(spec: Dict[str, Any], batches: Iterable[Any]) -> Iterator[An
             part = rb.slice(off, step) if (off or rb.num_rows > step) else rb
             where = f"rows {off}..{off + part.num_rows - 1} of an Arrow batch"
             xs = [column_to_numpy(part.column(c), c, info, where) for c, info in zip(cols, p.inputs)]
-            ys = p.run(xs)
             arrays = [part.column(c) for c in keep]
-            for y, info, c in zip(ys, p.outputs, out_cols):
-                if y.ndim == 0 or y.shape[0] != part.num_rows:
-                    raise ModelInputError(f"model output {info.key!r} has shape {list(y.shape)} "
-                                          f"for {part.num_rows} input rows")
-                arrays.append(numpy_to_arrow(y, info, c))
             yield pa.RecordBatch.from_arrays(
-                [a if a.type == f.type else a.cast(f.type) for a, f in zip(arrays, schema)],
-                schema=schema)
+                [a if a.type == f.type else a.cast(f.type) for a, f in zip(arrays, schema)] +
+                outputs_to_arrow(p, p.run(xs), out_cols, part.num_rows), schema=schema)
+
+
+def outputs_to_arrow(p: Any, ys: Sequence[np.ndarray], out_cols: Sequence[str],
+                     rows: int) -> List[Any]:
+    """The model's outputs for ``rows`` input rows as Arrow columns of their
+    declared types (:func:`arrow_type`)."""
+    arrays = []
+    for y, info, c in zip(ys, p.outputs, out_cols):
+        if y.ndim == 0 or y.shape[0] != rows:
+            raise ModelInputError(f"model output {info.key!r} has shape {list(y.shape)} "
+                                  f"for {rows} input rows")
+        a, t = numpy_to_arrow(y, info, c), arrow_type(info)
+        arrays.append(a if a.type == t else a.cast(t))
+    return arrays
 
 
 def infer_arrays(spec: Dict[str, Any], *columns: Any) -> Any:
@@ -453,11 +469,8 @@ def infer_arrays(spec: Dict[str, Any], *columns: Any) -> Any:
         where = f"rows {off}..{off + rows - 1} of an Arrow batch"
         xs = [column_to_numpy(a, c, info, where)
               for a, c, info in zip(cols, spec["columns"], p.inputs)]
-        for i, (y, info) in enumerate(zip(p.run(xs), p.outputs)):
-            if y.ndim == 0 or y.shape[0] != rows:
-                raise ModelInputError(f"model output {info.key!r} has shape {list(y.shape)} "
-                                      f"for {rows} input rows")
-            pieces[i].append(numpy_to_arrow(y, info, out_cols[i]))
+        for i, a in enumerate(outputs_to_arrow(p, p.run(xs), out_cols, rows)):
+            pieces[i].append(a)
     arrays = [pa.concat_arrays(x) if len(x) != 1 else x[0] for x in pieces]
     if not spec.get("struct"):
         return arrays[0]

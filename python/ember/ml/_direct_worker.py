@@ -1,0 +1,141 @@
+"""Ember's inference worker: the Python end of EmberModel's direct path.
+
+The executor JVM (``ember.spark.DirectInference``) starts this module as
+``python -m ember.ml._direct_worker`` and keeps it for later tasks of the
+same model.  Over stdin it sends the pickled inference spec once, then
+batches: a big-endian int32 row count followed, per input column, by the
+rows' values packed little-endian (``count * row bytes``); a count of 0 ends
+a task.  For each batch this process answers on stdout with int32 status,
+int32 length and either one Arrow IPC stream holding the output columns
+(status 0) or a UTF-8 message naming what was wrong (status 1, after which
+it exits).  A reader thread reads the next batch while the model runs.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import struct
+import sys
+import threading
+from typing import Any, BinaryIO, List, Optional, Tuple
+
+import numpy as np
+
+MAGIC = 0x454D4231
+
+
+def _read_into(f: BinaryIO, buf: Any) -> bool:
+    """Fills ``buf`` from ``f``; False at a clean end of input before any byte."""
+    view, got = memoryview(buf).cast("B"), 0
+    while got < len(view):
+        k = f.readinto(view[got:])
+        if not k:
+            if got == 0:
+                return False
+            raise EOFError(f"input ended {got} bytes into a {len(view)}-byte read")
+        got += k
+    return True
+
+
+def _int(f: BinaryIO) -> Optional[int]:
+    b = bytearray(4)
+    return struct.unpack(">i", b)[0] if _read_into(f, b) else None
+
+
+def _batches(f: BinaryIO, columns: List[Tuple[str, np.dtype, Tuple[int, ...]]], out: "queue.Queue"):
+    """Reader thread: (batch number, [row arrays per column]) or None per task end;
+    an exception object on failure; stops at the end of input."""
+    try:
+        number = 0
+        while True:
+            n = _int(f)
+            if n is None:
+                out.put(EOFError())
+                return
+            if n == 0:
+                out.put(None)
+                continue
+            arrays = []
+            for _name, dtype, shape in columns:
+                x = np.empty((n, *shape), dtype=dtype)
+                if not _read_into(f, x):
+                    raise EOFError("input ended inside a batch")
+                arrays.append(x)
+            out.put((number, n, arrays))
+            number += 1
+    except BaseException as exc:  # handed to the main thread, which reports it
+        out.put(exc)
+
+
+def _reply(out: BinaryIO, status: int, body: bytes) -> None:
+    out.write(struct.pack(">ii", status, len(body)))
+    out.write(body)
+    out.flush()
+
+
+def serve(inp: BinaryIO, out: BinaryIO) -> int:
+    import pyarrow as pa
+
+    from ember.ml import _runtime
+
+    if _int(inp) != MAGIC:
+        raise ValueError("not an Ember direct-inference stream (bad magic)")
+    size = _int(inp)
+    blob = bytearray(size or 0)
+    if size is None or not _read_into(inp, blob):
+        raise EOFError("input ended before the inference spec")
+    spec = pickle.loads(bytes(blob))
+    columns = [(name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in spec["direct_columns"]]
+    p = _runtime.predictor(spec)
+    out_cols = spec["output_columns"]
+    schema = pa.schema([pa.field(c, _runtime.arrow_type(info)) for c, info in zip(out_cols, p.outputs)])
+    ready: "queue.Queue" = queue.Queue(maxsize=2)
+    threading.Thread(target=_batches, args=(inp, columns, ready), daemon=True).start()
+    rows_seen = 0
+    while True:
+        item = ready.get()
+        if item is None:  # a task ended; its rows are numbered afresh
+            rows_seen = 0
+            continue
+        if isinstance(item, EOFError) and not str(item):
+            return 0  # the JVM closed the pipe: the executor is done with this worker
+        if isinstance(item, BaseException):
+            raise item
+        _number, n, arrays = item
+        where = f"rows {rows_seen}..{rows_seen + n - 1} of the task's partition"
+        try:
+            xs = [_runtime.fit_input(x, name, info, where)
+                  for (name, _d, _s), x, info in zip(columns, arrays, p.inputs)]
+            batch = pa.RecordBatch.from_arrays(
+                _runtime.outputs_to_arrow(p, p.run(xs), out_cols, n), schema=schema)
+        except Exception as exc:
+            _reply(out, 1, f"{type(exc).__name__}: {exc}".encode())
+            return 1
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, schema) as writer:
+            writer.write_batch(batch)
+        _reply(out, 0, sink.getvalue().to_pybytes())
+        rows_seen += n
+
+
+def main() -> int:
+    inp = os.fdopen(0, "rb", buffering=0)
+    out = os.fdopen(os.dup(1), "wb", buffering=1 << 16)
+    os.dup2(2, 1)  # stray prints (TensorFlow's, a model's) go to the log, not the protocol
+    sys.stdout = sys.stderr
+    try:
+        return serve(inp, out)
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:
+        try:
+            _reply(out, 1, f"{type(exc).__name__}: {exc}".encode())
+        except OSError:
+            pass
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
