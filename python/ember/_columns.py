@@ -222,15 +222,14 @@ def _arrow_column(col: Any, field: str, where: str,
 
     t = col.type
     if field in tensors and (pa.types.is_binary(t) or pa.types.is_large_binary(t)):
-        values, offs = _arrow_binary(col, field, where)
-        return array_column(field, tensors_mod.view(values, offs, len(col), tensors[field],
-                                                    field, where), where)
+        return array_column(field, tensors_mod.arrow_view(col, tensors[field], field, where),
+                            where)
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
         return array_column(field, _arrow_values(col, field, where), where)
     if pa.types.is_string(t) or pa.types.is_large_string(t) or \
             pa.types.is_binary(t) or pa.types.is_large_binary(t):
         is_str = pa.types.is_string(t) or pa.types.is_large_string(t)
-        data, offs = _arrow_binary(col, field, where)
+        data, offs = arrow_binary(col, field, where)
         return (_encode_name(field, (), is_str), _ember.DT_BYTES, 0, data, offs.astype(np.uint64))
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
         return _arrow_list_column(col, field, where)
@@ -240,7 +239,7 @@ def _arrow_column(col: Any, field: str, where: str,
                     "carry (numbers, strings, binary, arrays of numbers, ML vectors)")
 
 
-def _arrow_binary(col: Any, field: str, where: str) -> Tuple[Any, np.ndarray]:
+def arrow_binary(col: Any, field: str, where: str) -> Tuple[Any, np.ndarray]:
     """(values, offsets from 0) of a null-free string/binary Arrow array, no copy."""
     import pyarrow as pa
 

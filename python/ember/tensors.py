@@ -15,7 +15,7 @@ column gives, a view of the Arrow buffer (no copy, no per-value work).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, Mapping, Sequence, Tuple
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -31,13 +31,21 @@ _MAX_BATCH_BYTES = 1 << 30
 TensorSpec = Tuple[np.dtype, Tuple[int, ...]]
 
 
+def field_spec(field: Any) -> Optional[TensorSpec]:
+    """(dtype, row shape) of a Spark StructField that is a tensor column, else None."""
+    meta = (field.metadata or {}).get(METADATA_KEY)
+    if meta is None or field.dataType.typeName() != "binary":
+        return None
+    return np.dtype(meta["dtype"]), tuple(int(d) for d in meta["shape"])
+
+
 def tensor_specs(schema: Any) -> Dict[str, TensorSpec]:
     """{column: (dtype, row shape)} of the tensor columns of a Spark schema."""
     specs = {}
     for field in schema.fields:
-        meta = (field.metadata or {}).get(METADATA_KEY)
-        if meta is not None and field.dataType.typeName() == "binary":
-            specs[field.name] = (np.dtype(meta["dtype"]), tuple(int(d) for d in meta["shape"]))
+        spec = field_spec(field)
+        if spec is not None:
+            specs[field.name] = spec
     return specs
 
 
@@ -139,3 +147,11 @@ def view(values: Any, offsets: np.ndarray, n: int, spec: TensorSpec, field: str,
                          f"{int(lengths[bad[0]])} bytes; {dtype.name}{list(shape)} is {row_bytes}")
     return np.frombuffer(values, dtype=dtype, count=n * row_bytes // dtype.itemsize
                          ).reshape((n,) + shape)
+
+
+def arrow_view(col: Any, spec: TensorSpec, field: str, where: str) -> np.ndarray:
+    """The ``(n, *shape)`` array of a tensor column's Arrow binary array (a view)."""
+    from ember._columns import arrow_binary
+
+    values, offsets = arrow_binary(col, field, where)
+    return view(values, offsets, len(col), spec, field, where)

@@ -2,7 +2,8 @@
 test rows, accuracy with Spark's evaluator, save/load with identical
 predictions), CrossValidator over a 2-point grid, SavedModels with and
 without signatures, output column types, bad input named on the driver, and
-a Structured Streaming query through EmberModel.transform."""
+a Structured Streaming query through EmberModel.transform; the direct path's
+input kinds, worker reuse and recovery, and its errors named by column and row."""
 
 from __future__ import annotations
 
@@ -153,12 +154,14 @@ def _sig_model(path):
             .setOutputMapping({"y": "y", "s": "s", "k": "k"}).setBatchSize(64))
 
 
-@pytest.mark.parametrize("path", ["udf", "mapInArrow"])
+@pytest.mark.parametrize("path", [None, "udf", "mapInArrow"])
 def test_signature_model_types_and_values(local_spark, small_models, path):
     df, x = _small_frame(local_spark)
     out = _sig_model(small_models["sig"]).setArrowPath(path).transform(df)
     plan = out._jdf.queryExecution().executedPlan().toString()
-    if path == "udf":  # one Python evaluation for the three output columns
+    if path is None:  # the default: the direct path, the rows of an RDD built by Ember's jar
+        assert "ExistingRDD" in plan and "Python" not in plan and "Arrow" not in plan, plan
+    elif path == "udf":  # one Python evaluation for the three output columns
         assert plan.count("ArrowEvalPython") == 1, plan
     else:
         assert "MapInArrow" in plan, plan
@@ -272,3 +275,123 @@ def test_streaming_file_source_to_file_sink(local_spark, small_models, tmp_path)
     np.testing.assert_allclose(np.array([r["y"] for r in rows]), y, rtol=1e-6)
     assert [r["k"] for r in rows] == k.tolist()
     assert TFModel is EmberModel
+
+
+# --------------------------------------------------------------------------- direct path
+
+def _direct_workers(model_path):
+    """pids of the direct-path inference workers serving ``model_path``."""
+    pids = set()
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"ember.ml._direct_worker" in argv and model_path.encode() in argv:
+            pids.add(int(d))
+    return pids
+
+
+def test_direct_path_tensor_column_and_worker_reuse(local_spark, small_models):
+    """A tensor column (ember.tensors) and a bigint column through the direct
+    path; the model's workers serve the second transform (no new process), and
+    workers killed while idle are replaced."""
+    import signal
+
+    from ember import tensors
+
+    df, x = _small_frame(local_spark, n=400, parts=4)
+    packed = tensors.pack(df, {"feats": (4,)})
+    m = _sig_model(small_models["sig"]).setArrowPath("direct")
+
+    def check(frame):
+        rows = sorted(m.transform(frame).collect(), key=lambda r: r["id"])
+        assert len(rows) == 400
+        ids = np.array([r["id"] for r in rows])
+        y, s, k = _expected(x[ids], ids)
+        np.testing.assert_allclose(np.array([r["y"] for r in rows]), y, rtol=1e-6)
+        np.testing.assert_allclose(np.array([r["s"] for r in rows]), s, rtol=1e-6)
+        assert [r["k"] for r in rows] == k.tolist()
+
+    check(packed)
+    first = _direct_workers(small_models["sig"])
+    assert 1 <= len(first) <= local_spark.sparkContext.defaultParallelism
+    check(packed)
+    assert _direct_workers(small_models["sig"]) == first  # the model stayed loaded
+    assert m.transform(packed).schema["feats"].dataType.simpleString() == "binary"
+    for pid in first:
+        os.kill(pid, signal.SIGKILL)
+    check(packed)
+    assert not (_direct_workers(small_models["sig"]) & first)
+
+
+@pytest.mark.parametrize("path", ["udf", "mapInArrow"])
+def test_tensor_column_on_the_arrow_paths(local_spark, small_models, path):
+    from ember import tensors
+
+    df, x = _small_frame(local_spark, n=200, parts=2)
+    out = _sig_model(small_models["sig"]).setArrowPath(path).transform(
+        tensors.pack(df, {"feats": (2, 2)}))  # the model's rows are [4]: reshaped
+    rows = sorted(out.collect(), key=lambda r: r["id"])
+    ids = np.array([r["id"] for r in rows])
+    np.testing.assert_allclose(np.array([r["y"] for r in rows]), x[ids] @ W, rtol=1e-6)
+    short = tensors.pack(local_spark.sql("SELECT array(1.0F, 2.0F, 3.0F) AS feats, 1L AS cnt"),
+                         {"feats": (3,)})
+    with pytest.raises(ModelInputError, match=r"tensor column 'feats' holds float32\[3\] per "
+                                              r"row; model input 'x' \(float32 \[None, 4\]\) "
+                                              r"takes 4 values per row"):
+        _sig_model(small_models["sig"]).setArrowPath(path).transform(short)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("short", r"column 'feats' row 7 of partition 0 has 3 values; the model takes 4"),
+    ("null_value", r"column 'feats' row 5 of partition 0 holds a null value"),
+    ("null_row", r"column 'feats' is null at row 2 of partition 0"),
+])
+def test_direct_path_bad_rows_are_named(local_spark, small_models, case, message):
+    """Rows the driver's one-row check cannot see: the task fails naming the
+    column and row, and the model's next transform runs on fresh workers."""
+    good = [1.0, 2.0, 3.0, 4.0]
+    bad = {"short": (7, [1.0, 2.0, 3.0]), "null_value": (5, [1.0, None, 3.0, 4.0]),
+           "null_row": (2, None)}[case]
+    rows = [(i, bad[1] if i == bad[0] else good, i) for i in range(10)]
+    df = local_spark.createDataFrame(rows, "id long, feats array<float>, cnt long").coalesce(1)
+    m = _sig_model(small_models["sig"]).setArrowPath("direct")
+    with pytest.raises(Exception, match=message):
+        m.transform(df).collect()
+    fine = local_spark.createDataFrame([(i, good, i) for i in range(10)],
+                                       "id long, feats array<float>, cnt long")
+    assert sorted(r["k"] for r in m.transform(fine).collect()) == [3 * i for i in range(10)]
+
+
+def test_direct_path_model_error_limit_and_fallback(local_spark, tmp_path):
+    """A model that fails on some rows fails the task with the model's own
+    message; a transform cut short by limit() ends its task cleanly; a streaming
+    DataFrame takes the Arrow UDF path, and asking for 'direct' there says why."""
+    import tensorflow as tf
+
+    class Checked(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name="n")])
+        def serve(self, n):
+            with tf.control_dependencies([tf.debugging.assert_non_negative(
+                    n, message="ember test: n must be >= 0")]):
+                return {"k": n * 3}
+
+    export = str(tmp_path / "checked")
+    m = Checked()
+    tf.saved_model.save(m, export, signatures={"serving_default": m.serve})
+    model = EmberModel().setExportDir(export).setInputMapping({"n": "n"}) \
+        .setOutputMapping({"k": "k"}).setBatchSize(16)
+    df = local_spark.range(0, 1000, numPartitions=2).withColumnRenamed("id", "n")
+    assert sorted(r["k"] for r in model.transform(df).collect()) == [3 * i for i in range(1000)]
+    assert len(model.transform(df).limit(5).collect()) == 5
+    neg = local_spark.range(-3, 100, numPartitions=1).withColumnRenamed("id", "n")
+    with pytest.raises(Exception, match="ember test: n must be >= 0"):
+        model.transform(neg).collect()
+    assert model.transform(df).count() == 1000
+    stream = local_spark.readStream.format("rate").load().selectExpr("value AS n")
+    assert model.transform(stream).isStreaming  # (the direct path's output would not be)
+    with pytest.raises(ValueError, match="ArrowPath 'direct' cannot run this DataFrame: "
+                                         "a streaming DataFrame"):
+        model.setArrowPath("direct").transform(stream)

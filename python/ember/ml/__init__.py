@@ -39,6 +39,7 @@ from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import (DefaultParamsReader, DefaultParamsWriter, MLReadable, MLWritable)
 
+from ember import tensors
 from ember.ml import _direct, _runtime, _torch
 from ember.ml._runtime import ModelInputError
 
@@ -391,9 +392,24 @@ class _ArrowInference(Model, _EmberParams, _Persist):
 
     @staticmethod
     def _check_column(dataset: Any, field: Any, info: "_runtime.TensorInfo") -> None:
+        import numpy as np
         from pyspark.sql import types as T
 
         want_rank = None if info.shape is None else len(info.shape) - 1
+        tensor = tensors.field_spec(field)
+        if tensor is not None:  # ember.tensors: dtype and row shape are in the schema
+            dtype, shape = tensor
+            what = f"model input {info.key!r} ({info.describe()})"
+            if info.dtype.kind in "iub" and dtype.kind == "f":
+                raise ModelInputError(f"tensor column {field.name!r} holds {dtype.name}; {what} "
+                                      "takes integers")
+            rest = None if info.shape is None else info.shape[1:]
+            if rest is not None and all(d is not None for d in rest) and \
+                    int(np.prod(rest, dtype=np.int64)) != int(np.prod(shape, dtype=np.int64)):
+                raise ModelInputError(f"tensor column {field.name!r} holds {dtype.name}"
+                                      f"{list(shape)} per row; {what} takes "
+                                      f"{int(np.prod(rest, dtype=np.int64))} values per row")
+            return
         t, depth = field.dataType, 0
         while isinstance(t, T.ArrayType):
             t, depth = t.elementType, depth + 1
@@ -449,6 +465,8 @@ class _ArrowInference(Model, _EmberParams, _Persist):
             raise ValueError("ArrowPath 'udf' needs Spark >= 4.1 (pyspark.sql.functions.arrow_udf)")
         spec = self._inference_spec(dataset)
         out_cols, types = spec["output_columns"], spec.pop("output_types")
+        spec["tensors"] = {c: (t[0].str, list(t[1])) for c, t in
+                           tensors.tensor_specs(dataset.schema).items() if c in spec["columns"]}
         if chosen in (None, "direct"):
             columns, why = _direct.plan(dataset, spec["columns"], _runtime.predictor(spec).inputs)
             if columns is not None:
@@ -584,6 +602,10 @@ class EmberTorchModel(_ArrowInference):
         import numpy as np
         from pyspark.sql import types as T
 
+        tensor = tensors.field_spec(field)
+        if tensor is not None:
+            dtype = floating if floating is not None and tensor[0].kind == "f" else tensor[0]
+            return _runtime.TensorInfo(key, arg, dtype, (None, *tensor[1]))
         t, depth = field.dataType, 0
         while isinstance(t, T.ArrayType):
             t, depth = t.elementType, depth + 1
@@ -640,7 +662,8 @@ class EmberTorchModel(_ArrowInference):
                     "outputs with: save the module with ember.ml.save_torchscript(module, "
                     "export_dir, example_inputs=...)")
             where = "the DataFrame's first row"
-            xs = [_runtime.column_to_numpy(first.column(c), c, info, where)
+            xs = [_runtime.column_to_numpy(first.column(c), c, info, where,
+                                           tensors.field_spec(schema[c]))
                   for c, info in zip(cols, inputs)]
         outputs = _torch.dry_run(module, path, args, inputs, xs, outs, cols, where)
         return dict(format="torchscript", export_dir=path, checkpoint=None,

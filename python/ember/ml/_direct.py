@@ -105,6 +105,7 @@ def transform(dataset: Any, spec: Dict[str, Any], columns: List, output_fields: 
         names[i], kinds[i] = c, kind
     schema = T.StructType(list(dataset.schema.fields) + list(output_fields))
     jdf = _java_class(spark).transform(dataset._jdf, names, kinds, blob,
-                                       hashlib.sha256(blob).hexdigest(), schema.json(),
+                                       hashlib.sha256(blob).hexdigest(),
+                                       str(spec.get("checkpoint") or spec["export_dir"]), schema.json(),
                                        sc.pythonExec, batch_size)
     return DataFrame(jdf, spark)

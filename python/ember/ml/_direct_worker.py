@@ -1,7 +1,8 @@
 """Ember's inference worker: the Python end of EmberModel's direct path.
 
 The executor JVM (``ember.spark.DirectInference``) starts this module as
-``python -m ember.ml._direct_worker`` and keeps it for later tasks of the
+``python -m ember.ml._direct_worker <model path>`` (the path shows in
+``ps``; nothing reads it) and keeps it for later tasks of the
 same model.  Over stdin it sends the pickled inference spec once, then
 batches: a big-endian int32 row count followed, per input column, by the
 rows' values packed little-endian (``count * row bytes``); a count of 0 ends

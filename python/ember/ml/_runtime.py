@@ -295,17 +295,24 @@ def _flatten_list(arr: Any, column: str, where: str) -> Tuple[Any, int]:
     return arr.flatten(), width
 
 
-def column_to_numpy(arr: Any, column: str, info: TensorInfo, where: str) -> np.ndarray:
+def column_to_numpy(arr: Any, column: str, info: TensorInfo, where: str,
+                    tensor: Optional[Tuple[Any, Sequence[int]]] = None) -> np.ndarray:
     """Arrow column -> numpy array for the model input ``info`` (row axis first).
 
-    Numbers, arrays of numbers (nested arrays too) and dense ML vectors; no
-    Python object per value (the values buffer is viewed, then cast when the
+    Numbers, arrays of numbers (nested arrays too), dense ML vectors and
+    tensor columns (``tensor``: their dtype and row shape, see ember.tensors);
+    no Python object per value (the values buffer is viewed, then cast when the
     model wants another dtype).  Rows are reshaped to the model's row shape
     when only the flat length agrees (Spark arrays are flat)."""
     import pyarrow as pa
 
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
+    if tensor is not None:
+        from ember import tensors
+
+        spec = (np.dtype(tensor[0]), tuple(tensor[1]))
+        return fit_input(tensors.arrow_view(arr, spec, column, where), column, info, where)
     n = len(arr)
     if arr.null_count:
         raise ModelInputError(f"column {column!r} has a null in {where} (model input "
@@ -421,6 +428,7 @@ def infer_partition(spec: Dict[str, Any], batches: Iterable[Any]) -> Iterator[An
 
     p = predictor(spec)
     cols, out_cols, keep = spec["columns"], spec["output_columns"], spec["keep"]
+    tensors = spec.get("tensors", {})
     step = max(1, int(spec["batch_size"]))
     schema = None
     for rb in batches:
@@ -432,7 +440,8 @@ def infer_partition(spec: Dict[str, Any], batches: Iterable[Any]) -> Iterator[An
         for off in range(0, rb.num_rows, step):
             part = rb.slice(off, step) if (off or rb.num_rows > step) else rb
             where = f"rows {off}..{off + part.num_rows - 1} of an Arrow batch"
-            xs = [column_to_numpy(part.column(c), c, info, where) for c, info in zip(cols, p.inputs)]
+            xs = [column_to_numpy(part.column(c), c, info, where, tensors.get(c))
+                  for c, info in zip(cols, p.inputs)]
             arrays = [part.column(c) for c in keep]
             yield pa.RecordBatch.from_arrays(
                 [a if a.type == f.type else a.cast(f.type) for a, f in zip(arrays, schema)] +
@@ -467,7 +476,7 @@ def infer_arrays(spec: Dict[str, Any], *columns: Any) -> Any:
         cols = [c.slice(off, step) if (off or n > step) else c for c in columns]
         rows = len(cols[0])
         where = f"rows {off}..{off + rows - 1} of an Arrow batch"
-        xs = [column_to_numpy(a, c, info, where)
+        xs = [column_to_numpy(a, c, info, where, spec.get("tensors", {}).get(c))
               for a, c, info in zip(cols, spec["columns"], p.inputs)]
         for i, a in enumerate(outputs_to_arrow(p, p.run(xs), out_cols, rows)):
             pieces[i].append(a)

@@ -53,7 +53,7 @@ import scala.Tuple2;
  * EmberModel.transform's direct path: the executor JVM writes the model's
  * input columns of each batch of rows, as packed little-endian values, down a
  * pipe to an Ember inference worker (a Python process, {@code python -m
- * ember.ml._direct_worker}, one per concurrent task, kept and reused by later
+ * ember.ml._direct_worker <model>}, one per concurrent task, kept and reused by later
  * tasks of the same model), and appends the output columns it sends back (one
  * Arrow IPC batch per input batch) to the rows.
  *
@@ -74,8 +74,8 @@ public final class DirectInference {
 
   /** The DataFrame {@code df} plus the model's output columns. */
   public static Dataset<Row> transform(Dataset<Row> df, String[] columns, String[] kinds,
-                                       byte[] spec, String specKey, String outputSchemaJson,
-                                       String pythonExec, int batchSize) {
+                                       byte[] spec, String specKey, String label,
+                                       String outputSchemaJson, String pythonExec, int batchSize) {
     org.apache.spark.sql.classic.Dataset<Row> classic = (org.apache.spark.sql.classic.Dataset<Row>) df;
     StructType in = classic.schema();
     StructType out = (StructType) DataType.fromJson(outputSchemaJson);
@@ -83,7 +83,7 @@ public final class DirectInference {
     for (int i = 0; i < columns.length; i++) {
       ordinals[i] = in.fieldIndex(columns[i]);
     }
-    Partition fn = new Partition(columns, kinds, ordinals, spec, specKey, pythonExec,
+    Partition fn = new Partition(columns, kinds, ordinals, spec, specKey, label, pythonExec,
                                  Math.max(1, batchSize));
     RDD<InternalRow> rows = classic.queryExecution().toRdd();
     JavaRDD<InternalRow> mapped = rows.toJavaRDD().mapPartitions(fn);
@@ -139,16 +139,18 @@ public final class DirectInference {
     final int[] ordinals;
     final byte[] spec;
     final String specKey;
+    final String label;
     final String pythonExec;
     final int batchSize;
 
     Partition(String[] names, String[] kinds, int[] ordinals, byte[] spec, String specKey,
-              String pythonExec, int batchSize) {
+              String label, String pythonExec, int batchSize) {
       this.names = names;
       this.kinds = kinds;
       this.ordinals = ordinals;
       this.spec = spec;
       this.specKey = specKey;
+      this.label = label;
       this.pythonExec = pythonExec;
       this.batchSize = batchSize;
     }
@@ -160,7 +162,7 @@ public final class DirectInference {
         cols[i] = new Column(names[i], kinds[i], ordinals[i]);
       }
       TaskContext task = TaskContext.get();
-      Worker worker = Worker.borrow(pythonExec, specKey, spec);
+      Worker worker = Worker.borrow(pythonExec, specKey, label, spec);
       return new Results(task, worker, cols, input, batchSize);
     }
   }
@@ -443,13 +445,16 @@ public final class DirectInference {
    * An inference worker process and its pipes.  Idle workers wait for the
    * next task of their model; one idle longer than {@code EMBER_DIRECT_IDLE_SECONDS}
    * (default 60, as Spark's Python workers) is stopped, and at most as many
-   * stay idle as the executor has cores (a model's memory each).
+   * stay idle as this executor has had tasks at once (a model's memory each).
    */
   static final class Worker {
     static final Map<String, ConcurrentLinkedDeque<Worker>> IDLE = new ConcurrentHashMap<>();
     static final long IDLE_NANOS = java.util.concurrent.TimeUnit.SECONDS.toNanos(
         Long.parseLong(System.getenv().getOrDefault("EMBER_DIRECT_IDLE_SECONDS", "60")));
-    static final int MAX_IDLE = Math.max(1, Runtime.getRuntime().availableProcessors());
+    static final java.util.concurrent.atomic.AtomicInteger ACTIVE =
+        new java.util.concurrent.atomic.AtomicInteger();
+    static final java.util.concurrent.atomic.AtomicInteger PEAK =
+        new java.util.concurrent.atomic.AtomicInteger(1);
     static final java.util.concurrent.ScheduledExecutorService REAPER =
         java.util.concurrent.Executors.newSingleThreadScheduledExecutor(r -> {
           Thread t = new Thread(r, "ember direct worker reaper");
@@ -476,8 +481,10 @@ public final class DirectInference {
       this.in = new DataInputStream(new BufferedInputStream(process.getInputStream(), 1 << 16));
     }
 
-    static Worker borrow(String pythonExec, String specKey, byte[] spec) throws IOException {
+    static Worker borrow(String pythonExec, String specKey, String label, byte[] spec)
+        throws IOException {
       String key = pythonExec + "\u0000" + specKey;
+      PEAK.accumulateAndGet(ACTIVE.incrementAndGet(), Math::max);
       ConcurrentLinkedDeque<Worker> idle = IDLE.computeIfAbsent(key, k -> new ConcurrentLinkedDeque<>());
       for (Worker w; (w = idle.pollFirst()) != null; ) {
         if (w.process.isAlive()) {
@@ -485,16 +492,29 @@ public final class DirectInference {
         }
         w.errors.delete();
       }
-      Worker w = start(key, pythonExec);
-      w.out.writeInt(MAGIC);
-      w.out.writeInt(spec.length);
-      w.out.write(spec);
-      w.out.flush();
-      return w;
+      Worker w = null;
+      try {
+        w = start(key, pythonExec, label);
+        w.out.writeInt(MAGIC);
+        w.out.writeInt(spec.length);
+        w.out.write(spec);
+        w.out.flush();
+        return w;
+      } catch (IOException | RuntimeException e) {
+        ACTIVE.decrementAndGet();
+        if (w != null) {
+          String tail = w.errorTail();
+          w.stop();
+          throw new IOException("ember: the inference worker (" + pythonExec
+              + " -m ember.ml._direct_worker) did not start: " + e.getMessage() + "\n" + tail, e);
+        }
+        throw new IOException("ember: cannot start " + pythonExec
+            + " -m ember.ml._direct_worker: " + e.getMessage(), e);
+      }
     }
 
-    static Worker start(String key, String pythonExec) throws IOException {
-      ProcessBuilder pb = new ProcessBuilder(pythonExec, "-m", "ember.ml._direct_worker");
+    static Worker start(String key, String pythonExec, String label) throws IOException {
+      ProcessBuilder pb = new ProcessBuilder(pythonExec, "-m", "ember.ml._direct_worker", label);
       Map<String, String> env = pb.environment();
       SparkEnv spark = SparkEnv.get();
       String userPath = env.getOrDefault("PYTHONPATH", "");
@@ -566,14 +586,16 @@ public final class DirectInference {
 
     long idleSince;
 
+    /** Called once per borrow, when the task is done with the worker. */
     void release() {
+      ACTIVE.decrementAndGet();
       if (broken || !process.isAlive()) {
         stop();
         return;
       }
       idleSince = System.nanoTime();
       IDLE.get(key).addFirst(this);
-      reap(MAX_IDLE);
+      reap(PEAK.get());
     }
 
     void stop() {
