@@ -121,9 +121,11 @@ _PARAMS = {
     "signature_def_key": ("SignatureDefKey", "SavedModel signature; None: mappings name "
                           "graph tensors", _to_str_or_none),
     "tag_set": ("TagSet", "comma-separated tags of the SavedModel MetaGraph", _to_str_or_none),
-    "arrow_path": ("ArrowPath", "how transform reaches the Python workers: 'udf' (an Arrow UDF, "
-                   "Spark >= 4.1: only the input columns cross to Python) or 'mapInArrow' "
-                   "(every column crosses and comes back); default: 'udf' where available",
+    "arrow_path": ("ArrowPath", "how transform reaches the model: 'direct' (the executor JVM "
+                   "packs the input columns into a pipe to an Ember inference worker), 'udf' "
+                   "(an Arrow UDF, Spark >= 4.1: only the input columns cross to Python) or "
+                   "'mapInArrow' (every column crosses and comes back); default: 'direct' "
+                   "where the DataFrame allows it, else 'udf' where available",
                    _to_str_or_none),
 }
 
@@ -501,7 +503,7 @@ class _ArrowInference(Model, _EmberParams, _Persist):
 
 @_declare
 class EmberModel(_ArrowInference):
-    """Distributed batched inference with a SavedModel (``mapInArrow``).
+    """Distributed batched inference with a SavedModel.
 
     InputMapping maps DataFrame columns to model inputs and OutputMapping model
     outputs to new columns.  With a SignatureDefKey (default
@@ -514,7 +516,9 @@ class EmberModel(_ArrowInference):
     number column (float, double, long, int...), a larger one ``array<...>``
     (flattened row-major).  BatchSize is the rows per model call (Arrow
     batches are at most ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows).
-    ArrowPath picks an Arrow UDF (default on Spark >= 4.1) or ``mapInArrow``.
+    ArrowPath picks the path: Ember's direct path (the default where the
+    DataFrame allows it: not streaming, inputs of numbers, fixed-length arrays
+    or tensor columns), an Arrow UDF (Spark >= 4.1) or ``mapInArrow``.
     """
 
     _param_names = ["input_mapping", "output_mapping", "model_dir", "export_dir",
