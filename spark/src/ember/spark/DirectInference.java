@@ -186,6 +186,7 @@ public final class DirectInference {
    * JVM's packing and the model's work overlap.
    */
   static final class Results implements Iterator<InternalRow> {
+    final TaskContext task;
     final Worker worker;
     final BlockingQueue<Pending> pending = new ArrayBlockingQueue<>(2);
     final Thread writer;
@@ -202,6 +203,7 @@ public final class DirectInference {
 
     Results(TaskContext task, Worker worker, Column[] cols, Iterator<InternalRow> input,
             int batchSize) {
+      this.task = task;
       this.worker = worker;
       this.where = "partition " + (task == null ? "?" : task.partitionId());
       this.allocator = ArrowUtils$.MODULE$.rootAllocator()
@@ -366,6 +368,9 @@ public final class DirectInference {
 
     private void advance() {
       releaseOutputs();
+      if (task != null) {
+        task.killTaskIfInterrupted();  // a killed task stops between batches
+      }
       Pending p;
       try {
         p = pending.take();
@@ -532,6 +537,17 @@ public final class DirectInference {
           env.put("OMP_NUM_THREADS", spark.conf().get("spark.task.cpus", "1"));
         }
       }
+      // what Spark's Python workers also get: files of sc.addPyFile / --py-files
+      String files = org.apache.spark.SparkFiles.getRootDirectory();
+      File[] shipped = new File(files).listFiles(
+          f -> f.getName().endsWith(".zip") || f.getName().endsWith(".egg"));
+      StringBuilder more = new StringBuilder(files);
+      if (shipped != null) {
+        for (File f : shipped) {
+          more.append(File.pathSeparator).append(f.getAbsolutePath());
+        }
+      }
+      userPath = more + (userPath.isEmpty() ? "" : File.pathSeparator + userPath);
       String sparkPath = PythonUtils.sparkPythonPath();
       env.put("PYTHONPATH", sparkPath + (userPath.isEmpty() ? "" : File.pathSeparator + userPath));
       File errors = File.createTempFile("ember-direct-worker-", ".log");
