@@ -46,10 +46,9 @@ def _int(f: BinaryIO) -> Optional[int]:
 
 
 def _batches(f: BinaryIO, columns: List[Tuple[str, np.dtype, Tuple[int, ...]]], out: "queue.Queue"):
-    """Reader thread: (batch number, [row arrays per column]) or None per task end;
+    """Reader thread: (rows, [row arrays per column]) per batch, None per task end;
     an exception object on failure; stops at the end of input."""
     try:
-        number = 0
         while True:
             n = _int(f)
             if n is None:
@@ -64,8 +63,7 @@ def _batches(f: BinaryIO, columns: List[Tuple[str, np.dtype, Tuple[int, ...]]], 
                 if not _read_into(f, x):
                     raise EOFError("input ended inside a batch")
                 arrays.append(x)
-            out.put((number, n, arrays))
-            number += 1
+            out.put((n, arrays))
     except BaseException as exc:  # handed to the main thread, which reports it
         out.put(exc)
 
@@ -104,7 +102,7 @@ def serve(inp: BinaryIO, out: BinaryIO) -> int:
             return 0  # the JVM closed the pipe: the executor is done with this worker
         if isinstance(item, BaseException):
             raise item
-        _number, n, arrays = item
+        n, arrays = item
         where = f"rows {rows_seen}..{rows_seen + n - 1} of the task's partition"
         try:
             xs = [_runtime.fit_input(x, name, info, where)

@@ -199,7 +199,6 @@ public final class DirectInference {
     ColumnarBatch outputs;
     ArrowStreamReader reader;
     boolean done;
-    long rowsDone;
 
     Results(TaskContext task, Worker worker, Column[] cols, Iterator<InternalRow> input,
             int batchSize) {
@@ -411,7 +410,6 @@ public final class DirectInference {
       }
       batch = p;
       next = 0;
-      rowsDone += p.n;
     }
 
     private RuntimeException failure(Throwable t) {
