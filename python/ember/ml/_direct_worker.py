@@ -104,14 +104,10 @@ def serve(inp: BinaryIO, out: BinaryIO) -> int:
             raise item
         n, arrays = item
         where = f"rows {rows_seen}..{rows_seen + n - 1} of the task's partition"
-        try:
-            xs = [_runtime.fit_input(x, name, info, where)
-                  for (name, _d, _s), x, info in zip(columns, arrays, p.inputs)]
-            batch = pa.RecordBatch.from_arrays(
-                _runtime.outputs_to_arrow(p, p.run(xs), out_cols, n), schema=schema)
-        except Exception as exc:
-            _reply(out, 1, f"{type(exc).__name__}: {exc}".encode())
-            return 1
+        xs = [_runtime.fit_input(x, name, info, where)
+              for (name, _d, _s), x, info in zip(columns, arrays, p.inputs)]
+        batch = pa.RecordBatch.from_arrays(
+            _runtime.outputs_to_arrow(p, p.run(xs), out_cols, n), schema=schema)
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, schema) as writer:
             writer.write_batch(batch)
@@ -128,7 +124,7 @@ def main() -> int:
         return serve(inp, out)
     except BrokenPipeError:
         return 0
-    except Exception as exc:
+    except Exception as exc:  # the JVM fails the task with this message; the log keeps the trace
         try:
             _reply(out, 1, f"{type(exc).__name__}: {exc}".encode())
         except OSError:

@@ -99,7 +99,7 @@ public final class DirectInference {
     final int valueBytes;   // a: bytes per array element; s: bytes per number
     final int width;        // a: values per row
     final int rowBytes;     // bytes per row in the pipe
-    final boolean floating; // s: float/double
+    final boolean floating; // a, s: float/double values (else integers)
 
     Column(String name, String kind, int ordinal) {
       this.name = name;
