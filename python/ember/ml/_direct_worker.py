@@ -6,10 +6,12 @@ The executor JVM (``ember.spark.DirectInference``) starts this module as
 same model.  Over stdin it sends the pickled inference spec once, then
 batches: a big-endian int32 row count followed, per input column, by the
 rows' values packed little-endian (``count * row bytes``); a count of 0 ends
-a task.  For each batch this process answers on stdout with int32 status,
-int32 length and either one Arrow IPC stream holding the output columns
-(status 0) or a UTF-8 message naming what was wrong (status 1, after which
-it exits).  A reader thread reads the next batch while the model runs.
+a task, and -1 asks for an empty answer (the JVM's check, before it gives an
+idle worker a task, that the worker still lives).  For each batch this
+process answers on stdout with int32 status, int32 length and either one
+Arrow IPC stream holding the output columns (status 0) or a UTF-8 message
+naming what was wrong (status 1, after which it exits).  A reader thread
+reads the next batch while the model runs.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, BinaryIO, List, Optional, Tuple
 import numpy as np
 
 MAGIC = 0x454D4231
+PING = -1
 
 
 def _read_into(f: BinaryIO, buf: Any) -> bool:
@@ -56,6 +59,9 @@ def _batches(f: BinaryIO, columns: List[Tuple[str, np.dtype, Tuple[int, ...]]], 
                 return
             if n == 0:
                 out.put(None)
+                continue
+            if n == PING:
+                out.put(PING)
                 continue
             arrays = []
             for _name, dtype, shape in columns:
@@ -97,6 +103,9 @@ def serve(inp: BinaryIO, out: BinaryIO) -> int:
         item = ready.get()
         if item is None:  # a task ended; its rows are numbered afresh
             rows_seen = 0
+            continue
+        if item is PING:
+            _reply(out, 0, b"")
             continue
         if isinstance(item, EOFError) and not str(item):
             return 0  # the JVM closed the pipe: the executor is done with this worker

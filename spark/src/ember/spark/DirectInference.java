@@ -71,6 +71,8 @@ public final class DirectInference {
   private DirectInference() {}
 
   static final int MAGIC = 0x454d4231;  // "EMB1"
+  /** A row count asking an idle worker to answer (status 0, no body). */
+  static final int PING = -1;
 
   /** The DataFrame {@code df} plus the model's output columns. */
   public static Dataset<Row> transform(Dataset<Row> df, String[] columns, String[] kinds,
@@ -490,10 +492,10 @@ public final class DirectInference {
       PEAK.accumulateAndGet(ACTIVE.incrementAndGet(), Math::max);
       ConcurrentLinkedDeque<Worker> idle = IDLE.computeIfAbsent(key, k -> new ConcurrentLinkedDeque<>());
       for (Worker w; (w = idle.pollFirst()) != null; ) {
-        if (w.process.isAlive()) {
+        if (w.answers()) {
           return w;
         }
-        w.errors.delete();
+        w.stop();
       }
       Worker w = null;
       try {
@@ -552,6 +554,24 @@ public final class DirectInference {
       errors.deleteOnExit();
       pb.redirectError(ProcessBuilder.Redirect.to(errors));
       return new Worker(key, pb.start(), errors);
+    }
+
+    /**
+     * Whether an idle worker still answers.  One killed while idle (by the
+     * kernel's OOM killer, a user) may still count as alive until the JVM
+     * reaps it; the round trip finds it closed, so a task never starts on it.
+     */
+    boolean answers() {
+      if (!process.isAlive()) {
+        return false;
+      }
+      try {
+        out.writeInt(PING);
+        out.flush();
+        return in.readInt() == 0 && in.readInt() == 0;
+      } catch (IOException e) {
+        return false;
+      }
     }
 
     byte[] readReply(String where) throws IOException {
