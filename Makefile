@@ -25,12 +25,15 @@ EXT_SRCS  := $(wildcard python/ember/_ember*.c)
 EXT_HDRS  := $(wildcard python/ember/_ember*.h)
 
 APT_PACKAGES := dataset-fashion-mnist clang libssl-dev zlib1g-dev libcurl4-openssl-dev maven libprotobuf-c-dev protobuf-c-compiler openmpi-bin libopenmpi-dev
+# make test-c-install builds examples/c the way a C user would, through pkg-config
+APT_PACKAGES += pkg-config
 # the PyTorch path (.venv-torch below); Debian's torch calls libblas.so.3, which is
 # the reference BLAS unless OpenBLAS is installed (5x slower training steps)
 APT_PACKAGES += python3-torch libopenblas0-openmp
 
 .PHONY: hadoop yarn-app
-.PHONY: venv-torch test-torch
+.PHONY: shlib install test-c-install
+.PHONY: venv-torch test-torch install-torch-venv
 .PHONY: help setup apt venv build lib ext spark-jar test test-c test-py fuzz fuzz-smoke demo demo-quick \
         bench-reservation bench-allreduce bench-tfrecord bench-feed clean format-check
 
@@ -43,6 +46,8 @@ help:
 	@echo "make bench-feed - Spark -> trainer feed: Ember vs TensorFlowOnSpark, records/s and GB/s"
 	@echo "make bench-tfrecord - TFRecord reading: Ember vs tf.data; CRC-32C; Example decoder vs protobuf-c"
 	@echo "make bench-inference - Spark ML inference: ember.ml.EmberModel vs predict_batch_udf vs TFoS TFModel"
+	@echo "make install PREFIX=/usr/local - libember for C programs: lib/libember.{a,so}, include/ember/*.h, lib/pkgconfig/ember.pc (DESTDIR honoured)"
+	@echo "make test-c-install - install into build/install-test; build and run examples/c through pkg-config (static and shared)"
 
 # ---------------------------------------------------------------- set-up
 apt: $(BUILD)/.apt-stamp
@@ -62,8 +67,6 @@ $(VENV)/.stamp: requirements.txt requirements-bench.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt -r requirements-bench.txt
-	@# the package is used in place: python/ is put on the venv's path
-	$(PY) -c "import sysconfig,os; open(os.path.join(sysconfig.get_paths()['purelib'],'ember-dev.pth'),'w').write(os.path.abspath('python')+'\n')"
 	@touch $@
 
 # The PyTorch path: Debian's CPU-only python3-torch 1.13.1, in a venv of its own
@@ -84,15 +87,15 @@ $(TORCH_VENV)/.stamp: requirements-torch.txt | $(BUILD)/.apt-stamp
 	mkdir -p $(TORCH_VENV)/debian-torch
 	ln -sfn /usr/lib/python3/dist-packages/torch $(TORCH_VENV)/debian-torch/torch
 	$(TORCH_PY) -c "import sysconfig,os; d=sysconfig.get_paths()['purelib']; \
-	  open(os.path.join(d,'ember-dev.pth'),'w').write(os.path.abspath('python')+'\n'); \
 	  open(os.path.join(d,'debian-torch.pth'),'w').write(os.path.abspath('$(TORCH_VENV)/debian-torch')+'\n')"
 	$(TORCH_PY) -c "import numpy, torch; torch.from_numpy(numpy.ones(2)).add_(1); print('torch', torch.__version__, 'numpy', numpy.__version__)"
 	@touch $@
+	@rm -f $(TORCH_VENV)/.ember-installed
 
-setup: apt venv build venv-torch
+setup: apt venv build venv-torch install-torch-venv
 
 # ---------------------------------------------------------------- build
-build: lib ext spark-jar
+build: lib ext
 lib: $(BUILD)/libember.a
 
 $(BUILD)/obj/%.o: csrc/%.c $(LIB_HDRS)
@@ -101,25 +104,53 @@ $(BUILD)/obj/%.o: csrc/%.c $(LIB_HDRS)
 $(BUILD)/libember.a: $(LIB_OBJS)
 	ar rcs $@ $^
 
-EXT_SUFFIX = $(shell $(PY) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-PY_INC     = $(shell $(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-ext: $(VENV)/.stamp $(BUILD)/libember.a
-	@$(MAKE) --no-print-directory python/ember/_ember$(EXT_SUFFIX)
-python/ember/_ember%.so: $(EXT_SRCS) $(EXT_HDRS) $(BUILD)/libember.a
-	$(CC) $(BASE) $(OPT) -fvisibility=hidden -shared -I$(PY_INC) $(EXT_SRCS) $(BUILD)/libember.a $(LIBS) -o $@
+# libember for C programs.  The shared library is linked from the same -fPIC
+# objects as libember.a and exports only the public API (csrc/libember.map);
+# -z defs makes a missing -l fail here, not in the user's link.  The version
+# has one source, python/ember/_version.py; the soname carries its major.
+VERSION   := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' python/ember/_version.py)
+SOVERSION := $(firstword $(subst ., ,$(VERSION)))
+SHLIB     := $(BUILD)/libember.so.$(VERSION)
+PREFIX    ?= /usr/local
+INSTALL_TO = $(DESTDIR)$(PREFIX)
+shlib: $(SHLIB)
+$(SHLIB): $(LIB_OBJS) csrc/libember.map
+	$(CC) -shared -pthread -Wl,-soname,libember.so.$(SOVERSION) -Wl,--version-script=csrc/libember.map \
+	  -Wl,-z,defs $(LIB_OBJS) $(LIBS) -o $@
 
-# Ember's Spark jar (spark/src): EmberModel's direct inference path in the
-# executor JVM, compiled against the venv's own Spark jars (the Spark it runs in).
-SPARK_JAR      := python/ember/jars/ember-spark.jar
-SPARK_JAR_SRCS := $(wildcard spark/src/ember/spark/*.java)
-spark-jar: $(VENV)/.stamp
-	@$(MAKE) --no-print-directory $(SPARK_JAR)
-$(SPARK_JAR): $(SPARK_JAR_SRCS) requirements.txt
-	@command -v javac >/dev/null || { echo "javac (JDK 17) is required for $(SPARK_JAR)"; exit 1; }
-	rm -rf $(BUILD)/spark && mkdir -p $(BUILD)/spark/classes $(@D)
-	javac --release 17 -Xlint:all,-path,-serial,-classfile -Werror -d $(BUILD)/spark/classes \
-	  -cp "$$($(PY) -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')/jars/*" $(SPARK_JAR_SRCS)
-	jar cf $@ -C $(BUILD)/spark/classes ember
+# Only csrc/include/ember/*.h is public (csrc/*.h are internals).  ember.pc
+# gets PREFIX, not DESTDIR: DESTDIR is a staging root for packagers.
+install: $(BUILD)/libember.a $(SHLIB)
+	@test -n "$(VERSION)" || { echo "no __version__ in python/ember/_version.py"; exit 1; }
+	install -d $(INSTALL_TO)/lib/pkgconfig $(INSTALL_TO)/include/ember
+	install -m 644 $(BUILD)/libember.a $(INSTALL_TO)/lib/libember.a
+	install -m 755 $(SHLIB) $(INSTALL_TO)/lib/libember.so.$(VERSION)
+	ln -sfn libember.so.$(VERSION) $(INSTALL_TO)/lib/libember.so.$(SOVERSION)
+	ln -sfn libember.so.$(SOVERSION) $(INSTALL_TO)/lib/libember.so
+	install -m 644 csrc/include/ember/*.h $(INSTALL_TO)/include/ember/
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' csrc/ember.pc.in >$(INSTALL_TO)/lib/pkgconfig/ember.pc
+
+# The Python package is installed into the venv the way a user installs it:
+# `pip install -e .` (pyproject.toml + setup.py), which compiles the C
+# extension in place and builds the two jars it ships as package data
+# (python/ember/jars: EmberModel's direct path and run_on_yarn's
+# ApplicationMaster; Maven's local repository is build/m2, as for the mini
+# cluster).  Rerun when any source of the extension or the jars changes.
+PKG_SRCS      := pyproject.toml setup.py python/ember/_version.py $(LIB_SRCS) $(LIB_HDRS) \
+                 $(EXT_SRCS) $(EXT_HDRS) $(wildcard spark/src/ember/spark/*.java) \
+                 $(shell find hadoop/yarn-app -type f 2>/dev/null)
+PIP_EDITABLE  = EMBER_M2_REPO=$(M2_REPO) $(1) -m pip install -q --no-build-isolation --no-deps -e .
+ext: $(VENV)/.ember-installed
+spark-jar yarn-app: ext
+$(VENV)/.ember-installed: $(PKG_SRCS) $(VENV)/.stamp | $(BUILD)/.apt-stamp
+	$(call PIP_EDITABLE,$(PY))
+	$(PY) -c "import ember, ember._ember as e; assert e.__version__ == '$(VERSION)'; print('ember', ember.__version__, 'installed (editable) from', ember.__file__)"
+	@touch $@
+# the PyTorch venv gets the same editable install (the extension is built once)
+install-torch-venv: $(TORCH_VENV)/.ember-installed
+$(TORCH_VENV)/.ember-installed: $(VENV)/.ember-installed $(TORCH_VENV)/.stamp
+	EMBER_SKIP_JARS=1 $(call PIP_EDITABLE,$(TORCH_PY))
+	@touch $@
 
 # ---------------------------------------------------------------- test Hadoop (HDFS + YARN)
 # hadoop/minicluster: one JVM with a MiniDFSCluster and a MiniYARNCluster, for
@@ -129,25 +160,14 @@ $(SPARK_JAR): $(SPARK_JAR_SRCS) requirements.txt
 # listed in build/hadoop/classpath.txt.
 MVN       ?= mvn
 M2_REPO   ?= $(abspath $(BUILD)/m2)
-HADOOP_MVN = $(MVN) -B -q -f hadoop/minicluster/pom.xml -Dmaven.repo.local=$(M2_REPO) \
+HADOOP_MVN = $(MVN) -B -q -f hadoop/minicluster/pom.xml -Dmaven.repo.local=$(M2_REPO) -Drevision=$(VERSION) \
              -Dember.out=$(abspath $(BUILD)/hadoop) package
-hadoop: apt $(BUILD)/hadoop/classpath.txt $(BUILD)/hadoop/ember-yarn-am.jar
+hadoop: apt $(BUILD)/hadoop/classpath.txt ext
 $(BUILD)/hadoop/classpath.txt: hadoop/minicluster/pom.xml $(shell find hadoop/minicluster/src -type f 2>/dev/null)
 	@java -version >/dev/null 2>&1 || { echo "Java 17 is required (java not found)"; exit 1; }
 	@command -v $(MVN) >/dev/null || { echo "Maven is required ($(MVN) not found; apt-get install maven)"; exit 1; }
 	@nice -n 10 $(HADOOP_MVN) -o >/dev/null 2>&1 || nice -n 10 $(HADOOP_MVN)
 	@touch $@
-
-# hadoop/yarn-app: the ApplicationMaster of ember.yarn.run_on_yarn (Hadoop in
-# `provided` scope: the jar holds only Ember's classes).  Built in a folder of
-# its own (the minicluster's classes live in build/hadoop), same local repository.
-YARN_AM_MVN = $(MVN) -B -q -f hadoop/yarn-app/pom.xml -Dmaven.repo.local=$(M2_REPO) \
-              -Dember.out=$(abspath $(BUILD)/hadoop/yarn-app) package
-yarn-app: apt $(BUILD)/hadoop/ember-yarn-am.jar
-$(BUILD)/hadoop/ember-yarn-am.jar: hadoop/yarn-app/pom.xml $(shell find hadoop/yarn-app/src -type f 2>/dev/null)
-	@command -v $(MVN) >/dev/null || { echo "Maven is required ($(MVN) not found; apt-get install maven)"; exit 1; }
-	@nice -n 10 $(YARN_AM_MVN) -o >/dev/null 2>&1 || nice -n 10 $(YARN_AM_MVN)
-	@cp $(BUILD)/hadoop/yarn-app/ember-yarn-am.jar $@
 
 # ---------------------------------------------------------------- C tests (ASan + UBSan)
 $(BUILD)/san/%.o: csrc/%.c $(LIB_HDRS)
@@ -162,6 +182,17 @@ test-c: $(CTESTS)
 	@rc=0; for t in $(CTESTS); do echo "== $$t"; \
 	  ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 timeout 300 $$t || rc=1; \
 	done; exit $$rc
+
+# libember as a C user gets it: make install into build/install-test (and
+# once more with DESTDIR), then tests/c/test_install.sh builds examples/c
+# with pkg-config against libember.a and libember.so and runs them.
+INSTALL_TEST := $(abspath $(BUILD)/install-test)
+test-c-install:
+	rm -rf $(INSTALL_TEST)
+	$(MAKE) --no-print-directory install PREFIX=$(INSTALL_TEST)
+	$(MAKE) --no-print-directory install DESTDIR=$(INSTALL_TEST)/destdir PREFIX=/opt/ember
+	grep -qx 'prefix=/opt/ember' $(INSTALL_TEST)/destdir/opt/ember/lib/pkgconfig/ember.pc
+	CC="$(CC)" timeout 300 tests/c/test_install.sh $(INSTALL_TEST)
 
 # ---------------------------------------------------------------- fuzzing (libFuzzer, clang)
 $(BUILD)/fuzz/fuzz_%: tests/fuzz/fuzz_%.c $(LIB_SRCS) $(LIB_HDRS)
@@ -195,6 +226,7 @@ demo-quick: setup
 
 test: setup hadoop
 	$(MAKE) --no-print-directory test-c
+	$(MAKE) --no-print-directory test-c-install
 	$(MAKE) --no-print-directory fuzz
 	$(PY) -m pytest -q tests/python
 	$(MAKE) --no-print-directory test-torch
@@ -258,4 +290,4 @@ bench-inference: setup
 	PYTHONUNBUFFERED=1 $(PY) bench/inference.py
 
 clean:
-	rm -rf $(BUILD) python/ember/_ember*.so python/ember/jars
+	rm -rf $(BUILD) python/ember/_ember*.so python/ember/jars $(VENV)/.ember-installed $(TORCH_VENV)/.ember-installed

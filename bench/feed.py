@@ -237,7 +237,7 @@ def main() -> int:
     from ember import tensors
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "python")] +
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT] +
                                                os.environ.get("PYTHONPATH", "").split(os.pathsep))
     workdir = tempfile.mkdtemp(prefix="ember-bench-feed-")
     os.chdir(workdir)

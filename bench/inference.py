@@ -157,7 +157,7 @@ def main() -> int:
              .config("spark.ui.enabled", "false").config("spark.driver.memory", "4g")
              .config("spark.sql.shuffle.partitions", str(args.cores))
              .config("spark.executorEnv.PYTHONPATH",
-                     os.pathsep.join([REPO, os.path.join(REPO, "python"), os.path.join(REPO, "bench")]))
+                     os.pathsep.join([REPO, os.path.join(REPO, "bench")]))
              .getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     global JVM_PID

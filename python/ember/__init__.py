@@ -7,13 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from ember._version import __version__  # noqa: F401
 
-from ember import _ember  # noqa: E402  (the C core; fails loudly if not built)
-
-if _ember.__version__ != __version__:
-    raise ImportError(f"ember {__version__} found its C extension at version "
-                      f"{_ember.__version__}; rebuild it with `make build`")
+# the C core; it refuses to load beside a package of another version
+from ember import _ember  # noqa: E402, F401
 
 
 def __getattr__(name: str) -> Any:

@@ -752,9 +752,41 @@ err:
   return -1;
 }
 
+#if defined(__clang__)
+#define EMBER_COMPILER "clang " __clang_version__
+#elif defined(__GNUC__)
+#define EMBER_COMPILER "gcc " __VERSION__
+#else
+#define EMBER_COMPILER "unknown compiler"
+#endif
+
+/* An extension built from other sources than the package beside it would
+ * speak another wire format or miss functions: refuse it at import. */
+static int check_package_version(void) {
+  PyObject *mod = PyImport_ImportModule("ember._version");
+  if (mod == NULL)
+    return -1;
+  PyObject *ver = PyObject_GetAttrString(mod, "__version__");
+  Py_DECREF(mod);
+  if (ver == NULL)
+    return -1;
+  const char *s = PyUnicode_Check(ver) ? PyUnicode_AsUTF8(ver) : NULL;
+  int ok = s != NULL && strcmp(s, EMBER_VERSION) == 0;
+  if (!ok && !PyErr_Occurred())
+    PyErr_Format(PyExc_ImportError,
+                 "ember's C extension is version %s but the ember package beside it is "
+                 "version %R; reinstall Ember (pip install, or `make build` in a checkout)",
+                 EMBER_VERSION, ver);
+  Py_DECREF(ver);
+  return ok ? 0 : -1;
+}
+
 static int module_exec(PyObject *m) {
   ember_state *st = module_state(m);
+  if (check_package_version() < 0)
+    return -1;
   if (PyModule_AddStringConstant(m, "__version__", EMBER_VERSION) < 0 ||
+      PyModule_AddStringConstant(m, "COMPILER", EMBER_COMPILER) < 0 ||
       PyModule_AddIntConstant(m, "DT_F32", EMBER_DT_F32) < 0 ||
       PyModule_AddIntConstant(m, "DT_F64", EMBER_DT_F64) < 0 ||
       PyModule_AddIntConstant(m, "DT_I32", EMBER_DT_I32) < 0 ||

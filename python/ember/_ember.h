@@ -38,9 +38,10 @@
 #error "ember._ember needs CPython 3.11 or newer"
 #endif
 
-/* The package checks at import that the extension matches its version. */
+/* The build passes the package's version (python/ember/_version.py); the
+ * module refuses to load beside a package of another version. */
 #ifndef EMBER_VERSION
-#define EMBER_VERSION "0.1.0"
+#error "EMBER_VERSION must be defined by the build (setup.py reads ember/_version.py)"
 #endif
 
 /* ------------------------------------------------------------ module state */

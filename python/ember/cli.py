@@ -1,4 +1,7 @@
-"""The ``ember`` command line (``python -m ember ...``).
+"""The ``ember`` command line (the ``ember`` console script, or ``python -m ember``).
+
+``ember version``: Ember's version.  ``ember doctor``: checks this installation
+(see :mod:`ember.doctor`).
 
 ``ember tfrecord inspect FILE``: record count, per-feature schema, the first
 records, and, for a corrupt or truncated file, the error with its byte offset
@@ -78,6 +81,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                      help="skip the Spark-on-YARN container round trip")
     chk.set_defaults(func=lambda a: __import__("ember.yarn", fromlist=["check_main"])
                      .check_main(a))
+    sub.add_parser("version", help="print Ember's version").set_defaults(
+        func=lambda a: __import__("ember.doctor", fromlist=["version_main"]).version_main(a))
+    sub.add_parser("doctor", help="check this installation (extension, Java, Spark, "
+                   "TensorFlow/PyTorch, Hadoop configuration) and say what to fix"
+                   ).set_defaults(
+        func=lambda a: __import__("ember.doctor", fromlist=["doctor_main"]).doctor_main(a))
     args = p.parse_args(argv)
     return int(args.func(args))
 

@@ -47,8 +47,7 @@ def _base_builder(app: str) -> Any:
             # fail a barrier stage that cannot get its slots at once, not after 40 tries
             .config("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures", "1")
             .config("spark.executorEnv.PYTHONPATH",
-                    os.pathsep.join([REPO, os.path.join(REPO, "python"),
-                                     os.path.join(REPO, "tests", "python")])))
+                    os.pathsep.join([REPO, os.path.join(REPO, "tests", "python")])))
 
 
 class _Sessions:

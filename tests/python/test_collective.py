@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
-import sys
 import threading
 import time
 import traceback
@@ -22,11 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import pytest
 
-try:
-    from ember import _ember as E
-except ImportError:  # not installed into the venv: use the in-tree package
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
-    from ember import _ember as E
+from ember import _ember as E
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 WRONG = b"fedcba9876543210fedcba9876543210"

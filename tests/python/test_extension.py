@@ -18,13 +18,8 @@ import time
 import numpy as np
 import pytest
 
-try:
-    from ember import _ember as E
-except ImportError:  # not installed into the venv: use the in-tree package
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
-    from ember import _ember as E
+import ember
+from ember import _ember as E
 
 HOST = "127.0.0.1"
 MAGIC = b"EMBR"
@@ -156,7 +151,7 @@ def column_strings(item, col):
 # ---------------------------------------------------------------- module
 
 def test_module_constants():
-    assert E.__version__ == "0.1.0"
+    assert E.__version__ == ember.__version__
     assert (E.DT_F32, E.DT_F64, E.DT_I32, E.DT_I64, E.DT_U8, E.DT_BYTES, E.DT_BOOL) == (
         1, 2, 3, 4, 5, 6, 7)
     assert issubclass(E.EmberTimeout, E.EmberError)

@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 def _yarn_job(cluster: HadoopCluster, mode: str, tmp_path, *extra: str) -> dict:
     out = tmp_path / "result.json"
     env = dict(cluster.env(), HADOOP_USER_NAME=cluster.user, PYSPARK_PYTHON=sys.executable,
-               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "python"), HERE]))
+               PYTHONPATH=os.pathsep.join([REPO, HERE]))
     p = subprocess.run([sys.executable, os.path.join(HERE, "yarn_job.py"), "--mode", mode,
                         "--work", str(tmp_path / "work"), "--out", str(out), *extra],
                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -63,7 +63,7 @@ def test_ember_on_spark_on_yarn(hadoop_cluster: HadoopCluster, tmp_path, mode: s
 
 def test_ember_yarn_check(hadoop_cluster: HadoopCluster, tmp_path) -> None:
     env = dict(hadoop_cluster.env(), HADOOP_USER_NAME=hadoop_cluster.user,
-               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "python")]))
+               PYTHONPATH=REPO)
     p = subprocess.run([sys.executable, "-m", "ember", "yarn", "check"], env=env,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     print(p.stdout[-3000:])

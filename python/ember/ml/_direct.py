@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ember import tensors
+from ember import _jars, tensors
 
 _JAVA_CLASS = "ember.spark.DirectInference"
 
@@ -29,9 +29,8 @@ _ELEMENTS = {"float": ("<f4", "f"), "double": ("<f8", "f"), "integer": ("<i4", "
 
 
 def jar_path() -> str:
-    """Ember's Spark jar, built by ``make build`` next to this package's modules."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "jars", "ember-spark.jar")
+    """Ember's Spark jar: package data (``ember/jars``), built with the package."""
+    return _jars.SPARK_JAR
 
 
 def _java_class(spark: Any) -> Any:

@@ -51,7 +51,7 @@ import uuid
 import zipfile
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
-from ember import _ember, hdfs
+from ember import _ember, _jars, hdfs
 from ember.yarn._specs import (Metrics, RunFailed, TaskResult, TaskSpec, parse_memory,
                                validate)
 from ember.yarn._topology import EXPERIMENT_FILE, RDV_ORDER, role_of
@@ -241,15 +241,13 @@ def _java_home() -> Optional[str]:
 
 
 def _am_jar() -> str:
-    jar = os.environ.get("EMBER_YARN_AM_JAR")
-    if jar:
-        return jar
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))))
-    jar = os.path.join(repo, "build", "hadoop", _AM_JAR)
+    """The ApplicationMaster jar: package data of the installed wheel, or
+    ``$EMBER_YARN_AM_JAR``."""
+    jar = os.environ.get("EMBER_YARN_AM_JAR") or _jars.YARN_AM_JAR
     if not os.path.isfile(jar):
-        raise RuntimeError(f"Ember's ApplicationMaster jar is missing ({jar}): run "
-                           "`make yarn-app`, or point EMBER_YARN_AM_JAR at it")
+        raise RuntimeError(f"Ember's ApplicationMaster jar is missing ({jar}): this Ember "
+                           "was installed without its jars (reinstall it, or `make build` "
+                           "in a checkout), or point EMBER_YARN_AM_JAR at one")
     return jar
 
 

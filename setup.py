@@ -1,0 +1,152 @@
+"""Build steps that pyproject.toml cannot declare: the C extension and the jars.
+
+The extension ``ember._ember`` is compiled from the C engine's sources
+(csrc/*.c) and the binding (python/ember/_ember*.c) with the project's
+warning flags, and links OpenSSL's libcrypto, zlib and libcurl.
+
+The package carries two jars as package data in ``ember/jars``:
+
+- ``ember-spark.jar``, EmberModel's direct inference path (spark/src), compiled
+  with javac against Spark's jars: those of ``$SPARK_HOME`` or of an importable
+  pyspark (``make`` builds in the project's venv), otherwise the jars Maven
+  resolves from spark/pom.xml (an isolated ``pip install .``);
+- ``ember-yarn-am.jar``, run_on_yarn's ApplicationMaster (hadoop/yarn-app), built
+  by Maven.
+
+A jar that is already there and newer than its sources is kept, so an sdist
+(which includes the built jars) builds with a C compiler alone.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from typing import List, Optional
+
+from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+JARS = os.path.join(ROOT, "python", "ember", "jars")
+
+
+def _version() -> str:
+    scope: dict = {}
+    with open(os.path.join(ROOT, "python", "ember", "_version.py")) as f:
+        exec(f.read(), scope)
+    return scope["__version__"]
+
+
+def _rel(*patterns: str) -> List[str]:
+    return sorted(os.path.relpath(p, ROOT) for pat in patterns
+                  for p in glob.glob(os.path.join(ROOT, pat)))
+
+
+def _newer_than(target: str, sources: List[str]) -> bool:
+    if not os.path.exists(target):
+        return False
+    t = os.path.getmtime(target)
+    return all(os.path.getmtime(os.path.join(ROOT, s)) <= t for s in sources)
+
+
+def _run(cmd: List[str], what: str, cwd: Optional[str] = None) -> None:
+    print(f"ember: {what}: {' '.join(cmd)}", flush=True)
+    try:
+        subprocess.run(cmd, check=True, cwd=cwd)
+    except FileNotFoundError:
+        sys.exit(f"ember: {what} needs {cmd[0]!r}, which is not installed "
+                 "(Debian: apt-get install openjdk-17-jdk-headless maven)")
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"ember: {what} failed (exit status {e.returncode}): {' '.join(cmd)}")
+
+
+def _maven(pom: str, goals: List[str], props: List[str]) -> None:
+    repo = os.environ.get("EMBER_M2_REPO")
+    base = [os.environ.get("MVN", "mvn"), "-B", "-q", "-f", pom, f"-Drevision={_version()}"]
+    if repo:
+        base.append(f"-Dmaven.repo.local={os.path.abspath(repo)}")
+    # offline first: a filled local repository needs no network
+    cmd = base + props + goals
+    if subprocess.run(cmd + ["-o"], stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL).returncode != 0:
+        _run(cmd, f"maven {os.path.relpath(pom, ROOT)}")
+
+
+def _spark_classpath(tmp: str) -> str:
+    home = os.environ.get("SPARK_HOME")
+    if home and os.path.isdir(os.path.join(home, "jars")):
+        return os.path.join(home, "jars", "*")
+    try:
+        import pyspark  # the Spark the package will run in, when the build can see it
+        return os.path.join(os.path.dirname(pyspark.__file__), "jars", "*")
+    except ImportError:
+        pass
+    out = os.path.join(tmp, "classpath.txt")
+    _maven(os.path.join(ROOT, "spark", "pom.xml"), ["dependency:build-classpath"],
+           [f"-Dmdep.outputFile={out}"])
+    with open(out) as f:
+        return f.read().strip()
+
+
+def build_spark_jar() -> None:
+    sources = _rel("spark/src/ember/spark/*.java")
+    target = os.path.join(JARS, "ember-spark.jar")
+    if not sources or _newer_than(target, sources):
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        classes = os.path.join(tmp, "classes")
+        _run(["javac", "--release", "17", "-Xlint:all,-path,-serial,-classfile", "-Werror",
+              "-d", classes, "-cp", _spark_classpath(tmp)] + sources,
+             "compiling ember-spark.jar", cwd=ROOT)
+        os.makedirs(JARS, exist_ok=True)
+        _run(["jar", "cf", target, "-C", classes, "ember"], "packing ember-spark.jar")
+
+
+def build_yarn_am_jar() -> None:
+    sources = _rel("hadoop/yarn-app/pom.xml", "hadoop/yarn-app/src/main/*/*",
+                   "hadoop/yarn-app/src/main/java/org/ember/yarn/*.java")
+    target = os.path.join(JARS, "ember-yarn-am.jar")
+    if not sources or _newer_than(target, sources):
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        _maven(os.path.join(ROOT, "hadoop", "yarn-app", "pom.xml"), ["package"],
+               [f"-Dember.out={tmp}"])
+        os.makedirs(JARS, exist_ok=True)
+        shutil.copyfile(os.path.join(tmp, "ember-yarn-am.jar"), target)
+
+
+class BuildPyWithJars(build_py):
+    """build_py, after building the jars it ships as package data."""
+
+    def run(self) -> None:
+        if os.environ.get("EMBER_SKIP_JARS") != "1":
+            build_spark_jar()
+            build_yarn_am_jar()
+        super().run()
+
+
+WARNINGS = ["-Wall", "-Wextra", "-Werror", "-Wshadow", "-Wstrict-prototypes",
+            "-Wno-unused-parameter"]
+
+extension = Extension(
+    "ember._ember",
+    sources=_rel("csrc/*.c", "python/ember/_ember*.c"),
+    include_dirs=["csrc/include", "csrc"],
+    define_macros=[("_GNU_SOURCE", None), ("EMBER_VERSION", f'"{_version()}"')],
+    # -UNDEBUG: the engine keeps its assertions, as in the Makefile's build
+    extra_compile_args=["-std=c11", "-pthread", "-fvisibility=hidden", "-UNDEBUG", "-O2"]
+    + WARNINGS,
+    extra_link_args=["-pthread"],
+    libraries=["crypto", "z", "curl"],
+    depends=_rel("csrc/include/ember/*.h", "csrc/*.h", "python/ember/_ember*.h"),
+)
+
+if sysconfig.get_platform().startswith("linux") is False:
+    sys.exit("ember builds on Linux only (shared memory, epoll, /proc)")
+
+setup(ext_modules=[extension], cmdclass={"build_py": BuildPyWithJars})
