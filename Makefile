@@ -41,6 +41,7 @@ help:
 	@echo "make demo   - set up this machine and run the Fashion-MNIST main job"
 	@echo "make test   - set up this machine and run every test (C under ASan/UBSan, fuzz, pytest, main job)"
 	@echo "make test-torch - the PyTorch path: ember.torch and examples/fashion_mnist_torch (in .venv-torch)"
+	@echo "make wheel  - sdist + wheel (python -m build), auditwheel show, and a manylinux wheel in dist/"
 	@echo "make bench-reservation - Ember vs TensorFlowOnSpark reservation server"
 	@echo "make bench-allreduce - allreduce: Ember vs Open MPI (TCP, defaults) vs torch.distributed gloo, loopback limit"
 	@echo "make bench-feed - Spark -> trainer feed: Ember vs TensorFlowOnSpark, records/s and GB/s"
@@ -289,5 +290,15 @@ bench-feed: setup $(BUILD)/bench/feed_channel
 bench-inference: setup
 	PYTHONUNBUFFERED=1 $(PY) bench/inference.py
 
+# sdist and wheel as a user builds them (isolated build), then the wheel's
+# external libraries (libcurl, OpenSSL) vendored for hosts that lack them
+.PHONY: wheel
+wheel: setup
+	rm -rf dist && $(PY) -m build --outdir dist .
+	$(PY) -m auditwheel show dist/*.whl
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m auditwheel repair --plat manylinux_2_34_x86_64 \
+	  -w dist dist/ember-$(VERSION)-*-linux_x86_64.whl
+	@ls -l dist
+
 clean:
-	rm -rf $(BUILD) python/ember/_ember*.so python/ember/jars $(VENV)/.ember-installed $(TORCH_VENV)/.ember-installed
+	rm -rf $(BUILD) dist python/ember/_ember*.so python/ember/jars $(VENV)/.ember-installed $(TORCH_VENV)/.ember-installed
