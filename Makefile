@@ -176,7 +176,7 @@ $(BUILD)/san/%.o: csrc/%.c $(LIB_HDRS)
 	$(CC) $(BASE) $(SAN) -c $< -o $@
 $(BUILD)/san/libember.a: $(SAN_OBJS)
 	ar rcs $@ $^
-$(BUILD)/san/test_%: tests/c/test_%.c tests/c/harness.h $(BUILD)/san/libember.a
+$(BUILD)/san/test_%: tests/c/test_%.c tests/c/harness.h tests/c/strangers.h $(BUILD)/san/libember.a
 	$(CC) $(BASE) $(SAN) -Itests/c $< $(BUILD)/san/libember.a $(LIBS) -o $@
 
 test-c: $(CTESTS)

@@ -47,6 +47,7 @@
 #include "ember/error.h"
 #include "ember/net.h"
 #include "ember/wire.h"
+#include "preauth.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "libember's collectives move elements in host order: little-endian only"
@@ -75,7 +76,17 @@
 #endif
 #define POLL_SLICE_MS 100  /* abort flag and liveness are checked this often */
 #define FUTEX_SLICE_MS 10
-#define AUTH_TIMEOUT_MS 10000
+/* Accepts per turn of the mesh's poll loop: between batches the pending
+ * peers' AUTH frames are read, so strangers cannot push a real rank out of
+ * the pending pool by arriving in a burst. */
+#define MESH_ACCEPT_BATCH 64
+#define MESH_ACCEPT_PAUSE_MS 100
+/* Strangers' connections queued before the communicator existed must not fill
+ * the accept queue: the kernel would drop the real ranks' SYNs for seconds.
+ * (The kernel caps it at net.core.somaxconn.) */
+#define MESH_BACKLOG 4096
+#define AUTH_FRAME_LEN (EMBER_WIRE_HEADER_LEN + 2u * EMBER_NONCE_LEN)
+#define HELLO_FRAME_LEN (EMBER_WIRE_HEADER_LEN + 8u)
 
 /* ======================================================================
  * 1. Reduction kernels: d[i] = d[i] OP s[i], n in bytes (a multiple of the
@@ -1185,19 +1196,319 @@ out:
   return rc;
 }
 
+/* ---- accepting the higher ranks: every pending connection at once ----
+ *
+ * Strangers may connect to a rank's port too.  Each accepted connection is
+ * handshaken without blocking, in one poll loop over the listener and every
+ * pending connection: CHALLENGE out at accept, then AUTH in, AUTH_OK out,
+ * COLL_HELLO in, ours out.  A connection has preauth_ms from accept for all
+ * of it; at most max_pending unauthenticated ones are kept (a new one evicts
+ * the oldest); so neither idle nor slow strangers delay the real ranks.
+ * Exactly the bytes of the current frame are read, so nothing past the
+ * peer's COLL_HELLO (the shared-memory offer) is consumed here. */
+
+typedef struct {
+  int fd;
+  int authed;       /* proved the secret; waiting for COLL_HELLO; never evicted */
+  int64_t deadline; /* accept + preauth_ms */
+  size_t have;      /* bytes of the current frame in buf */
+  ember_auth_pending auth;
+  uint8_t buf[AUTH_FRAME_LEN];
+  char peer[96];
+} mesh_pending;
+
+typedef struct {
+  ember_comm *c;
+  const uint8_t *secret;
+  size_t secret_len;
+  mesh_pending *p; /* oldest first */
+  size_t n, cap, nunauth;
+  struct pollfd *pfds;
+  uint32_t pre_ms, max_pending;
+  int64_t paused_until;
+  ember__reject_log rejects;
+  ember_log_fn log_fn;
+  void *log_arg;
+  uint64_t nrejected;
+  char rejected[512]; /* the latest, for the timeout message */
+} mesh_accept;
+
+/* One non-blocking send of a small frame: a connection's first few dozen
+ * bytes always fit its socket buffer, so anything short of all is a failure. */
+static int send_small(int fd, const uint8_t *b, size_t len) {
+  ssize_t w;
+  do {
+    w = send(fd, b, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+  } while (w < 0 && errno == EINTR);
+  return w == (ssize_t)len ? EMBER_OK : EMBER_EIO;
+}
+
+/* Ends pending connection i: sends `reply` (a REFUSED) if given, closes it,
+ * and reports it: a stranger rate-limited in the log, any peer in the
+ * message a mesh timeout will carry. */
+static void mesh_reject(mesh_accept *m, size_t i, const char *reason, const uint8_t *reply,
+                        size_t reply_len) {
+  mesh_pending *q = &m->p[i];
+  char line[768];
+  if (reply != NULL && reply_len > 0) (void)send_small(q->fd, reply, reply_len);
+  ember_net_close(q->fd);
+  m->nrejected++;
+  snprintf(m->rejected, sizeof m->rejected, "from %s was rejected: %s", q->peer, reason);
+  if (!q->authed &&
+      ember__reject_note(&m->rejects, ember_now_ms(), q->peer, reason, line, sizeof line) > 0)
+    m->log_fn(m->log_arg, line);
+  if (!q->authed) m->nunauth--;
+  memmove(q, q + 1, (m->n - i - 1) * sizeof *q);
+  m->n--;
+}
+
+/* COLL_HELLO has arrived whole: checks it, answers with ours, and hands the
+ * connection to its rank.  Returns 1 when the rank is now connected. */
+static int mesh_hello(mesh_accept *m, size_t i) {
+  mesh_pending *q = &m->p[i];
+  ember_comm *c = m->c;
+  char why[256];
+  uint32_t got = ember_wire_get_u32(q->buf + EMBER_WIRE_HEADER_LEN);
+  uint32_t size = ember_wire_get_u32(q->buf + EMBER_WIRE_HEADER_LEN + 4);
+  if (size != c->size) {
+    snprintf(why, sizeof why, "rank %u has size %u, this rank has %u", (unsigned)got,
+             (unsigned)size, (unsigned)c->size);
+  } else if (got >= c->size) {
+    snprintf(why, sizeof why, "claims rank %u of %u", (unsigned)got, (unsigned)c->size);
+  } else if (got <= c->rank || c->peers[got].fd >= 0) {
+    snprintf(why, sizeof why, "claims rank %u, which does not connect to rank %u or is "
+             "already connected", (unsigned)got, (unsigned)c->rank);
+  } else {
+    uint8_t f[HELLO_FRAME_LEN];
+    ember_wire_encode_header(f, EMBER_MSG_COLL_HELLO, 8);
+    ember_wire_put_u32(f + EMBER_WIRE_HEADER_LEN, c->rank);
+    ember_wire_put_u32(f + EMBER_WIRE_HEADER_LEN + 4, c->size);
+    if (send_small(q->fd, f, sizeof f) != EMBER_OK) {
+      snprintf(why, sizeof why, "sending COLL_HELLO failed: %s", strerror(errno));
+    } else {
+      tune_socket(q->fd);
+      c->peers[got].fd = q->fd;
+      memmove(q, q + 1, (m->n - i - 1) * sizeof *q);
+      m->n--;
+      return 1;
+    }
+  }
+  mesh_reject(m, i, why, NULL, 0);
+  return 0;
+}
+
+/* Reads what pending connection i has of its current frame and acts on a
+ * whole one.  Returns 1 when a rank got connected. */
+static int mesh_read(mesh_accept *m, size_t i) {
+  mesh_pending *q = &m->p[i];
+  ember_frame_header h;
+  uint8_t reply[EMBER_WIRE_HEADER_LEN + 8 + 256];
+  size_t reply_len = 0, want;
+  char why[384];
+  const size_t frame = q->authed ? HELLO_FRAME_LEN : AUTH_FRAME_LEN;
+  want = q->have < EMBER_WIRE_HEADER_LEN ? EMBER_WIRE_HEADER_LEN : frame;
+  ssize_t n;
+  do {
+    n = recv(q->fd, q->buf + q->have, want - q->have, MSG_DONTWAIT);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+  if (n <= 0) {
+    snprintf(why, sizeof why, "%s%s", n == 0 ? "closed the connection" : strerror(errno),
+             q->authed ? " before COLL_HELLO" : " before authenticating");
+    mesh_reject(m, i, why, NULL, 0);
+    return 0;
+  }
+  q->have += (size_t)n;
+  if (q->have < EMBER_WIRE_HEADER_LEN) return 0;
+  if (ember_wire_decode_header(q->buf, EMBER_WIRE_HEADER_LEN,
+                               q->authed ? SET_UP_FRAME_MAX : EMBER_WIRE_ABSOLUTE_MAX,
+                               &h) != EMBER_OK) {
+    snprintf(why, sizeof why, "expected %s: %s", q->authed ? "COLL_HELLO" : "AUTH frame",
+             ember_last_error());
+    mesh_reject(m, i, why, NULL, 0);
+    return 0;
+  }
+  if (q->authed) {
+    if (h.type != EMBER_MSG_COLL_HELLO || h.length != 8) {
+      snprintf(why, sizeof why, "sent %s of %u bytes, expected COLL_HELLO",
+               ember_wire_type_name(h.type), (unsigned)h.length);
+      mesh_reject(m, i, why, NULL, 0);
+      return 0;
+    }
+    return q->have == HELLO_FRAME_LEN ? mesh_hello(m, i) : 0;
+  }
+  /* A wrong type or length is refused on the header alone, before any of
+   * the payload it claims is read. */
+  int well_formed = h.type == EMBER_MSG_AUTH && h.length == 2u * EMBER_NONCE_LEN;
+  if (well_formed && q->have < AUTH_FRAME_LEN) return 0;
+  int rc = ember_auth_server_check(&q->auth, m->secret, m->secret_len, h.type,
+                                   well_formed ? q->buf + EMBER_WIRE_HEADER_LEN : NULL,
+                                   h.length, reply, sizeof reply, &reply_len);
+  if (rc == EMBER_OK && send_small(q->fd, reply, reply_len) == EMBER_OK) {
+    q->authed = 1;
+    q->have = 0;
+    m->nunauth--;
+    return 0;
+  }
+  snprintf(why, sizeof why, "%s", rc == EMBER_OK ? "sending AUTH_OK failed"
+                                                 : ember_last_error());
+  mesh_reject(m, i, why, rc == EMBER_EAUTH ? reply : NULL, reply_len);
+  return 0;
+}
+
+/* Ends the oldest unauthenticated pending connection.  0 if there is none. */
+static int mesh_evict(mesh_accept *m, const char *why) {
+  for (size_t i = 0; i < m->n; i++) {
+    if (m->p[i].authed) continue;
+    char reason[192];
+    snprintf(reason, sizeof reason, "evicted before authenticating: %s", why);
+    mesh_reject(m, i, reason, NULL, 0);
+    return 1;
+  }
+  return 0;
+}
+
+static void mesh_accept_some(mesh_accept *m) {
+  for (int k = 0; k < MESH_ACCEPT_BATCH; k++) {
+    int fd = accept4(m->c->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      int err = errno;
+      if (err == EINTR || err == ECONNABORTED) continue;
+      if (err == EAGAIN || err == EWOULDBLOCK) return;
+      if ((err == EMFILE || err == ENFILE) &&
+          mesh_evict(m, "this rank is out of file descriptors"))
+        continue;
+      m->paused_until = ember_now_ms() + MESH_ACCEPT_PAUSE_MS;
+      return;
+    }
+    if (m->nunauth >= m->max_pending) {
+      char why[96];
+      snprintf(why, sizeof why, "%zu connections were waiting to authenticate (limit %u)",
+               m->nunauth, (unsigned)m->max_pending);
+      mesh_evict(m, why);
+    }
+    if (m->n == m->cap) { /* authenticated ones fill the rest: unlikely */
+      ember_net_close(fd);
+      continue;
+    }
+    mesh_pending *q = &m->p[m->n];
+    size_t chl = 0;
+    memset(q, 0, sizeof *q);
+    q->fd = fd;
+    q->deadline = ember_now_ms() + m->pre_ms;
+    ember_net_peer_name(fd, q->peer, sizeof q->peer);
+    if (ember_auth_server_begin(&q->auth, q->buf, sizeof q->buf, &chl) != EMBER_OK ||
+        send_small(fd, q->buf, chl) != EMBER_OK) {
+      ember_net_close(fd);
+      continue;
+    }
+    m->n++;
+    m->nunauth++;
+  }
+}
+
+/* Accepts until every higher rank is connected or the deadline passes. */
+static int accept_higher(ember_comm *c, const ember_comm_config *cfg, int64_t deadline) {
+  uint32_t missing = c->size - 1 - c->rank;
+  mesh_accept m;
+  int rc = EMBER_OK;
+  char line[768];
+  if (missing == 0) return EMBER_OK;
+  memset(&m, 0, sizeof m);
+  m.c = c;
+  m.secret = cfg->secret;
+  m.secret_len = cfg->secret_len;
+  m.pre_ms = ember__preauth_timeout_ms(cfg->preauth_timeout_ms);
+  m.max_pending = ember__preauth_max_pending(cfg->max_pending);
+  if (cfg->max_pending == 0 && m.max_pending < missing + 64u) /* a big world at once */
+    m.max_pending = ember__preauth_max_pending(missing + 64u);
+  m.log_fn = cfg->log_fn ? cfg->log_fn : ember__log_stderr;
+  m.log_arg = cfg->log_fn ? cfg->log_arg : NULL;
+  m.cap = (size_t)m.max_pending + missing;
+  m.p = calloc(m.cap, sizeof *m.p);
+  m.pfds = calloc(m.cap + 1, sizeof *m.pfds);
+  if (m.p == NULL || m.pfds == NULL) {
+    rc = ember__set_error(EMBER_ENOMEM, "comm: out of memory for %zu pending connections",
+                          m.cap);
+    goto out;
+  }
+  {
+    uint16_t port = 0;
+    ember_net_local_addr(c->listen_fd, NULL, 0, &port);
+    ember__reject_log_init(&m.rejects, "collective rank %u on :%u", (unsigned)c->rank,
+                           (unsigned)port);
+  }
+  while (missing > 0) {
+    int64_t now = ember_now_ms();
+    for (size_t i = m.n; i-- > 0;)
+      if (now >= m.p[i].deadline) {
+        char why[96];
+        snprintf(why, sizeof why, "handshake not completed within %u ms (%s)",
+                 (unsigned)m.pre_ms, m.p[i].authed ? "no COLL_HELLO" : "no valid AUTH frame");
+        mesh_reject(&m, i, why, NULL, 0);
+      }
+    if (ember__reject_take(&m.rejects, now, line, sizeof line) > 0) m.log_fn(m.log_arg, line);
+    if (now >= deadline) {
+      char list[256] = "";
+      size_t used = 0;
+      for (uint32_t j = c->rank + 1; j < c->size && used + 16 < sizeof list; j++)
+        if (c->peers[j].fd < 0)
+          used += (size_t)snprintf(list + used, sizeof list - used, "%s%u", used ? ", " : "", j);
+      char extra[700] = "";
+      if (m.nrejected == 1)
+        snprintf(extra, sizeof extra, "; a connection %s", m.rejected);
+      else if (m.nrejected > 1)
+        snprintf(extra, sizeof extra, "; %llu connections were rejected (the last one %s)",
+                 (unsigned long long)m.nrejected, m.rejected);
+      rc = ember__set_error(EMBER_ETIMEDOUT, "comm: rank %u timed out waiting for rank(s) "
+                            "%s to connect%s", c->rank, list, extra);
+      goto out;
+    }
+    int64_t wake = deadline;
+    if (m.n > 0 && m.p[0].deadline < wake) wake = m.p[0].deadline; /* the oldest's is first */
+    if (ember__reject_due(&m.rejects) < wake) wake = ember__reject_due(&m.rejects);
+    int paused = now < m.paused_until;
+    if (paused && m.paused_until < wake) wake = m.paused_until;
+    m.pfds[0] = (struct pollfd){.fd = paused ? -1 : c->listen_fd, .events = POLLIN};
+    for (size_t i = 0; i < m.n; i++)
+      m.pfds[1 + i] = (struct pollfd){.fd = m.p[i].fd, .events = POLLIN};
+    int64_t left = wake - now;
+    int pr = poll(m.pfds, (nfds_t)(m.n + 1),
+                  left <= 0 ? 0 : left > POLL_SLICE_MS * 10 ? POLL_SLICE_MS * 10 : (int)left);
+    if (pr < 0 && errno != EINTR) {
+      rc = ember__set_errno(EMBER_ESYS, errno, "comm: poll while accepting ranks");
+      goto out;
+    }
+    if (pr <= 0) continue;
+    /* Pending connections first (backwards: a removal only moves entries
+     * already visited), then new ones. */
+    for (size_t i = m.n; i-- > 0;)
+      if (m.pfds[1 + i].revents != 0 && mesh_read(&m, i)) missing--;
+    if (m.pfds[0].revents & POLLIN) mesh_accept_some(&m);
+  }
+out:
+  for (size_t i = 0; i < m.n; i++) ember_net_close(m.p[i].fd);
+  if (m.log_fn != NULL && ember__reject_flush(&m.rejects, ember_now_ms(), line, sizeof line) > 0)
+    m.log_fn(m.log_arg, line);
+  free(m.p);
+  free(m.pfds);
+  return rc;
+}
+
 /* Connects to every lower rank and accepts every higher one.  Waits only go
  * to lower ranks, and rank 0 only accepts, so there is no cycle. */
-static int build_mesh(ember_comm *c, const uint8_t *secret, size_t secret_len,
-                      int64_t deadline) {
+static int build_mesh(ember_comm *c, const ember_comm_config *cfg, int64_t deadline) {
   int rc;
   for (uint32_t j = 0; j < c->rank; j++) {
     peer_t *p = &c->peers[j];
     uint32_t got = 0;
-    rc = ember_net_connect(p->host, p->port, deadline, &p->fd);
+    /* Retries a connection the peer evicted from its pending pool (a flood
+     * of strangers there); a refusal of our proof is final. */
+    rc = ember__connect_auth(p->host, p->port, cfg->secret, cfg->secret_len, deadline,
+                             &p->fd);
     if (rc != EMBER_OK)
       return ember__set_error(rc, "comm: connecting to %s: %s", p->desc, ember_last_error());
-    rc = ember_auth_client(p->fd, secret, secret_len, deadline);
-    if (rc == EMBER_OK) rc = send_hello(p->fd, c, deadline);
+    rc = send_hello(p->fd, c, deadline);
     if (rc == EMBER_OK) rc = recv_hello(p->fd, c, p->desc, &got, deadline);
     if (rc == EMBER_OK && got != j)
       rc = ember__set_error(EMBER_EPROTO, "comm: the address of rank %u (%s:%u) is served "
@@ -1206,47 +1517,7 @@ static int build_mesh(ember_comm *c, const uint8_t *secret, size_t secret_len,
       return ember__set_error(rc, "comm: with %s: %s", p->desc, ember_last_error());
     tune_socket(p->fd);
   }
-  uint32_t missing = c->size - 1 - c->rank;
-  char rejected[512] = "";
-  while (missing > 0) {
-    int fd = -1;
-    char peer[96];
-    uint32_t got = 0;
-    rc = ember_net_accept(c->listen_fd, deadline, &fd);
-    if (rc == EMBER_ETIMEDOUT) {
-      char list[256] = "";
-      size_t used = 0;
-      for (uint32_t j = c->rank + 1; j < c->size && used + 16 < sizeof list; j++)
-        if (c->peers[j].fd < 0)
-          used += (size_t)snprintf(list + used, sizeof list - used, "%s%u", used ? ", " : "", j);
-      return ember__set_error(EMBER_ETIMEDOUT, "comm: rank %u timed out waiting for rank(s) "
-                              "%s to connect%s%s", c->rank, list,
-                              rejected[0] ? "; " : "", rejected);
-    }
-    if (rc != EMBER_OK) return rc;
-    ember_net_peer_name(fd, peer, sizeof peer);
-    int64_t d = ember_deadline_after(AUTH_TIMEOUT_MS);
-    if (d > deadline) d = deadline;
-    rc = ember_auth_server(fd, secret, secret_len, d);
-    if (rc == EMBER_OK) rc = recv_hello(fd, c, peer, &got, d);
-    if (rc == EMBER_OK && (got <= c->rank || c->peers[got].fd >= 0))
-      rc = ember__set_error(EMBER_EPROTO, "comm: %s claims rank %u, which does not connect "
-                            "to rank %u or is already connected", peer, (unsigned)got,
-                            (unsigned)c->rank);
-    if (rc == EMBER_OK) rc = send_hello(fd, c, d);
-    if (rc != EMBER_OK) {
-      /* A stranger or a misconfigured peer: drop it, keep waiting for the
-       * real ranks, and say so if they never come. */
-      snprintf(rejected, sizeof rejected, "a connection from %s was rejected: %s", peer,
-               ember_last_error());
-      ember_net_close(fd);
-      continue;
-    }
-    tune_socket(fd);
-    c->peers[got].fd = fd;
-    missing--;
-  }
-  return EMBER_OK;
+  return accept_higher(c, cfg, deadline);
 }
 
 static size_t pipe_cap_for(const ember_comm *c, uint32_t from) {
@@ -1499,18 +1770,19 @@ int ember_comm_create(ember_comm **out, const ember_comm_config *cfg, int64_t ti
     c->spin_us = v > 100000 ? 100000 : (int)v;
   }
   c->spin_cur_ns = (int64_t)c->spin_us * 1000;
+  ember__raise_fd_limit();
 
   if (c->size > 1) {
     if (listen_fd >= 0) {
       c->listen_fd = listen_fd;
       listen_fd = -1;
-      rc = ember_net_listen_fd(c->listen_fd, (int)(c->size + 16));
+      rc = ember_net_listen_fd(c->listen_fd, MESH_BACKLOG);
     } else {
-      rc = ember_net_bind(cfg->bind_host, c->peers[c->rank].port, (int)(c->size + 16), 0,
+      rc = ember_net_bind(cfg->bind_host, c->peers[c->rank].port, MESH_BACKLOG, 0,
                           &c->listen_fd, NULL);
     }
     if (rc != EMBER_OK) goto fail;
-    rc = build_mesh(c, cfg->secret, cfg->secret_len, deadline);
+    rc = build_mesh(c, cfg, deadline);
     if (rc != EMBER_OK) goto fail;
     rc = setup_shm(c, cfg->flags, deadline);
     if (rc != EMBER_OK) goto fail;

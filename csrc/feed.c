@@ -59,6 +59,7 @@
 #include "ember/net.h"
 #include "ember/shm_ring.h"
 #include "ember/wire.h"
+#include "preauth.h"
 
 /* Decoded batches point straight into the received buffer (no copy), so
  * fixed-width columns and BYTES offsets are used in host byte order.  The wire
@@ -555,7 +556,16 @@ static size_t feed_env_ring_bytes(void) {
 /* Bytes read from one connection per loop turn, so one fast producer cannot
  * starve the others (poll is level-triggered: the rest is read next turn). */
 #define FEED_READ_BUDGET (4u * 1024u * 1024u)
+/* Authenticated producers at once.  Unauthenticated connections have a pool
+ * of their own (max_pending, see preauth.h), so strangers cannot use these up. */
 #define FEED_MAX_CONNS 1024u
+/* Accepts per loop turn: between batches the loop reads pending peers' AUTH,
+ * so a burst of strangers cannot evict a real producer before it answered. */
+#define FEED_ACCEPT_BATCH 64
+/* Accepting pauses this long when the process is out of descriptors and no
+ * stranger's connection can be given up (poll would report the listener
+ * readable forever). */
+#define FEED_ACCEPT_PAUSE_MS 100
 /* After a REFUSED, keep reading (and discarding) this long before closing,
  * so the peer reads our reason instead of a connection reset. */
 #define FEED_LINGER_MS 2000
@@ -609,6 +619,10 @@ typedef struct feed_conn {
   uint64_t end_count;
   size_t outstanding; /* queued items not yet popped */
   int shm_asked;      /* FEED_SHM seen (once per connection) */
+  int authed;         /* proved the secret: counted in nauthed, never evicted */
+  /* the pool of unauthenticated connections, oldest first */
+  struct feed_conn *pool_prev, *pool_next;
+  int in_pool;
   int tcp_batch_seen; /* a BATCH came over TCP: too late for a ring */
   /* under s->mu, shared with other threads */
   out_req *outq, *outq_tail;
@@ -647,6 +661,10 @@ struct ember_feed_server {
   size_t queue_limit;
   uint32_t max_frame;
   int64_t io_ms;
+  int64_t pre_ms;         /* from accept to AUTH + FEED_HELLO */
+  uint32_t max_pending;   /* unauthenticated connections kept at once */
+  ember_log_fn log_fn;
+  void *log_arg;
   int shm_enabled;
   uint8_t host_id[16];
 
@@ -667,6 +685,10 @@ struct ember_feed_server {
   size_t nheld, held_cap;
   ember_feed_stats stats;
   size_t nrings;
+  feed_conn *pool_head, *pool_tail;
+  size_t npool, nauthed;
+  int64_t accept_paused_until;
+  ember__reject_log rejects;
 
   /* loop thread only */
   struct pollfd *pfds;
@@ -802,6 +824,36 @@ static int queue_status_frame(feed_conn *c, uint16_t type, int status, const cha
   return queue_owned_frame(c, buf, EMBER_WIRE_HEADER_LEN + 8 + rlen);
 }
 
+/* --- the pool of unauthenticated connections (preauth.h) --- */
+static void pool_push(ember_feed_server *s, feed_conn *c) {
+  c->pool_prev = s->pool_tail;
+  c->pool_next = NULL;
+  if (s->pool_tail) s->pool_tail->pool_next = c;
+  else s->pool_head = c;
+  s->pool_tail = c;
+  c->in_pool = 1;
+  s->npool++;
+}
+
+static void pool_unlink(ember_feed_server *s, feed_conn *c) {
+  if (!c->in_pool) return;
+  if (c->pool_prev) c->pool_prev->pool_next = c->pool_next;
+  else s->pool_head = c->pool_next;
+  if (c->pool_next) c->pool_next->pool_prev = c->pool_prev;
+  else s->pool_tail = c->pool_prev;
+  c->pool_prev = c->pool_next = NULL;
+  c->in_pool = 0;
+  s->npool--;
+}
+
+/* Counts a stranger's rejected connection; the log gets a line at most once
+ * per interval.  Under s->mu (the callback must not call the server). */
+static void note_rejected(ember_feed_server *s, const feed_conn *c, const char *reason) {
+  char line[768];
+  if (ember__reject_note(&s->rejects, ember_now_ms(), c->peer, reason, line, sizeof line) > 0)
+    s->log_fn(s->log_arg, line);
+}
+
 /* Writes as much of c's out-queue as the socket takes, without blocking.
  * Returns EMBER_OK (maybe with frames left) or an error (caller kills c). */
 static int conn_flush(ember_feed_server *s, feed_conn *c) {
@@ -851,6 +903,11 @@ static void conn_kill(ember_feed_server *s, feed_conn *c) {
   out_req *r = c->outq, *nx;
   if (c->state == C_DEAD) return;
   c->state = C_DEAD;
+  pool_unlink(s, c);
+  if (c->authed) {
+    c->authed = 0;
+    s->nauthed--;
+  }
   for (; r; r = nx) {
     nx = r->next;
     if (r->owned) {
@@ -877,6 +934,7 @@ static void conn_kill(ember_feed_server *s, feed_conn *c) {
  * closes it once the reason is flushed and read (lingering close). */
 static void conn_refuse(ember_feed_server *s, feed_conn *c, int code, const char *reason) {
   s->stats.producers_rejected++;
+  if (!c->authed) note_rejected(s, c, reason);
   if (queue_status_frame(c, EMBER_MSG_REFUSED, code, reason) != EMBER_OK) {
     conn_kill(s, c);
     return;
@@ -885,7 +943,9 @@ static void conn_refuse(ember_feed_server *s, feed_conn *c, int code, const char
   c->body = NULL;
   c->state = C_LINGER;
   c->shut_after_flush = 1;
-  c->deadline = ember_now_ms() + s->io_ms;
+  /* A stranger that does not read its REFUSED keeps its place no longer
+   * than it could have kept it silently (it stays in the pool). */
+  c->deadline = ember_now_ms() + (c->authed ? s->io_ms : s->pre_ms);
   if (c->ring) {
     /* The producer's ring wait fails at once; it then reads our reason. */
     ember_shm_ring_close(c->ring);
@@ -938,17 +998,29 @@ static void handle_auth_frame(ember_feed_server *s, feed_conn *c) {
     return;
   }
   if (rc == EMBER_OK) {
-    c->state = C_HELLO; /* the handshake deadline also covers FEED_HELLO */
+    /* Authenticated: out of the pool, never evicted.  The pre-auth deadline
+     * still covers FEED_HELLO, which a producer sends at once. */
+    pool_unlink(s, c);
+    c->authed = 1;
+    s->nauthed++;
+    c->state = C_HELLO;
+    if (s->nauthed > FEED_MAX_CONNS) {
+      char why[128];
+      snprintf(why, sizeof why, "feed: %u producers are connected already (the limit)",
+               FEED_MAX_CONNS);
+      conn_refuse(s, c, EMBER_ESTATE, why);
+    }
     return;
   }
   s->stats.producers_rejected++;
+  note_rejected(s, c, ember_last_error());
   if (rlen == 0) {
     conn_kill(s, c);
     return;
   }
   c->state = C_LINGER;
   c->shut_after_flush = 1;
-  c->deadline = ember_now_ms() + s->io_ms;
+  c->deadline = ember_now_ms() + s->pre_ms; /* still in the pool: evictable */
 }
 
 static void handle_hello(ember_feed_server *s, feed_conn *c) {
@@ -1415,6 +1487,7 @@ static void conn_eof(ember_feed_server *s, feed_conn *c) {
    * acknowledged whole.  Retries of half-sent partitions are handled a level
    * up (the driver decides what to re-feed). */
   if (c->state == C_AUTH || c->state == C_HELLO) s->stats.producers_rejected++;
+  if (c->state == C_AUTH) note_rejected(s, c, "closed the connection before authenticating");
   conn_kill(s, c);
 }
 
@@ -1460,21 +1533,47 @@ static void conn_read(ember_feed_server *s, feed_conn *c) {
   }
 }
 
+/* Ends the oldest unauthenticated connection to make room.  0 if none. */
+static int evict_oldest(ember_feed_server *s, const char *why) {
+  feed_conn *victim = s->pool_head;
+  if (victim == NULL) return 0;
+  if (victim->state == C_AUTH) {
+    char reason[192];
+    snprintf(reason, sizeof reason, "evicted before authenticating: %s", why);
+    s->stats.producers_rejected++;
+    note_rejected(s, victim, reason);
+  }
+  conn_kill(s, victim); /* a refused one lingering (C_LINGER) was counted */
+  return 1;
+}
+
 static void accept_new(ember_feed_server *s) {
-  for (;;) {
+  for (int k = 0; k < FEED_ACCEPT_BATCH; k++) {
     uint8_t chal[EMBER_WIRE_HEADER_LEN + EMBER_NONCE_LEN + 16];
     size_t clen = 0;
     feed_conn *c;
     int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
-      /* EAGAIN: done.  ECONNABORTED/EMFILE/...: try again next turn; poll
-       * keeps reporting the listener readable, so do not spin on it here. */
+      int err = errno;
+      if (err == EINTR || err == ECONNABORTED) continue;
+      if (err == EAGAIN || err == EWOULDBLOCK) break;
+      /* Out of descriptors (or memory): give up a stranger's connection and
+       * retry at once, else pause accepting instead of spinning on a
+       * listener that poll keeps reporting readable. */
+      if ((err == EMFILE || err == ENFILE) &&
+          evict_oldest(s, "the node is out of file descriptors"))
+        continue;
+      s->accept_paused_until = ember_now_ms() + FEED_ACCEPT_PAUSE_MS;
       break;
     }
-    if (s->nconns >= FEED_MAX_CONNS) {
-      ember_net_close(fd);
-      s->stats.producers_rejected++;
-      continue;
+    /* The pool is full: the oldest pending connection makes room, never the
+     * new one.  A real producer answers its CHALLENGE within milliseconds,
+     * so it is the newest or already authenticated. */
+    if (s->npool >= s->max_pending) {
+      char why[96];
+      snprintf(why, sizeof why, "%zu connections were waiting to authenticate (limit %u)",
+               s->npool, (unsigned)s->max_pending);
+      evict_oldest(s, why);
     }
     c = calloc(1, sizeof *c);
     if (c == NULL || ember_auth_server_begin(&c->auth, chal, sizeof chal, &clen) != EMBER_OK ||
@@ -1490,11 +1589,12 @@ static void accept_new(ember_feed_server *s) {
     c->id = ++s->next_id;
     c->state = C_AUTH;
     c->rx = RX_HDR;
-    c->deadline = ember_now_ms() + s->io_ms; /* auth + FEED_HELLO */
+    c->deadline = ember_now_ms() + s->pre_ms; /* auth + FEED_HELLO */
     ember_net_peer_name(fd, c->peer, sizeof c->peer);
     c->next = s->conns;
     s->conns = c;
     s->nconns++;
+    pool_push(s, c);
     if (conn_flush(s, c) != EMBER_OK) conn_kill(s, c);
   }
 }
@@ -1571,6 +1671,12 @@ static void loop_progress(ember_feed_server *s) {
     }
     if (c->deadline && now >= c->deadline) {
       if (c->state == C_AUTH || c->state == C_HELLO) s->stats.producers_rejected++;
+      if (c->state == C_AUTH) {
+        char why[96];
+        snprintf(why, sizeof why, "handshake not completed within %lld ms",
+                 (long long)s->pre_ms);
+        note_rejected(s, c, why);
+      }
       conn_kill(s, c);
     }
   }
@@ -1626,8 +1732,13 @@ static void *feed_loop(void *arg) {
       s->pcap = need;
     }
     s->pfds[n++] = (struct pollfd){.fd = s->wake_fd, .events = POLLIN};
-    s->pfds[n++] = (struct pollfd){.fd = s->nconns < FEED_MAX_CONNS ? s->listen_fd : -1,
+    /* Always accepting (new strangers evict old ones), except for a short
+     * pause when out of descriptors. */
+    s->pfds[n++] = (struct pollfd){.fd = now >= s->accept_paused_until ? s->listen_fd : -1,
                                    .events = POLLIN};
+    if (s->accept_paused_until > now) next_deadline = s->accept_paused_until;
+    if (ember__reject_due(&s->rejects) < next_deadline)
+      next_deadline = ember__reject_due(&s->rejects);
     for (feed_conn *c = s->conns; c; c = c->next) {
       short ev = 0;
       if (c->state == C_DEAD) continue;
@@ -1674,6 +1785,11 @@ static void *feed_loop(void *arg) {
       if (s->pfds[1].revents & POLLIN) accept_new(s);
     }
     loop_progress(s);
+    {
+      char line[768];
+      if (ember__reject_take(&s->rejects, ember_now_ms(), line, sizeof line) > 0)
+        s->log_fn(s->log_arg, line);
+    }
   }
   pthread_mutex_unlock(&s->mu);
   return NULL;
@@ -1710,6 +1826,11 @@ void ember_feed_server_destroy(ember_feed_server *s) {
   pthread_mutex_unlock(&s->mu);
   for (c = s->conns; c; c = c->next)
     if (c->ring_thread_started) pthread_join(c->ring_thread, NULL);
+  if (s->log_fn != NULL) { /* what the last interval counted, not to be lost */
+    char line[768];
+    if (ember__reject_flush(&s->rejects, ember_now_ms(), line, sizeof line) > 0)
+      s->log_fn(s->log_arg, line);
+  }
   for (c = s->conns; c; c = nx) {
     nx = c->next;
     ember_shm_ring_destroy(c->ring);
@@ -1767,6 +1888,13 @@ int ember_feed_server_create(ember_feed_server **out, const ember_feed_server_co
   s->max_frame = cfg->max_frame ? cfg->max_frame : FEED_DEFAULT_MAX_FRAME;
   if (s->max_frame > EMBER_WIRE_ABSOLUTE_MAX) s->max_frame = EMBER_WIRE_ABSOLUTE_MAX;
   s->io_ms = cfg->io_timeout_ms ? cfg->io_timeout_ms : FEED_DEFAULT_IO_MS;
+  /* Strangers get a short deadline, never longer than the I/O timeout. */
+  s->pre_ms = ember__preauth_timeout_ms(cfg->preauth_timeout_ms);
+  if (s->pre_ms > s->io_ms) s->pre_ms = s->io_ms;
+  ember__raise_fd_limit();
+  s->max_pending = ember__preauth_max_pending(cfg->max_pending);
+  s->log_fn = cfg->log_fn ? cfg->log_fn : ember__log_stderr;
+  s->log_arg = cfg->log_fn ? cfg->log_arg : NULL;
   s->shm_enabled = !cfg->disable_shm && feed_env_shm_enabled();
   feed_host_id(s->host_id);
 
@@ -1791,7 +1919,10 @@ int ember_feed_server_create(ember_feed_server **out, const ember_feed_server_co
     int fl;
     s->listen_fd = fd;
     fd = -1; /* owned by s now */
-    rc = ember_net_listen_fd(s->listen_fd, 128);
+    /* A burst of strangers must not fill the accept queue: the kernel would
+     * then drop real producers' SYNs for a second or more.  It caps the
+     * backlog at net.core.somaxconn. */
+    rc = ember_net_listen_fd(s->listen_fd, 4096);
     if (rc != EMBER_OK) goto cleanup;
     fl = fcntl(s->listen_fd, F_GETFL);
     if (fl < 0 || fcntl(s->listen_fd, F_SETFL, fl | O_NONBLOCK) < 0 ||
@@ -1801,9 +1932,10 @@ int ember_feed_server_create(ember_feed_server **out, const ember_feed_server_co
     }
     ember_net_local_addr(s->listen_fd, host, sizeof host, &s->port);
   } else {
-    rc = ember_net_bind(cfg->bind_host, cfg->port, 128, 0, &s->listen_fd, &s->port);
+    rc = ember_net_bind(cfg->bind_host, cfg->port, 4096, 0, &s->listen_fd, &s->port);
     if (rc != EMBER_OK) goto cleanup;
   }
+  ember__reject_log_init(&s->rejects, "feed server on :%u", (unsigned)s->port);
   if (pthread_create(&s->thread, NULL, feed_loop, s) != 0) {
     rc = ember__set_error(EMBER_ESYS, "feed server: cannot start its thread");
     goto cleanup;
@@ -2093,12 +2225,10 @@ int ember_feed_client_connect_ex(ember_feed_client **out, const char *host, uint
     c->shm_wanted = mode == EMBER_FEED_SHM_ON || (mode == EMBER_FEED_SHM_AUTO && feed_env_shm_enabled());
     c->shm_bytes = opts && opts->shm_bytes ? opts->shm_bytes : feed_env_ring_bytes();
   }
-  rc = ember_net_connect(host, port, deadline, &c->fd);
+  rc = ember__connect_auth(host, port, secret, secret_len, deadline, &c->fd);
   if (rc != EMBER_OK) goto cleanup;
   (void)ember_net_tune(c->fd);
   ember_net_peer_name(c->fd, c->peer, sizeof c->peer);
-  rc = ember_auth_client(c->fd, secret, secret_len, deadline);
-  if (rc != EMBER_OK) goto cleanup;
   ember_wire_put_u32(hello, partition);
   ember_wire_put_u32(hello + 4, flags);
   rc = ember_net_send_frame(c->fd, EMBER_MSG_FEED_HELLO, hello, sizeof hello, deadline);

@@ -27,7 +27,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -35,6 +34,7 @@
 #include "ember/error.h"
 #include "ember/net.h"
 #include "ember/wire.h"
+#include "preauth.h"
 #include "rendezvous_codec.h"
 
 #define DEFAULT_HEARTBEAT_TIMEOUT_MS 10000u
@@ -53,7 +53,10 @@
  * ones a peer can generate at will) are dropped and counted. */
 #define EVENT_BYTES_MAX (64u << 20)
 #define EVENT_COUNT_MAX 100000u
-#define ACCEPT_BATCH 256
+/* Accepts per loop turn: between batches the loop reads what pending peers
+ * sent, so a real peer's AUTH is seen before a burst of strangers could push
+ * it out of the pending pool. */
+#define ACCEPT_BATCH 64
 #define ACCEPT_PAUSE_MS 100
 #define MAX_IOV 16
 
@@ -85,6 +88,11 @@ typedef struct conn {
   int64_t last_heard; /* NODE: time of the last frame received */
   int32_t node;       /* index once registered, else -1 */
   int reported;       /* loop-thread copy of node_slot.reported */
+  int authed;         /* proved the secret */
+  int64_t accepted;   /* when accept() returned it */
+  /* the pool of unauthenticated connections, oldest first (see preauth.h) */
+  struct conn *pool_prev, *pool_next;
+  int in_pool;
 } conn;
 
 typedef struct {
@@ -114,6 +122,8 @@ struct ember_rdv_server {
   uint32_t num_nodes, num_ps;
   int has_chief, has_evaluator;
   uint32_t hb_ms, hs_ms;
+  uint32_t pre_ms;      /* deadline from accept to a valid AUTH */
+  uint32_t max_pending; /* unauthenticated connections kept at once */
   uint16_t port;
   int listen_fd, wake_fd;
   pthread_t thread;
@@ -141,6 +151,9 @@ struct ember_rdv_server {
   size_t spec_table_len;
   int64_t accept_paused_until;
   int accept_warned;
+  conn *pool_head, *pool_tail;
+  size_t npool;
+  ember__reject_log rejects;
   uint8_t rbuf[READ_CHUNK];
 };
 
@@ -333,6 +346,54 @@ static void drop_unsent(conn *c) {
   c->head = c->tail = keep;
 }
 
+/* ---------------------------------------------------------------- pool */
+
+static void pool_push(ember_rdv_server *s, conn *c) {
+  c->pool_prev = s->pool_tail;
+  c->pool_next = NULL;
+  if (s->pool_tail) s->pool_tail->pool_next = c;
+  else s->pool_head = c;
+  s->pool_tail = c;
+  c->in_pool = 1;
+  s->npool++;
+}
+
+static void pool_unlink(ember_rdv_server *s, conn *c) {
+  if (!c->in_pool) return;
+  if (c->pool_prev) c->pool_prev->pool_next = c->pool_next;
+  else s->pool_head = c->pool_next;
+  if (c->pool_next) c->pool_next->pool_prev = c->pool_prev;
+  else s->pool_tail = c->pool_prev;
+  c->pool_prev = c->pool_next = NULL;
+  c->in_pool = 0;
+  s->npool--;
+}
+
+/* The connection is closed at the next sweep; it leaves the pool now, so
+ * the pool counts only connections that still hold a place. */
+static void mark_dead(ember_rdv_server *s, conn *c) {
+  c->dead = 1;
+  pool_unlink(s, c);
+}
+
+/* Reports a refused connection: an authenticated peer (a node with a bad
+ * REGISTER, a duplicate index) at once, strangers rate-limited. */
+static void report_rejected(ember_rdv_server *s, conn *c, int32_t ev_node,
+                            const char *reason) {
+  if (c->authed) {
+    push_event(s, EMBER_RDV_EV_REJECTED, ev_node, 1,
+               fmt_alloc("%s rejected a connection from %s: %s", s->rejects.what, c->peer,
+                         reason));
+    return;
+  }
+  char line[768];
+  uint64_t n = ember__reject_note(&s->rejects, ember_now_ms(), c->peer, reason, line,
+                                  sizeof line);
+  if (n > 0)
+    push_event(s, EMBER_RDV_EV_REJECTED, -1, n > INT32_MAX ? INT32_MAX : (int32_t)n,
+               fmt_alloc("%s", line));
+}
+
 /* ---------------------------------------------------------------- conn end */
 
 /* Detaches a registered node from its connection: LOST unless it already
@@ -363,9 +424,8 @@ static void node_gone(ember_rdv_server *s, conn *c, const char *reason) {
 static void conn_drop(ember_rdv_server *s, conn *c, const char *reason) {
   if (c->dead) return;
   if (c->node >= 0) node_gone(s, c, reason);
-  else if (c->state == C_AUTH || c->state == C_REGISTER)
-    push_event(s, EMBER_RDV_EV_REJECTED, -1, 0, fmt_alloc("%s: %s", c->peer, reason));
-  c->dead = 1;
+  else if (c->state == C_AUTH || c->state == C_REGISTER) report_rejected(s, c, -1, reason);
+  mark_dead(s, c);
 }
 
 /* Refuses a connection that has not registered: REJECTED event, a REFUSED
@@ -373,7 +433,7 @@ static void conn_drop(ember_rdv_server *s, conn *c, const char *reason) {
 static void conn_refuse(ember_rdv_server *s, conn *c, int status, int32_t ev_node,
                         const char *reason, const uint8_t *prebuilt, size_t prebuilt_len) {
   if (c->dead || c->state == C_CLOSING) return;
-  push_event(s, EMBER_RDV_EV_REJECTED, ev_node, 0, fmt_alloc("%s: %s", c->peer, reason));
+  report_rejected(s, c, ev_node, reason);
   drop_unsent(c); /* an unsent CHALLENGE is moot now */
   int rc;
   if (prebuilt != NULL) {
@@ -386,7 +446,7 @@ static void conn_refuse(ember_rdv_server *s, conn *c, int status, int32_t ev_nod
     ember_wire_writer_free(&w);
   }
   if (rc != EMBER_OK) {
-    c->dead = 1;
+    mark_dead(s, c);
     return;
   }
   c->state = C_CLOSING;
@@ -427,7 +487,7 @@ static void conn_flush(ember_rdv_server *s, conn *c) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
       char why[160];
       snprintf(why, sizeof why, "send failed: %s", strerror(errno));
-      if (c->state == C_CLOSING) c->dead = 1;
+      if (c->state == C_CLOSING) mark_dead(s, c);
       else conn_drop(s, c, why);
       return;
     }
@@ -447,7 +507,7 @@ static void conn_flush(ember_rdv_server *s, conn *c) {
       free(g);
     }
   }
-  if (c->head == NULL && c->state == C_CLOSING) c->dead = 1;
+  if (c->head == NULL && c->state == C_CLOSING) mark_dead(s, c);
 }
 
 /* ---------------------------------------------------------------- ready */
@@ -654,7 +714,12 @@ static void on_auth_bytes(ember_rdv_server *s, conn *c) {
       conn_drop(s, c, "out of memory after authentication");
       return;
     }
+    /* Authenticated: out of the pool (never evicted), and the rest of the
+     * handshake timeout for REGISTER. */
+    c->authed = 1;
+    pool_unlink(s, c);
     c->state = C_REGISTER;
+    c->deadline = c->accepted + (int64_t)s->hs_ms;
     return;
   }
   snprintf(reason, sizeof reason, "%s", ember_last_error());
@@ -673,7 +738,7 @@ static void on_readable(ember_rdv_server *s, conn *c) {
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
   if (c->state == C_CLOSING) {
     /* Discard: we only wait for our REFUSED to drain or the peer to go. */
-    if (n <= 0) c->dead = 1;
+    if (n <= 0) mark_dead(s, c);
     return;
   }
   if (n == 0) {
@@ -752,6 +817,7 @@ static int add_conn(ember_rdv_server *s, conn *c) {
 }
 
 static void remove_conn(ember_rdv_server *s, size_t i) {
+  pool_unlink(s, s->conns[i]);
   conn_free(s->conns[i]);
   s->nconns--;
   if (i != s->nconns) {
@@ -760,23 +826,54 @@ static void remove_conn(ember_rdv_server *s, size_t i) {
   }
 }
 
+/* Makes room in the pool by ending its oldest unauthenticated connection.
+ * Returns 0 when the pool holds none. */
+static int evict_oldest(ember_rdv_server *s, const char *why) {
+  conn *victim = s->pool_head;
+  if (victim == NULL) return 0;
+  char reason[192];
+  snprintf(reason, sizeof reason, "evicted before authenticating: %s", why);
+  if (victim->state == C_CLOSING) mark_dead(s, victim); /* already reported */
+  else conn_drop(s, victim, reason);
+  return 1;
+}
+
 static void accept_some(ember_rdv_server *s) {
+  int evicted_for_fd = 0;
   for (int k = 0; k < ACCEPT_BATCH; k++) {
     int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-      /* Out of fds (or memory): the pending connection stays queued and poll
-       * would report it forever; pause accepting instead of spinning. */
+      /* Out of fds: a stranger's pending connection is the one to give up
+       * (it is closed at the next sweep, so try again next turn).  With none
+       * left, the pending connection stays queued and poll would report it
+       * forever: pause accepting instead of spinning. */
       int err = errno;
+      if ((err == EMFILE || err == ENFILE) && !evicted_for_fd &&
+          evict_oldest(s, "the server is out of file descriptors")) {
+        evicted_for_fd = 1;
+        s->accept_paused_until = ember_now_ms() + 1; /* after the sweep */
+        return;
+      }
       s->accept_paused_until = ember_now_ms() + ACCEPT_PAUSE_MS;
       if (!s->accept_warned) {
         s->accept_warned = 1;
         push_event(s, EMBER_RDV_EV_REJECTED, -1, 0,
-                   fmt_alloc("accept failed: %s (raise the open-file limit?)",
-                             strerror(err)));
+                   fmt_alloc("%s: accept failed: %s (raise the open-file limit?)",
+                             s->rejects.what, strerror(err)));
       }
       return;
+    }
+    /* The pool is full: the oldest pending connection makes room.  A real
+     * peer answers its CHALLENGE within milliseconds, so it is the newest
+     * or already out of the pool; a stranger holding the pool only evicts
+     * other strangers. */
+    if (s->npool >= s->max_pending) {
+      char why[96];
+      snprintf(why, sizeof why, "%zu connections were waiting to authenticate (limit %u)",
+               s->npool, (unsigned)s->max_pending);
+      evict_oldest(s, why);
     }
     conn *c = calloc(1, sizeof *c);
     if (c == NULL) {
@@ -786,7 +883,8 @@ static void accept_some(ember_rdv_server *s) {
     c->fd = fd;
     c->node = -1;
     c->state = C_AUTH;
-    c->deadline = ember_now_ms() + (int64_t)s->hs_ms;
+    c->accepted = ember_now_ms();
+    c->deadline = c->accepted + (int64_t)s->pre_ms;
     ember_net_peer_name(fd, c->peer, sizeof c->peer);
     peer_host_of(c->peer, c->peer_host, sizeof c->peer_host);
     (void)ember_net_tune(fd);
@@ -797,6 +895,7 @@ static void accept_some(ember_rdv_server *s) {
       conn_free(c);
       continue;
     }
+    pool_push(s, c);
     /* Usually completes at once and saves a poll round trip. */
     conn_flush(s, c);
   }
@@ -836,7 +935,7 @@ static int64_t check_timers(ember_rdv_server *s, conn *c, int64_t now) {
   case C_REGISTER:
     if (now >= c->deadline) {
       snprintf(reason, sizeof reason, "handshake not completed within %u ms (%s)",
-               (unsigned)s->hs_ms,
+               (unsigned)(c->state == C_AUTH ? s->pre_ms : s->hs_ms),
                c->state == C_AUTH ? "no valid AUTH frame" : "no REGISTER frame");
       conn_refuse(s, c, EMBER_ETIMEDOUT, -1, reason, NULL, 0);
       return c->dead ? INT64_MAX : c->deadline;
@@ -844,7 +943,7 @@ static int64_t check_timers(ember_rdv_server *s, conn *c, int64_t now) {
     return c->deadline;
   case C_CLOSING:
     if (now >= c->deadline) {
-      c->dead = 1;
+      mark_dead(s, c);
       return INT64_MAX;
     }
     return c->deadline;
@@ -917,6 +1016,7 @@ static void *server_main(void *arg) {
     s->pfds[1].events = now >= s->accept_paused_until ? POLLIN : 0;
     if (s->accept_paused_until > now && s->accept_paused_until < next)
       next = s->accept_paused_until;
+    if (ember__reject_due(&s->rejects) < next) next = ember__reject_due(&s->rejects);
     int timeout = next <= now ? 0 : (int)(next - now);
 
     int rc = poll(s->pfds, 2 + s->nconns, timeout);
@@ -935,26 +1035,18 @@ static void *server_main(void *arg) {
       if (!c->dead && c->head != NULL && (rev & POLLOUT)) conn_flush(s, c);
     }
     if (s->pfds[1].revents & POLLIN) accept_some(s);
+    /* The rate-limited summary of rejected strangers, when its time comes. */
+    char line[768];
+    uint64_t nrej = ember__reject_take(&s->rejects, ember_now_ms(), line, sizeof line);
+    if (nrej > 0)
+      push_event(s, EMBER_RDV_EV_REJECTED, -1, nrej > INT32_MAX ? INT32_MAX : (int32_t)nrej,
+                 fmt_alloc("%s", line));
   }
   final_flush(s);
   return NULL;
 }
 
 /* ---------------------------------------------------------------- API */
-
-/* A reservation of N nodes needs N sockets in the driver, and up to 3N more
- * when a test or benchmark runs the N clients (socket + eventfd each) in the
- * same process; the common soft limit of 1024 fds would stop a large job at
- * accept().  Raise the soft limit toward the hard one, which any process may
- * do; never lower it. */
-static void raise_fd_limit(uint32_t num_nodes) {
-  struct rlimit rl;
-  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
-  rlim_t want = (rlim_t)num_nodes * 4 + 256;
-  if (rl.rlim_cur >= want) return;
-  rl.rlim_cur = (rl.rlim_max == RLIM_INFINITY || rl.rlim_max > want) ? want : rl.rlim_max;
-  (void)setrlimit(RLIMIT_NOFILE, &rl);
-}
 
 static void server_free(ember_rdv_server *s) {
   if (s == NULL) return;
@@ -1023,6 +1115,9 @@ int ember_rdv_server_create(ember_rdv_server **out, const ember_rdv_server_confi
                                        : DEFAULT_HEARTBEAT_TIMEOUT_MS;
   s->hs_ms = cfg->handshake_timeout_ms ? cfg->handshake_timeout_ms
                                        : DEFAULT_HANDSHAKE_TIMEOUT_MS;
+  /* The pre-authentication deadline never outlasts the whole handshake's. */
+  s->pre_ms = ember__preauth_timeout_ms(cfg->preauth_timeout_ms);
+  if (s->pre_ms > s->hs_ms) s->pre_ms = s->hs_ms;
   s->secret = malloc(cfg->secret_len);
   s->nodes = calloc(cfg->num_nodes, sizeof *s->nodes);
   s->pfds = calloc(2, sizeof *s->pfds);
@@ -1045,14 +1140,26 @@ int ember_rdv_server_create(ember_rdv_server **out, const ember_rdv_server_confi
                            warm);
     if (rc != EMBER_OK) goto fail;
   }
-  raise_fd_limit(cfg->num_nodes);
-  /* Backlog: all nodes of a gang start at once; the kernel caps it at
-   * net.core.somaxconn. */
-  int backlog = cfg->num_nodes < 128     ? 128
+  /* A reservation of N nodes needs N sockets in the driver (and 3N more when
+   * a test or benchmark runs the N clients in the same process), and
+   * strangers' connections must run into the pending pool, not EMFILE: the
+   * common soft limit of 1024 would stop both at accept(). */
+  ember__raise_fd_limit();
+  s->max_pending = ember__preauth_max_pending(cfg->max_pending);
+  /* A gang of nodes connects at once: the default pool holds all of them,
+   * so real nodes never evict each other (an evicted one would reconnect,
+   * but later). */
+  if (cfg->max_pending == 0 && s->max_pending < cfg->num_nodes + 64u)
+    s->max_pending = ember__preauth_max_pending(cfg->num_nodes + 64u);
+  /* Backlog: all nodes of a gang start at once, and a burst of strangers
+   * must not fill the accept queue (the kernel then drops real peers' SYNs
+   * for a second or more); the kernel caps it at net.core.somaxconn. */
+  int backlog = cfg->num_nodes < 4096    ? 4096
                 : cfg->num_nodes > 65535 ? 65535
                                          : (int)cfg->num_nodes;
   rc = ember_net_bind(cfg->bind_host, cfg->port, backlog, 0, &s->listen_fd, &s->port);
   if (rc != EMBER_OK) goto fail;
+  ember__reject_log_init(&s->rejects, "rendezvous server on :%u", (unsigned)s->port);
   rc = make_wakefd(&s->wake_fd);
   if (rc != EMBER_OK) goto fail;
   rc = start_thread(&s->thread, server_main, s);
@@ -1253,12 +1360,10 @@ int ember_rdv_client_connect(ember_rdv_client **out, const char *host, uint16_t 
   pthread_mutex_init(&c->wmu, NULL);
   atomic_init(&c->stop_state, 0);
   atomic_init(&c->quit, 0);
-  rc = ember_net_connect(host, port, deadline, &c->fd);
+  rc = ember__connect_auth(host, port, secret, secret_len, deadline, &c->fd);
   if (rc != EMBER_OK) goto fail;
   (void)ember_net_tune(c->fd);
   ember_net_peer_name(c->fd, c->peer, sizeof c->peer);
-  rc = ember_auth_client(c->fd, secret, secret_len, deadline);
-  if (rc != EMBER_OK) goto fail;
   *out = c;
   return EMBER_OK;
 

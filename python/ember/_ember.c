@@ -528,16 +528,19 @@ static PyObject *random_secret(PyObject *module, PyObject *Py_UNUSED(ignored)) {
 }
 
 PyDoc_STRVAR(reserve_port_doc,
-             "reserve_port(host='', listen=False, backlog=128) -> (fd, port)\n\n"
+             "reserve_port(host='', listen=False, backlog=4096) -> (fd, port)\n\n"
              "Binds a free TCP port with SO_REUSEPORT and returns the socket fd\n"
              "(the caller owns it) and the port.  The socket only listens when\n"
              "listen is true; a bound socket that does not listen reserves the\n"
-             "port without receiving connections.");
+             "port without receiving connections.  The backlog is large (the\n"
+             "kernel caps it at net.core.somaxconn) so that strangers queued\n"
+             "before the server starts cannot make the kernel drop real peers'\n"
+             "connections.");
 
 static PyObject *reserve_port(PyObject *module, PyObject *args, PyObject *kwargs) {
   static char *kwlist[] = {"host", "listen", "backlog", NULL};
   const char *host = "";
-  int listen = 0, backlog = 128;
+  int listen = 0, backlog = 4096;
   if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|spi:reserve_port", kwlist, &host,
                                    &listen, &backlog))
     return NULL;

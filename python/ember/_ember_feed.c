@@ -580,7 +580,10 @@ PyDoc_STRVAR(FeedServer_doc,
              "shm=True accepts the shared-memory rings that producers on this host\n"
              "offer (their batches then bypass TCP; one reader thread per ring);\n"
              "shm=False, or EMBER_FEED_SHM=0 in the environment, keeps every\n"
-             "producer on TCP.  Items are the same either way.");
+             "producer on TCP.  Items are the same either way.  Connections must\n"
+             "authenticate and say hello within EMBER_PREAUTH_TIMEOUT_MS (3 s); at\n"
+             "most EMBER_PREAUTH_MAX_PENDING (512) wait at once, the oldest evicted\n"
+             "for a new one; rejected ones are logged to stderr, rate-limited.");
 
 static PyType_Slot FeedServer_slots[] = {
     {Py_tp_doc, (void *)FeedServer_doc},

@@ -310,7 +310,10 @@ PyDoc_STRVAR(RdvServer_next_event_doc,
              "next_event(timeout_s) -> (kind, node, code, text) or None\n\n"
              "Pops the next event, waiting up to timeout_s; None on timeout.  kind\n"
              "is one of 'registered', 'ready', 'progress', 'done', 'failed',\n"
-             "'lost', 'rejected'; node is the node index or -1; text is a str or\n"
+             "'lost', 'rejected'; node is the node index or -1; code is the exit\n"
+             "code of 'done'/'failed' and the number of connections a 'rejected'\n"
+             "covers (strangers are reported rate-limited: the first at once,\n"
+             "then one event per EMBER_REJECT_LOG_INTERVAL_MS); text is a str or\n"
              "None.");
 
 static PyObject *RdvServer_next_event(PyObject *op, PyObject *arg) {

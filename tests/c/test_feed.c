@@ -23,6 +23,7 @@
 #include "ember/shm_ring.h"
 #include "ember/wire.h"
 #include "harness.h"
+#include "strangers.h"
 
 #include <dirent.h>
 #include <sys/stat.h>
@@ -1469,6 +1470,158 @@ TEST(shm_producer_killed_node_cleans_up) {
   LEAK_CHECK();
 }
 
+/* ------------------------------------------------------------ strangers */
+
+static ember_feed_server *start_guarded(uint32_t pre_ms, uint32_t max_pending,
+                                        log_capture *lc) {
+  ember_feed_server_config cfg;
+  ember_feed_server *s = NULL;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.secret = SECRET;
+  cfg.secret_len = sizeof SECRET;
+  cfg.listen_fd = -1;
+  cfg.bind_host = "127.0.0.1";
+  cfg.preauth_timeout_ms = pre_ms;
+  cfg.max_pending = max_pending;
+  if (lc != NULL) {
+    memset(lc, 0, sizeof *lc);
+    pthread_mutex_init(&lc->mu, NULL);
+    cfg.log_fn = log_capture_fn;
+    cfg.log_arg = lc;
+  }
+  CHECK_OK(ember_feed_server_create(&s, &cfg));
+  return s;
+}
+
+/* END_PARTITION(0) on a raw producer that sent nothing: answered ACK(OK)
+ * only if its connection survived. */
+static void raw_end_empty(int fd) {
+  uint8_t cnt[8];
+  char why[256];
+  ember_wire_put_u64(cnt, 0);
+  CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_END_PARTITION, cnt, 8, ember_deadline_after(5000)));
+  CHECK_EQ_INT(raw_status(fd, EMBER_MSG_ACK, why, sizeof why), EMBER_OK);
+}
+
+/* More strangers than the node's limit of producers (1024), idle and slow,
+ * with deadlines longer than the test: a producer still connects at once and
+ * its partition arrives whole, and a producer connected before them is never
+ * displaced.  (Before the pending pool, 1024 idle connections stopped the
+ * node's accept loop until their 600 s deadline.) */
+TEST(strangers_hold_no_limit_producers_need) {
+  int n = strangers_fit(1500, 400);
+  ember_feed_server *s = start_guarded(30000, 256, NULL);
+  uint16_t port = ember_feed_server_port(s);
+  int held = raw_producer(port, 9);
+  strangers st;
+  /* Every stranger reaches the server (beyond the old limit of 1024
+   * connections), none waits in a kernel queue. */
+  int in = strangers_open_paced(&st, port, n, 20);
+  strangers_start(&st);
+  fprintf(stderr, "%d strangers accepted\n", in);
+  CHECK(in >= 1024);
+
+  producer_args a;
+  pthread_t t;
+  uint64_t next = 0;
+  int64_t t0 = ember_now_ms();
+  producer_init(&a, port, 1, 20, 50);
+  CHECK(pthread_create(&t, NULL, producer, &a) == 0);
+  CHECK_EQ_INT(pop_partition(s, 1, 20, &next), 1000);
+  pthread_join(t, NULL);
+  CHECK_OK(a.end_rc);
+  int64_t took = ember_now_ms() - t0;
+  fprintf(stderr, "a partition of 1000 rows in %lld ms beside %d strangers\n",
+          (long long)took, n + 20);
+  CHECK(took < 3000);
+  raw_end_empty(held);
+
+  int closed = 0;
+  for (int i = 0; i < n; i++) closed += stranger_closed(st.idle[i]);
+  for (int i = 0; i < 20; i++) closed += stranger_closed(st.slow[i]);
+  CHECK(closed >= n + 20 - 256);
+  CHECK(!stranger_closed(st.idle[n - 1]));
+  strangers_close(&st);
+  ember_net_close(held);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+/* The pool keeps the newest 8 strangers: each new one evicts the oldest. */
+TEST(pending_pool_evicts_the_oldest_stranger) {
+  ember_feed_server *s = start_guarded(30000, 8, NULL);
+  uint16_t port = ember_feed_server_port(s);
+  ember_feed_stats stats;
+  int fds[20];
+  for (int i = 0; i < 20; i++) {
+    fds[i] = stranger_connect(port);
+    sleep_ms(20); /* accepted in this order */
+  }
+  sleep_ms(300);
+  for (int i = 0; i < 20; i++) CHECK_EQ_INT(stranger_closed(fds[i]), i < 12);
+  ember_feed_server_stats(s, &stats);
+  CHECK_EQ_INT(stats.producers_rejected, 12);
+  for (int i = 0; i < 20; i++) ember_net_close(fds[i]);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+/* The pre-authentication deadline (300 ms from the environment) is not the
+ * 600 s I/O timeout. */
+TEST(preauth_deadline_is_not_the_io_timeout) {
+  setenv("EMBER_PREAUTH_TIMEOUT_MS", "300", 1);
+  ember_feed_server *s = start_server(0, 0);
+  int mute = stranger_connect(ember_feed_server_port(s));
+  int64_t t0 = ember_now_ms();
+  while (!stranger_closed(mute)) {
+    CHECK(ember_now_ms() - t0 < 3000);
+    struct pollfd pfd = {mute, POLLIN, 0};
+    (void)poll(&pfd, 1, 50);
+  }
+  CHECK(ember_now_ms() - t0 >= 250);
+  ember_net_close(mute);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+/* 300 strangers sending garbage: a handful of log lines (the first at once,
+ * then one per interval, 1 s here) that count all 300. */
+TEST(rejections_are_logged_rate_limited) {
+  setenv("EMBER_REJECT_LOG_INTERVAL_MS", "1000", 1);
+  log_capture lc;
+  ember_feed_server *s = start_guarded(0, 0, &lc);
+  uint16_t port = ember_feed_server_port(s);
+  ember_feed_stats stats;
+  enum { N = 300 };
+  static int fds[N];
+  for (int i = 0; i < N; i++) {
+    CHECK_OK(ember_net_connect("127.0.0.1", port, ember_deadline_after(2000), &fds[i]));
+    CHECK_OK(ember_net_send_all(fds[i], "GET / HTTP/1.1\r\nHost: x\r\n\r\n", 27,
+                                ember_deadline_after(1000)));
+  }
+  for (int64_t until = ember_now_ms() + 4000; ember_now_ms() < until;) {
+    pthread_mutex_lock(&lc.mu);
+    long long covered = lc.covered;
+    pthread_mutex_unlock(&lc.mu);
+    if (covered >= N) break;
+    sleep_ms(50);
+  }
+  pthread_mutex_lock(&lc.mu);
+  fprintf(stderr, "%d lines covered %lld rejections; last: %s\n", lc.lines, lc.covered, lc.last);
+  CHECK_EQ_INT(lc.covered, N);
+  CHECK(lc.lines <= 6);
+  CHECK(strstr(lc.last, "feed server on :") != NULL);
+  CHECK(strstr(lc.last, "unauthenticated connections in the last") != NULL);
+  CHECK(strstr(lc.last, "magic") != NULL);
+  pthread_mutex_unlock(&lc.mu);
+  ember_feed_server_stats(s, &stats);
+  CHECK_EQ_INT(stats.producers_rejected, N);
+  for (int i = 0; i < N; i++) ember_net_close(fds[i]);
+  ember_feed_server_destroy(s);
+  pthread_mutex_destroy(&lc.mu);
+  LEAK_CHECK();
+}
+
 /* The server tests again, over TCP. */
 #define TCP_VARIANT(name)            \
   TEST(tcp_##name) {                 \
@@ -1512,4 +1665,6 @@ RUN_TESTS(T(dtype_sizes), T(codec_roundtrip_every_dtype), T(codec_zero_columns_a
           T(tcp_terminate_aborts_and_never_blocks_producers), T(tcp_results_round_trip_in_order),
           T(tcp_end_feed_item_after_queued_batches),
           T(tcp_destroy_with_connected_producers_leaks_nothing), T(tcp_client_fail_marker),
-          T(tcp_resumed_partition_delivered_exactly_once))
+          T(tcp_resumed_partition_delivered_exactly_once),
+          T(strangers_hold_no_limit_producers_need), T(pending_pool_evicts_the_oldest_stranger),
+          T(preauth_deadline_is_not_the_io_timeout), T(rejections_are_logged_rate_limited))

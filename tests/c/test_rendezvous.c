@@ -10,6 +10,7 @@
 #include "ember/net.h"
 #include "ember/rendezvous.h"
 #include "harness.h"
+#include "strangers.h"
 
 static const uint8_t SECRET[32] = "rendezvous-test-secret-32-bytes!";
 
@@ -264,6 +265,9 @@ static int raw_connect(uint16_t port) {
 }
 
 TEST(hostile_peers_do_not_disturb_a_reservation) {
+  /* Every rejection its own event, to check each reason (strangers are
+   * normally reported rate-limited: rejections_are_reported_rate_limited). */
+  setenv("EMBER_REJECT_LOG_INTERVAL_MS", "0", 1);
   ember_rdv_server *s = server(2, 0, 0, 0, 5000, 1000);
   uint16_t port = ember_rdv_server_port(s);
 
@@ -338,6 +342,121 @@ TEST(hostile_peers_do_not_disturb_a_reservation) {
   int fds[] = {g, big, half, mute, authed, halfreg};
   for (int i = 0; i < 6; i++) ember_net_close(fds[i]);
   for (int i = 0; i < 2; i++) node_free(&a[i]);
+  ember_rdv_server_destroy(s);
+}
+
+/* ---------------------------------------------------------------- strangers */
+
+static ember_rdv_server *server_pre(uint32_t n, uint32_t hs_ms, uint32_t pre_ms,
+                                    uint32_t max_pending) {
+  ember_rdv_server_config cfg = {.secret = SECRET, .secret_len = sizeof SECRET,
+                                 .bind_host = "127.0.0.1", .num_nodes = n,
+                                 .heartbeat_timeout_ms = 20000, .handshake_timeout_ms = hs_ms,
+                                 .preauth_timeout_ms = pre_ms, .max_pending = max_pending};
+  ember_rdv_server *s = NULL;
+  CHECK_OK(ember_rdv_server_create(&s, &cfg));
+  return s;
+}
+
+/* Thousands of strangers (idle, and slow ones that send AUTH a byte a second)
+ * hold connections while the nodes register: with deadlines far longer than
+ * the test, only the pending pool (256 here; the oldest is evicted for a new
+ * one) and the concurrent handshake keep the server open to the real nodes. */
+TEST(strangers_do_not_delay_registration) {
+  int n = strangers_fit(1500, 400);
+  ember_rdv_server *s = server_pre(2, 30000, 30000, 256);
+  uint16_t port = ember_rdv_server_port(s);
+  strangers st;
+  CHECK(strangers_open_paced(&st, port, n, 20) == n + 20);
+  strangers_start(&st);
+
+  int64_t t0 = ember_now_ms();
+  pthread_t t[2];
+  node_arg a[2];
+  for (uint32_t i = 0; i < 2; i++) spawn(&t[i], &a[i], port, i);
+  CHECK_OK(ember_rdv_server_wait_ready(s, 10000));
+  int64_t took = ember_now_ms() - t0;
+  for (int i = 0; i < 2; i++) {
+    pthread_join(t[i], NULL);
+    if (a[i].rc != EMBER_OK) fprintf(stderr, "node %d: %s\n", i, a[i].msg);
+    CHECK_OK(a[i].rc);
+  }
+  fprintf(stderr, "2 nodes registered in %lld ms beside %d strangers\n", (long long)took,
+          n + 20);
+  CHECK(took < 3000);
+  /* The pool held at most 256 of them: the rest were evicted, oldest first. */
+  int closed = 0;
+  for (int i = 0; i < n; i++) closed += stranger_closed(st.idle[i]);
+  for (int i = 0; i < 20; i++) closed += stranger_closed(st.slow[i]);
+  fprintf(stderr, "%d of %d strangers evicted\n", closed, n + 20);
+  CHECK(closed >= n + 20 - 256);
+  CHECK(!stranger_closed(st.idle[n - 1])); /* the newest keeps its place */
+  strangers_close(&st);
+  for (int i = 0; i < 2; i++) node_free(&a[i]);
+  ember_rdv_server_destroy(s);
+}
+
+/* A stranger gets the short pre-authentication deadline (here 300 ms from
+ * the environment), not the handshake timeout an authenticated node has for
+ * REGISTER (10 s). */
+TEST(preauth_deadline_is_short_and_separate) {
+  setenv("EMBER_PREAUTH_TIMEOUT_MS", "300", 1);
+  ember_rdv_server *s = server_pre(2, 10000, 0, 0);
+  uint16_t port = ember_rdv_server_port(s);
+  int authed = raw_connect(port);
+  CHECK_OK(ember_auth_client(authed, SECRET, 32, ember_deadline_after(2000)));
+  int mute = raw_connect(port);
+  int64_t t0 = ember_now_ms();
+  while (!stranger_closed(mute)) {
+    CHECK(ember_now_ms() - t0 < 3000);
+    struct pollfd pfd = {mute, POLLIN, 0};
+    (void)poll(&pfd, 1, 50);
+  }
+  int64_t took = ember_now_ms() - t0;
+  CHECK(took >= 250 && took < 2000);
+  CHECK(!stranger_closed(authed)); /* still within its REGISTER deadline */
+  ember_rdv_event ev;
+  wait_event(s, EMBER_RDV_EV_REJECTED, -1, 2000, &ev);
+  CHECK(strstr(ev.text, "handshake not completed within 300 ms") != NULL);
+  ember_rdv_event_clear(&ev);
+  ember_net_close(mute);
+  ember_net_close(authed);
+  ember_rdv_server_destroy(s);
+}
+
+/* 400 strangers sending garbage are reported in a few REJECTED events (the
+ * first at once, then one per interval, 1 s here), whose codes add up to 400. */
+TEST(rejections_are_reported_rate_limited) {
+  setenv("EMBER_REJECT_LOG_INTERVAL_MS", "1000", 1);
+  ember_rdv_server *s = server(2, 0, 0, 0, 5000, 5000);
+  uint16_t port = ember_rdv_server_port(s);
+  enum { N = 400 };
+  static int fds[N];
+  for (int i = 0; i < N; i++) {
+    fds[i] = raw_connect(port);
+    CHECK_OK(ember_net_send_all(fds[i], "GET / HTTP/1.1\r\nHost: x\r\n\r\n", 27,
+                                ember_deadline_after(1000)));
+  }
+  int events = 0;
+  long long covered = 0;
+  int64_t deadline = ember_deadline_after(4000);
+  while (covered < N && ember_now_ms() < deadline) {
+    ember_rdv_event ev;
+    if (ember_rdv_server_next_event(s, &ev, 200) != EMBER_OK) continue;
+    if (ev.kind == EMBER_RDV_EV_REJECTED) {
+      events++;
+      covered += ev.code;
+      CHECK(strstr(ev.text, "rendezvous server on :") != NULL);
+      CHECK(strstr(ev.text, "127.0.0.1:") != NULL);
+      CHECK(strstr(ev.text, "magic") != NULL);
+      if (ev.code > 1) CHECK(strstr(ev.text, "unauthenticated connections in the last") != NULL);
+    }
+    ember_rdv_event_clear(&ev);
+  }
+  fprintf(stderr, "%d REJECTED events covered %lld rejections\n", events, covered);
+  CHECK_EQ_INT(covered, N);
+  CHECK(events <= 6);
+  for (int i = 0; i < N; i++) ember_net_close(fds[i]);
   ember_rdv_server_destroy(s);
 }
 
@@ -682,6 +801,9 @@ RUN_TESTS(T(two_nodes), T(four_nodes_roles), T(sixty_four_nodes), T(bad_config),
           T(reservation_timeout_names_missing_node),
           T(wrong_secret_rejected_then_reservation_completes),
           T(hostile_peers_do_not_disturb_a_reservation),
+          T(strangers_do_not_delay_registration),
+          T(preauth_deadline_is_short_and_separate),
+          T(rejections_are_reported_rate_limited),
           T(duplicate_and_out_of_range_index_refused),
           T(disconnect_before_ready_frees_the_index), T(heartbeat_loss_detected),
           T(closed_connection_is_lost_but_not_after_done),

@@ -5,7 +5,13 @@
  * rank; rank i listens on its own port).  Every pair of ranks gets one TCP
  * connection (the higher rank connects to the lower), authenticated with the
  * job secret (auth.h) before any other byte is read, then introduced with a
- * COLL_HELLO frame (rank, size).  Ranks that share a host (they can open each
+ * COLL_HELLO frame (rank, size).  A rank handshakes every connection to its
+ * port at once (one poll loop), so strangers connecting there cannot delay
+ * the real ranks: each connection must authenticate and send COLL_HELLO
+ * within preauth_timeout_ms (3 s), at most max_pending unauthenticated ones
+ * are kept (a new one evicts the oldest, and a rank whose connection was
+ * evicted reconnects), and they are logged rate-limited.  The port stops
+ * listening once the mesh is complete.  Ranks that share a host (they can open each
  * other's shared-memory segment: no configuration, it is tried and verified)
  * then move their data through shared-memory pipes; the TCP connection stays
  * as the control and liveness channel (a dead peer closes it).
@@ -58,6 +64,7 @@
 #include <stdint.h>
 
 #include "ember/feed.h" /* ember_dtype */
+#include "ember/net.h"  /* ember_log_fn */
 
 #ifdef __cplusplus
 extern "C" {
@@ -91,6 +98,16 @@ typedef struct {
   uint32_t flags;                /* EMBER_COMM_* */
   size_t small_max;              /* allreduce up to this many bytes uses
                                     recursive doubling; 0 = 64 KiB */
+  uint32_t preauth_timeout_ms;   /* a connection to this rank's port must
+                                    authenticate and send COLL_HELLO within
+                                    this; 0 = EMBER_PREAUTH_TIMEOUT_MS or 3000 */
+  uint32_t max_pending;          /* unauthenticated connections kept at once;
+                                    the oldest is evicted for a new one; 0 =
+                                    EMBER_PREAUTH_MAX_PENDING or 512, and at
+                                    least the higher ranks + 64 */
+  ember_log_fn log_fn;           /* rejected strangers, rate-limited (net.h);
+                                    NULL: stderr */
+  void *log_arg;
 } ember_comm_config;
 
 typedef struct ember_comm ember_comm;

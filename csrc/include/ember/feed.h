@@ -53,6 +53,13 @@
  * terminates or a server that is destroyed is noticed through the ring at
  * once (no hang): see ember_feed_client_send.
  *
+ * Strangers: the server reads AUTH from every new connection at once, in its
+ * poll loop; a connection that has not authenticated and sent FEED_HELLO
+ * within preauth_timeout_ms (3 s) is closed, at most max_pending of them are
+ * kept (a new one evicts the oldest), and they never count against the
+ * authenticated producers' limit; rejections are logged rate-limited (see
+ * ember_log_fn).  A client whose pending connection was evicted reconnects.
+ *
  * Timeouts: a negative timeout_ms means no limit.  Thread-safety: the codec is
  * pure; server calls other than destroy may run concurrently from any
  * threads; a client is used by one thread at a time (send also reads the
@@ -63,6 +70,8 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+#include "ember/net.h" /* ember_log_fn */
 
 #ifdef __cplusplus
 extern "C" {
@@ -166,6 +175,14 @@ typedef struct {
   uint32_t io_timeout_ms; /* deadline for one blocked send/handshake; 0 = 600000 */
   int disable_shm;      /* 1: decline shared-memory rings (TCP only); 0: accept
                            them unless EMBER_FEED_SHM=0 in the environment */
+  uint32_t preauth_timeout_ms; /* from accept to AUTH and FEED_HELLO (capped by
+                           io_timeout_ms); 0 = EMBER_PREAUTH_TIMEOUT_MS or 3000 */
+  uint32_t max_pending; /* unauthenticated connections kept at once; the oldest
+                           is evicted for a new one; 0 = EMBER_PREAUTH_MAX_PENDING
+                           or 512.  Authenticated producers are counted apart
+                           (at most 1024) and never evicted. */
+  ember_log_fn log_fn;  /* rejected strangers, rate-limited (net.h); NULL: stderr */
+  void *log_arg;
 } ember_feed_server_config;
 
 typedef struct ember_feed_server ember_feed_server;

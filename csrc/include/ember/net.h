@@ -74,6 +74,15 @@ void ember_net_local_addr(int fd, char *host, size_t cap, uint16_t *port);
 /* Enables TCP keepalive and TCP_NODELAY (control and feed connections). */
 int ember_net_tune(int fd);
 
+/* Where a server reports connections it rejected before they authenticated
+ * (at most one line per EMBER_REJECT_LOG_INTERVAL_MS, default 10 s: "feed
+ * server on :41234 rejected 2,997 unauthenticated connections in the last
+ * 10 s (last: 127.0.0.1:5555: handshake not completed within 3000 ms)").
+ * Called on the server's thread; the line has no trailing newline and is
+ * valid only during the call; the callback must not call back into that
+ * server.  A NULL callback in a config means stderr, as "[ember] <line>". */
+typedef void (*ember_log_fn)(void *arg, const char *line);
+
 /* close() that preserves errno and ignores fd < 0. */
 void ember_net_close(int fd);
 

@@ -24,8 +24,15 @@
  * STOP payload:     u32 grace_ms
  *
  * The server runs one background thread with a poll loop; a slow or hostile
- * peer (bad secret, garbage frames, a half-sent frame) is dropped with a
- * REJECTED event naming the peer and reason, and never stalls the others.
+ * peer (bad secret, garbage frames, a half-sent frame) is dropped and never
+ * stalls the others.  Connections that have not authenticated get a short
+ * deadline (preauth_timeout_ms) and a pool of their own (max_pending; when it
+ * is full the oldest is evicted, never a registered node), and are reported
+ * rate-limited: the first REJECTED event at once, then at most one per
+ * EMBER_REJECT_LOG_INTERVAL_MS (default 10 s) whose code is the number of
+ * connections it covers and whose text names the latest peer and reason.  An
+ * authenticated peer that is refused (bad REGISTER, duplicate index) gets a
+ * REJECTED event of its own (code 1).
  */
 #ifndef EMBER_RENDEZVOUS_H
 #define EMBER_RENDEZVOUS_H
@@ -68,6 +75,13 @@ typedef struct {
   int has_evaluator;
   uint32_t heartbeat_timeout_ms; /* 0 = default 10000 */
   uint32_t handshake_timeout_ms; /* per connection, to finish auth+REGISTER; 0 = 10000 */
+  uint32_t preauth_timeout_ms;   /* from accept to a valid AUTH (capped by the
+                                    handshake timeout); 0 = EMBER_PREAUTH_TIMEOUT_MS
+                                    or 3000 */
+  uint32_t max_pending;          /* unauthenticated connections kept at once; the
+                                    oldest is evicted for a new one; 0 =
+                                    EMBER_PREAUTH_MAX_PENDING or 512, and at
+                                    least num_nodes + 64 */
 } ember_rdv_server_config;
 
 typedef enum {
@@ -78,14 +92,16 @@ typedef enum {
   EMBER_RDV_EV_FAILED = 5,     /* node reported FAILED; code, text = traceback */
   EMBER_RDV_EV_LOST = 6,       /* node's control connection dropped or went
                                   silent before it reported DONE/FAILED */
-  EMBER_RDV_EV_REJECTED = 7    /* a connection was refused; node = -1 unless
-                                  known; text = peer and reason */
+  EMBER_RDV_EV_REJECTED = 7    /* connection(s) refused; node = -1 unless
+                                  known; code = how many (rate-limited, see
+                                  above); text = a whole log line naming the
+                                  server, the (latest) peer and the reason */
 } ember_rdv_event_kind;
 
 typedef struct {
   int kind;     /* ember_rdv_event_kind */
   int32_t node; /* node index, or -1 */
-  int32_t code; /* exit code for DONE/FAILED */
+  int32_t code; /* exit code for DONE/FAILED; connections for REJECTED */
   char *text;   /* malloc'd, NUL-terminated, may be NULL; freed by
                    ember_rdv_event_clear */
 } ember_rdv_event;
