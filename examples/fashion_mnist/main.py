@@ -2,6 +2,11 @@
 
     python -m examples.fashion_mnist.main [--epochs 5] [--modes spark,tensorflow]
 
+On GPUs: ``--master spark://... --gpus-per-node 1 --conf
+spark.executor.resource.gpu.amount=1 --conf
+spark.executor.resource.gpu.discoveryScript=...`` gives each node its own
+GPU, assigned by Spark (``run(gpus_per_node=)``).
+
 1. Data setup: a Spark job converts Debian's Fashion-MNIST idx files to CSV and
    to TFRecords (60,000 train, 10,000 test).
 2. InputMode.SPARK: ``ember.spark.run`` starts 2 nodes; ``cluster.train`` pushes
@@ -49,6 +54,12 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
     p.add_argument("--test-limit", dest="test_limit", type=int, default=0)
     p.add_argument("--require-accuracy", dest="require_accuracy", type=float, default=0.0,
                    help="exit non-zero if a mode's test accuracy is below this")
+    p.add_argument("--master", default="",
+                   help="Spark master (default: local[max(2, num-executors)])")
+    p.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, default=0,
+                   help="GPUs Spark assigns to each node (needs executors with GPUs)")
+    p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="a Spark setting (repeatable)")
     return p.parse_args(argv)
 
 
@@ -77,7 +88,8 @@ def csv_rdd(sc: Any, args: argparse.Namespace, split: str) -> Any:
 def evaluate(sc: Any, args: argparse.Namespace, n_test: int) -> float:
     """Distributed inference with the exported SavedModel; returns test accuracy."""
     cluster = run(sc, model.infer, args, num_executors=args.num_executors,
-                  input_mode=InputMode.SPARK, master_node=None)
+                  input_mode=InputMode.SPARK, master_node=None,
+                  gpus_per_node=args.gpus_per_node)
     try:
         results = cluster.inference(csv_rdd(sc, args, "test")).collect()
     finally:
@@ -106,15 +118,19 @@ def train_and_evaluate(sc: Any, args: argparse.Namespace, mode: str, n_train: in
     start = time.monotonic()
     if mode == "spark":
         cluster = run(sc, model.train_spark, run_args, num_executors=args.num_executors,
-                      num_ps=0, tensorboard=False, input_mode=InputMode.SPARK)
+                      num_ps=0, tensorboard=False, input_mode=InputMode.SPARK,
+                      gpus_per_node=args.gpus_per_node)
         try:
             cluster.train(csv_rdd(sc, args, "train"), args.epochs)
         finally:
             cluster.shutdown()
+        cluster.log_artifacts(run_args.export_dir, "model")  # MLflow, when tracked
     else:
         cluster = run(sc, model.train_tf, run_args, num_executors=args.num_executors,
-                      num_ps=0, tensorboard=False, input_mode=InputMode.TENSORFLOW)
+                      num_ps=0, tensorboard=False, input_mode=InputMode.TENSORFLOW,
+                      gpus_per_node=args.gpus_per_node)
         cluster.shutdown()
+        cluster.log_artifacts(run_args.export_dir, "model")
     train_secs = time.monotonic() - start
     print(f"=== inference on {n_test} test records", flush=True)
     accuracy = evaluate(sc, run_args, n_test)
@@ -135,13 +151,18 @@ def main(argv: Any = None) -> int:
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
-    spark = (SparkSession.builder.master(f"local[{max(2, args.num_executors)}]")
-             .appName("ember-fashion-mnist")
-             .config("spark.driver.host", "127.0.0.1")
-             .config("spark.driver.bindAddress", "127.0.0.1")
-             .config("spark.ui.enabled", "false")
-             .config("spark.driver.memory", "2g")
-             .getOrCreate())
+    builder = (SparkSession.builder.master(args.master or f"local[{max(2, args.num_executors)}]")
+               .appName("ember-fashion-mnist")
+               .config("spark.driver.host", "127.0.0.1")
+               .config("spark.driver.bindAddress", "127.0.0.1")
+               .config("spark.ui.enabled", "false")
+               .config("spark.driver.memory", "2g"))
+    for kv in args.conf:
+        key, sep, value = kv.partition("=")
+        if not sep:
+            raise SystemExit(f"--conf {kv!r}: expected KEY=VALUE")
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     results = []
     try:

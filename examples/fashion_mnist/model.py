@@ -336,10 +336,14 @@ def train_spark(args, ctx):
     step = start_step = trainer.restore(args)
     if step:
         _report(ctx, f"{who}: resumed from the checkpoint of step {step}")
+    # the driver then feeds only the epochs this checkpoint lacks (whole
+    # epochs: the interrupted one again in full)
+    ctx.resume_from(step // spe)
     every = int(_arg(args, "checkpoint_steps", 0))
     records = 0
     loss_sum = 0.0
     loss_n = 0
+    epoch_loss, epoch_n = 0.0, 0  # this epoch's, for MLflow (ctx.log_metrics)
     t0 = t_epoch = time.time()
     # Every worker fetches its next batch before a step and tells the others,
     # inside that step's gradient all-reduce, whether it got one; all of them
@@ -360,12 +364,18 @@ def train_spark(args, ctx):
         records += rows
         loss_sum += loss
         loss_n += 1
+        epoch_loss += loss
+        epoch_n += 1
         if step % PROGRESS_EVERY == 0:
             _report(ctx, f"{who} epoch {(step - 1) // spe + 1} step {step} loss {loss_sum / loss_n:.4f}")
             loss_sum, loss_n = 0.0, 0
         if step % spe == 0:
             now = time.time()
             _report(ctx, f"{who} epoch {step // spe} done: step {step} {now - t_epoch:.1f}s")
+            # the job's MLflow run gets the chief's (a no-op without MLFLOW_TRACKING_URI)
+            ctx.log_metrics({"loss": epoch_loss / max(1, epoch_n), "epoch_seconds": now - t_epoch},
+                            step=step // spe)
+            epoch_loss, epoch_n = 0.0, 0
             t_epoch = now
         if every and step % every == 0 and go:
             trainer.checkpoint(args, chief, step)
@@ -449,6 +459,7 @@ def train_tf(args, ctx):
         _report(ctx, f"{who}: resumed from the checkpoint of step {step}")
     every = int(_arg(args, "checkpoint_steps", 0))
     total = int(args.epochs) * spe
+    epoch_loss, epoch_n = 0.0, 0  # this epoch's, for MLflow (ctx.log_metrics)
     t0 = t_epoch = time.time()
     loss_sum, loss_n = 0.0, 0
     while step < total:
@@ -457,12 +468,18 @@ def train_tf(args, ctx):
         step += 1
         loss_sum += loss
         loss_n += 1
+        epoch_loss += loss
+        epoch_n += 1
         if step % PROGRESS_EVERY == 0:
             _report(ctx, f"{who} epoch {(step - 1) // spe + 1} step {step} loss {loss_sum / loss_n:.4f}")
             loss_sum, loss_n = 0.0, 0
         if step % spe == 0:
-            _report(ctx, f"{who} epoch {step // spe} done: step {step} {time.time() - t_epoch:.1f}s")
-            t_epoch = time.time()
+            now = time.time()
+            _report(ctx, f"{who} epoch {step // spe} done: step {step} {now - t_epoch:.1f}s")
+            ctx.log_metrics({"loss": epoch_loss / max(1, epoch_n), "epoch_seconds": now - t_epoch},
+                            step=step // spe)
+            epoch_loss, epoch_n = 0.0, 0
+            t_epoch = now
         if every and step % every == 0 and step < total:
             trainer.checkpoint(args, chief, step)
     _report(ctx, f"{who} training done: {step} steps in {time.time() - t0:.1f}s")

@@ -19,13 +19,16 @@ more than one dimension (``image|28x28``) and whether bytes are ``str``
 
 from __future__ import annotations
 
+import collections.abc
+import functools
 import numbers
-from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ember import _ember
 from ember import tensors as tensors_mod
+from ember.errors import EmberFeedError
 
 #: The single column of a batch whose records are plain values, not tuples.
 VALUE_FIELD = ""
@@ -39,6 +42,21 @@ PARTITION_END_FIELD = "__ember_partition_end__"
 def partition_end_columns(seq: int, partition: int, expected: int) -> List[ColumnSpec]:
     mark = np.array([[seq, partition, expected]], dtype=np.int64)
     return [(PARTITION_END_FIELD, _ember.DT_I64, 3, mark, None)]
+
+
+#: A one-row batch a feeding task of train() sends before its partition's data
+#: (the partition's record 0 when resuming): int64 [feed sequence, partition,
+#: partitions per epoch, the call's first and end partition, fed nodes].  The
+#: partition's epoch is partition // partitions per epoch; the DataFeed labels
+#: its batches with it and counts the epochs whose partitions have all ended.
+PARTITION_START_FIELD = "__ember_partition_start__"
+
+
+def partition_start_columns(seq: int, partition: int, per_epoch: int, first: int, end: int,
+                            nodes: int) -> List[ColumnSpec]:
+    mark = np.array([[seq, partition, per_epoch, first, end, nodes]], dtype=np.int64)
+    return [(PARTITION_START_FIELD, _ember.DT_I64, 6, mark, None)]
+
 
 _NUMPY_TO_DT = {
     np.dtype(np.float32): _ember.DT_F32,
@@ -95,7 +113,8 @@ def _bytes_column(values: Sequence[Any], field: str, where: str) -> ColumnSpec:
     try:
         encoded = [v.encode() if is_str else bytes(v) for v in values]
     except (AttributeError, TypeError) as exc:
-        raise TypeError(f"{where}: field {field!r} mixes text/bytes with other types") from exc
+        raise EmberFeedError(f"{where}: field {field!r} mixes text/bytes with other "
+                             "types") from exc
     offsets = np.zeros(len(encoded) + 1, dtype=np.uint64)
     np.cumsum([len(b) for b in encoded], out=offsets[1:])
     data = b"".join(encoded)
@@ -106,7 +125,7 @@ def array_column(field: str, array: np.ndarray, where: str = "batch") -> ColumnS
     """A column from an array whose first axis is the row axis."""
     array = np.asarray(array)
     if array.ndim == 0:
-        raise ValueError(f"{where}: field {field!r} is a scalar, expected one value per row")
+        raise EmberFeedError(f"{where}: field {field!r} is a scalar, expected one value per row")
     if array.dtype.kind in "US":
         return _bytes_column(array.tolist(), field, where)
     dt = _NUMPY_TO_DT.get(array.dtype)
@@ -116,36 +135,171 @@ def array_column(field: str, array: np.ndarray, where: str = "batch") -> ColumnS
         elif array.dtype.kind in "iu":
             array, dt = array.astype(np.int64), _ember.DT_I64
         else:
-            raise TypeError(f"{where}: field {field!r} has unsupported dtype {array.dtype}")
+            raise EmberFeedError(f"{where}: field {field!r} has unsupported dtype {array.dtype}")
     row_shape = array.shape[1:]
     width = int(np.prod(row_shape)) if row_shape else 1
     array = np.ascontiguousarray(array)
     return (_encode_name(field, row_shape, False), dt, width, array, None)
 
 
-def _field_column(values: List[Any], field: str, where: str) -> ColumnSpec:
-    first = values[0]
-    if isinstance(first, (str, bytes, bytearray, memoryview)):
-        return _bytes_column(values, field, where)
+# ----------------------------------------------- every record of a column agrees
+# A column is one numpy array (or one bytes column) on the wire, so its records
+# must agree: numbers with numbers (int and float mixed become float64), str
+# with str, bytes with bytes, arrays with arrays of the same shape.  The check
+# costs one type lookup per distinct type in the common case; only a chunk that
+# disagrees is scanned record by record, to name the first record that does.
+
+_NUMBERS = ("int", "float")
+_FEEDABLE = ("int", "float", "bool", "str", "bytes", "array")
+
+
+@functools.lru_cache(maxsize=256)
+def _type_kind(t: type) -> str:
+    """The feed's kind of values of type t: int, float, bool, str, bytes, array,
+    null, or the type's name when the feed does not carry it."""
+    if t is type(None):
+        return "null"
+    if issubclass(t, (bool, np.bool_)):
+        return "bool"
+    if issubclass(t, numbers.Integral):
+        return "int"
+    if issubclass(t, numbers.Real):
+        return "float"
+    if issubclass(t, str):
+        return "str"
+    if issubclass(t, (bytes, bytearray, memoryview)):
+        return "bytes"
+    if issubclass(t, (list, tuple, np.ndarray)) or hasattr(t, "__array__") or \
+            (hasattr(t, "__len__") and hasattr(t, "__getitem__") and
+             not issubclass(t, collections.abc.Mapping)):
+        return "array"  # what numpy takes as one: Spark ML vectors (dense and sparse)...
+    return t.__name__
+
+
+def _short(v: Any) -> str:
+    """A one-line repr of a value, at most 40 characters."""
+    r = " ".join(repr(v).split())
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _shape(v: Any) -> Optional[Tuple[int, ...]]:
+    """The shape of an array value, None when its nested lists are ragged."""
+    if isinstance(v, np.ndarray):
+        return tuple(v.shape)
     try:
-        if isinstance(first, np.ndarray):
-            array = np.stack(values)
-        else:
-            array = np.asarray(values)
-    except ValueError as exc:
-        raise ValueError(f"{where}: field {field!r} has rows of different shapes") from exc
-    if array.dtype == object:
-        raise TypeError(
-            f"{where}: field {field!r} mixes types (first value {first!r}); "
-            "every record must have the same field types")
-    return array_column(field, array, where)
+        return tuple(np.shape(v))
+    except ValueError:
+        return None
 
 
-def records_to_columns(records: Any, where: str = "batch") -> Tuple[List[ColumnSpec], int]:
+def _is_value(v: Any, kind: str) -> str:
+    """'is str ('cat')', 'is None', 'is an array of shape (2,)'."""
+    if kind == "null":
+        return "is None"
+    if kind == "array":
+        shape = _shape(v)
+        return "is a ragged array" if shape is None else f"is an array of shape {shape}"
+    return f"is {kind} ({_short(v)})"
+
+
+def _column_label(j: int, field: str) -> str:
+    if field == VALUE_FIELD:
+        return ""
+    return f"column {j}: " if field == str(j) else f"column {j} ({field!r}): "
+
+
+def _disagreeing_kind(values: List[Any], label: str, where: str, first: int,
+                      ref: Tuple[str, Any]) -> EmberFeedError:
+    """The error naming the first value whose kind disagrees with ref's."""
+    kind, shape = ref
+    earlier = f"are arrays of shape {shape}" if kind == "array" else f"are {kind}"
+    for i, v in enumerate(values):
+        k = _type_kind(type(v))
+        if k != kind and not (k in _NUMBERS and kind in _NUMBERS):
+            return EmberFeedError(f"{where}: {label}record {first + i} {_is_value(v, k)}, "
+                                  f"earlier records {earlier}")
+    return EmberFeedError(f"{where}: {label}records disagree in type")  # not reached
+
+
+def _disagreeing_array(values: List[Any], label: str, where: str, first: int,
+                       shape: Tuple[int, ...]) -> EmberFeedError:
+    """The error naming the first array value of another shape, or holding a
+    value that is not a number."""
+    for i, v in enumerate(values):
+        s = _shape(v)
+        if s is None or s != shape:
+            what = "is a ragged array" if s is None else f"has shape {s}"
+            return EmberFeedError(f"{where}: {label}record {first + i} {what}, "
+                                  f"earlier records have shape {shape}")
+        a = np.asarray(v) if not isinstance(v, (list, tuple)) else np.asarray(v, dtype=object)
+        if a.dtype.kind not in "biuf":
+            for at, x in np.ndenumerate(a):
+                x = x.item() if isinstance(x, np.generic) else x
+                k = _type_kind(type(x))
+                if k not in _NUMBERS and k != "bool":
+                    element = at[0] if len(at) == 1 else at
+                    return EmberFeedError(f"{where}: {label}record {first + i}, element "
+                                          f"{element} {_is_value(x, k)}; arrays hold numbers "
+                                          "only" + (", fill or drop nulls before feeding"
+                                                    if k == "null" else ""))
+    return EmberFeedError(f"{where}: {label}records do not form one numeric array")
+
+
+def _field_column(values: List[Any], j: int, field: str, where: str, first: int,
+                  ref: Optional[Tuple[str, Any]]) -> Tuple[ColumnSpec, Tuple[str, Any]]:
+    """One column of a chunk's records, checked against ``ref`` (kind, array
+    shape) of the partition's earlier chunks, or of this chunk's first record.
+    Returns the column and the reference for the next chunk."""
+    label = _column_label(j, field)
+    if ref is None:
+        v0 = values[0]
+        k0 = _type_kind(type(v0))
+        if k0 == "null":
+            raise EmberFeedError(f"{where}: {label}record {first} is None; fill or drop nulls "
+                                 "before feeding")
+        if k0 not in _FEEDABLE:
+            raise EmberFeedError(f"{where}: {label}record {first} is {k0} ({_short(v0)}); the "
+                                 "feed carries numbers, str, bytes and arrays of numbers")
+        ref = (k0, _shape(v0) if k0 == "array" else None)
+        if k0 == "array" and ref[1] is None:
+            raise EmberFeedError(f"{where}: {label}record {first} is a ragged array; the feed "
+                                 "carries arrays of one shape per column")
+    kind, shape = ref
+    for t in set(map(type, values)):
+        k = _type_kind(t)
+        if k != kind and not (k in _NUMBERS and kind in _NUMBERS):
+            raise _disagreeing_kind(values, label, where, first, ref)
+    if kind in ("str", "bytes"):
+        return _bytes_column(values, field, where), ref
+    try:
+        array = np.stack(values) if isinstance(values[0], np.ndarray) else np.asarray(values)
+    except ValueError:  # ragged
+        array = None
+    if kind == "array":
+        if array is None or array.dtype.kind not in "biuf" or tuple(array.shape[1:]) != shape:
+            raise _disagreeing_array(values, label, where, first, shape)
+    elif array is None or array.dtype.kind not in "biuf":  # e.g. an int beyond int64
+        raise EmberFeedError(f"{where}: {label}records {first}..{first + len(values) - 1} do "
+                             "not fit one numeric type (int64, float64 or bool)")
+    return array_column(field, array, where), ref
+
+
+def records_to_columns(records: Any, where: str = "batch", first: int = 0,
+                       layout: Optional[Dict[str, Any]] = None
+                       ) -> Tuple[List[ColumnSpec], int]:
     """Converts a chunk of records (a list, or one array with a row axis) to columns.
 
-    Returns (column specs for ``_ember`` encoders, row count).  Raises
-    ``TypeError``/``ValueError`` naming the field when records disagree.
+    Returns (column specs for ``_ember`` encoders, row count).  Every record of
+    a column must agree with the first: numbers (int and float mixed are
+    promoted to float64), ``str``, ``bytes``, or arrays of one shape.  Raises
+    :class:`ember.errors.EmberFeedError` naming the column, the record (its
+    index ``first + i``: ``first`` is the index of ``records[0]`` in its
+    partition) and both types or shapes, e.g. ``feeding partition 3: column 1
+    ('label'): record 17 is str ('cat'), earlier records are int``.
+
+    ``layout``: a dict the caller keeps across the chunks of one partition;
+    the first chunk records each column's kind and shape in it, and a later
+    chunk that disagrees is named the same way.
     """
     if isinstance(records, np.ndarray):
         return [array_column(VALUE_FIELD, records, where)], int(records.shape[0])
@@ -153,15 +307,31 @@ def records_to_columns(records: Any, where: str = "batch") -> Tuple[List[ColumnS
     n = len(records)
     if n == 0:
         return [], 0
-    fields = _record_fields(records[0])
+    if layout is None:
+        layout = {}
+    if "fields" not in layout:
+        layout["fields"] = _record_fields(records[0])
+    fields: Optional[List[str]] = layout["fields"]
     if fields is None:
-        return [_field_column(records, VALUE_FIELD, where)], n
-    width = len(fields)
-    for i, rec in enumerate(records):
-        if len(rec) != width:
-            raise ValueError(f"{where}: record {i} has {len(rec)} fields, expected {width}")
-    return [_field_column([r[j] for r in records], name, where)
-            for j, name in enumerate(fields)], n
+        names, columns = [VALUE_FIELD], [records]
+    else:
+        width = len(fields)
+        for i, rec in enumerate(records):
+            if not isinstance(rec, (tuple, list)):
+                raise EmberFeedError(f"{where}: record {first + i} "
+                                     f"{_is_value(rec, _type_kind(type(rec)))}, earlier "
+                                     f"records have {width} fields")
+            if len(rec) != width:
+                raise EmberFeedError(f"{where}: record {first + i} has {len(rec)} fields, "
+                                     f"earlier records have {width}")
+        names, columns = fields, [[r[j] for r in records] for j in range(width)]
+    refs = layout.get("refs") or [None] * len(names)
+    specs = []
+    for j, (name, values) in enumerate(zip(names, columns)):
+        spec, refs[j] = _field_column(values, j, name, where, first, refs[j])
+        specs.append(spec)
+    layout["refs"] = refs
+    return specs, n
 
 
 def item_columns(item: Any) -> Tuple[List[str], List[Any]]:
@@ -202,49 +372,54 @@ def rows_of(names: Sequence[str], columns: Sequence[Any], start: int, stop: int)
 
 
 # ------------------------------------------------------------------ Arrow (DataFrames)
+# Rows are named by their index in the feeding task's partition: ``first`` is
+# the index of the batch's first row there.
 
-def _arrow_values(col: Any, field: str, where: str) -> np.ndarray:
+def _first_null(col: Any) -> int:
+    return int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+
+
+def _arrow_values(col: Any, field: str, where: str, first: int = 0) -> np.ndarray:
     """A null-free primitive Arrow array as a numpy view (no copy)."""
     import pyarrow as pa
 
     if col.null_count:
-        row = next(i for i, v in enumerate(col.is_null().to_pylist()) if v)
-        raise ValueError(f"{where}: column {field!r} has a null at row {row}; "
-                         "fill or drop nulls before feeding")
+        raise EmberFeedError(f"{where}: column {field!r}: row {first + _first_null(col)} is "
+                             "null; fill or drop nulls before feeding")
     if pa.types.is_boolean(col.type):
         return col.to_numpy(zero_copy_only=False)  # Arrow packs booleans in bits
     return col.to_numpy(zero_copy_only=True)
 
 
-def _arrow_column(col: Any, field: str, where: str,
-                  tensors: Mapping[str, Any]) -> ColumnSpec:
+def _arrow_column(col: Any, field: str, where: str, tensors: Mapping[str, Any],
+                  first: int = 0) -> ColumnSpec:
     import pyarrow as pa
 
     t = col.type
     if field in tensors and (pa.types.is_binary(t) or pa.types.is_large_binary(t)):
-        return array_column(field, tensors_mod.arrow_view(col, tensors[field], field, where),
-                            where)
+        return array_column(field, tensors_mod.arrow_view(col, tensors[field], field, where,
+                                                          first), where)
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
-        return array_column(field, _arrow_values(col, field, where), where)
+        return array_column(field, _arrow_values(col, field, where, first), where)
     if pa.types.is_string(t) or pa.types.is_large_string(t) or \
             pa.types.is_binary(t) or pa.types.is_large_binary(t):
         is_str = pa.types.is_string(t) or pa.types.is_large_string(t)
-        data, offs = arrow_binary(col, field, where)
+        data, offs = arrow_binary(col, field, where, first)
         return (_encode_name(field, (), is_str), _ember.DT_BYTES, 0, data, offs.astype(np.uint64))
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-        return _arrow_list_column(col, field, where)
+        return _arrow_list_column(col, field, where, first)
     if pa.types.is_struct(t) and {f.name for f in t} == {"type", "size", "indices", "values"}:
-        return _arrow_vector_column(col, field, where)
-    raise TypeError(f"{where}: column {field!r} has Arrow type {t}, which the feed does not "
-                    "carry (numbers, strings, binary, arrays of numbers, ML vectors)")
+        return _arrow_vector_column(col, field, where, first)
+    raise EmberFeedError(f"{where}: column {field!r} has Arrow type {t}, which the feed does "
+                         "not carry (numbers, strings, binary, arrays of numbers, ML vectors)")
 
 
-def arrow_binary(col: Any, field: str, where: str) -> Tuple[Any, np.ndarray]:
+def arrow_binary(col: Any, field: str, where: str, first: int = 0) -> Tuple[Any, np.ndarray]:
     """(values, offsets from 0) of a null-free string/binary Arrow array, no copy."""
     import pyarrow as pa
 
     if col.null_count:
-        _arrow_values(col, field, where)  # raises, naming the row
+        _arrow_values(col, field, where, first)  # raises, naming the row
     t = col.type
     offsets_type = np.int64 if (pa.types.is_large_string(t) or
                                 pa.types.is_large_binary(t)) else np.int32
@@ -255,37 +430,47 @@ def arrow_binary(col: Any, field: str, where: str) -> Tuple[Any, np.ndarray]:
     return data, offs - start
 
 
-def _arrow_list_column(col: Any, field: str, where: str) -> ColumnSpec:
+def _arrow_list_column(col: Any, field: str, where: str, first: int = 0) -> ColumnSpec:
     """array<number> rows of one length -> a (rows, width) column."""
     import pyarrow as pa
 
     if col.null_count:
-        _arrow_values(col, field, where)
+        _arrow_values(col, field, where, first)
     n = len(col)
     if pa.types.is_fixed_size_list(col.type):
         width = col.type.list_size
+        rel = np.arange(0, (n + 1) * width, width)
     else:
         offs = col.offsets.to_numpy()
+        rel = offs - offs[0]  # a slice's offsets do not start at 0
         lengths = np.diff(offs)
         width = int(lengths[0]) if n else 0
         bad = np.flatnonzero(lengths != width)
         if bad.size:
-            raise ValueError(f"{where}: column {field!r} has arrays of different lengths "
-                             f"(row 0 has {width}, row {int(bad[0])} has {int(lengths[bad[0]])}); "
-                             "the feed carries one fixed width per column")
+            raise EmberFeedError(
+                f"{where}: column {field!r}: row {first + int(bad[0])} has "
+                f"{int(lengths[bad[0]])} values, earlier rows have {width} (the feed carries "
+                "one fixed width per column)")
     values = col.flatten()
     if pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
-        raise TypeError(f"{where}: column {field!r} is a nested array; flatten it first")
+        raise EmberFeedError(f"{where}: column {field!r} is a nested array; flatten it first")
+    if values.null_count:
+        at = _first_null(values)  # flat index: name its row and its place in the row
+        row = int(np.searchsorted(rel, at, side="right")) - 1
+        raise EmberFeedError(f"{where}: column {field!r}: row {first + row}, element "
+                             f"{at - int(rel[row])} is null; fill or drop nulls before feeding")
     flat = _arrow_values(values, field, where)
     return array_column(field, flat.reshape(n, width), where)
 
 
-def _arrow_vector_column(col: Any, field: str, where: str) -> ColumnSpec:
+def _arrow_vector_column(col: Any, field: str, where: str, first: int = 0) -> ColumnSpec:
     """Spark ML vectors (VectorUDT: struct<type,size,indices,values>) -> float64 rows."""
+    if col.null_count:
+        _arrow_values(col, field, where, first)
     kinds = col.field("type").to_numpy(zero_copy_only=False)
     values = col.field("values")
     if (kinds == 1).all():  # all dense: one values array per row
-        return _arrow_list_column(values, field, where)
+        return _arrow_list_column(values, field, where, first)
     sizes = col.field("size").to_numpy(zero_copy_only=False)
     width = int(sizes[kinds == 0][0])
     out = np.zeros((len(col), width), dtype=np.float64)
@@ -293,17 +478,39 @@ def _arrow_vector_column(col: Any, field: str, where: str) -> ColumnSpec:
     for i in range(len(col)):  # sparse rows: scatter (rare in feeds; no hot path)
         v = np.asarray(values[i].values, dtype=np.float64)
         if kinds[i] == 0:
+            if int(sizes[i]) != width:
+                raise EmberFeedError(f"{where}: column {field!r}: row {first + i} is a vector "
+                                     f"of size {int(sizes[i])}, earlier rows have {width}")
             out[i, np.asarray(indices[i].values, dtype=np.int64)] = v
+        elif len(v) != width:
+            raise EmberFeedError(f"{where}: column {field!r}: row {first + i} is a vector of "
+                                 f"size {len(v)}, earlier rows have {width}")
         else:
             out[i, :] = v
     return array_column(field, out, where)
 
 
 def arrow_to_columns(batch: Any, where: str = "batch",
-                     tensors: Optional[Mapping[str, Any]] = None) -> Tuple[List[ColumnSpec], int]:
+                     tensors: Optional[Mapping[str, Any]] = None, first: int = 0,
+                     layout: Optional[Dict[str, Any]] = None
+                     ) -> Tuple[List[ColumnSpec], int]:
     """Columns (views of the Arrow buffers where the layout allows) of a RecordBatch.
 
     ``tensors`` ({field: (dtype, shape)}, from :func:`ember.tensors.tensor_specs`)
-    names the binary columns that hold packed tensors."""
-    return ([_arrow_column(batch.column(i), name, where, tensors or {})
-             for i, name in enumerate(batch.schema.names)], batch.num_rows)
+    names the binary columns that hold packed tensors.  Raises
+    :class:`ember.errors.EmberFeedError` naming the column and the row
+    (``first`` + its index in the batch: ``first`` is the index of the batch's
+    first row in its partition), e.g. ``feeding partition 2: column 'image':
+    row 5, element 3 is null``.  ``layout``: a dict the caller keeps across the
+    batches of one partition, so an array column whose width changes from one
+    batch to the next is named too."""
+    specs = [_arrow_column(batch.column(i), name, where, tensors or {}, first)
+             for i, name in enumerate(batch.schema.names)]
+    if layout is not None and batch.num_rows:
+        for name, spec in zip(batch.schema.names, specs):
+            width = layout.setdefault(name, spec[2])
+            if spec[2] != width:
+                raise EmberFeedError(f"{where}: column {name!r}: row {first} has {spec[2]} "
+                                     f"values, earlier rows have {width} (the feed carries one "
+                                     "fixed width per column)")
+    return specs, batch.num_rows

@@ -10,6 +10,11 @@ rendezvous server, reports DONE or FAILED with its traceback, and kills its own
 process group if the driver connection is lost or a STOP's grace runs out (C,
 ``ember_rdv_client_start`` with EMBER_RDV_EXIT_ON_LOSS).
 
+A frozen node (SIGSTOP) runs no thread, so it cannot kill itself: its
+watchdog, a small process beside it (``ember._watchdog``), kills its process
+group once it has not run for ``heartbeat_timeout`` (the launcher passes it
+as ``argv[1]``).
+
 Protocol with the launcher: the bootstrap (a cloudpickled dict produced by the
 launcher in the same executor) arrives on stdin; this process answers one line
 on stdout, ``registered`` or ``error: <reason>``, then points stdout at stderr.
@@ -25,6 +30,8 @@ import sys
 import time
 import traceback
 from typing import Any, Dict, List
+
+from ember import _watchdog
 
 FEED_ROLES = ("chief", "worker")
 
@@ -62,11 +69,18 @@ def _fault(boot: Dict[str, Any], name: str) -> str:
 
 
 def main() -> None:
+    # first, before any thread exists: the watchdog that ends this node if it
+    # is frozen for heartbeat_timeout (argv[1], seconds; see ember._watchdog)
+    _watchdog.start(float(sys.argv[1]) if len(sys.argv) > 1 else 0.0)
     boot = pickle.loads(sys.stdin.buffer.read())
     status = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # from here on, prints go to the executor's stderr
     sys.path[:0] = [p for p in boot["sys_path"] if p not in sys.path]
     os.environ.update(boot["env"])
+    if boot.get("gpus"):  # the task's GPUs win over a CUDA_VISIBLE_DEVICES in env=
+        from ember._gpu import cuda_env
+
+        os.environ.update(cuda_env(boot["gpus"]))
     try:
         node = _register(boot, status)
     except BaseException as exc:  # the launcher turns this line into a task error
@@ -128,6 +142,7 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
     spec, pos = client.wait_spec(boot["reservation_timeout"])
     nodes = spec.tolist()
     client.start(boot["heartbeat_interval_ms"], exit_on_loss=True)
+    _watchdog.arm()  # from now on a node that runs no thread is frozen
     me = nodes[pos]
     os.environ.update(framework_env(nodes, me))
     feed_server = None
@@ -141,6 +156,7 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
         num_workers=sum(1 for n in nodes if n["role"] in FEED_ROLES),
         host=me["host"], ports=list(me["ports"]), input_mode=boot["input_mode"],
         working_dir=boot.get("working_dir") or os.getcwd(), nodes=nodes,
+        gpus=list(boot.get("gpus") or []),
         _feed_server=feed_server, _control=client, _reserved_fds=held[:1])
     if me["role"] in FEED_ROLES:
         addresses = trainer_addresses(nodes)
@@ -176,6 +192,7 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
         _linger(client, feed_server)
     elif feed_server is not None:
         feed_server.close()  # feeding tasks fail, and train() raises this node's error
+    _watchdog.disarm()  # the heartbeats stop here; an ending node may idle
     client.close()
     ctx.release_port()
     if tensorboard is not None:

@@ -10,16 +10,22 @@ view that memory without a copy.
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Sequence
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ember import _columns, _ember
+
+#: The code of the control-channel progress REPORT by which a node tells the
+#: driver the epoch it resumes from (text: the epoch; empty: the node reads its
+#: feed without naming one).  See :meth:`NodeContext.resume_from`.
+RESUME_REPORT = 0x52534D  # "RSM"
 
 
 class Batch(Sequence):
@@ -61,7 +67,8 @@ class Batch(Sequence):
 class _Chunk:
     """One received feed item and how far the consumer has read into it."""
 
-    __slots__ = ("item", "names", "columns", "rows", "pos", "source", "results", "answered")
+    __slots__ = ("item", "names", "columns", "rows", "pos", "source", "results", "answered",
+                 "epoch")
 
     def __init__(self, item: Any) -> None:
         self.item = item
@@ -71,6 +78,7 @@ class _Chunk:
         self.source = item.source
         self.results: List[Any] = []  # inference results given so far, in order
         self.answered = 0
+        self.epoch: Optional[int] = None  # train(): the epoch of its partition
 
 
 class FeedProducerError(RuntimeError):
@@ -99,6 +107,16 @@ class DataFeed:
     :attr:`producer_errors` and keeps reading: Spark retries the task and the
     retry sends only the records not yet delivered.  ``"raise"`` raises
     :class:`FeedProducerError` from ``next_batch`` instead.
+
+    Epochs: in ``train(rdd, num_epochs=k)`` every partition is labelled with
+    its epoch (0..k-1, counted within the call).  A batch never mixes two
+    epochs: :attr:`epoch` is the epoch of the last batch returned, and
+    :attr:`epochs_done` counts the epochs this node has read whole, so a
+    trainer can count and checkpoint per epoch and, after a restart, name the
+    epoch it resumes from with :meth:`NodeContext.resume_from`.  The epochs of
+    one call are fed as one Spark job, so near an epoch's end a node may get
+    batches of the next epoch before the last ones of its own: the labels,
+    not the order, tell them apart.
     """
 
     def __init__(self, server: Any, train_mode: bool = True, feed_timeout: float = 600.0,
@@ -123,11 +141,22 @@ class DataFeed:
         self._call_expected = 0
         self._call_ended: set = set()
         self._call_done = False
+        self._epochs: Dict[int, int] = {}  # feed key -> its epoch, from the start marks
+        # the call's (partitions per epoch, first, end, fed nodes, this node's
+        # residue): partitions first..end-1 go round-robin, from the start marks
+        self._plan: Optional[Tuple[int, int, int, int, int]] = None
+        #: the epoch (within its train() call) of the last batch ``next_batch``
+        #: returned; None before the first, and for data of ``inference``
+        self.epoch: Optional[int] = None
+        self._on_first_read: Any = None  # called once, before the first read (ctx)
         # inference: chunks whose results are not yet complete, oldest first
         self._awaiting: Deque[Any] = deque()  # (chunk, rows handed out), oldest first
 
     # -- reading ----------------------------------------------------------
     def _next_chunk(self) -> Optional[_Chunk]:
+        if self._on_first_read is not None:
+            hook, self._on_first_read = self._on_first_read, None
+            hook()
         deadline = time.monotonic() + self._feed_timeout
         while True:
             if self._stop_check is not None and self._stop_check():
@@ -161,6 +190,13 @@ class DataFeed:
                 continue
             chunk = _Chunk(item)
             seq = item.partition >> 20  # the feed key: (train() call << 20) | partition
+            if chunk.names == [_columns.PARTITION_START_FIELD]:
+                mark_seq, part, per_epoch, first, end, nodes = \
+                    (int(v) for v in chunk.columns[0][0])
+                self._start_call(mark_seq)
+                self._epochs[item.partition] = part // per_epoch
+                self._plan = (per_epoch, first, end, nodes, part % nodes)
+                continue
             if chunk.names == [_columns.PARTITION_END_FIELD]:
                 mark_seq, part, expected = (int(v) for v in chunk.columns[0][0])
                 self._start_call(mark_seq)
@@ -171,16 +207,21 @@ class DataFeed:
                     return None
                 continue
             self._start_call(seq)
+            chunk.epoch = self._epochs.get(item.partition)
             return chunk
 
     def _start_call(self, seq: int) -> None:
         if seq != self._call_seq:
             self._call_seq, self._call_expected, self._call_done = seq, 0, False
             self._call_ended = set()
+            self._epochs = {}
+            self._plan = None
 
     def next_batch(self, batch_size: int) -> Batch:
         """Returns up to ``batch_size`` records; fewer (or none) only at the end.
 
+        A batch never mixes two epochs (see :attr:`epoch`), so one that ends
+        where the next chunk belongs to another epoch may hold fewer records.
         In inference mode a batch never spans two feeding tasks' chunks, so
         results can be routed back; it may then hold fewer records.
         """
@@ -188,6 +229,7 @@ class DataFeed:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         parts: List[List[Any]] = []
         names: List[str] = []
+        epoch: Optional[int] = None
         need = batch_size
         while need > 0 and not self._ended:
             chunk = self._chunk
@@ -196,12 +238,14 @@ class DataFeed:
                 if chunk is None:
                     break
             take = min(need, chunk.rows - chunk.pos)
+            if parts and chunk.epoch != epoch:
+                break  # the next epoch starts a new batch
             if names and names != chunk.names:
                 if not parts:
                     break
                 raise ValueError(f"{self._node_name}: feed changed record layout from "
                                  f"{names} to {chunk.names} within one batch")
-            names = chunk.names
+            names, epoch = chunk.names, chunk.epoch
             parts.append([c[chunk.pos:chunk.pos + take] for c in chunk.columns])
             chunk.pos += take
             need -= take
@@ -210,12 +254,33 @@ class DataFeed:
                 break
         if not parts:
             return Batch([], [], 0)
+        self.epoch = epoch
         if len(parts) == 1:
             columns = parts[0]
         else:
             columns = [np.concatenate(cols) if isinstance(cols[0], np.ndarray)
                        else [v for part in cols for v in part] for cols in zip(*parts)]
         return Batch(names, columns, batch_size - need)
+
+    @property
+    def epochs_done(self) -> Optional[int]:
+        """How many epochs of the current ``train()`` call this node has read
+        whole: the epochs before it had every one of their records returned by
+        ``next_batch`` (each of this node's partitions of them has ended).  A
+        trainer that checkpoints when this grows, saving it, resumes after a
+        restart with ``ctx.resume_from(saved)``.  After a resumed feed it
+        counts from the epoch resumed from; None before the call's first data.
+        """
+        if self._plan is None:
+            return None
+        per_epoch, first, end, nodes, mine = self._plan
+        e = first // per_epoch
+        while e * per_epoch < end:
+            lo, hi = max(first, e * per_epoch), min(end, (e + 1) * per_epoch)
+            if any(p not in self._call_ended for p in range(lo + (mine - lo) % nodes, hi, nodes)):
+                break
+            e += 1
+        return e
 
     def should_stop(self) -> bool:
         """True once the data has ended and nothing is left to read.
@@ -281,11 +346,15 @@ class NodeContext:
     defaultFS: str = "file://"
     working_dir: str = field(default_factory=os.getcwd)
     nodes: List[Dict[str, Any]] = field(default_factory=list)
+    #: the GPU addresses Spark assigned to this node's task (``run(gpus_per_node=)``);
+    #: CUDA_VISIBLE_DEVICES lists the same, so TensorFlow/torch see these only
+    gpus: List[str] = field(default_factory=list)
     _feed_server: Any = None
     _control: Any = None
     _reserved_fds: List[int] = field(default_factory=list)
     _feed: Optional[DataFeed] = None
     _collective: Any = None  # ember.collective.Collective on chief/worker nodes
+    _resume_told: bool = False  # resume_from() called, or the feed read first
 
     @property
     def framework_port(self) -> int:
@@ -307,7 +376,57 @@ class NodeContext:
             self._feed = DataFeed(self._feed_server, train_mode, feed_timeout, stop,
                                   f"node {self.worker_num} ({self.job_name}:{self.task_index})",
                                   on_producer_error)
+            self._watch_first_read(self._feed)
         return self._feed
+
+    def _watch_first_read(self, feed: DataFeed) -> DataFeed:
+        """Makes ``feed``'s first read tell the driver, unless :meth:`resume_from`
+        did first, that this node resumes from epoch 0 (see ``Cluster.train``)."""
+        if not self._resume_told:
+            feed._on_first_read = lambda: self._tell_resume("")
+        return feed
+
+    def resume_from(self, epoch: int) -> None:
+        """Tells the driver which epoch this node resumes from (after a restart:
+        the first epoch its checkpoint does not cover), before it reads its feed.
+
+        When ``max_restarts`` restarts the cluster during ``train(data,
+        num_epochs)``, the driver waits until every chief/worker node has named
+        its epoch this way or has started reading its feed (which counts as
+        epoch 0), then feeds epochs ``e..num_epochs-1`` of that call whole,
+        ``e`` being the smallest epoch named; epochs before ``e`` are not fed
+        again.  Epochs count from 0 within the interrupted ``train()`` call;
+        :attr:`DataFeed.epoch` labels the batches the same way, so a trainer
+        that checkpoints whenever :attr:`DataFeed.epochs_done` grows (saving
+        it) and resumes with ``ctx.resume_from(saved)`` trains every record
+        once per epoch, except the records of epochs ``e`` and later that it
+        trained before the failure.  Only a restart during ``train()`` uses
+        it: the first run of a call is always fed whole.
+        """
+        try:
+            if isinstance(epoch, bool):
+                raise TypeError
+            epoch = operator.index(epoch)
+        except TypeError:
+            raise ValueError(f"resume_from: epoch must be an int >= 0, got {epoch!r}") from None
+        if epoch < 0:
+            raise ValueError(f"resume_from: epoch must be an int >= 0, got {epoch}")
+        if self._resume_told:
+            print(f"[ember] node {self.worker_num}: resume_from({epoch}) comes after the feed "
+                  "was read (or a first resume_from): ignored; call it before reading",
+                  file=sys.stderr, flush=True)
+            return
+        self._tell_resume(str(epoch))
+
+    def _tell_resume(self, text: str) -> None:
+        if self._resume_told:
+            return
+        self._resume_told = True
+        if self._control is not None:
+            try:
+                self._control.report("progress", RESUME_REPORT, text, 10.0)
+            except _ember.EmberError:
+                pass  # the driver is gone: this node is ending anyway
 
     def absolute_path(self, path: str) -> str:
         """A fully qualified URI for ``path`` (TensorFlowOnSpark's rules): URIs
@@ -330,6 +449,41 @@ class NodeContext:
             user = os.environ.get("HADOOP_USER_NAME") or getpass.getuser()
             return f"{fs}/user/{user}/{path}"
         return "file://" + os.path.abspath(os.path.join(self.working_dir, path))
+
+    # -- MLflow (ember.mlflow) ---------------------------------------------------
+    @property
+    def is_chief(self) -> bool:
+        """The chief, or worker 0 in a cluster without one."""
+        if "chief" in self.cluster_spec:
+            return self.job_name == "chief"
+        return self.job_name == "worker" and self.task_index == 0
+
+    @property
+    def mlflow_run_id(self) -> Optional[str]:
+        """The job's MLflow run id (None when the job is not tracked): log into it
+        from any node with ``mlflow.tracking.MlflowClient().log_*(ctx.mlflow_run_id, ...)``."""
+        from ember import mlflow as _mlflow
+
+        return _mlflow.node_run_id()
+
+    def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
+        """Logs ``metrics`` (name -> number) at ``step`` (the epoch, say) into the
+        job's MLflow run, from the chief (worker 0 without one); a no-op on other
+        nodes and when the job is not tracked (no ``MLFLOW_TRACKING_URI`` on the
+        driver), so every node may call it."""
+        if self.is_chief:
+            from ember import mlflow as _mlflow
+
+            _mlflow.node_log_metrics(metrics, step)
+
+    def log_artifacts(self, local_path: str, artifact_path: Optional[str] = None) -> None:
+        """Uploads a file or directory of this node (the exported model, say) into
+        the job's MLflow run under ``artifact_path``, from the chief only (as
+        :meth:`log_metrics`)."""
+        if self.is_chief:
+            from ember import mlflow as _mlflow
+
+            _mlflow.node_log_artifacts(local_path, artifact_path)
 
     def report_progress(self, text: str) -> None:
         """Sends a progress line to the driver, which prints it with the node's name."""

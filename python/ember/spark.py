@@ -27,7 +27,10 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ember import _ember
+from ember import _ember, _gpu
+from ember import mlflow as _mlflow
+from ember.errors import EmberFeedError, find_feed_error
+from ember.node import RESUME_REPORT
 from ember.tensors import tensor_specs
 
 FEED_ROLES = ("chief", "worker")
@@ -61,8 +64,12 @@ def _spawn_node(node_boot: Dict[str, Any], start_timeout: float) -> int:
     """Starts one detached node process and waits until it has registered; returns its pid.
 
     The node runs ``python -m ember._trainer`` in its own session (so a STOP can
-    kill its whole process group); a reaper thread collects its exit status so
-    no zombie outlives it.  The boot record crosses a local pipe, never a socket.
+    kill its whole process group, and so can its watchdog when it is frozen
+    for ``heartbeat_timeout``, see :mod:`ember._watchdog`); a reaper thread
+    collects its exit status so no zombie outlives it.  The boot record
+    crosses a local pipe, never a socket.  A node given GPUs
+    (``node_boot["gpus"]``, its task's) sees only those, from its first
+    instruction on (``CUDA_VISIBLE_DEVICES``).
     """
     import select
     import subprocess
@@ -73,7 +80,10 @@ def _spawn_node(node_boot: Dict[str, Any], start_timeout: float) -> int:
     # main_fun may live in a module only this process can import: give the
     # node this process's path before it unpickles its boot record
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in node_boot["sys_path"] if p))
-    proc = subprocess.Popen([sys.executable, "-m", "ember._trainer"], stdin=subprocess.PIPE,
+    env.update(_gpu.cuda_env(node_boot.get("gpus") or []))
+    # argv[1]: the node's watchdog kills it once it is frozen this long (ember._watchdog)
+    proc = subprocess.Popen([sys.executable, "-m", "ember._trainer",
+                             str(node_boot.get("heartbeat_timeout", 0.0))], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, start_new_session=True, env=env)
     threading.Thread(target=proc.wait, name=f"ember-reap-{proc.pid}", daemon=True).start()
     assert proc.stdin is not None and proc.stdout is not None
@@ -97,7 +107,8 @@ def _spawn_node(node_boot: Dict[str, Any], start_timeout: float) -> int:
 
 
 def _launcher(boot: Dict[str, Any], start_timeout: float) -> Callable[[Any], Any]:
-    """The barrier task: node ``index_offset + partition id`` on this executor."""
+    """The barrier task: node ``index_offset + partition id`` on this executor,
+    given the GPUs Spark assigned to this task (none unless the stage asked)."""
     def launch(_: Any) -> Any:
         from pyspark import BarrierTaskContext
 
@@ -105,21 +116,26 @@ def _launcher(boot: Dict[str, Any], start_timeout: float) -> Callable[[Any], Any
         part = tc.partitionId()
         index = boot.get("index_offset", 0) + part
         infos = tc.getTaskInfos()
-        node_boot = dict(boot, index=index, sys_path=list(sys.path),
+        gpu = tc.resources().get(_gpu.GPU)
+        gpus = [str(a) for a in gpu.addresses] if gpu is not None else []
+        node_boot = dict(boot, index=index, sys_path=list(sys.path), gpus=gpus,
                          executor_id=infos[part].address if part < len(infos) else str(index))
         pid = _spawn_node(node_boot, start_timeout)
-        yield (index, socket.gethostname(), pid)
+        yield (index, socket.gethostname(), pid, gpus)
     return launch
 
 
 def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
-            chunk_rows: int, want_results: bool, parts: int = 0) -> Callable[[Any], Any]:
+            chunk_rows: int, want_results: bool, parts: int = 0,
+            report: Optional[Tuple[str, int, bytes]] = None, first: int = 0,
+            per_epoch: int = 0) -> Callable[[Any], Any]:
+    """The feeding task of an RDD.  In train(), task ``i`` feeds partition
+    ``p = first + i`` of the call (``parts`` ends that range; its epoch is
+    ``p // per_epoch``) and marks its start and end (:func:`_start_mark`)."""
     def feed(iterator: Any) -> Any:
         from pyspark import TaskContext
 
-        from ember import _columns
-
-        p = TaskContext.get().partitionId()
+        p = first + TaskContext.get().partitionId()  # the call's partition number
         if p >= (1 << _SEQ_BITS):
             raise ValueError(f"ember feeds at most {1 << _SEQ_BITS} partitions per call")
         host, port, name = targets[p % len(targets)]
@@ -129,7 +145,11 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
         # a retried task skips what an earlier attempt already delivered
         skip, delivered = client.resume_point
         sent = 0
+        layout: Dict[str, Any] = {}  # each column's type in this partition's first chunk
         try:
+            if per_epoch and not want_results:
+                skip = _start_mark(client, seq, p, (per_epoch, first, parts, len(targets)),
+                                   skip, delivered, feed_timeout)
             chunk: List[Any] = []
             for record in iterator:
                 if skip or delivered:
@@ -139,20 +159,22 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
                 chunk.append(record)
                 if len(chunk) < chunk_rows:
                     continue
-                yield from _send(client, chunk, p, sent, want_results, feed_timeout)
+                yield from _send(client, chunk, p, sent, want_results, feed_timeout, layout)
                 sent += len(chunk)
                 chunk = []
             if chunk:
-                yield from _send(client, chunk, p, sent, want_results, feed_timeout)
+                yield from _send(client, chunk, p, sent, want_results, feed_timeout, layout)
                 sent += len(chunk)
             if not want_results and not delivered:
-                _end_mark(client, seq, p, parts, len(targets), feed_timeout)
+                _end_mark(client, seq, p, parts, len(targets), feed_timeout, first)
             client.end_partition(feed_timeout)
         except _ember.EmberAborted:
             pass  # the node terminated its feed: TensorFlowOnSpark drops the rest
         except _ember.EmberError as exc:
             raise RuntimeError(f"feeding partition {p} to {name} at {host}:{port}: {exc}") from exc
         except Exception as exc:
+            if isinstance(exc, EmberFeedError):
+                _report_feed_error(report, (seq << _SEQ_BITS) | p, exc)
             _fail_partition(client, p, sent, exc, feed_timeout)
             raise
         finally:
@@ -160,12 +182,13 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
         if not want_results:
             yield sent
 
-    def _send(client: Any, chunk: List[Any], p: int, first: int, want_results: bool,
-              timeout: float) -> Any:
+    def _send(client: Any, chunk: List[Any], p: int, at: int, want_results: bool,
+              timeout: float, layout: Dict[str, Any]) -> Any:
+        """Sends records ``at..`` of partition ``p`` (their index names a bad one)."""
         from ember import _columns
 
-        cols, n = _columns.records_to_columns(
-            chunk, where=f"partition {p} records {first}..{first + len(chunk) - 1}")
+        cols, n = _columns.records_to_columns(chunk, where=f"feeding partition {p}",
+                                              first=at, layout=layout)
         client.send(cols, n, timeout)
         if want_results:
             got = 0
@@ -189,28 +212,70 @@ def _fail_partition(client: Any, p: int, at: int, exc: BaseException, timeout: f
         pass  # the node is gone or the connection broke: the task's own error says enough
 
 
-def _end_mark(client: Any, seq: int, p: int, parts: int, nodes: int, timeout: float) -> None:
-    """Tells the node this partition is complete and how many it gets in this call,
-    so it sees the end of the call's data (see DataFeed) without waiting for shutdown."""
+def _report_feed_error(report: Optional[Tuple[str, int, bytes]], key: int,
+                       exc: BaseException) -> None:
+    """Tells the driver at once that this partition holds input the feed cannot
+    carry (its report channel, see ``Cluster._report_channel``).  Such an
+    error is deterministic, so the driver cancels the job instead of waiting
+    for Spark's retries of this task to fail the same way."""
+    if report is None:
+        return
+    host, port, secret = report
+    try:
+        client = _ember.FeedClient(host, port, secret, key, timeout_s=5.0, shm=False)
+        try:
+            client.fail(str(exc)[:1000], 5.0)
+        finally:
+            client.close()
+    except _ember.EmberError:
+        pass  # the driver learns it from Spark instead, as fast as Spark tells it
+
+
+def _end_mark(client: Any, seq: int, p: int, parts: int, nodes: int, timeout: float,
+              first: int = 0) -> None:
+    """Tells the node this partition is complete and how many it gets in this call
+    (partitions ``first..parts-1``, round-robin), so it sees the end of the
+    call's data (see DataFeed) without waiting for shutdown."""
     from ember import _columns
 
-    client.send(_columns.partition_end_columns(seq, p, len(range(p % nodes, parts, nodes))),
-                1, timeout)
+    expected = len(range(first + (p - first) % nodes, parts, nodes))
+    client.send(_columns.partition_end_columns(seq, p, expected), 1, timeout)
+
+
+def _start_mark(client: Any, seq: int, p: int, plan: Tuple[int, int, int, int], skip: int,
+                delivered: bool, timeout: float) -> int:
+    """Sends the partition's start mark unless an earlier attempt delivered it;
+    returns how many data records to skip.  ``plan``: partitions per epoch
+    (partition ``p`` is of epoch ``p // per_epoch``), the call's first and end
+    partition and the number of fed nodes, so the node can tell when all its
+    partitions of an epoch have ended (``DataFeed.epochs_done``).
+
+    The mark is the partition's record 0: the node's resume count includes it,
+    and whatever an earlier attempt delivered came after it."""
+    from ember import _columns
+
+    if skip or delivered:
+        return max(0, skip - 1)
+    client.send(_columns.partition_start_columns(seq, p, *plan), 1, timeout)
+    return 0
 
 
 def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
                   chunk_bytes: int, parts: int, tensors: Dict[str, Any],
-                  fail_at: Optional[Tuple[int, int]] = None) -> Callable[[Any], Any]:
+                  fail_at: Optional[Tuple[Any, ...]] = None,
+                  report: Optional[Tuple[str, int, bytes]] = None, first: int = 0,
+                  per_epoch: int = 0) -> Callable[[Any], Any]:
     """The feeding task of a DataFrame (``mapInArrow``): Arrow record batches go
     to the node as columnar batches, their buffers encoded straight from Arrow
-    memory (no Python object per value).  Yields one row: the records fed."""
+    memory (no Python object per value).  Yields one row: the records fed.
+    ``first``, ``parts`` and ``per_epoch`` as for :func:`_feeder`."""
     def feed(batches: Any) -> Any:
         import pyarrow as pa
         from pyspark import TaskContext
 
         from ember import _columns
 
-        p = TaskContext.get().partitionId()
+        p = first + TaskContext.get().partitionId()  # the call's partition number
         if p >= (1 << _SEQ_BITS):
             raise ValueError(f"ember feeds at most {1 << _SEQ_BITS} partitions per call")
         host, port, name = targets[p % len(targets)]
@@ -219,8 +284,13 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
         # a retried task skips what an earlier attempt already delivered
         skip, delivered = client.resume_point
         sent = 0
+        layout: Dict[str, Any] = {}  # each array column's width in this partition
+        source = _Input(batches)
         try:
-            for rb in batches:
+            if per_epoch:
+                skip = _start_mark(client, seq, p, (per_epoch, first, parts, len(targets)),
+                                   skip, delivered, feed_timeout)
+            for rb in source:
                 if delivered or skip >= rb.num_rows:
                     skip -= 0 if delivered else rb.num_rows
                     sent += rb.num_rows
@@ -232,27 +302,66 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
                 for off in range(0, rb.num_rows, step):
                     if fail_at and p == fail_at[0] and sent >= fail_at[1] and \
                             TaskContext.get().attemptNumber() == 0:
+                        if len(fail_at) > 2:  # (p, rows, dir): wait to be SIGKILLed
+                            _wait_to_be_killed(fail_at[2], p)
                         raise RuntimeError(f"injected failure of partition {p} after {sent} rows")
                     part = rb.slice(off, step)
                     cols, n = _columns.arrow_to_columns(
-                        part, where=f"partition {p} rows {sent}..{sent + part.num_rows - 1}",
-                        tensors=tensors)
+                        part, where=f"feeding partition {p}", tensors=tensors, first=sent,
+                        layout=layout)
                     client.send(cols, n, feed_timeout)
                     sent += n
             if not delivered:
-                _end_mark(client, seq, p, parts, len(targets), feed_timeout)
+                _end_mark(client, seq, p, parts, len(targets), feed_timeout, first)
             client.end_partition(feed_timeout)
         except _ember.EmberAborted:
             pass  # the node terminated its feed: TensorFlowOnSpark drops the rest
         except _ember.EmberError as exc:
             raise RuntimeError(f"feeding partition {p} to {name} at {host}:{port}: {exc}") from exc
         except Exception as exc:
-            _fail_partition(client, p, sent, exc, feed_timeout)
+            if isinstance(exc, EmberFeedError):
+                _report_feed_error(report, (seq << _SEQ_BITS) | p, exc)
+            # When Spark breaks the input stream, another stage of this task
+            # failed (a Python UDF upstream, ember.tensors.pack) and Spark
+            # reports that stage's error; the node would only log the
+            # stream's ArrowInvalid.  Its connection drops, as after a kill:
+            # Spark's retry resumes after the records it holds.
+            if not source.broke:
+                _fail_partition(client, p, sent, exc, feed_timeout)
             raise
         finally:
             client.close()
         yield pa.RecordBatch.from_pydict({"fed": pa.array([sent], pa.int64())})
     return feed
+
+
+class _Input:
+    """Spark's input iterator of a feeding task; ``broke`` tells whether it raised."""
+
+    def __init__(self, it: Any) -> None:
+        self._it, self.broke = iter(it), False
+
+    def __iter__(self) -> "_Input":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise
+        except BaseException:
+            self.broke = True
+            raise
+
+
+def _wait_to_be_killed(marker_dir: str, p: int) -> None:
+    """Tests only: writes this Python worker's pid to ``marker_dir/pid-<p>`` and
+    sleeps until the test SIGKILLs it (a feeding task killed mid-partition)."""
+    path = os.path.join(marker_dir, f"pid-{p}")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+    time.sleep(600)
 
 
 # --------------------------------------------------------------------------- cluster
@@ -266,13 +375,23 @@ class Cluster:
                  env: Dict[str, str], driver_ps_nodes: bool = False,
                  tensorboard: bool = False, log_dir: Optional[str] = None) -> None:
         self.sc = sc
+        #: node index -> the GPU addresses Spark assigned to its barrier task
+        #: (``TaskContext.resources()["gpu"]``, also the node's CUDA_VISIBLE_DEVICES)
+        self.gpus: Dict[int, List[str]] = {}
+        self._profile: Any = None  # the barrier stage's task ResourceProfile (gpus_per_node)
+        self._mlflow: Optional[_mlflow.JobRun] = None  # the job's MLflow run (ember.mlflow)
+        self._mlflow_end_on_shutdown = True  # EmberEstimator.fit ends the run itself
         self.input_mode = input_mode
         self.job_id = uuid.uuid4().hex[:12]
         self.nodes: List[Dict[str, Any]] = []
         self.chunk_rows = 1024  # records per feed batch from an RDD
         # tests only: (partition, rows): that DataFrame feeding task raises on
-        # its first attempt after sending that many rows
-        self._fault_feed_fail_at: Optional[Tuple[int, int]] = None
+        # its first attempt after sending that many rows; (partition, rows,
+        # dir): it writes its pid to dir/pid-<partition> and waits to be killed
+        self._fault_feed_fail_at: Optional[Tuple[Any, ...]] = None
+        # (FeedServer, secret) on the driver where feeding tasks report input
+        # the feed cannot carry (EmberFeedError); made by the first train()
+        self._reports: Any = None
         self.chunk_bytes = 4 << 20  # bytes per feed batch from a DataFrame's Arrow batches
         self.restarts = 0
         self.restart_causes: List[EmberNodeError] = []  # the failures that caused restarts
@@ -302,6 +421,9 @@ class Cluster:
             **self._roles)
         self._state: Dict[int, str] = {}  # node -> running|done|failed|lost|stopping
         self._failures: List[EmberNodeError] = []
+        # fed node -> the epoch its main_fun resumes from (ctx.resume_from), 0
+        # when it read its feed without naming one (see _resume_epoch)
+        self._resume: Dict[int, int] = {}
         self._launch_error: Optional[BaseException] = None
         self._closed = False
         self._monitor = threading.Thread(target=self._watch, args=(server,),
@@ -312,6 +434,7 @@ class Cluster:
                     main_fun=self._main_fun, args=self._args, input_mode=int(self.input_mode),
                     reservation_timeout=float(self._reservation_timeout),
                     heartbeat_interval_ms=max(100, int(self._heartbeat_timeout * 1000 / 5)),
+                    heartbeat_timeout=float(self._heartbeat_timeout),
                     env=dict(self._env, EMBER_RESTART=str(self.restarts)),
                     working_dir=os.getcwd(), job_id=self.job_id,
                     index_offset=self._driver_nodes, tensorboard=self._tensorboard,
@@ -320,14 +443,20 @@ class Cluster:
         group = f"ember-{self.job_id}-launch-{self.restarts}"
         on_executors = n - self._driver_nodes
 
+        self.gpus = {}
+
         def launch() -> None:
             sc.setJobGroup(group, f"ember: launch {on_executors} nodes", interruptOnCancel=True)
             try:
                 for i in range(self._driver_nodes):
                     _spawn_node(dict(boot, index=i, sys_path=list(sys.path),
                                      executor_id="driver"), self._reservation_timeout)
-                (sc.parallelize(range(on_executors), on_executors).barrier()
-                 .mapPartitions(_launcher(boot, self._reservation_timeout)).collect())
+                rdd = sc.parallelize(range(on_executors), on_executors)
+                if self._profile is not None:  # gpus_per_node: GPUs for this stage's tasks
+                    rdd = rdd.withResources(self._profile)
+                placed = rdd.barrier().mapPartitions(
+                    _launcher(boot, self._reservation_timeout)).collect()
+                self.gpus = {index: gpus for index, _host, _pid, gpus in placed}
             except BaseException as exc:
                 self._launch_error = exc
 
@@ -355,16 +484,32 @@ class Cluster:
         with self._lock:
             for node in self.nodes:
                 self._state.setdefault(node["index"], "running")
-        _log("cluster ready: " + ", ".join(
-            f"{x['role']}:{x['task_index']}@{x['host']}:{x['ports'][0]}" for x in self.nodes))
+        # every barrier task returns right after its node registered: their
+        # results (the GPUs each task got) follow at once
+        self._launch_thread.join(30)
+        placement = ", ".join(
+            f"{x['role']}:{x['task_index']}@{x['host']}:{x['ports'][0]}"
+            + (f" gpus={','.join(self.gpus[x['index']])}" if self.gpus.get(x["index"]) else "")
+            for x in self.nodes)
+        _log("cluster ready: " + placement)
+        if self._mlflow is not None:
+            self._mlflow.set_tags({"ember.nodes": placement})
 
     def _restart_or_raise(self, failure: EmberNodeError) -> None:
         """After a node failure: relaunch every node (max_restarts), or raise."""
         if self.restarts >= self._max_restarts:
-            self._stop_all()
+            # raise now: the healthy nodes end within the STOP's grace by
+            # themselves, and a step they are in must not delay the error
+            self._stop_all(wait=False)
+            self._track_end("FAILED", failure)
             raise failure
         self.restarts += 1
         self.restart_causes.append(failure)
+        if self._mlflow is not None:
+            self._mlflow.log_metrics({"ember.restarts": self.restarts}, step=self.restarts)
+            self._mlflow.set_tags(dict(
+                _mlflow.failure_tags(f"ember.restart.{self.restarts}", failure.args[0]),
+                **{f"ember.restart.{self.restarts}.node": failure.node}))
         _log(f"{failure.args[0].splitlines()[0]}; restarting the cluster "
              f"({self.restarts} of max_restarts={self._max_restarts}); main_fun resumes "
              "from its latest checkpoint")
@@ -387,10 +532,17 @@ class Cluster:
             if ev is None:
                 continue
             kind, node, code, text = ev
-            if kind == "progress":
+            if kind == "progress" and code == RESUME_REPORT:  # see _resume_epoch
+                named = (text or "").isdigit()
+                with self._lock:
+                    self._resume[node] = int(text) if named else 0
+                    self._changed.notify_all()
+                if named:
+                    _log(f"{self._name(node)}: resumes from epoch {text}")
+            elif kind == "progress":
                 _log(f"{self._name(node)}: {text}")
             elif kind == "rejected":
-                _log(f"rejected a connection: {text}")
+                _log(text)  # a whole line, rate-limited for strangers (C server)
             elif kind in ("done", "failed", "lost"):
                 with self._lock:
                     if kind == "done":
@@ -411,11 +563,15 @@ class Cluster:
             return self._failures[0] if self._failures else None
 
     # -- jobs ----------------------------------------------------------------
-    def _run_job(self, what: str, action: Callable[[], Any]) -> Any:
+    def _run_job(self, what: str, action: Callable[[], Any], seq: Optional[int] = None) -> Any:
         """Runs a Spark action in a thread; cancels it if a node fails meanwhile.
 
         Raises the node's :class:`EmberNodeError` (with its traceback) in preference
-        to the feeding task's error it caused."""
+        to the feeding task's error it caused.  A feeding task of call ``seq``
+        that met input the feed cannot carry cancels the job as soon as it
+        reports it (Spark's retries would fail the same way): raises
+        :class:`EmberFeedError` with Ember's message first, chained to
+        Spark's exception when Spark's came first."""
         group = f"ember-{self.job_id}-{what.replace(' ', '-')}"
         result: Dict[str, Any] = {}
 
@@ -429,12 +585,24 @@ class Cluster:
         t = threading.Thread(target=target, name=f"ember-{what}", daemon=True)
         t.start()
         while t.is_alive():
-            t.join(0.5)
+            t.join(0.1)
+            feed_error = self._reported_feed_error(seq)
+            if feed_error is not None:  # the cause, also of a node that raised on it
+                t.join(0.2)  # a job Spark does not retry is failing by itself
+                if t.is_alive():
+                    self.sc.cancelJobGroup(group)
+                    t.join(60)
+                raise feed_error from result.get("error")
             failure = self._failure()
             if failure is not None:
                 self.sc.cancelJobGroup(group)
                 t.join(60)
                 raise failure
+        if "error" in result:
+            message = find_feed_error(str(result["error"]))
+            feed_error = EmberFeedError(message) if message else self._reported_feed_error(seq)
+            if feed_error is not None:
+                raise feed_error from result["error"]
         failure = self._failure()
         if failure is not None:
             raise failure
@@ -448,6 +616,33 @@ class Cluster:
                 raise failure from result["error"]
             raise result["error"]
         return result.get("value")
+
+    def _report_channel(self) -> Tuple[str, int, bytes]:
+        """(driver host, port, secret) of the feed server where feeding tasks
+        report an :class:`EmberFeedError` (``_report_feed_error``): Ember's
+        own authenticated channel, so the driver hears of it within
+        milliseconds, not when Spark gives up retrying."""
+        if self._reports is None:
+            secret = _ember.random_secret()
+            # a report is one FEED_ERROR of at most 1 KiB: small limits
+            self._reports = (_ember.FeedServer(secret, shm=False, queue_bytes=1 << 20,
+                                               max_frame=1 << 16), secret)
+        server, secret = self._reports
+        host = self.sc.getConf().get("spark.driver.host", socket.gethostname())
+        return host, server.port, secret
+
+    def _reported_feed_error(self, seq: Optional[int]) -> Optional[EmberFeedError]:
+        """The first EmberFeedError a feeding task of call ``seq`` reported, if any
+        (reports of earlier calls, from their late retries, are dropped)."""
+        if self._reports is None or seq is None:
+            return None
+        while True:
+            item = self._reports[0].next(0)
+            if item is None:
+                return None
+            if item.kind == "error" and item.partition >> _SEQ_BITS == seq:
+                # the server's "feed: the producer of partition K failed: <report>"
+                return EmberFeedError((item.reason or "").split(" failed: ", 1)[-1])
 
     def _feed_targets(self) -> List[Any]:
         return [(n["host"], n["ports"][1], self._name(n["index"]))
@@ -472,10 +667,15 @@ class Cluster:
 
         Partition ``p`` goes to feeding node ``p % number of chief+worker nodes``;
         each feeding task returns only once its node has taken the whole
-        partition.  Returns the number of records fed.  If a node fails, raises
-        :class:`EmberNodeError` with its traceback, or with ``max_restarts``
-        relaunches the nodes (main_fun resumes from its checkpoint) and feeds
-        this call's data again from the start.
+        partition.  Returns the number of records fed (after a restart, by the
+        resumed feed).  If a node fails, raises :class:`EmberNodeError` with
+        its traceback, or with ``max_restarts`` relaunches the nodes (main_fun
+        resumes from its checkpoint) and feeds this call's data again from the
+        epoch the restarted nodes name with ``ctx.resume_from(epoch)``: the
+        smallest one any chief/worker names, epoch 0 when one reads its feed
+        without naming any.  Earlier epochs are not fed again; that epoch and
+        the later ones are fed whole.  Epochs are counted from 0 within this
+        call, and each batch's epoch is ``feed.epoch`` on the node.
         """
         if self.input_mode != InputMode.SPARK:
             raise ValueError("train() feeds data only in InputMode.SPARK; in "
@@ -493,22 +693,28 @@ class Cluster:
             not data.getStorageLevel().useDisk
         from pyspark import StorageLevel
 
+        per_epoch = data.rdd.getNumPartitions() if _is_dataframe(data) else \
+            data.getNumPartitions()
+        if epochs * per_epoch > (1 << _SEQ_BITS):
+            raise ValueError(f"ember feeds at most {1 << _SEQ_BITS} partitions per train() "
+                             f"call; {epochs} epochs of {per_epoch} partitions are more")
         if cached:
             data = data.persist(StorageLevel.MEMORY_AND_DISK)
+        first = 0  # the epoch the feed starts from: 0, or where a restart resumes
+        interrupted = False  # a node failed while this call was feeding
         try:
-            if _is_dataframe(data):
-                source = data
-                for _ in range(epochs - 1):
-                    source = source.unionAll(data)
-            else:
-                source = self.sc.union([data] * epochs) if epochs > 1 else data
             while True:
                 failure = self._failure()
                 if failure is None:
+                    if first >= epochs:
+                        _log(f"train: the nodes resume from epoch {first} of {epochs}: "
+                             "nothing left to feed")
+                        return 0
                     try:
-                        return self._feed_once(source, epochs, feed_timeout)
+                        return self._feed_once(self._epochs_of(data, epochs - first), epochs,
+                                               feed_timeout, first, per_epoch)
                     except EmberNodeError as exc:
-                        failure = exc
+                        failure, interrupted = exc, True
                 self._restart_or_raise(failure)
                 if cached:
                     # The cancelled feed left the cached partitions wherever its
@@ -520,34 +726,89 @@ class Cluster:
                     # Cache afresh: the tasks run as in a first feed.
                     data.unpersist(blocking=True)
                     data.persist(StorageLevel.MEMORY_AND_DISK)
+                if interrupted:
+                    first = self._resume_epoch(epochs, feed_timeout)
         finally:
             if cached:
                 data.unpersist()
 
-    def _feed_once(self, source: Any, epochs: int, feed_timeout: float) -> int:
+    def _epochs_of(self, data: Any, count: int) -> Any:
+        """``count`` copies of ``data`` as one RDD/DataFrame, epoch-major: one Spark
+        job feeds them all, reading a cached ``data``."""
+        if _is_dataframe(data):
+            source = data
+            for _ in range(count - 1):
+                source = source.unionAll(data)
+            return source
+        return self.sc.union([data] * count) if count > 1 else data
+
+    def _resume_epoch(self, epochs: int, timeout: float) -> int:
+        """After a restart in train(): the epoch to feed from.
+
+        Waits until every chief/worker node has either named its epoch
+        (``ctx.resume_from``) or started reading its feed without naming one
+        (epoch 0), or has ended; returns the smallest epoch named, so no node
+        misses data its checkpoint does not cover."""
+        fed = [n["index"] for n in self.nodes if n["role"] in FEED_ROLES]
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not self._failures:
+                waiting = [i for i in fed if i not in self._resume
+                           and self._state.get(i) == "running"]
+                if not waiting:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"ember train: after restart {self.restarts}, "
+                        + ", ".join(self._name(i) for i in waiting)
+                        + f" neither called ctx.resume_from() nor read the feed within "
+                          f"{timeout:.0f} s (feed_timeout)")
+                self._changed.wait(min(left, 0.5))
+            named = [self._resume[i] for i in fed if i in self._resume]
+        first = max(0, min(named)) if named else 0
+        if first:
+            _log(f"train: feeding from epoch {first} of {epochs} (ctx.resume_from); "
+                 + ("epoch 0 is" if first == 1 else f"epochs 0..{first - 1} are")
+                 + " not fed again")
+        return first
+
+    def _feed_once(self, source: Any, epochs: int, feed_timeout: float, first_epoch: int = 0,
+                   per_epoch: int = 0) -> int:
+        """Feeds ``source``, epochs ``first_epoch..epochs-1`` of ``per_epoch``
+        partitions each: the call's partitions ``first..parts-1``, epoch-major."""
         seq = self._next_seq()
         targets = self._feed_targets()
         start = time.monotonic()
+        count = source.rdd.getNumPartitions() if _is_dataframe(source) else \
+            source.getNumPartitions()
+        per_epoch = per_epoch or count
+        first, parts = first_epoch * per_epoch, epochs * per_epoch
         if _is_dataframe(source):
-            parts = source.rdd.getNumPartitions()
             fn = _arrow_feeder(targets, self._secret, seq, feed_timeout, self.chunk_bytes, parts,
-                               tensor_specs(source.schema), self._fault_feed_fail_at)
+                               tensor_specs(source.schema), self._fault_feed_fail_at,
+                               report=self._report_channel(), first=first, per_epoch=per_epoch)
             action = lambda: sum(r[0] for r in source.mapInArrow(fn, "fed long").collect())  # noqa: E731
         else:
-            parts = source.getNumPartitions()
             fn = _feeder(targets, self._secret, seq, feed_timeout, self.chunk_rows,
-                         want_results=False, parts=parts)
+                         want_results=False, parts=parts, report=self._report_channel(),
+                         first=first, per_epoch=per_epoch)
             action = lambda: source.mapPartitions(fn).sum()  # noqa: E731
-        _log(f"train: feeding {parts} partitions ({epochs} epoch(s)) to {len(targets)} node(s)")
+        _log(f"train: feeding {count} partitions ({epochs - first_epoch} epoch(s)"
+             + (f": {first_epoch}..{epochs - 1}" if first_epoch else "")
+             + f") to {len(targets)} node(s)")
         # Partition p feeds node p % n.  A node given no partition would wait for
         # data forever while its peers wait for it in their collectives: end its
         # feed now, so it stops and a synchronous loop stops with it.
-        for host, port, name in targets[parts:]:
-            _log(f"train: {name} gets no partition ({parts} partitions for {len(targets)} "
+        fed_nodes = {p % len(targets) for p in range(first, min(parts, first + len(targets)))}
+        for i, (host, port, name) in enumerate(targets):
+            if i in fed_nodes:
+                continue
+            _log(f"train: {name} gets no partition ({count} partitions for {len(targets)} "
                  "nodes); ending its feed (repartition the data to at least as many "
                  "partitions as nodes)")
             self._end_feed(host, port, name)
-        fed = self._run_job(f"train {seq}", action)
+        fed = self._run_job(f"train {seq}", action, seq)
         secs = time.monotonic() - start
         _log(f"train: fed {fed} records in {secs:.1f} s ({fed / max(secs, 1e-9):.0f} records/s)")
         return int(fed)
@@ -578,16 +839,46 @@ class Cluster:
         """
         if self._closed:
             return
-        while True:
-            try:
-                self._finish(grace_secs, timeout)
-                break
-            except EmberNodeError as exc:
-                if self.input_mode == InputMode.SPARK:
-                    self._stop_all()
-                    raise
-                self._restart_or_raise(exc)
-        self._stop_all()
+        try:
+            while True:
+                try:
+                    self._finish(grace_secs, timeout)
+                    break
+                except EmberNodeError as exc:
+                    if self.input_mode == InputMode.SPARK:
+                        self._stop_all()
+                        raise
+                    self._restart_or_raise(exc)
+            self._stop_all()
+        except BaseException as exc:
+            self._track_end("FAILED", exc)
+            raise
+        if self._mlflow_end_on_shutdown:
+            self._track_end("FINISHED")
+
+    # -- MLflow (ember.mlflow) -------------------------------------------------
+    @property
+    def mlflow_run_id(self) -> Optional[str]:
+        """The job's MLflow run id (None when ``MLFLOW_TRACKING_URI`` is not set)."""
+        return self._mlflow.run_id if self._mlflow is not None else None
+
+    def log_artifacts(self, local_dir: str, artifact_path: Optional[str] = "model") -> None:
+        """Uploads a local directory of the driver (the exported model, say) into
+        the job's MLflow run under ``artifact_path``; nothing without tracking."""
+        if self._mlflow is not None:
+            self._mlflow.log_artifacts(local_dir, artifact_path)
+
+    def _track_end(self, status: str, error: Optional[BaseException] = None) -> None:
+        """Ends the job's MLflow run; a failure is tagged (``ember.failure``)."""
+        run = self._mlflow
+        if run is None or run.ended:
+            return
+        if error is not None:
+            tags = _mlflow.failure_tags("ember.failure", str(error) or type(error).__name__)
+            if isinstance(error, EmberNodeError):
+                tags["ember.failure.node"] = str(error.node)
+            run.set_tags(tags)
+        run.end(status)
 
     def _finish(self, grace_secs: float, timeout: float) -> None:
         try:
@@ -623,8 +914,13 @@ class Cluster:
         except _ember.EmberError as exc:  # a node that is already gone has nothing to end
             _log(f"end of feed not delivered to {name}: {exc}")
 
-    def _stop_all(self) -> None:
-        """Stops every node, waits for local node processes to exit, closes the server."""
+    def _stop_all(self, wait: bool = True) -> None:
+        """Stops every node, waits for local node processes to exit (unless not
+        ``wait``), closes the server.
+
+        Without waiting, every node is still gone within the STOP's 5 s grace:
+        its own control thread kills its process group then (a frozen node's
+        watchdog already did, see ember._watchdog)."""
         if self._closed:
             return
         with self._lock:
@@ -632,9 +928,13 @@ class Cluster:
                 if self._state.get(i) not in ("done", "failed", "lost"):
                     self._state[i] = "stopping"
         self._server.stop(-1, 5000)
-        self._wait_nodes_exit(15.0)
+        if wait:
+            self._wait_nodes_exit(15.0)
         self._closed = True
         self._server.close()
+        if self._reports is not None:
+            self._reports[0].close()
+            self._reports = None
         self._monitor.join(5)
         self._launch_thread.join(10)
 
@@ -646,10 +946,18 @@ class Cluster:
         except OSError:
             pass
         deadline = time.monotonic() + timeout
+        # A lost node that still runs is frozen (a running one kills itself as
+        # soon as its control connection drops): its watchdog kills it about
+        # heartbeat_timeout after it froze, i.e. about when it was seen lost.
+        # Wait for that only briefly, so a hung node never delays the error.
+        with self._lock:
+            lost = {f.node: f.seen_at for f in self._failures
+                    if self._state.get(f.node) == "lost"}
         for n in self.nodes:
             if n["host"] not in local and not n["host"].startswith("127."):
                 continue
-            while time.monotonic() < deadline and _alive(n["pid"]):
+            until = min(deadline, lost[n["index"]] + 2.0) if n["index"] in lost else deadline
+            while time.monotonic() < until and _alive(n["pid"]):
                 time.sleep(0.05)
 
     def _tensorboard_node(self) -> int:
@@ -692,7 +1000,7 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
         log_dir: Optional[str] = None, driver_ps_nodes: bool = False,
         master_node: Optional[str] = "chief", reservation_timeout: float = 600,
         eval_node: bool = False, heartbeat_timeout: float = 10.0, max_restarts: int = 0,
-        env: Optional[Dict[str, str]] = None) -> Cluster:
+        env: Optional[Dict[str, str]] = None, gpus_per_node: int = 0) -> Cluster:
     """Starts ``main_fun(args, ctx)`` on ``num_executors`` nodes and returns the cluster.
 
     :param sc: the SparkContext.
@@ -710,11 +1018,30 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
     :param eval_node: make one node the ``evaluator`` (not in the cluster spec).
     :param reservation_timeout: seconds to wait for all nodes to register; the
         error names the missing ones.
-    :param heartbeat_timeout: seconds of silence after which a node counts as lost.
+    :param heartbeat_timeout: seconds of silence after which a node counts as
+        lost; a node that has not run at all for that long (SIGSTOP) is also
+        killed, with its process group, by its watchdog (``ember._watchdog``).
     :param max_restarts: how many times a node failure relaunches all nodes
         (main_fun should resume from its latest checkpoint; ``EMBER_RESTART`` in
         its environment counts the restarts) before the failure is raised.
+        During ``train``, the nodes name the epoch they resume from with
+        ``ctx.resume_from(epoch)`` and the feed resumes there (see ``train``).
     :param env: extra environment variables for the node processes.
+    :param gpus_per_node: GPUs for each node launched on an executor (0: none
+        asked).  The nodes' barrier stage gets a task ``ResourceProfile`` of that
+        many GPUs (and ``spark.task.cpus`` CPUs), so Spark assigns each task its
+        own GPU addresses; the node sees exactly those (``CUDA_VISIBLE_DEVICES``,
+        ``ctx.gpus``, :attr:`Cluster.gpus`), and no two nodes share one.  Needs
+        executors with GPUs (``spark.executor.resource.gpu.amount`` and a
+        discovery script) on standalone, YARN or Kubernetes; raises ValueError
+        at once, naming what to configure, in local mode or when the executors
+        cannot hold every node at once.  Spark holds the GPU only while the
+        barrier task launches the node: keep other GPU tasks off these executors
+        while the cluster runs.
+
+    With ``MLFLOW_TRACKING_URI`` set, the job is one MLflow run: these
+    arguments and ``args`` as params, the nodes' ``ctx.log_metrics``, restarts
+    and failures (see :mod:`ember.mlflow`).
     """
     if num_executors < 1:
         raise ValueError(f"num_executors must be >= 1, got {num_executors}")
@@ -725,5 +1052,26 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
     cluster = Cluster(sc, main_fun, args, num_executors, roles, InputMode(input_mode),
                       reservation_timeout, heartbeat_timeout, max_restarts, dict(env or {}),
                       driver_ps_nodes=driver_ps_nodes, tensorboard=tensorboard, log_dir=log_dir)
-    cluster._start()
+    if gpus_per_node:
+        on_executors = num_executors - (num_ps if driver_ps_nodes else 0)
+        cluster._profile = _gpu.node_profile(sc, on_executors, gpus_per_node)
+    cluster._mlflow = _mlflow.JobRun.start(
+        f"{sc.appName} ember {cluster.job_id}",
+        dict(main_fun=f"{getattr(main_fun, '__module__', '?')}:"
+                      f"{getattr(main_fun, '__qualname__', repr(main_fun))}",
+             num_executors=num_executors, num_ps=num_ps, tensorboard=tensorboard,
+             input_mode=InputMode(input_mode).name, log_dir=log_dir,
+             driver_ps_nodes=driver_ps_nodes, master_node=master_node,
+             reservation_timeout=reservation_timeout, eval_node=eval_node,
+             heartbeat_timeout=heartbeat_timeout, max_restarts=max_restarts,
+             gpus_per_node=gpus_per_node, **_mlflow.args_params(args)),
+        {"ember.job_id": cluster.job_id, "ember.spark.master": sc.master,
+         "ember.spark.app_id": sc.applicationId})
+    if cluster._mlflow is not None:
+        cluster._env.update(cluster._mlflow.node_env())
+    try:
+        cluster._start()
+    except BaseException as exc:
+        cluster._track_end("FAILED", exc)
+        raise
     return cluster

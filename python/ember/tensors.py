@@ -19,6 +19,8 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ember.errors import EmberFeedError
+
 #: StructField metadata key of a tensor column: {"dtype": "<f4", "shape": [28, 28]}.
 METADATA_KEY = "ember_tensor"
 
@@ -54,8 +56,9 @@ def pack(df: Any, shapes: Mapping[str, Sequence[int]]) -> Any:
     as a tensor column of the given row shape.  Other columns pass unchanged.
 
     Lazy, like any transformation; a row whose array is null, holds a null or
-    has the wrong number of values fails the job with an error naming the
-    column and row.
+    has the wrong number of values fails the job with an
+    :class:`ember.errors.EmberFeedError` naming the partition, the column, the
+    row (counted from the partition's start) and the null's element.
     """
     from pyspark.sql.types import ArrayType, BinaryType, StructField, StructType
 
@@ -104,54 +107,64 @@ def _packer(specs: Dict[str, Tuple[str, Tuple[int, ...]]]) -> Any:
                     col = part.column(name)
                     if name in specs:
                         col = _pack_column(col, name, *specs[name],
-                                           where=f"partition {partition} rows {row}..")
+                                           where=f"ember.tensors.pack: partition {partition}",
+                                           first=row)
                     cols.append(col)
                 yield pa.RecordBatch.from_arrays(cols, names=part.schema.names)
                 row += part.num_rows
     return pack_batches
 
 
-def _pack_column(col: Any, name: str, dtype: str, shape: Tuple[int, ...], where: str) -> Any:
+def _pack_column(col: Any, name: str, dtype: str, shape: Tuple[int, ...], where: str,
+                 first: int = 0) -> Any:
+    """One packed column; rows are named ``first`` + their index in ``col``."""
     import pyarrow as pa
 
     width = int(np.prod(shape))
     n = len(col)
     if col.null_count:
-        raise ValueError(f"{where}: column {name!r} has a null array at row "
-                         f"{col.is_null().to_pylist().index(True)}")
+        raise EmberFeedError(f"{where}: column {name!r} has a null array at row "
+                             f"{first + col.is_null().to_pylist().index(True)}")
     lengths = np.diff(col.offsets.to_numpy())
     bad = np.flatnonzero(lengths != width)
     if bad.size:
-        raise ValueError(f"{where}: column {name!r} row {int(bad[0])} has {int(lengths[bad[0]])} "
-                         f"values; its tensor shape {shape} needs {width}")
+        raise EmberFeedError(f"{where}: column {name!r} row {first + int(bad[0])} has "
+                             f"{int(lengths[bad[0]])} values; its tensor shape {shape} needs "
+                             f"{width}")
     values = col.flatten()
-    if values.null_count:
-        raise ValueError(f"{where}: column {name!r} holds a null value; a tensor has none")
+    if values.null_count:  # every row holds width values (checked above)
+        at = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
+        raise EmberFeedError(f"{where}: column {name!r} row {first + at // width}, element "
+                             f"{at % width} is null; a tensor holds none")
     flat = np.ascontiguousarray(values.to_numpy(zero_copy_only=False), dtype=np.dtype(dtype))
     offsets = np.arange(0, (n + 1) * width * flat.itemsize, width * flat.itemsize, dtype=np.int32)
     return pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(flat)])
 
 
 def view(values: Any, offsets: np.ndarray, n: int, spec: TensorSpec, field: str,
-         where: str) -> np.ndarray:
+         where: str, first: int = 0) -> np.ndarray:
     """The ``(n, *shape)`` array of a tensor column's packed values (a view).
 
-    ``values`` holds rows ``offsets[0]..offsets[n]``; raises naming the field
-    and row when a value is not exactly one tensor long."""
+    ``values`` holds rows ``offsets[0]..offsets[n]``; raises
+    :class:`ember.errors.EmberFeedError` naming the field and row (``first``:
+    the index of the first row in its partition) when a value is not exactly
+    one tensor long."""
     dtype, shape = spec
     row_bytes = int(np.prod(shape)) * dtype.itemsize
     lengths = np.diff(offsets)
     bad = np.flatnonzero(lengths != row_bytes)
     if bad.size:
-        raise ValueError(f"{where}: tensor column {field!r} row {int(bad[0])} has "
-                         f"{int(lengths[bad[0]])} bytes; {dtype.name}{list(shape)} is {row_bytes}")
+        raise EmberFeedError(f"{where}: tensor column {field!r} row {first + int(bad[0])} "
+                             f"has {int(lengths[bad[0]])} bytes; {dtype.name}{list(shape)} is "
+                             f"{row_bytes}")
     return np.frombuffer(values, dtype=dtype, count=n * row_bytes // dtype.itemsize
                          ).reshape((n,) + shape)
 
 
-def arrow_view(col: Any, spec: TensorSpec, field: str, where: str) -> np.ndarray:
+def arrow_view(col: Any, spec: TensorSpec, field: str, where: str,
+               first: int = 0) -> np.ndarray:
     """The ``(n, *shape)`` array of a tensor column's Arrow binary array (a view)."""
     from ember._columns import arrow_binary
 
-    values, offsets = arrow_binary(col, field, where)
-    return view(values, offsets, len(col), spec, field, where)
+    values, offsets = arrow_binary(col, field, where, first)
+    return view(values, offsets, len(col), spec, field, where, first)

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import pytest
 
@@ -87,40 +87,64 @@ class _Sessions:
 
 
 class Standalone:
-    """A Spark standalone Master and two Workers on 127.0.0.1."""
+    """A Spark standalone Master and ``workers`` Workers (``cores`` each) on 127.0.0.1.
 
-    def __init__(self, root: str) -> None:
+    ``gpus``: per Worker, the GPU addresses it advertises (Spark's resource
+    scheduling: ``spark.worker.resource.gpu.amount`` and a discovery script
+    printing them; the addresses need no real GPU behind them)."""
+
+    def __init__(self, root: str, workers: int = 2, cores: int = 1, memory: str = "1g",
+                 gpus: Sequence[Sequence[str]] = ()) -> None:
         import pyspark
 
         self.spark_home = os.path.dirname(pyspark.__file__)
         self.root = root
+        self.workers, self.cores, self.memory = workers, cores, memory
+        self.gpus = [list(g) for g in gpus]
         self.port = free_port()
         self.ui_port = free_port()
         self.url = f"spark://127.0.0.1:{self.port}"
         self.procs: List[subprocess.Popen] = []
 
-    def _spawn(self, name: str, *args: str) -> None:
+    def _spawn(self, name: str, *args: str, worker_opts: str = "") -> None:
         env = dict(os.environ, SPARK_HOME=self.spark_home, SPARK_LOCAL_IP="127.0.0.1",
                    SPARK_WORKER_DIR=os.path.join(self.root, "work"),
                    PYSPARK_PYTHON=sys.executable)
+        if worker_opts:  # read by spark-class for the Worker class
+            env["SPARK_WORKER_OPTS"] = worker_opts
         log = open(os.path.join(self.root, f"{name}.log"), "w")
         self.procs.append(subprocess.Popen(
             [os.path.join(self.spark_home, "bin", "spark-class"), *args],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
 
+    def discovery_script(self, addresses: Sequence[str]) -> str:
+        """A GPU discovery script (Spark's format) that reports ``addresses``."""
+        path = os.path.join(self.root, f"gpus-{'-'.join(addresses) or 'none'}.sh")
+        with open(path, "w") as f:
+            f.write("#!/bin/sh\necho '" + json.dumps({"name": "gpu", "addresses": list(addresses)})
+                    + "'\n")
+        os.chmod(path, 0o755)
+        return path
+
     def start(self) -> None:
         self._spawn("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                     "--port", str(self.port), "--webui-port", str(self.ui_port))
-        for i in range(2):
+        for i in range(self.workers):
+            opts = ""
+            if i < len(self.gpus):
+                opts = (f"-Dspark.worker.resource.gpu.amount={len(self.gpus[i])} "
+                        "-Dspark.worker.resource.gpu.discoveryScript="
+                        + self.discovery_script(self.gpus[i]))
             self._spawn(f"worker{i}", "org.apache.spark.deploy.worker.Worker", "--host",
-                        "127.0.0.1", "--webui-port", str(free_port()), "--cores", "1",
-                        "--memory", "1g", self.url)
+                        "127.0.0.1", "--webui-port", str(free_port()), "--cores",
+                        str(self.cores), "--memory", self.memory, self.url, worker_opts=opts)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/json/") as r:
                     state = json.load(r)
-                if sum(w.get("state") == "ALIVE" for w in state.get("workers", [])) >= 2:
+                if sum(w.get("state") == "ALIVE" for w in state.get("workers", [])) \
+                        >= self.workers:
                     return
             except OSError:
                 pass

@@ -37,21 +37,25 @@ def raise_on_node(args: Dict[str, Any], ctx: Any) -> None:
 
 
 def count_records(args: Dict[str, Any], ctx: Any) -> None:
-    """Consumes the whole feed; records which ids arrived and in what batch sizes."""
+    """Consumes the whole feed; records which ids arrived, in what batch sizes and
+    epochs (``feed.epoch``)."""
     feed = ctx.get_data_feed()
-    ids, sizes = [], []
+    ids, sizes, stamps, epochs = [], [], [], []
     while not feed.should_stop():
         batch = feed.next_batch(args.get("batch", 32))
         if len(batch) == 0:
             break
         ids.extend(int(i) for i in batch.columns[0])
         sizes.append(len(batch))
+        epochs.append(feed.epoch)
+        stamps.append((time.monotonic(), len(ids)))  # CLOCK_MONOTONIC: one clock per host
         if args.get("check_rows"):
             rec = batch[0]
             assert float(rec[1][0]) == float(rec[0]), rec
     if args.get("slow"):
         time.sleep(args["slow"])
-    _write(args, ctx, ids=ids, sizes=sizes, errors=feed.producer_errors)
+    _write(args, ctx, ids=ids, sizes=sizes, stamps=stamps, epochs=epochs,
+           errors=feed.producer_errors)
 
 
 def train_then_raise(args: Dict[str, Any], ctx: Any) -> None:
@@ -131,3 +135,60 @@ def fail_first_attempt(marker_dir: str, partition: int, after: int) -> Any:
             yield record
     return gen
 
+
+def hang_first_attempt(marker_dir: str, partition: int, after: int) -> Any:
+    """RDD mapPartitionsWithIndex: partition ``partition``'s first attempt, after
+    yielding ``after`` records (so the feeding task in the same Python worker
+    has sent some chunks), writes its pid to ``pid-<partition>`` and hangs until
+    the test SIGKILLs it: a feeding task killed mid-partition, which sends no
+    failure notice."""
+    def gen(index: int, records: Any) -> Any:
+        from pyspark import TaskContext
+
+        first = TaskContext.get().attemptNumber() == 0
+        for n, record in enumerate(records):
+            if first and index == partition and n == after:
+                path = os.path.join(marker_dir, f"pid-{index}")
+                with open(path + ".tmp", "w") as f:
+                    f.write(str(os.getpid()))
+                os.replace(path + ".tmp", path)
+                time.sleep(600)
+            yield record
+    return gen
+
+
+def epoch_checkpoints(args: Dict[str, Any], ctx: Any) -> None:
+    """Trains epoch by epoch, one step (``args["step"]`` s) per batch, and
+    checkpoints after a step whenever ``feed.epochs_done`` grew (the file
+    ``ckpt-<index>`` holds it); a restarted node resumes from its checkpoint
+    (``ctx.resume_from``).  After every step, ``counts-<index>-<restart>.json``
+    holds how many records of each epoch this run trained (by ``feed.epoch``)."""
+    out, me = args["out"], ctx.worker_num
+    restart = int(os.environ.get("EMBER_RESTART", "0"))
+    ckpt = os.path.join(out, f"ckpt-{me}")
+    start = int(open(ckpt).read()) if os.path.exists(ckpt) else 0
+    ctx.resume_from(start)
+    feed = ctx.get_data_feed()
+    counts: Dict[int, int] = {}
+    labels = []  # the epoch of each batch, in order
+
+    def save(path: str, text: str) -> None:
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
+    saved = start
+    while not feed.should_stop():
+        batch = feed.next_batch(args.get("batch", 50))
+        if len(batch) == 0:
+            break
+        time.sleep(args.get("step", 0))  # the training step
+        counts[feed.epoch] = counts.get(feed.epoch, 0) + len(batch)
+        if not labels or labels[-1] != feed.epoch:
+            labels.append(feed.epoch)
+        save(os.path.join(out, f"counts-{me}-{restart}.json"),
+             json.dumps(dict(pid=os.getpid(), start=start, counts=counts, labels=labels)))
+        done = feed.epochs_done
+        if done is not None and done > saved:
+            saved = done
+            save(ckpt, str(done))

@@ -9,6 +9,7 @@ import pytest
 
 import nodefuns
 from conftest import read_json_files
+from ember.errors import EmberFeedError
 from ember.spark import InputMode, run
 
 
@@ -70,9 +71,9 @@ def test_epochs_run_the_lineage_once(local_spark, tmp_path):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("null", "column 'x' has a null at row"),
-    ("ragged", "column 'v' has arrays of different lengths"),
-    ("nested", "column 'm' has Arrow type"),
+    ("null", "feeding partition 0: column 'x': row 1 is null"),
+    ("ragged", "feeding partition 0: column 'v': row 1 has 1 values, earlier rows have 2"),
+    ("nested", "feeding partition 0: column 'm' has Arrow type"),
 ])
 def test_dataframe_bad_input_names_the_column(local_spark, tmp_path, case, message):
     spark = local_spark
@@ -86,9 +87,9 @@ def test_dataframe_bad_input_names_the_column(local_spark, tmp_path, case, messa
     cluster = run(spark.sparkContext, nodefuns.count_records, {"out": str(tmp_path)},
                   num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60)
     try:
-        with pytest.raises(Exception) as err:
+        with pytest.raises(EmberFeedError) as err:
             cluster.train(df)
-        assert message in str(err.value) and "partition 0" in str(err.value)
+        assert str(err.value).startswith(message), str(err.value)
     finally:
         cluster._stop_all()
 
@@ -185,6 +186,7 @@ def test_tensor_column_shapes_and_truncated_values():
 @pytest.mark.parametrize("rows, message", [
     ([(1, [1.0, 2.0]), (2, [1.0])], "column 'v' row 1 has 1 values; its tensor shape (2,) needs 2"),
     ([(1, [1.0, 2.0]), (2, None)], "column 'v' has a null array at row 1"),
+    ([(1, [1.0, 2.0]), (2, [1.0, None])], "column 'v' row 1, element 1 is null"),
 ])
 def test_tensor_pack_bad_rows_name_the_row(local_spark, rows, message):
     from ember import tensors
@@ -195,3 +197,200 @@ def test_tensor_pack_bad_rows_name_the_row(local_spark, rows, message):
     assert message in str(err.value) and "partition 0" in str(err.value)
     with pytest.raises(TypeError, match="column 'id' is bigint"):
         tensors.pack(df, {"id": (1,)})
+
+
+# ------------------------------------------------------------------ bad input, named exactly
+
+_ROW = None  # pyspark.sql.Row("id", "label"), made on first use
+
+
+def _labelled(i, label):
+    global _ROW
+    if _ROW is None:
+        from pyspark.sql import Row
+        _ROW = Row("id", "label")
+    return _ROW(i, label)
+
+
+@pytest.mark.parametrize("records, message", [
+    ([(i, "cat" if i == 17 else i % 10) for i in range(100)],
+     "column 1: record 17 is str ('cat'), earlier records are int"),
+    ([_labelled(i, "cat" if i == 17 else i % 10) for i in range(100)],
+     "column 1 ('label'): record 17 is str ('cat'), earlier records are int"),
+    ([(b"a",), (b"b",), ("c",)], "column 0: record 2 is str ('c'), earlier records are bytes"),
+    ([(i, [0.5, 1.5] if i != 5 else 3.0) for i in range(10)],
+     "column 1: record 5 is float (3.0), earlier records are arrays of shape (2,)"),
+    ([(i, 3.0 if i != 5 else [0.5, 1.5]) for i in range(10)],
+     "column 1: record 5 is an array of shape (2,), earlier records are float"),
+    ([(i, [1.0] * (783 if i == 42 else 784)) for i in range(100)],
+     "column 1: record 42 has shape (783,), earlier records have shape (784,)"),
+    ([[1.0] * (783 if i == 42 else 784) for i in range(100)],
+     "record 42 has shape (783,), earlier records have shape (784,)"),
+    ([(i, [1.0, 2.0, None if i == 3 else 3.0]) for i in range(10)],
+     "column 1: record 3, element 2 is None"),
+    ([(i, [1.0, "x" if i == 3 else 2.0]) for i in range(10)],
+     "column 1: record 3, element 1 is str ('x')"),
+    ([(i, None if i == 4 else i) for i in range(10)],
+     "column 1: record 4 is None, earlier records are int"),
+    ([(i, True if i != 2 else 1) for i in range(10)],
+     "column 1: record 2 is int (1), earlier records are bool"),
+    ([(1, 2), 5], "record 1 is int (5), earlier records have 2 fields"),
+    ([(1, 2), (1, 2, 3)], "record 1 has 3 fields, earlier records have 2"),
+])
+def test_records_that_disagree_name_column_record_and_both_types(records, message):
+    """Every record of a column agrees with the first, or the error names the
+    column, the record (by its index in the partition) and both types or shapes."""
+    from ember import _columns
+
+    with pytest.raises(EmberFeedError) as err:
+        _columns.records_to_columns(records, where="feeding partition 3")
+    assert str(err.value).startswith(f"feeding partition 3: {message}"), str(err.value)
+    # records are named by their index in the partition, not in the chunk
+    with pytest.raises(EmberFeedError, match=r"record 1\d\d\d"):
+        _columns.records_to_columns(records, where="feeding partition 3", first=1000)
+
+
+def test_ints_and_floats_mix_into_float64_and_chunks_agree():
+    """int and float records of one column become float64 (documented); a later
+    chunk of the same partition must agree with the first one's types."""
+    import numpy as np
+
+    from ember import _columns
+
+    (_, _, _, ids, _), (_, _, _, xs, _) = _columns.records_to_columns(
+        [(1, 2), (2, 2.5)], where="feeding partition 0")[0]
+    assert ids.dtype == np.int64 and xs.dtype == np.float64 and xs.tolist() == [2.0, 2.5]
+    layout: dict = {}
+    _columns.records_to_columns([(i, i % 10) for i in range(1024)], "feeding partition 0",
+                                layout=layout)
+    with pytest.raises(EmberFeedError, match=r"^feeding partition 0: column 1: record 1024 is "
+                                             r"str \('s'\), earlier records are int$"):
+        _columns.records_to_columns([(i, "s") for i in range(1024, 1030)],
+                                    "feeding partition 0", first=1024, layout=layout)
+    layout = {}
+    _columns.records_to_columns([(i, [1.0] * 4) for i in range(10)], "feeding partition 0",
+                                layout=layout)
+    with pytest.raises(EmberFeedError, match=r"record 10 has shape \(3,\), earlier records "
+                                             r"have shape \(4,\)$"):
+        _columns.records_to_columns([(i, [1.0] * 3) for i in range(10, 20)],
+                                    "feeding partition 0", first=10, layout=layout)
+
+
+def test_spark_ml_vectors_in_records_are_arrays():
+    """Dense and sparse ML vectors in RDD records (df.rdd of a VectorAssembler
+    output) stay arrays of their size; one of another size is named."""
+    from pyspark.ml.linalg import Vectors
+
+    from ember import _columns
+
+    (name, _, width, x, _), _ = _columns.records_to_columns(
+        [(Vectors.dense([1.0, 2.0, 0.0]), 1), (Vectors.sparse(3, [1], [5.0]), 0)],
+        "feeding partition 0")[0]
+    assert (name, width, x.tolist()) == ("0", 3, [[1.0, 2.0, 0.0], [0.0, 5.0, 0.0]])
+    with pytest.raises(EmberFeedError, match=r"column 0: record 1 has shape \(4,\), earlier "
+                                             r"records have shape \(3,\)"):
+        _columns.records_to_columns([(Vectors.sparse(3, [0], [1.0]), 1),
+                                     (Vectors.sparse(4, [0], [1.0]), 1)], "feeding partition 0")
+
+
+def test_arrow_null_element_names_its_row_and_element():
+    """A null inside an array<float> row is named by row (counted from the
+    partition's start: ``first``) and element, not by its flat index."""
+    import pyarrow as pa
+
+    from ember import _columns
+
+    rows = [[float(i)] * 4 for i in range(10)]
+    rows[7][2] = None
+    batch = pa.RecordBatch.from_arrays([pa.array(rows, pa.list_(pa.float32()))],
+                                       names=["image"]).slice(4)  # offsets do not start at 0
+    with pytest.raises(EmberFeedError, match=r"^feeding partition 2: column 'image': row 103, "
+                                             r"element 2 is null; fill or drop nulls"):
+        _columns.arrow_to_columns(batch, where="feeding partition 2", first=100)
+    layout: dict = {}
+    _columns.arrow_to_columns(pa.RecordBatch.from_arrays([pa.array([[1.0, 2.0]])], ["v"]),
+                              "feeding partition 0", layout=layout)
+    with pytest.raises(EmberFeedError, match=r"column 'v': row 1 has 3 values, earlier rows "
+                                             r"have 2"):
+        _columns.arrow_to_columns(pa.RecordBatch.from_arrays([pa.array([[1.0, 2.0, 3.0]])],
+                                                             ["v"]),
+                                  "feeding partition 0", first=1, layout=layout)
+
+
+def _stamp_at_end(path):
+    """RDD mapPartitionsWithIndex: partition 1 writes the time its last record
+    was taken (right before the feeding task converts its final chunk)."""
+    def gen(index, records):
+        import time
+
+        yield from records
+        if index == 1:
+            with open(path, "w") as f:
+                f.write(repr(time.time()))
+    return gen
+
+
+def test_bad_record_fails_train_at_once_with_ember_feed_error(local_spark, tmp_path):
+    """One str label among ints: train() raises EmberFeedError (not Spark's
+    Py4JJavaError) with Ember's message first, within 2 s of the task failing."""
+    import time
+
+    sc = local_spark.sparkContext
+    stamp = str(tmp_path / "stamp")
+    records = [(i, "cat" if i == 117 else i % 10) for i in range(200)]
+    data = sc.parallelize(records, 2).mapPartitionsWithIndex(_stamp_at_end(stamp))
+    cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=60)
+    try:
+        with pytest.raises(EmberFeedError) as err:
+            cluster.train(data)
+        caught = time.time()
+    finally:
+        cluster._stop_all()
+    assert str(err.value).splitlines()[0] == (
+        "feeding partition 1: column 1: record 17 is str ('cat'), earlier records are int")
+    with open(stamp) as f:
+        failed = float(f.read())
+    assert caught - failed < 2.0, f"EmberFeedError came {caught - failed:.1f} s after the failure"
+
+
+def test_dataframe_null_element_names_row_of_the_partition(local_spark, tmp_path):
+    """A null element of an array<float> column in the third Arrow batch of a
+    partition: named by its row in the partition and its element."""
+    spark = local_spark
+    rows = [(i, [1.0, 2.0, None if i == 9 else 3.0]) for i in range(12)]
+    df = spark.createDataFrame(rows, "id long, image array<float>").coalesce(1)
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "4")
+    cluster = run(spark.sparkContext, nodefuns.count_records, {"out": str(tmp_path)},
+                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60)
+    try:
+        with pytest.raises(EmberFeedError) as err:
+            cluster.train(df)
+    finally:
+        cluster._stop_all()
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    assert str(err.value).startswith(
+        "feeding partition 0: column 'image': row 9, element 2 is null"), str(err.value)
+
+
+def test_null_array_upstream_is_named_without_a_spurious_arrow_error(local_spark, tmp_path):
+    """ember.tensors.pack meets a null array upstream of the feed: train()
+    raises its EmberFeedError, and the node hears nothing of the feeding
+    task's broken Arrow stream (it used to log an ArrowInvalid)."""
+    from ember import tensors
+
+    spark = local_spark
+    rows = [(i, None if i == 5 else [1.0, 2.0]) for i in range(10)]
+    df = tensors.pack(spark.createDataFrame(rows, "id long, v array<float>").coalesce(1),
+                      {"v": (2,)})
+    cluster = run(spark.sparkContext, nodefuns.count_records, {"out": str(tmp_path)},
+                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60)
+    try:
+        with pytest.raises(EmberFeedError) as err:
+            cluster.train(df)
+        assert str(err.value).startswith(
+            "ember.tensors.pack: partition 0: column 'v' has a null array at row 5"), str(err.value)
+    finally:
+        cluster.shutdown(timeout=60)
+    errors = [e for info in read_json_files(str(tmp_path)) for e in info["errors"]]
+    assert not any("Arrow" in e for e in errors), errors

@@ -118,7 +118,7 @@ def test_wheel_and_sdist_contents(dist) -> None:
             "ember/yarn/task.py", "ember/_version.py"} <= names
     assert not any(n.endswith(".c") for n in names)  # sources stay in the sdist
     assert "ember = ember.cli:main" in entry_points
-    for extra in ("tensorflow", "torch", "yarn", "bench", "spark"):
+    for extra in ("tensorflow", "torch", "yarn", "bench", "spark", "mlflow"):
         assert f"Provides-Extra: {extra}" in meta
     assert f"Version: {__version__}" in meta
     with tarfile.open(dist["sdist"]) as t:

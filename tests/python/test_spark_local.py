@@ -132,9 +132,18 @@ def test_train_delivers_every_record_once_per_epoch(local_spark, tmp_path):
     got = collections.Counter(i for info in infos for i in info["ids"])
     assert got == collections.Counter({k: v * epochs for k, v in expected.items()})
     # both feeding nodes got data, and batches were full except at the end
+    # and where the next batch is of another epoch (a batch never mixes two)
     assert all(info["ids"] for info in infos)
+    by_epoch = collections.defaultdict(collections.Counter)
     for info in infos:
-        assert all(s == 32 for s in info["sizes"][:-1])
+        ends = [e != after for e, after in zip(info["epochs"], info["epochs"][1:])]
+        assert all(s == 32 or end for s, end in zip(info["sizes"], ends))
+        at = 0
+        for e, s in zip(info["epochs"], info["sizes"]):
+            by_epoch[e].update(info["ids"][at:at + s])
+            at += s
+    # and the batches labelled epoch e (feed.epoch) hold the data once each
+    assert by_epoch == {e: expected for e in range(epochs)}
 
 
 def test_inference_returns_one_result_per_record_in_order(local_spark):

@@ -18,6 +18,7 @@ import pytest
 import nodefuns
 from conftest import read_json_files
 from ember import _ember
+from ember.errors import EmberFeedError
 from ember.spark import EmberNodeError, InputMode, run
 
 
@@ -190,3 +191,95 @@ def test_retried_feeding_task_delivers_every_record_once(cluster_spark, tmp_path
     assert "failed after 0 records" not in errors[0], errors
     got = collections.Counter(i for info in infos for i in info["ids"])
     assert got == collections.Counter(range(4000))
+
+
+def _kill_feeder(marks: str, holder: dict) -> None:
+    """SIGKILLs the Python worker whose pid the hanging feeding task wrote."""
+    path = os.path.join(marks, "pid-1")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            with open(path) as f:
+                holder["pid"] = int(f.read())
+            time.sleep(0.5)  # let the chunks it sent reach the node's queue
+            os.kill(holder["pid"], signal.SIGKILL)
+            holder["killed_at"] = time.monotonic()
+            return
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("kind", ["rdd", "dataframe"])
+def test_sigkilled_feeding_task_delivers_every_record_once(cluster_spark, tmp_path, kind):
+    """Partition 1's feeding task is SIGKILLed after sending 3 chunks (1,500 of
+    its 2,000 records) on its first attempt: it sends no failure notice, its
+    connection just drops.  Spark retries it; the node tells the retry how
+    many records it already holds, and every record arrives exactly once."""
+    spark = cluster_spark
+    sc = spark.sparkContext
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    if kind == "rdd":
+        data = sc.parallelize([(i, [float(i)] * 8) for i in range(4000)], 2) \
+            .mapPartitionsWithIndex(nodefuns.hang_first_attempt(str(marks), 1, 1500))
+    else:
+        spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "500")
+        data = spark.range(0, 4000, numPartitions=2).selectExpr(
+            "id", "array_repeat(cast(id as float), 8) as x")
+    cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=120)
+    cluster.chunk_rows = 500
+    if kind == "dataframe":  # the feeding task itself hangs (see the raising test above)
+        cluster._fault_feed_fail_at = (1, 1500, str(marks))
+    holder: dict = {}
+    killer = threading.Thread(target=_kill_feeder, args=(str(marks), holder))
+    killer.start()
+    try:
+        assert cluster.train(data, feed_timeout=120) == 4000
+    finally:
+        killer.join()
+        cluster.shutdown(timeout=120)
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    assert "killed_at" in holder, "the feeding task never reached its hang"
+    infos = read_json_files(str(tmp_path))
+    assert [e for info in infos for e in info["errors"]] == []  # a SIGKILL sends no notice
+    # the killed attempt had delivered records (so the retry had to resume)
+    node1 = next(info for info in infos if info["index"] == 1)
+    before = max((n for t, n in node1["stamps"] if t < holder["killed_at"]), default=0)
+    assert before >= 1000, node1["stamps"][:5]
+    got = collections.Counter(i for info in infos for i in info["ids"])
+    assert got == collections.Counter(range(4000))
+
+
+def _stamp_at_end(path):
+    """RDD mapPartitionsWithIndex: partition 1 writes the time its last record
+    was taken (right before the feeding task converts its final chunk)."""
+    def gen(index, records):
+        yield from records
+        if index == 1:
+            with open(path, "w") as f:
+                f.write(repr(time.time()))
+    return gen
+
+
+def test_bad_record_fails_the_job_at_once_despite_spark_retries(cluster_spark, tmp_path):
+    """On a cluster Spark retries a failed task (spark.task.maxFailures=4), and
+    a data error fails every retry the same way.  The feeding task reports it
+    to the driver, which cancels the job: EmberFeedError within 2 s."""
+    sc = cluster_spark.sparkContext
+    stamp = str(tmp_path / "stamp")
+    records = [(i, [float(i)] * (3 if i == 142 else 4)) for i in range(200)]
+    data = sc.parallelize(records, 2).mapPartitionsWithIndex(_stamp_at_end(stamp))
+    cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=120)
+    try:
+        with pytest.raises(EmberFeedError) as err:
+            cluster.train(data)
+        caught = time.time()
+    finally:
+        cluster.shutdown(timeout=120)
+    assert str(err.value).splitlines()[0] == (
+        "feeding partition 1: column 1: record 42 has shape (3,), earlier records have "
+        "shape (4,)")
+    with open(stamp) as f:
+        failed = float(f.read())
+    assert caught - failed < 2.0, f"EmberFeedError came {caught - failed:.1f} s after the failure"

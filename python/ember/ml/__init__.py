@@ -39,7 +39,7 @@ from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import (DefaultParamsReader, DefaultParamsWriter, MLReadable, MLWritable)
 
-from ember import tensors
+from ember import _gpu, tensors
 from ember.ml import _direct, _runtime, _torch
 from ember.ml._runtime import ModelInputError
 
@@ -118,6 +118,9 @@ _PARAMS = {
                      "resumes from its checkpoint) before fit fails", TypeConverters.toInt),
     "reservation_timeout": ("ReservationTimeout", "seconds for all nodes to start",
                             TypeConverters.toFloat),
+    "gpus_per_node": ("GpusPerNode", "GPUs Spark assigns to each node's task (0: none asked); "
+                      "the node sees exactly those (CUDA_VISIBLE_DEVICES); see "
+                      "ember.spark.run(gpus_per_node=)", TypeConverters.toInt),
     "signature_def_key": ("SignatureDefKey", "SavedModel signature; None: mappings name "
                           "graph tensors", _to_str_or_none),
     "tag_set": ("TagSet", "comma-separated tags of the SavedModel MetaGraph", _to_str_or_none),
@@ -245,7 +248,7 @@ class EmberEstimator(Estimator, _EmberParams, _Persist):
                     "cluster_size", "num_ps", "driver_ps_nodes", "readers", "tensorboard",
                     "steps", "epochs", "protocol", "input_mode", "tfrecord_dir", "master_node",
                     "grace_secs", "max_restarts", "reservation_timeout", "signature_def_key",
-                    "tag_set"]
+                    "tag_set", "gpus_per_node"]
 
     def __init__(self, train_fn: Optional[Callable[[Any, Any], Any]] = None,
                  tf_args: Union[argparse.Namespace, Dict[str, Any], None] = None) -> None:
@@ -257,7 +260,7 @@ class EmberEstimator(Estimator, _EmberParams, _Persist):
                          readers=1, tensorboard=False, steps=1000, epochs=1, protocol="grpc",
                          input_mode=1, tfrecord_dir=None, master_node="chief", grace_secs=0,
                          max_restarts=0, reservation_timeout=600.0,
-                         signature_def_key="serving_default", tag_set="serve")
+                         signature_def_key="serving_default", tag_set="serve", gpus_per_node=0)
 
     def _fit(self, dataset: Any) -> "EmberModel":
         from ember.spark import InputMode, run
@@ -291,18 +294,34 @@ class EmberEstimator(Estimator, _EmberParams, _Persist):
                       num_ps=self.getNumPS(), tensorboard=self.getTensorboard(),
                       input_mode=mode, driver_ps_nodes=self.getDriverPSNodes(),
                       master_node=self.getMasterNode(), max_restarts=self.getMaxRestarts(),
-                      reservation_timeout=self.getReservationTimeout())
+                      reservation_timeout=self.getReservationTimeout(),
+                      gpus_per_node=self.getGpusPerNode())
+        # the job's MLflow run (ember.mlflow) ends here, after the model is logged
+        cluster._mlflow_end_on_shutdown = False
+        if cluster._mlflow is not None:
+            cluster._mlflow.set_tags({"ember.estimator": self.uid,
+                                      "ember.input_columns": ",".join(cols)})
         try:
             if mode == InputMode.SPARK:
                 cluster.train(df, num_epochs=self.getEpochs())
-        except BaseException:
+        except BaseException as exc:
             try:
                 cluster.shutdown(timeout=60)
-            except Exception as exc:  # noqa: BLE001 - the first error is the one to raise
-                _log(f"shutdown after a failed fit: {exc}")
+            except Exception as exc2:  # noqa: BLE001 - the first error is the one to raise
+                _log(f"shutdown after a failed fit: {exc2}")
+            cluster._track_end("FAILED", exc)
             raise
-        cluster.shutdown(grace_secs=self.getGraceSecs())
-        return self._make_model(args)
+        try:
+            cluster.shutdown(grace_secs=self.getGraceSecs())
+            model = self._make_model(args)
+        except BaseException as exc:
+            cluster._track_end("FAILED", exc)
+            raise
+        export = self.getExportDir()
+        if export:
+            cluster.log_artifacts(export, "model")
+        cluster._track_end("FINISHED")
+        return model
 
     def _make_model(self, args: Any) -> "_ArrowInference":
         """The Model of what train_fn exported: an EmberTorchModel when ExportDir
@@ -476,6 +495,8 @@ class _ArrowInference(Model, _EmberParams, _Persist):
                     T.StructField(c, t, True) for c, t in zip(out_cols, types)])
             if chosen == "direct":
                 raise ValueError(f"ArrowPath 'direct' cannot run this DataFrame: {why}")
+        # GPU tasks: a reused Python worker must not keep another task's GPU
+        _gpu.check_python_worker_gpus(dataset.sparkSession.sparkContext.getConf(), path)
         if path == "mapInArrow":
             fields = list(dataset.schema.fields) + [
                 T.StructField(c, t, True) for c, t in zip(out_cols, types)]
@@ -498,7 +519,6 @@ class _ArrowInference(Model, _EmberParams, _Persist):
         out = dataset.withColumn(tmp, call)
         return out.select(*[F.col(f"`{c}`") for c in dataset.columns],
                           *[F.col(f"`{tmp}`")[c].alias(c) for c in out_cols])
-
 
 
 @_declare
@@ -560,6 +580,7 @@ class EmberModel(_ArrowInference):
             self._check_column(dataset, schema[c], info)
         spec["output_types"] = [_spark_type(info) for info in p.outputs]
         return spec
+
 
 @_declare
 class EmberTorchModel(_ArrowInference):

@@ -2,7 +2,9 @@
 per-Python-worker model cache, and Arrow <-> numpy conversion.
 
 Nothing here imports pyspark: the functions run in Spark's Python workers
-(``mapInArrow``) and on the driver (to inspect a model before any task runs).
+(``mapInArrow``) and on the driver (to inspect a model before any task runs);
+in a task, :func:`ember._gpu.bind_task_gpus` reads the task's GPUs from
+pyspark's TaskContext before the model loads.
 
 A SavedModel is run as one pruned graph function: the input and output
 tensors (named by signature alias, or by graph tensor name when no signature
@@ -426,6 +428,9 @@ def infer_partition(spec: Dict[str, Any], batches: Iterable[Any]) -> Iterator[An
     batch's columns (``spec['keep']``) plus the output columns."""
     import pyarrow as pa
 
+    from ember._gpu import bind_task_gpus
+
+    bind_task_gpus()  # the task's GPUs (spark.task.resource.gpu.amount), before the model loads
     p = predictor(spec)
     cols, out_cols, keep = spec["columns"], spec["output_columns"], spec["keep"]
     tensors = spec.get("tensors", {})
@@ -467,6 +472,9 @@ def infer_arrays(spec: Dict[str, Any], *columns: Any) -> Any:
     Arrow batch) -> the output column, or a struct of the output columns."""
     import pyarrow as pa
 
+    from ember._gpu import bind_task_gpus
+
+    bind_task_gpus()  # the task's GPUs (spark.task.resource.gpu.amount), before the model loads
     p = predictor(spec)
     out_cols = spec["output_columns"]
     n = len(columns[0]) if columns else 0

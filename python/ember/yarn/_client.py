@@ -52,6 +52,7 @@ import zipfile
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from ember import _ember, _jars, hdfs
+from ember.yarn import _tracking
 from ember.yarn._specs import (Metrics, RunFailed, TaskResult, TaskSpec, parse_memory,
                                validate)
 from ember.yarn._topology import EXPERIMENT_FILE, RDV_ORDER, role_of
@@ -301,6 +302,12 @@ def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskS
         timeout: seconds one attempt may take before it is killed.
         am_memory: the ApplicationMaster's container.
 
+    With ``MLFLOW_TRACKING_URI`` set, the call is one MLflow run (as tf-yarn's):
+    its arguments and task specs as params, per attempt the application id,
+    per task the container time, host and exit status, the failing task's
+    traceback and log tails as artifacts; the tasks get the run id, so a
+    chief's ``ctx.log_metrics`` logs into it (:mod:`ember.yarn._tracking`).
+
     Returns:
         :class:`Metrics` of the successful attempt.
 
@@ -353,6 +360,10 @@ def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskS
     app_ids: List[str] = []
     failures: List[str] = []
     last: Optional[RunFailed] = None
+    # MLFLOW_TRACKING_URI set: one MLflow run for the call, handed to every task
+    tracking = _tracking.start(name, task_specs, queue, nb_retries, timeout, pyenv_zip_path,
+                               custom_task_module, user)
+    env = dict(env or {}, **(tracking.node_env() if tracking is not None else {}))
     try:
         _log(f"staging in {staging}")
         shared = [
@@ -382,21 +393,31 @@ def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskS
 
         for attempt in range(1, nb_retries + 2):
             result, failure = _attempt(
-                rm, stager, shared, am_jar, attempt, task_specs, topo, user, env or {},
+                rm, stager, shared, am_jar, attempt, task_specs, topo, user, env,
                 f"{py} -m {custom_task_module or 'ember.yarn.task'}", queue, name, timeout,
                 am_mb, app_ids, rm_web)
+            if len(app_ids) == attempt:
+                _tracking.attempt_submitted(tracking, attempt, app_ids[-1])
             if result is not None:
                 result.wall_s = time.monotonic() - t0
                 result.app_ids = list(app_ids)
                 _log(f"{name}: succeeded ({app_ids[-1]}, attempt {attempt}, "
                      f"{result.wall_s:.1f} s)")
+                _tracking.attempt_succeeded(tracking, attempt, result)
+                if tracking is not None:
+                    tracking.end("FINISHED")
                 return result
             assert failure is not None
+            _tracking.attempt_failed(tracking, attempt, failure)
             failures.append(str(failure))
             last = failure
             more = attempt <= nb_retries
             _log(f"{name}: attempt {attempt} ({app_ids[-1] if app_ids else '-'}) failed: "
                  f"{str(failure).splitlines()[0]}" + ("; retrying" if more else ""))
+    except BaseException:
+        if tracking is not None:
+            tracking.end("KILLED")  # interrupted, or the ResourceManager stopped answering
+        raise
     finally:
         try:
             _ember.hdfs_delete(staging, True, conf_dir=conf_dir)
@@ -404,6 +425,8 @@ def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskS
             _log(f"could not remove {staging}: {e}")
     assert last is not None
     attempts = nb_retries + 1
+    if tracking is not None:
+        tracking.end("FAILED")
     raise RunFailed(f"{name}: all {attempts} attempt(s) failed ({', '.join(app_ids)}); "
                     f"the last: {last}", last.task, app_ids, last.traceback, last.logs, failures)
 
@@ -577,7 +600,7 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
             elif kind == "lost" and not state_final[0]:
                 _log(f"{app_id}: lost contact with {who}")
             elif kind == "rejected":
-                _log(f"{app_id}: rendezvous rejected a connection: {text}")
+                _log(f"{app_id}: {text}")  # rate-limited for strangers (C server)
             wait = 0.0
 
     while True:

@@ -183,6 +183,11 @@ class TFManager:
                     _QueueView(self._demux, qname), train_mode, _FOREVER, stop,
                     f"node {self._ctx.worker_num} ({self._ctx.job_name}:"
                     f"{self._ctx.task_index}) queue {qname!r}")
+                # after a restart, the driver waits for this node's first read
+                # (or ctx.resume_from) to know which epoch to feed from
+                watch = getattr(self._ctx, "_watch_first_read", None)
+                if watch is not None:
+                    watch(self._feeds[key])
             return self._feeds[key]
 
     def _stopped(self) -> bool:

@@ -164,9 +164,21 @@ public final class DirectInference {
         cols[i] = new Column(names[i], kinds[i], ordinals[i]);
       }
       TaskContext task = TaskContext.get();
-      Worker worker = Worker.borrow(pythonExec, specKey, label, spec);
+      Worker worker = Worker.borrow(pythonExec, specKey, label, spec, gpus(task));
       return new Results(task, worker, cols, input, batchSize);
     }
+  }
+
+  /**
+   * The GPU addresses Spark assigned to this task ({@code spark.task.resource.gpu.amount}),
+   * comma-separated; "" when it has none.
+   */
+  static String gpus(TaskContext task) {
+    if (task == null) {
+      return "";
+    }
+    scala.Option<org.apache.spark.resource.ResourceInformation> gpu = task.resources().get("gpu");
+    return gpu.isDefined() ? String.join(",", gpu.get().addresses()) : "";
   }
 
   /** A batch of input rows (copies) waiting for their outputs, or the end. */
@@ -451,6 +463,9 @@ public final class DirectInference {
    * next task of their model; one idle longer than {@code EMBER_DIRECT_IDLE_SECONDS}
    * (default 60, as Spark's Python workers) is stopped, and at most as many
    * stay idle as this executor has had tasks at once (a model's memory each).
+   * A task given GPUs gets a worker started with exactly those visible
+   * ({@code CUDA_VISIBLE_DEVICES}): workers are pooled per model and GPU set,
+   * so a model loaded on one GPU never serves a task given another.
    */
   static final class Worker {
     static final Map<String, ConcurrentLinkedDeque<Worker>> IDLE = new ConcurrentHashMap<>();
@@ -486,9 +501,9 @@ public final class DirectInference {
       this.in = new DataInputStream(new BufferedInputStream(process.getInputStream(), 1 << 16));
     }
 
-    static Worker borrow(String pythonExec, String specKey, String label, byte[] spec)
-        throws IOException {
-      String key = pythonExec + "\u0000" + specKey;
+    static Worker borrow(String pythonExec, String specKey, String label, byte[] spec,
+        String gpus) throws IOException {
+      String key = pythonExec + "\u0000" + specKey + "\u0000" + gpus;
       PEAK.accumulateAndGet(ACTIVE.incrementAndGet(), Math::max);
       ConcurrentLinkedDeque<Worker> idle = IDLE.computeIfAbsent(key, k -> new ConcurrentLinkedDeque<>());
       for (Worker w; (w = idle.pollFirst()) != null; ) {
@@ -499,7 +514,7 @@ public final class DirectInference {
       }
       Worker w = null;
       try {
-        w = start(key, pythonExec, label);
+        w = start(key, pythonExec, label, gpus);
         w.out.writeInt(MAGIC);
         w.out.writeInt(spec.length);
         w.out.write(spec);
@@ -518,7 +533,8 @@ public final class DirectInference {
       }
     }
 
-    static Worker start(String key, String pythonExec, String label) throws IOException {
+    static Worker start(String key, String pythonExec, String label, String gpus)
+        throws IOException {
       ProcessBuilder pb = new ProcessBuilder(pythonExec, "-m", "ember.ml._direct_worker", label);
       Map<String, String> env = pb.environment();
       SparkEnv spark = SparkEnv.get();
@@ -550,6 +566,12 @@ public final class DirectInference {
       userPath = more + (userPath.isEmpty() ? "" : File.pathSeparator + userPath);
       String sparkPath = PythonUtils.sparkPythonPath();
       env.put("PYTHONPATH", sparkPath + (userPath.isEmpty() ? "" : File.pathSeparator + userPath));
+      if (!gpus.isEmpty()) {
+        // CUDA numbers GPUs fastest first unless told PCI bus order, which is
+        // nvidia-smi's and so the discovery scripts' (the addresses Spark gives)
+        env.put("CUDA_VISIBLE_DEVICES", gpus);
+        env.put("CUDA_DEVICE_ORDER", "PCI_BUS_ID");
+      }
       File errors = File.createTempFile("ember-direct-worker-", ".log");
       errors.deleteOnExit();
       pb.redirectError(ProcessBuilder.Redirect.to(errors));
