@@ -620,9 +620,7 @@ typedef struct feed_conn {
   size_t outstanding; /* queued items not yet popped */
   int shm_asked;      /* FEED_SHM seen (once per connection) */
   int authed;         /* proved the secret: counted in nauthed, never evicted */
-  /* the pool of unauthenticated connections, oldest first */
-  struct feed_conn *pool_prev, *pool_next;
-  int in_pool;
+  ember__pool_link pool; /* in s->pool while unauthenticated (preauth.h) */
   int tcp_batch_seen; /* a BATCH came over TCP: too late for a ring */
   /* under s->mu, shared with other threads */
   out_req *outq, *outq_tail;
@@ -685,8 +683,8 @@ struct ember_feed_server {
   size_t nheld, held_cap;
   ember_feed_stats stats;
   size_t nrings;
-  feed_conn *pool_head, *pool_tail;
-  size_t npool, nauthed;
+  ember__pool pool; /* unauthenticated connections, oldest first */
+  size_t nauthed;
   int64_t accept_paused_until;
   ember__reject_log rejects;
 
@@ -824,28 +822,6 @@ static int queue_status_frame(feed_conn *c, uint16_t type, int status, const cha
   return queue_owned_frame(c, buf, EMBER_WIRE_HEADER_LEN + 8 + rlen);
 }
 
-/* --- the pool of unauthenticated connections (preauth.h) --- */
-static void pool_push(ember_feed_server *s, feed_conn *c) {
-  c->pool_prev = s->pool_tail;
-  c->pool_next = NULL;
-  if (s->pool_tail) s->pool_tail->pool_next = c;
-  else s->pool_head = c;
-  s->pool_tail = c;
-  c->in_pool = 1;
-  s->npool++;
-}
-
-static void pool_unlink(ember_feed_server *s, feed_conn *c) {
-  if (!c->in_pool) return;
-  if (c->pool_prev) c->pool_prev->pool_next = c->pool_next;
-  else s->pool_head = c->pool_next;
-  if (c->pool_next) c->pool_next->pool_prev = c->pool_prev;
-  else s->pool_tail = c->pool_prev;
-  c->pool_prev = c->pool_next = NULL;
-  c->in_pool = 0;
-  s->npool--;
-}
-
 /* Counts a stranger's rejected connection; the log gets a line at most once
  * per interval.  Under s->mu (the callback must not call the server). */
 static void note_rejected(ember_feed_server *s, const feed_conn *c, const char *reason) {
@@ -903,7 +879,7 @@ static void conn_kill(ember_feed_server *s, feed_conn *c) {
   out_req *r = c->outq, *nx;
   if (c->state == C_DEAD) return;
   c->state = C_DEAD;
-  pool_unlink(s, c);
+  ember__pool_unlink(&s->pool, &c->pool);
   if (c->authed) {
     c->authed = 0;
     s->nauthed--;
@@ -1000,7 +976,7 @@ static void handle_auth_frame(ember_feed_server *s, feed_conn *c) {
   if (rc == EMBER_OK) {
     /* Authenticated: out of the pool, never evicted.  The pre-auth deadline
      * still covers FEED_HELLO, which a producer sends at once. */
-    pool_unlink(s, c);
+    ember__pool_unlink(&s->pool, &c->pool);
     c->authed = 1;
     s->nauthed++;
     c->state = C_HELLO;
@@ -1535,7 +1511,7 @@ static void conn_read(ember_feed_server *s, feed_conn *c) {
 
 /* Ends the oldest unauthenticated connection to make room.  0 if none. */
 static int evict_oldest(ember_feed_server *s, const char *why) {
-  feed_conn *victim = s->pool_head;
+  feed_conn *victim = ember__pool_oldest(&s->pool);
   if (victim == NULL) return 0;
   if (victim->state == C_AUTH) {
     char reason[192];
@@ -1569,10 +1545,10 @@ static void accept_new(ember_feed_server *s) {
     /* The pool is full: the oldest pending connection makes room, never the
      * new one.  A real producer answers its CHALLENGE within milliseconds,
      * so it is the newest or already authenticated. */
-    if (s->npool >= s->max_pending) {
+    if (s->pool.n >= s->max_pending) {
       char why[96];
       snprintf(why, sizeof why, "%zu connections were waiting to authenticate (limit %u)",
-               s->npool, (unsigned)s->max_pending);
+               s->pool.n, (unsigned)s->max_pending);
       evict_oldest(s, why);
     }
     c = calloc(1, sizeof *c);
@@ -1594,7 +1570,7 @@ static void accept_new(ember_feed_server *s) {
     c->next = s->conns;
     s->conns = c;
     s->nconns++;
-    pool_push(s, c);
+    ember__pool_push(&s->pool, &c->pool, c);
     if (conn_flush(s, c) != EMBER_OK) conn_kill(s, c);
   }
 }

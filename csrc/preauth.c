@@ -165,3 +165,29 @@ void ember__log_stderr(void *arg, const char *line) {
   ssize_t w = write(STDERR_FILENO, buf, len);
   (void)w;
 }
+
+void ember__pool_push(ember__pool *p, ember__pool_link *link, void *owner) {
+  link->owner = owner;
+  link->prev = p->tail;
+  link->next = NULL;
+  if (p->tail) p->tail->next = link;
+  else p->head = link;
+  p->tail = link;
+  link->in_pool = 1;
+  p->n++;
+}
+
+void ember__pool_unlink(ember__pool *p, ember__pool_link *link) {
+  if (!link->in_pool) return;
+  if (link->prev) link->prev->next = link->next;
+  else p->head = link->next;
+  if (link->next) link->next->prev = link->prev;
+  else p->tail = link->prev;
+  link->prev = link->next = NULL;
+  link->in_pool = 0;
+  p->n--;
+}
+
+void *ember__pool_oldest(const ember__pool *p) {
+  return p->head ? p->head->owner : NULL;
+}

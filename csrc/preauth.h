@@ -56,6 +56,27 @@ void ember__raise_fd_limit(void);
 int ember__connect_auth(const char *host, uint16_t port, const uint8_t *secret,
                         size_t secret_len, int64_t deadline_ms, int *out_fd);
 
+/* The pool of unauthenticated connections, oldest first: an intrusive
+ * doubly linked FIFO.  A server's connection struct embeds an
+ * ember__pool_link whose `owner` points back at it. */
+typedef struct ember__pool_link {
+  struct ember__pool_link *prev, *next;
+  void *owner;
+  int in_pool;
+} ember__pool_link;
+
+typedef struct {
+  ember__pool_link *head, *tail;
+  size_t n;
+} ember__pool;
+
+/* Appends (newest); `owner` is the connection that embeds `link`. */
+void ember__pool_push(ember__pool *p, ember__pool_link *link, void *owner);
+/* Removes `link` if it is in the pool; a no-op otherwise. */
+void ember__pool_unlink(ember__pool *p, ember__pool_link *link);
+/* The owner of the oldest connection, NULL when the pool is empty. */
+void *ember__pool_oldest(const ember__pool *p);
+
 /* Rate-limited reporting of rejected unauthenticated connections. */
 typedef struct {
   char what[96];           /* "feed server on :41234" */

@@ -90,9 +90,7 @@ typedef struct conn {
   int reported;       /* loop-thread copy of node_slot.reported */
   int authed;         /* proved the secret */
   int64_t accepted;   /* when accept() returned it */
-  /* the pool of unauthenticated connections, oldest first (see preauth.h) */
-  struct conn *pool_prev, *pool_next;
-  int in_pool;
+  ember__pool_link pool; /* in s->pool while unauthenticated (preauth.h) */
 } conn;
 
 typedef struct {
@@ -151,8 +149,7 @@ struct ember_rdv_server {
   size_t spec_table_len;
   int64_t accept_paused_until;
   int accept_warned;
-  conn *pool_head, *pool_tail;
-  size_t npool;
+  ember__pool pool; /* unauthenticated connections, oldest first */
   ember__reject_log rejects;
   uint8_t rbuf[READ_CHUNK];
 };
@@ -346,34 +343,11 @@ static void drop_unsent(conn *c) {
   c->head = c->tail = keep;
 }
 
-/* ---------------------------------------------------------------- pool */
-
-static void pool_push(ember_rdv_server *s, conn *c) {
-  c->pool_prev = s->pool_tail;
-  c->pool_next = NULL;
-  if (s->pool_tail) s->pool_tail->pool_next = c;
-  else s->pool_head = c;
-  s->pool_tail = c;
-  c->in_pool = 1;
-  s->npool++;
-}
-
-static void pool_unlink(ember_rdv_server *s, conn *c) {
-  if (!c->in_pool) return;
-  if (c->pool_prev) c->pool_prev->pool_next = c->pool_next;
-  else s->pool_head = c->pool_next;
-  if (c->pool_next) c->pool_next->pool_prev = c->pool_prev;
-  else s->pool_tail = c->pool_prev;
-  c->pool_prev = c->pool_next = NULL;
-  c->in_pool = 0;
-  s->npool--;
-}
-
 /* The connection is closed at the next sweep; it leaves the pool now, so
  * the pool counts only connections that still hold a place. */
 static void mark_dead(ember_rdv_server *s, conn *c) {
   c->dead = 1;
-  pool_unlink(s, c);
+  ember__pool_unlink(&s->pool, &c->pool);
 }
 
 /* Reports a refused connection: an authenticated peer (a node with a bad
@@ -717,7 +691,7 @@ static void on_auth_bytes(ember_rdv_server *s, conn *c) {
     /* Authenticated: out of the pool (never evicted), and the rest of the
      * handshake timeout for REGISTER. */
     c->authed = 1;
-    pool_unlink(s, c);
+    ember__pool_unlink(&s->pool, &c->pool);
     c->state = C_REGISTER;
     c->deadline = c->accepted + (int64_t)s->hs_ms;
     return;
@@ -817,7 +791,7 @@ static int add_conn(ember_rdv_server *s, conn *c) {
 }
 
 static void remove_conn(ember_rdv_server *s, size_t i) {
-  pool_unlink(s, s->conns[i]);
+  ember__pool_unlink(&s->pool, &s->conns[i]->pool);
   conn_free(s->conns[i]);
   s->nconns--;
   if (i != s->nconns) {
@@ -829,7 +803,7 @@ static void remove_conn(ember_rdv_server *s, size_t i) {
 /* Makes room in the pool by ending its oldest unauthenticated connection.
  * Returns 0 when the pool holds none. */
 static int evict_oldest(ember_rdv_server *s, const char *why) {
-  conn *victim = s->pool_head;
+  conn *victim = ember__pool_oldest(&s->pool);
   if (victim == NULL) return 0;
   char reason[192];
   snprintf(reason, sizeof reason, "evicted before authenticating: %s", why);
@@ -869,10 +843,10 @@ static void accept_some(ember_rdv_server *s) {
      * peer answers its CHALLENGE within milliseconds, so it is the newest
      * or already out of the pool; a stranger holding the pool only evicts
      * other strangers. */
-    if (s->npool >= s->max_pending) {
+    if (s->pool.n >= s->max_pending) {
       char why[96];
       snprintf(why, sizeof why, "%zu connections were waiting to authenticate (limit %u)",
-               s->npool, (unsigned)s->max_pending);
+               s->pool.n, (unsigned)s->max_pending);
       evict_oldest(s, why);
     }
     conn *c = calloc(1, sizeof *c);
@@ -895,7 +869,7 @@ static void accept_some(ember_rdv_server *s) {
       conn_free(c);
       continue;
     }
-    pool_push(s, c);
+    ember__pool_push(&s->pool, &c->pool, c);
     /* Usually completes at once and saves a poll round trip. */
     conn_flush(s, c);
   }

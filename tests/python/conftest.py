@@ -192,6 +192,25 @@ def cluster_spark(_sessions: _Sessions) -> Any:
     return _sessions.get("standalone", _sessions.root)  # type: ignore[attr-defined]
 
 
+def signal_node_when_ready(path: str, holder: Dict[str, Any], sig: int,
+                           delay: float = 1.0, index: int = 1, nodes: int = 2) -> None:
+    """Waits (up to 120 s) until ``nodes`` nodes have written their report
+    into ``path``, then, ``delay`` s later, sends ``sig`` to node ``index``;
+    ``holder`` gets the node's report as "victim" and the time as
+    "signalled_at" (time.monotonic)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        infos = read_json_files(path)
+        if len(infos) == nodes:
+            time.sleep(delay)
+            victim = next(i for i in infos if i["index"] == index)
+            holder["victim"] = victim
+            holder["signalled_at"] = time.monotonic()
+            os.kill(victim["pid"], sig)
+            return
+        time.sleep(0.1)
+
+
 def read_json_files(directory: str) -> List[Dict[str, Any]]:
     out = []
     for name in sorted(os.listdir(directory)):

@@ -317,19 +317,6 @@ def test_arrow_null_element_names_its_row_and_element():
                                   "feeding partition 0", first=1, layout=layout)
 
 
-def _stamp_at_end(path):
-    """RDD mapPartitionsWithIndex: partition 1 writes the time its last record
-    was taken (right before the feeding task converts its final chunk)."""
-    def gen(index, records):
-        import time
-
-        yield from records
-        if index == 1:
-            with open(path, "w") as f:
-                f.write(repr(time.time()))
-    return gen
-
-
 def test_bad_record_fails_train_at_once_with_ember_feed_error(local_spark, tmp_path):
     """One str label among ints: train() raises EmberFeedError (not Spark's
     Py4JJavaError) with Ember's message first, within 2 s of the task failing."""
@@ -338,7 +325,7 @@ def test_bad_record_fails_train_at_once_with_ember_feed_error(local_spark, tmp_p
     sc = local_spark.sparkContext
     stamp = str(tmp_path / "stamp")
     records = [(i, "cat" if i == 117 else i % 10) for i in range(200)]
-    data = sc.parallelize(records, 2).mapPartitionsWithIndex(_stamp_at_end(stamp))
+    data = sc.parallelize(records, 2).mapPartitionsWithIndex(nodefuns.stamp_at_end(stamp))
     cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
                   input_mode=InputMode.SPARK, reservation_timeout=60)
     try:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import nodefuns
-from conftest import read_json_files
+from conftest import signal_node_when_ready
 from ember.spark import EmberNodeError, InputMode, run
 
 
@@ -103,20 +103,6 @@ def test_watchdog_leaves_a_live_node_alone_and_ends_what_it_left(mode):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _stop_when_ready(path, holder, delay=1.0):
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        infos = read_json_files(path)
-        if len(infos) == 2:
-            time.sleep(delay)
-            victim = [i for i in infos if i["index"] == 1][0]
-            holder["victim"] = victim
-            holder["stopped_at"] = time.monotonic()
-            os.kill(victim["pid"], signal.SIGSTOP)
-            return
-        time.sleep(0.1)
-
-
 def test_hung_node_is_ended_and_raised_within_the_heartbeat_bound(local_spark, tmp_path):
     """SIGSTOP one of two nodes during train(): the driver raises an
     EmberNodeError naming it within heartbeat_timeout + 2 s, and the frozen
@@ -127,7 +113,8 @@ def test_hung_node_is_ended_and_raised_within_the_heartbeat_bound(local_spark, t
                   input_mode=InputMode.SPARK, reservation_timeout=60,
                   heartbeat_timeout=timeout)
     holder: dict = {}
-    stopper = threading.Thread(target=_stop_when_ready, args=(str(tmp_path), holder))
+    stopper = threading.Thread(target=signal_node_when_ready,
+                               args=(str(tmp_path), holder, signal.SIGSTOP))
     stopper.start()
     rdd = sc.parallelize([(i, [1.0]) for i in range(200000)], 4)
     try:
@@ -142,7 +129,7 @@ def test_hung_node_is_ended_and_raised_within_the_heartbeat_bound(local_spark, t
         cluster.shutdown(timeout=30)
     assert err.value.node == 1 and "node 1" in str(err.value)
     assert "heartbeats stopped" in str(err.value) or "no heartbeat" in str(err.value)
-    took = raised - holder["stopped_at"]
+    took = raised - holder["signalled_at"]
     assert took < timeout + 2, f"raised {took:.1f} s after the SIGSTOP"
     # the frozen process was ended, not left behind, and its ports are free
     # (a dying process shows "Z" before its last thread has closed its files)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import nodefuns
-from conftest import read_json_files
+from conftest import read_json_files, signal_node_when_ready
 from ember import _ember
 from ember.errors import EmberFeedError
 from ember.spark import EmberNodeError, InputMode, run
@@ -56,25 +56,13 @@ def test_wrong_secret_rejected_on_cluster(cluster_spark, tmp_path):
         cluster.shutdown(timeout=120)
 
 
-def _kill_when_ready(path: str, holder: dict, delay: float = 1.0) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        infos = read_json_files(path)
-        if len(infos) == 2:
-            time.sleep(delay)
-            victim = [i for i in infos if i["index"] == 1][0]
-            holder["killed_at"] = time.monotonic()
-            os.kill(victim["pid"], signal.SIGKILL)
-            return
-        time.sleep(0.2)
-
-
 def test_killed_trainer_is_seen_within_the_heartbeat_bound(cluster_spark, tmp_path):
     sc = cluster_spark.sparkContext
     cluster = run(sc, nodefuns.sleep_in_feed, {"out": str(tmp_path)}, num_executors=2,
                   input_mode=InputMode.SPARK, reservation_timeout=120, heartbeat_timeout=4)
     holder: dict = {}
-    killer = threading.Thread(target=_kill_when_ready, args=(str(tmp_path), holder))
+    killer = threading.Thread(target=signal_node_when_ready,
+                              args=(str(tmp_path), holder, signal.SIGKILL))
     killer.start()
     rdd = sc.parallelize([(i, [1.0]) for i in range(200000)], 4)
     with pytest.raises(EmberNodeError) as err:
@@ -82,7 +70,7 @@ def test_killed_trainer_is_seen_within_the_heartbeat_bound(cluster_spark, tmp_pa
     seen = time.monotonic()
     killer.join()
     assert "node 1" in str(err.value) and "lost" in str(err.value)
-    assert seen - holder["killed_at"] < 4 + 10  # heartbeat bound + job cancellation
+    assert seen - holder["signalled_at"] < 4 + 10  # heartbeat bound + job cancellation
     cluster.shutdown()
 
 
@@ -250,17 +238,6 @@ def test_sigkilled_feeding_task_delivers_every_record_once(cluster_spark, tmp_pa
     assert got == collections.Counter(range(4000))
 
 
-def _stamp_at_end(path):
-    """RDD mapPartitionsWithIndex: partition 1 writes the time its last record
-    was taken (right before the feeding task converts its final chunk)."""
-    def gen(index, records):
-        yield from records
-        if index == 1:
-            with open(path, "w") as f:
-                f.write(repr(time.time()))
-    return gen
-
-
 def test_bad_record_fails_the_job_at_once_despite_spark_retries(cluster_spark, tmp_path):
     """On a cluster Spark retries a failed task (spark.task.maxFailures=4), and
     a data error fails every retry the same way.  The feeding task reports it
@@ -268,7 +245,7 @@ def test_bad_record_fails_the_job_at_once_despite_spark_retries(cluster_spark, t
     sc = cluster_spark.sparkContext
     stamp = str(tmp_path / "stamp")
     records = [(i, [float(i)] * (3 if i == 142 else 4)) for i in range(200)]
-    data = sc.parallelize(records, 2).mapPartitionsWithIndex(_stamp_at_end(stamp))
+    data = sc.parallelize(records, 2).mapPartitionsWithIndex(nodefuns.stamp_at_end(stamp))
     cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
                   input_mode=InputMode.SPARK, reservation_timeout=120)
     try:
