@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-pytest.importorskip("mlflow")
+pytest.importorskip("mlflow", reason="mlflow is pinned in requirements.txt; `make setup` installs it")
 
 import mlflow_funs  # noqa: E402
 from conftest import free_port  # noqa: E402
