@@ -173,9 +173,7 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
         except _ember.EmberError as exc:
             raise RuntimeError(f"feeding partition {p} to {name} at {host}:{port}: {exc}") from exc
         except Exception as exc:
-            if isinstance(exc, EmberFeedError):
-                _report_feed_error(report, (seq << _SEQ_BITS) | p, exc)
-            _fail_partition(client, p, sent, exc, feed_timeout)
+            _partition_failed(client, report, seq, p, sent, exc, feed_timeout)
             raise
         finally:
             client.close()
@@ -210,6 +208,19 @@ def _fail_partition(client: Any, p: int, at: int, exc: BaseException, timeout: f
                     min(timeout, 10.0))
     except _ember.EmberError:
         pass  # the node is gone or the connection broke: the task's own error says enough
+
+
+def _partition_failed(client: Any, report: Optional[Tuple[str, int, bytes]], seq: int, p: int,
+                      sent: int, exc: BaseException, timeout: float,
+                      tell_node: bool = True) -> None:
+    """A feeding task's own error: input the feed cannot carry reaches the
+    driver at once (:func:`_report_feed_error`), and the node gets the
+    partition's failure notice (:func:`_fail_partition`) unless ``tell_node``
+    is false."""
+    if isinstance(exc, EmberFeedError):
+        _report_feed_error(report, (seq << _SEQ_BITS) | p, exc)
+    if tell_node:
+        _fail_partition(client, p, sent, exc, timeout)
 
 
 def _report_feed_error(report: Optional[Tuple[str, int, bytes]], key: int,
@@ -319,15 +330,13 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
         except _ember.EmberError as exc:
             raise RuntimeError(f"feeding partition {p} to {name} at {host}:{port}: {exc}") from exc
         except Exception as exc:
-            if isinstance(exc, EmberFeedError):
-                _report_feed_error(report, (seq << _SEQ_BITS) | p, exc)
             # When Spark breaks the input stream, another stage of this task
             # failed (a Python UDF upstream, ember.tensors.pack) and Spark
             # reports that stage's error; the node would only log the
             # stream's ArrowInvalid.  Its connection drops, as after a kill:
             # Spark's retry resumes after the records it holds.
-            if not source.broke:
-                _fail_partition(client, p, sent, exc, feed_timeout)
+            _partition_failed(client, report, seq, p, sent, exc, feed_timeout,
+                              tell_node=not source.broke)
             raise
         finally:
             client.close()
