@@ -51,6 +51,7 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -501,8 +502,11 @@ static int known_status(int32_t code) {
   return 0;
 }
 
-/* This host's identity for FEED_SHM: the kernel's boot id (containers on one
- * kernel share it), 16 bytes; all zero when unknown. */
+/* This host's identity for FEED_SHM: the kernel's boot id, mixed with the
+ * network namespace's inode, 16 bytes; all zero when unknown.  Containers on
+ * one kernel share the boot id; those with a network of their own are other
+ * hosts to Spark (their own address), and their /dev/shm and /proc may be
+ * too, so only a producer in this network namespace is offered the ring. */
 static void feed_host_id(uint8_t out[16]) {
   char buf[64];
   size_t n = 0;
@@ -521,7 +525,15 @@ static void feed_host_id(uint8_t out[16]) {
     }
   }
   fclose(f);
-  if (n != 32) memset(out, 0, 16);
+  if (n != 32) {
+    memset(out, 0, 16);
+    return;
+  }
+  struct stat netns;
+  if (stat("/proc/self/ns/net", &netns) == 0) {
+    uint64_t ino = (uint64_t)netns.st_ino;
+    for (int i = 0; i < 8; i++) out[8 + i] ^= (uint8_t)(ino >> (8 * i));
+  }
 }
 
 /* EMBER_FEED_SHM=0 (or "false", "no", "off") turns shared memory off. */

@@ -32,6 +32,7 @@ import traceback
 from typing import Any, Dict, List
 
 from ember import _watchdog
+from ember._env import bind_host
 
 FEED_ROLES = ("chief", "worker")
 
@@ -96,30 +97,35 @@ def main() -> None:
 def _register(boot: Dict[str, Any], status: Any) -> Any:
     from ember import _ember
 
+    # Ember's listening sockets bind the address Spark uses for this node's
+    # executor (ember._env.bind_host); the framework's port is only held (not
+    # listening) until TensorFlow or torch binds it as it does itself
+    host = boot.get("advertise_host", "")
+    bind = bind_host(host)
     fw_fd, fw_port = _ember.reserve_port("", listen=False)
-    feed_fd, feed_port = _ember.reserve_port("", listen=True)
+    feed_fd, feed_port = _ember.reserve_port(bind, listen=True)
     ports, held = [fw_port, feed_port], [fw_fd]
     if boot.get("tensorboard") and boot.get("tensorboard_node") == boot["index"]:
-        tb_fd, tb_port = _ember.reserve_port("", listen=False)
+        tb_fd, tb_port = _ember.reserve_port(bind, listen=False)
         ports.append(tb_port)
         held.append(tb_fd)
     # the collectives' port goes last (ember.collective.trainer_addresses), listening
     # so that peers' connections queue until this node creates its communicator
-    coll_fd, coll_port = _ember.reserve_port("", listen=True)
+    coll_fd, coll_port = _ember.reserve_port(bind, listen=True)
     ports.append(coll_port)
     delay = _fault(boot, "delay_register")
     if delay:
         time.sleep(float(delay))
     client = _ember.RendezvousClient(boot["driver_host"], boot["driver_port"], boot["secret"],
                                      boot["reservation_timeout"])
-    client.register(boot["index"], "", boot["executor_id"], os.getpid(), ports,
+    client.register(boot["index"], host, boot["executor_id"], os.getpid(), ports,
                     boot["reservation_timeout"])
     status.write("registered\n")
     status.close()
     return client, held, feed_fd, coll_fd
 
 
-def _start_tensorboard(log_dir: str, port_fd: int, port: int) -> Any:
+def _start_tensorboard(log_dir: str, port_fd: int, port: int, bind: str) -> Any:
     """TensorBoard on the reserved port, in this node's process group.
 
     TensorBoard's server does not set SO_REUSEPORT, so Ember's hold on the port
@@ -129,7 +135,7 @@ def _start_tensorboard(log_dir: str, port_fd: int, port: int) -> Any:
     os.makedirs(log_dir, exist_ok=True)
     os.close(port_fd)
     return subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", log_dir,
-                             "--port", str(port), "--bind_all"],
+                             "--port", str(port), *(["--host", bind] if bind else ["--bind_all"])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -168,7 +174,8 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
     if len(held) > 1:
         log_dir = boot["log_dir"]
         tensorboard = _start_tensorboard(log_dir.split("://", 1)[-1] if log_dir.startswith(
-            "file://") else log_dir, held[1], me["ports"][2])
+            "file://") else log_dir, held[1], me["ports"][2],
+            bind_host(boot.get("advertise_host", "")))
         ctx.report_progress(f"TensorBoard at http://{me['host']}:{me['ports'][2]} ({log_dir})")
     name = f"node {me['index']} ({me['role']}:{me['task_index']} on {socket.gethostname()})"
     code, text = 0, ""

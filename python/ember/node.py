@@ -282,6 +282,13 @@ class DataFeed:
             e += 1
         return e
 
+    def stats(self) -> Dict[str, int]:
+        """This node's feed counters since it started: batches, records and bytes
+        received, partitions acknowledged, producers rejected, and
+        ``shm_producers``, the feeding connections whose batches came through
+        shared memory (the others came over TCP)."""
+        return dict(self._server.stats())
+
     def should_stop(self) -> bool:
         """True once the data has ended and nothing is left to read.
 

@@ -1,0 +1,228 @@
+"""Driver programs of the multi-host tests (test_cluster.py): each runs on the
+simulated cluster's driver host against its standalone master and writes what
+it saw as JSON for the test to check.
+
+    python cluster_jobs.py <job> <spark master URL> <out dir> [args...]
+
+Jobs: ``crosshost`` (feed and collectives between hosts, bound addresses),
+``transform`` (EmberEstimator.fit, then EmberModel.transform), ``hostloss``
+(a whole host dies mid-epoch; max_restarts=1 finishes on the other hosts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any, Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def session(master: str, app: str, cores: int) -> Any:
+    """A SparkSession on this (driver) host: Spark binds and advertises the
+    host's own name, which every simulated host resolves."""
+    from pyspark.sql import SparkSession
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    me = socket.gethostname()
+    spark = (SparkSession.builder.master(master).appName(app)
+             .config("spark.driver.host", me)
+             .config("spark.driver.bindAddress", socket.gethostbyname(me))
+             .config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false")
+             .config("spark.executor.memory", "1g")
+             .config("spark.executor.cores", "1")
+             .config("spark.cores.max", str(cores))
+             .config("spark.pyspark.python", sys.executable)
+             .config("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures", "1")
+             .config("spark.executorEnv.PYTHONPATH", os.pathsep.join([REPO, HERE]))
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("WARN")
+    deadline = time.monotonic() + 120
+    sc = spark.sparkContext
+    while sc._jsc.sc().getExecutorMemoryStatus().size() - 1 < cores:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fewer than {cores} executors registered")
+        time.sleep(0.5)
+    return spark
+
+
+def dump(path: str, value: Any) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f)
+    os.replace(path + ".tmp", path)
+
+
+def _listening(ports: List[int]) -> Dict[int, str]:
+    """port -> local address of this network namespace's LISTEN sockets on ``ports``."""
+    found: Dict[int, str] = {}
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state = fields[1], fields[3]
+            if state != "0A":
+                continue
+            addr_hex, port_hex = local.split(":")
+            port = int(port_hex, 16)
+            if port not in ports:
+                continue
+            if v6:
+                found[port] = "::" if int(addr_hex, 16) == 0 else "v6:" + addr_hex
+            else:
+                found[port] = socket.inet_ntoa(bytes.fromhex(addr_hex)[::-1])
+    return found
+
+
+# --------------------------------------------------------------------------- crosshost
+
+def crosshost_node(args: Any, ctx: Any) -> None:
+    """Reads every record of both train() calls, allreduces with every peer,
+    then reports its host, feed counters, transports and bound addresses."""
+    import numpy as np
+
+    # Ember's listening sockets, before the collective connects (and closes its own)
+    listening = _listening([ctx.ports[1], ctx.ports[-1]])
+    feed = ctx.get_data_feed()
+    rows: List[int] = []
+    while True:  # both train() calls, until shutdown ends the feed
+        batch = feed.next_batch(256)
+        if len(batch):
+            ids = batch.column("id") if "id" in batch.names else [r[0] for r in batch]
+            rows.extend(int(v) for v in ids)
+        elif feed._ended:
+            break
+        else:
+            time.sleep(0.05)  # between the calls
+    comm = ctx.collective.communicator()
+    size = ctx.collective.size
+    total = ctx.allreduce(np.full(1 << 20, ctx.collective.rank + 1, dtype=np.float32))
+    dump(os.path.join(args.out, f"node-{ctx.worker_num}.json"), dict(
+        host=socket.gethostname(), ctx_host=ctx.host, rank=ctx.collective.rank,
+        rows=sorted(rows), feed=feed.stats(),
+        transports=[comm.transport(p) for p in range(size)],
+        allreduce_ok=bool(np.all(total == size * (size + 1) / 2)),
+        ports=dict(feed=ctx.ports[1], collective=ctx.ports[-1]),
+        listening={str(k): v for k, v in listening.items()},
+        address=socket.gethostbyname(socket.gethostname())))
+
+
+def crosshost(spark: Any, out: str) -> None:
+    from ember.spark import InputMode, run
+
+    sc, nodes = spark.sparkContext, 3
+    per_call = 6000  # two calls: an RDD, then a DataFrame
+    args = argparse.Namespace(out=out)
+    cluster = run(sc, crosshost_node, args, num_executors=nodes, input_mode=InputMode.SPARK,
+                  master_node=None, reservation_timeout=120)
+    placed = [dict(index=n["index"], host=n["host"], executor=n["executor_id"])
+              for n in cluster.nodes]
+    rdd = sc.parallelize([(i, float(i)) for i in range(per_call)], 12)
+    fed_rdd = cluster.train(rdd, 1)
+    df = spark.createDataFrame([(per_call + i, float(i)) for i in range(per_call)],
+                               "id long, x double").repartition(12)
+    fed_df = cluster.train(df, 1)
+    port = cluster._server.port
+    listening = {str(k): v for k, v in _listening([port]).items()}
+    cluster.shutdown()
+    dump(os.path.join(out, "driver.json"), dict(
+        placed=placed, fed=[fed_rdd, fed_df], driver_host=socket.gethostname(),
+        listening=listening, rendezvous_port=port))
+
+
+# --------------------------------------------------------------------------- transform
+
+def transform(spark: Any, out: str) -> None:
+    from ml_fashion import fashion_frame, fashion_pipeline
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+
+    from ember.ml import EmberModel, TFEstimator
+    from examples.fashion_mnist import model as fm
+
+    train = fashion_frame(spark, "train", limit=12000, parts=4).cache()
+    test = fashion_frame(spark, "test", limit=2000, parts=3).cache()
+    est = TFEstimator(fm.train_spark, argparse.Namespace(
+        learning_rate=1e-3, intra_op_threads=1, inter_op_threads=1, train_records=12000))
+    fitted = fashion_pipeline(est, 3, out).fit(train)
+    model = fitted.stages[1]
+    assert isinstance(model, EmberModel)
+    predicted = fitted.transform(test).cache()
+    accuracy = MulticlassClassificationEvaluator(metricName="accuracy").evaluate(predicted)
+    hosts = sorted({r[0] for r in predicted.rdd.mapPartitions(
+        lambda _: [socket.gethostname()]).collect()})
+    dump(os.path.join(out, "transform.json"), dict(
+        rows=predicted.count(), accuracy=accuracy, task_hosts=hosts))
+
+
+# --------------------------------------------------------------------------- hostloss
+
+def hostloss_node(args: Any, ctx: Any) -> None:
+    """Trains in lockstep (an allreduce per batch); after its first batches it
+    says which host it is on, so the test can pull the plug on one."""
+    import numpy as np
+
+    restart = int(os.environ.get("EMBER_RESTART", "0"))
+    feed = ctx.get_data_feed()
+    seen = 0
+    while not feed.should_stop():
+        batch = feed.next_batch(50)
+        if len(batch) == 0:
+            break
+        seen += len(batch)
+        ctx.allreduce(np.ones(1024, dtype=np.float32))
+        if seen >= 200:
+            mark = os.path.join(args.out, f"running-{restart}-{ctx.worker_num}")
+            if not os.path.exists(mark):
+                dump(mark, dict(host=socket.gethostname()))
+        time.sleep(0.01)
+    # the count agrees across nodes before anyone stops (a lockstep end)
+    total = ctx.allreduce(np.array([seen], dtype=np.float64))
+    dump(os.path.join(args.out, f"done-{restart}-{ctx.worker_num}.json"),
+         dict(host=socket.gethostname(), seen=seen, total=float(total[0])))
+
+
+def hostloss(spark: Any, out: str) -> None:
+    from ember.spark import InputMode, run
+
+    sc = spark.sparkContext
+    args = argparse.Namespace(out=out)
+    cluster = run(sc, hostloss_node, args, num_executors=2, input_mode=InputMode.SPARK,
+                  master_node=None, reservation_timeout=120, heartbeat_timeout=5,
+                  max_restarts=1)
+    first = [n["host"] for n in cluster.nodes]
+    rdd = sc.parallelize([(i, float(i)) for i in range(4000)], 8)
+    start = time.time()
+    fed = cluster.train(rdd, 3, feed_timeout=120)
+    cause = cluster.restart_causes[0] if cluster.restart_causes else None
+    result = dict(
+        fed=fed, restarts=cluster.restarts, first_hosts=first, train_started=start,
+        after_hosts=[n["host"] for n in cluster.nodes],
+        cause=str(cause) if cause else None, cause_node=cause.node if cause else None,
+        # when the driver learnt of the loss, as wall-clock time
+        cause_seen=time.time() - (time.monotonic() - cause.seen_at) if cause else None)
+    cluster.shutdown()
+    dump(os.path.join(out, "hostloss.json"), result)
+
+
+def main() -> int:
+    job, master, out = sys.argv[1:4]
+    os.makedirs(out, exist_ok=True)
+    cores = {"crosshost": 3, "transform": 3, "hostloss": 3}[job]
+    spark = session(master, f"ember-cluster-{job}", cores)
+    try:
+        {"crosshost": crosshost, "transform": transform, "hostloss": hostloss}[job](spark, out)
+    finally:
+        spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

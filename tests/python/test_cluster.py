@@ -1,0 +1,235 @@
+"""Ember on many hosts: a Spark standalone cluster on simulated hosts
+(simcluster.py: a network, UTS and /dev/shm namespace each, 198.18.0.0/24).
+
+The driver, the master and three workers each run on a host of their own.
+Driver programs (cluster_jobs.py, the main job, TensorFlowOnSpark's example)
+run on the driver host as a user runs them, and the tests check what they
+wrote: the feed and the collectives crossed hosts over TCP, every Ember port
+is bound to the address Spark uses for its process, accuracy matches one host,
+and a host that dies mid-epoch is named within seconds and the job finishes
+on the remaining hosts.  `make cluster-test` runs this file alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any, Dict, Iterator, List
+
+import pytest
+
+import simcluster
+from conftest import REPO
+
+pytestmark = pytest.mark.skipif(simcluster.available() is not None,
+                                reason=f"no simulated hosts: {simcluster.available()}")
+
+HOSTS = ["driver", "master", "w1", "w2", "w3"]
+WORKERS = HOSTS[2:]
+PY = sys.executable
+
+
+class SparkOnHosts:
+    """A Spark standalone Master on host ``master`` and a Worker (1 core) on
+    each of w1..w3, every daemon binding and advertising its host's address."""
+
+    def __init__(self, sim: simcluster.SimCluster, root: str) -> None:
+        import pyspark
+
+        self.sim, self.root = sim, root
+        self.spark_home = os.path.dirname(pyspark.__file__)
+        self.url = "spark://master:7077"
+        self.workers: Dict[str, subprocess.Popen] = {}
+
+    def env(self, host: str) -> Dict[str, str]:
+        env = self.sim.env_for(host)
+        env.update(SPARK_HOME=self.spark_home, PYSPARK_PYTHON=PY,
+                   SPARK_WORKER_DIR=os.path.join(self.root, f"work-{host}"),
+                   PYTHONUNBUFFERED="1")
+        return env
+
+    def _daemon(self, host: str, *args: str) -> subprocess.Popen:
+        log = open(os.path.join(self.root, f"{host}.log"), "a")
+        return self.sim.popen(host, [os.path.join(self.spark_home, "bin", "spark-class"), *args],
+                              stdout=log, stderr=subprocess.STDOUT, env=self.env(host))
+
+    def start(self) -> None:
+        self._daemon("master", "org.apache.spark.deploy.master.Master", "--host", "master",
+                     "--port", "7077", "--webui-port", "8080")
+        for host in WORKERS:
+            self.start_worker(host)
+        self.wait_workers(len(WORKERS))
+
+    def start_worker(self, host: str) -> None:
+        self.workers[host] = self._daemon(
+            host, "org.apache.spark.deploy.worker.Worker", "--host", host, "--cores", "1",
+            "--memory", "2g", "--webui-port", "8081", self.url)
+
+    def alive_workers(self) -> List[str]:
+        probe = ("import json,urllib.request;"
+                 "s=json.load(urllib.request.urlopen('http://master:8080/json/',timeout=2));"
+                 "print(' '.join(w['host'] for w in s['workers'] if w['state']=='ALIVE'))")
+        r = self.sim.run("driver", [PY, "-c", probe], capture_output=True, text=True)
+        return r.stdout.split() if r.returncode == 0 else []
+
+    def wait_workers(self, n: int) -> None:
+        deadline = time.monotonic() + 120
+        while len(self.alive_workers()) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fewer than {n} Spark workers alive; logs in {self.root}")
+            time.sleep(1)
+
+    def driver(self, argv: List[str], log: str, cwd: str = REPO) -> subprocess.Popen:
+        """Starts a driver program on the driver host (stdout+stderr to ``log``)."""
+        out = open(os.path.join(self.root, log), "w")
+        return self.sim.popen("driver", argv, stdout=out, stderr=subprocess.STDOUT,
+                              env=self.env("driver"), cwd=cwd)
+
+    def run_driver(self, argv: List[str], log: str, timeout: float) -> str:
+        p = self.driver(argv, log)
+        try:
+            code = p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            code = "timeout"
+        text = open(os.path.join(self.root, log)).read()
+        assert code == 0, f"{argv[:3]} exited {code}; its log ends:\n{text[-6000:]}"
+        return text
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: Any) -> Iterator[SparkOnHosts]:
+    root = str(tmp_path_factory.mktemp("hosts"))
+    with simcluster.SimCluster(HOSTS, prefix="embt") as sim:
+        spark = SparkOnHosts(sim, root)
+        spark.start()
+        yield spark
+    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "embt-" not in leftovers, f"namespaces left behind: {leftovers}"
+
+
+def _job(hosts: SparkOnHosts, job: str, out: str, timeout: float) -> str:
+    return hosts.run_driver([PY, os.path.join(REPO, "tests", "python", "cluster_jobs.py"), job,
+                             hosts.url, out], f"{job}.log", timeout)
+
+
+def test_hosts_are_separate(hosts):
+    sim = hosts.sim
+    names = {h: sim.run(h, ["hostname"], capture_output=True, text=True).stdout.strip()
+             for h in HOSTS}
+    assert names == {h: h for h in HOSTS}
+    # each host resolves every other by name to its own address, and sees only its own
+    for h in ("driver", "w2"):
+        r = sim.run(h, [PY, "-c", "import socket,sys;print(' '.join(socket.gethostbyname(n) "
+                                  "for n in sys.argv[1:]))", *HOSTS],
+                    capture_output=True, text=True)
+        assert r.stdout.split() == [sim.addr(n) for n in HOSTS]
+        addrs = sim.run(h, ["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+        assert re.findall(r"inet (\S+)/", addrs) == ["127.0.0.1", sim.addr(h)]
+    # shared memory is per host
+    sim.run("w1", ["sh", "-c", "echo x > /dev/shm/ember-probe"], check=True)
+    assert sim.run("w2", ["test", "-e", "/dev/shm/ember-probe"]).returncode != 0
+    assert sorted(hosts.alive_workers()) == WORKERS
+
+
+def test_feed_and_collectives_cross_hosts_over_tcp(hosts, tmp_path):
+    out = str(tmp_path)
+    _job(hosts, "crosshost", out, 300)
+    driver = json.load(open(os.path.join(out, "driver.json")))
+    nodes = [json.load(open(os.path.join(out, f"node-{i}.json"))) for i in range(3)]
+    # one node per worker host, the driver elsewhere
+    assert sorted(n["host"] for n in nodes) == WORKERS
+    assert driver["driver_host"] == "driver"
+    # each node advertises the address Spark uses for its executor
+    spark_hosts = {p["index"]: p["executor"].rsplit(":", 1)[0] for p in driver["placed"]}
+    assert {p["index"]: p["host"] for p in driver["placed"]} == spark_hosts
+    assert sorted(spark_hosts.values()) == [hosts.sim.addr(w) for w in WORKERS]
+    # every record of both calls arrived exactly once
+    assert driver["fed"] == [6000, 6000]
+    assert sorted(r for n in nodes for r in n["rows"]) == list(range(12000))
+    for n in nodes:
+        # each partition came with its start and end marks
+        assert n["feed"]["records_received"] == len(n["rows"]) + 2 * n["feed"]["partitions_acked"]
+        assert n["feed"]["bytes_received"] > 8 * len(n["rows"]) > 0
+    # partitions fed from a task on the node's own host may use shared memory;
+    # the others crossed hosts over TCP
+    over_tcp = sum(n["feed"]["partitions_acked"] - n["feed"]["shm_producers"] for n in nodes)
+    assert over_tcp > 0
+    for n in nodes:
+        assert n["transports"] == ["self" if r == n["rank"] else "tcp" for r in range(3)]
+        assert n["allreduce_ok"]
+        # Ember's listening sockets are bound to the host's address, not 0.0.0.0
+        assert n["ctx_host"] == n["address"]
+        assert set(n["listening"].values()) == {n["address"]}, n
+        assert len(n["listening"]) == 2
+    assert list(driver["listening"].values()) == [hosts.sim.addr("driver")]
+
+
+def test_main_job_both_modes_reaches_one_host_accuracy(hosts, tmp_path):
+    sim = hosts.sim
+    text = hosts.run_driver(
+        [PY, "-m", "examples.fashion_mnist.main", "--master", hosts.url, "--epochs", "3",
+         "--num-executors", "2", "--require-accuracy", "0.85", "--work-dir", str(tmp_path),
+         "--threads", "1",
+         "--conf", "spark.driver.host=driver",
+         "--conf", f"spark.driver.bindAddress={sim.addr('driver')}",
+         "--conf", "spark.executor.cores=1", "--conf", "spark.cores.max=3",
+         "--conf", "spark.executor.memory=1g",
+         "--conf", "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures=1"],
+        "main-job.log", 900)
+    results = dict(re.findall(r"RESULT demo mode=(\w+) accuracy=([\d.]+)", text))
+    assert set(results) == {"spark", "tensorflow"}, text[-3000:]
+    assert all(float(a) >= 0.85 for a in results.values()), results
+    # the nodes ran on the worker hosts (the cluster-ready line names them)
+    ready = re.findall(r"cluster ready: (.*)", text)
+    assert ready and all("@driver" not in line for line in ready)
+    assert all(any(f"@{w}:" in line for w in WORKERS) for line in ready)
+
+
+def test_ember_model_transform_on_hosts(hosts, tmp_path):
+    out = str(tmp_path)
+    _job(hosts, "transform", out, 600)
+    result = json.load(open(os.path.join(out, "transform.json")))
+    assert result["rows"] == 2000
+    assert result["accuracy"] >= 0.75, result
+    assert set(result["task_hosts"]) <= set(WORKERS) and len(result["task_hosts"]) >= 2
+
+
+def test_host_lost_mid_epoch_is_named_and_job_finishes_elsewhere(hosts, tmp_path):
+    out = str(tmp_path)
+    p = hosts.driver([PY, os.path.join(REPO, "tests", "python", "cluster_jobs.py"), "hostloss",
+                      hosts.url, out], "hostloss.log")
+    deadline = time.monotonic() + 240
+    victim = None
+    while victim is None:
+        assert p.poll() is None, open(os.path.join(hosts.root, "hostloss.log")).read()[-4000:]
+        assert time.monotonic() < deadline, "the nodes never started training"
+        marks = [f for f in os.listdir(out) if f.startswith("running-0-")]
+        if marks:
+            victim = json.load(open(os.path.join(out, sorted(marks)[-1])))["host"]
+        time.sleep(0.2)
+    killed_at = time.time()
+    hosts.sim.kill_host(victim)  # every process on the host: worker, executor, node
+    try:
+        code = p.wait(300)
+    finally:
+        hosts.start_worker(victim)  # the host comes back for the tests after this one
+    log = open(os.path.join(hosts.root, "hostloss.log")).read()
+    assert code == 0, log[-6000:]
+    result = json.load(open(os.path.join(out, "hostloss.json")))
+    assert result["restarts"] == 1
+    # named by the address Spark knows the executor by
+    victim_addr = hosts.sim.addr(victim)
+    assert f"host {victim_addr}) was lost" in result["cause"], result["cause"]
+    detected = result["cause_seen"] - killed_at
+    assert 0 <= detected < 10, f"the loss was seen {detected:.1f} s after the kill"
+    assert victim_addr not in result["after_hosts"] and len(result["after_hosts"]) == 2
+    # the restarted nodes (on the other hosts) read the whole feed, in lockstep
+    done = [json.load(open(os.path.join(out, f"done-1-{i}.json"))) for i in range(2)]
+    assert {hosts.sim.addr(d["host"]) for d in done} == set(result["after_hosts"])
+    assert sum(d["seen"] for d in done) == result["fed"] == 3 * 4000
+    hosts.wait_workers(len(WORKERS))
