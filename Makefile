@@ -40,10 +40,12 @@ APT_PACKAGES += python3-torch libopenblas0-openmp
 help:
 	@echo "make demo   - set up this machine and run the Fashion-MNIST main job"
 	@echo "make test   - set up this machine and run every test (C under ASan/UBSan, fuzz, pytest, main job)"
+	@echo "make cluster-test - Ember on a simulated multi-host cluster (network namespaces; root)"
 	@echo "make test-torch - the PyTorch path: ember.torch and examples/fashion_mnist_torch (in .venv-torch)"
 	@echo "make wheel  - sdist + wheel (python -m build), auditwheel show, and a manylinux wheel in dist/"
 	@echo "make bench-reservation - Ember vs TensorFlowOnSpark reservation server"
 	@echo "make bench-allreduce - allreduce: Ember vs Open MPI (TCP, defaults) vs torch.distributed gloo, loopback limit"
+	@echo "make bench-cluster - allreduce and feed over TCP between simulated hosts (netns): Ember vs Open MPI TCP vs gloo vs one TCP stream"
 	@echo "make bench-feed - Spark -> trainer feed: Ember vs TensorFlowOnSpark, records/s and GB/s"
 	@echo "make bench-tfrecord - TFRecord reading: Ember vs tf.data; CRC-32C; Example decoder vs protobuf-c"
 	@echo "make bench-inference - Spark ML inference: ember.ml.EmberModel vs predict_batch_udf vs TFoS TFModel"
@@ -225,6 +227,14 @@ demo: setup
 demo-quick: setup
 	PYTHONUNBUFFERED=1 $(PY) -m examples.fashion_mnist.main --epochs 3 --require-accuracy 0.85
 
+# Ember on many hosts: a Spark standalone master and three workers, and the
+# driver, each on a simulated host (tests/python/simcluster.py: network, UTS
+# and /dev/shm namespaces on a bridge in 198.18.0.0/24; needs root, as in CI).
+# `make test` runs it as part of tests/python.
+.PHONY: cluster-test
+cluster-test: setup
+	$(PY) -m pytest -q tests/python/test_cluster.py
+
 test: setup hadoop
 	$(MAKE) --no-print-directory test-c
 	$(MAKE) --no-print-directory test-c-install
@@ -267,6 +277,18 @@ bench-allreduce: setup $(BUILD)/bench/mpi_allreduce
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
 	  --no-install-recommends python3-torch; }
 	PYTHONUNBUFFERED=1 $(PY) bench/allreduce.py
+
+# Allreduce and the feed between hosts (issue 16): hosts simulated as network
+# namespaces (tests/python/simcluster.py, root), Ember vs Open MPI (btl
+# tcp,self) vs gloo, against one TCP stream (bench/tcp_stream.c) between two
+# of them.  EMBER_BENCH_QUICK=1: a smoke run (1 MiB only, under a minute).
+.PHONY: bench-cluster
+$(BUILD)/bench/tcp_stream: bench/tcp_stream.c
+	@mkdir -p $(@D)
+	$(CC) $(BASE) -O2 -g $< -o $@
+
+bench-cluster: setup $(BUILD)/bench/mpi_allreduce $(BUILD)/bench/tcp_stream
+	PYTHONUNBUFFERED=1 $(PY) bench/cluster.py $(BENCH_CLUSTER_ARGS)
 
 # The bare feed channel (issue 3): shared-memory ring, feed over shm, feed over
 # TCP loopback, memcpy; C only.  bench/feed.py runs the binary and parses its

@@ -21,6 +21,7 @@ from typing import Any, Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [REPO, HERE]  # examples.*, ml_fashion
 
 
 def session(master: str, app: str, cores: int) -> Any:
@@ -156,8 +157,8 @@ def transform(spark: Any, out: str) -> None:
     assert isinstance(model, EmberModel)
     predicted = fitted.transform(test).cache()
     accuracy = MulticlassClassificationEvaluator(metricName="accuracy").evaluate(predicted)
-    hosts = sorted({r[0] for r in predicted.rdd.mapPartitions(
-        lambda _: [socket.gethostname()]).collect()})
+    hosts = sorted(set(predicted.rdd.mapPartitions(
+        lambda _: [socket.gethostname()]).collect()))
     dump(os.path.join(out, "transform.json"), dict(
         rows=predicted.count(), accuracy=accuracy, task_hosts=hosts))
 
