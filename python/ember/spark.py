@@ -29,12 +29,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ember import _ember, _gpu
 from ember import mlflow as _mlflow
+from ember._env import bind_host
 from ember.errors import EmberFeedError, find_feed_error
 from ember.node import RESUME_REPORT
 from ember.tensors import tensor_specs
 
 FEED_ROLES = ("chief", "worker")
 _SEQ_BITS = 20  # feed partition key = (feed sequence << 20) | partition index
+_CONNECT_ATTEMPT = 1.0  # s: a driver's connect to a node, between looks at its liveness
 
 
 class InputMode(enum.IntEnum):
@@ -118,24 +120,69 @@ def _launcher(boot: Dict[str, Any], start_timeout: float) -> Callable[[Any], Any
         infos = tc.getTaskInfos()
         gpu = tc.resources().get(_gpu.GPU)
         gpus = [str(a) for a in gpu.addresses] if gpu is not None else []
+        address = infos[part].address if part < len(infos) else ""
         node_boot = dict(boot, index=index, sys_path=list(sys.path), gpus=gpus,
-                         executor_id=infos[part].address if part < len(infos) else str(index))
+                         executor_id=address or str(index),
+                         advertise_host=_host_of(address) or socket.gethostname())
         pid = _spawn_node(node_boot, start_timeout)
         yield (index, socket.gethostname(), pid, gpus)
     return launch
 
 
+def _host_of(address: str) -> str:
+    """The host of Spark's ``host:port`` (``[v6]:port``) executor address."""
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _driver_bind(conf: Any) -> str:
+    """Where the driver's servers listen: Spark's own choice for the driver
+    (``spark.driver.bindAddress``, else ``spark.driver.host``), so they are
+    reachable exactly where Spark's driver is (see ember._env.bind_host)."""
+    return bind_host(conf.get("spark.driver.bindAddress", None)
+                     or conf.get("spark.driver.host", None) or "")
+
+
 def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
             chunk_rows: int, want_results: bool, parts: int = 0,
             report: Optional[Tuple[str, int, bytes]] = None, first: int = 0,
-            per_epoch: int = 0) -> Callable[[Any], Any]:
+            per_epoch: int = 0, grouped: bool = False,
+            upstream: Optional[Callable[[int, Any], Any]] = None) -> Callable[[Any], Any]:
     """The feeding task of an RDD.  In train(), task ``i`` feeds partition
     ``p = first + i`` of the call (``parts`` ends that range; its epoch is
-    ``p // per_epoch``) and marks its start and end (:func:`_start_mark`)."""
+    ``p // per_epoch``) and marks its start and end (:func:`_start_mark`).
+
+    ``grouped`` (train()): task ``i`` feeds fed node ``i`` all its partitions
+    of the call, one after the other (:mod:`ember._grouping`), each as a task
+    of its own would, and applies ``upstream`` (the source RDD's own Python
+    pipeline, None for none) to each source partition."""
     def feed(iterator: Any) -> Any:
         from pyspark import TaskContext
 
-        p = first + TaskContext.get().partitionId()  # the call's partition number
+        from ember import _grouping
+
+        task = TaskContext.get().partitionId()
+        if grouped:
+            work: Any = _grouping.partitions(iterator, _grouping.node_partitions(
+                task, first, parts, len(targets)))
+        else:
+            work = [(first + task, iterator)]
+        total = 0
+        for p, records in work:
+            if upstream is not None:
+                records = upstream(p - first, records)
+            sent, aborted = yield from feed_partition(p, records)
+            total += sent
+            if aborted:
+                break  # the node terminated its feed: TensorFlowOnSpark drops the rest
+        if not want_results:
+            yield total
+
+    def feed_partition(p: int, iterator: Any) -> Any:
+        """Feeds partition ``p`` (yields its results in inference); returns
+        (records fed or skipped as delivered, whether the node terminated its feed)."""
+        from ember import _grouping
+
         if p >= (1 << _SEQ_BITS):
             raise ValueError(f"ember feeds at most {1 << _SEQ_BITS} partitions per call")
         host, port, name = targets[p % len(targets)]
@@ -169,16 +216,18 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
                 _end_mark(client, seq, p, parts, len(targets), feed_timeout, first)
             client.end_partition(feed_timeout)
         except _ember.EmberAborted:
-            pass  # the node terminated its feed: TensorFlowOnSpark drops the rest
+            return sent, True
         except _ember.EmberError as exc:
             raise RuntimeError(f"feeding partition {p} to {name} at {host}:{port}: {exc}") from exc
         except Exception as exc:
-            _partition_failed(client, report, seq, p, sent, exc, feed_timeout)
+            # a broken input stream: a stage upstream failed, and Spark reports
+            # that; the node sees the connection drop, as after a kill
+            _partition_failed(client, report, seq, p, sent, exc, feed_timeout,
+                              tell_node=not isinstance(exc, _grouping.InputBroken))
             raise
         finally:
             client.close()
-        if not want_results:
-            yield sent
+        return sent, False
 
     def _send(client: Any, chunk: List[Any], p: int, at: int, want_results: bool,
               timeout: float, layout: Dict[str, Any]) -> Any:
@@ -275,18 +324,40 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
                   chunk_bytes: int, parts: int, tensors: Dict[str, Any],
                   fail_at: Optional[Tuple[Any, ...]] = None,
                   report: Optional[Tuple[str, int, bytes]] = None, first: int = 0,
-                  per_epoch: int = 0) -> Callable[[Any], Any]:
+                  per_epoch: int = 0, grouped: bool = False) -> Callable[[Any], Any]:
     """The feeding task of a DataFrame (``mapInArrow``): Arrow record batches go
     to the node as columnar batches, their buffers encoded straight from Arrow
     memory (no Python object per value).  Yields one row: the records fed.
-    ``first``, ``parts`` and ``per_epoch`` as for :func:`_feeder`."""
+    ``first``, ``parts``, ``per_epoch`` and ``grouped`` as for :func:`_feeder`
+    (grouped, the rows carry their partition: ``_grouping.PARTITION_COLUMN``)."""
     def feed(batches: Any) -> Any:
         import pyarrow as pa
         from pyspark import TaskContext
 
+        from ember import _grouping
+
+        task = TaskContext.get().partitionId()
+        source = _Input(batches)
+        if grouped:
+            work: Any = _grouping.arrow_partitions(source, _grouping.node_partitions(
+                task, first, parts, len(targets)), first)
+        else:
+            work = [(first + task, source)]
+        total = 0
+        for p, rbs in work:
+            sent, aborted = feed_partition(p, rbs, source)
+            total += sent
+            if aborted:
+                break  # the node terminated its feed: TensorFlowOnSpark drops the rest
+        yield pa.RecordBatch.from_pydict({"fed": pa.array([total], pa.int64())})
+
+    def feed_partition(p: int, rbs: Any, source: "_Input") -> Tuple[int, bool]:
+        """Feeds partition ``p``'s record batches; returns (rows fed or skipped as
+        delivered, whether the node terminated its feed)."""
+        from pyspark import TaskContext
+
         from ember import _columns
 
-        p = first + TaskContext.get().partitionId()  # the call's partition number
         if p >= (1 << _SEQ_BITS):
             raise ValueError(f"ember feeds at most {1 << _SEQ_BITS} partitions per call")
         host, port, name = targets[p % len(targets)]
@@ -296,12 +367,11 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
         skip, delivered = client.resume_point
         sent = 0
         layout: Dict[str, Any] = {}  # each array column's width in this partition
-        source = _Input(batches)
         try:
             if per_epoch:
                 skip = _start_mark(client, seq, p, (per_epoch, first, parts, len(targets)),
                                    skip, delivered, feed_timeout)
-            for rb in source:
+            for rb in rbs:
                 if delivered or skip >= rb.num_rows:
                     skip -= 0 if delivered else rb.num_rows
                     sent += rb.num_rows
@@ -326,7 +396,7 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
                 _end_mark(client, seq, p, parts, len(targets), feed_timeout, first)
             client.end_partition(feed_timeout)
         except _ember.EmberAborted:
-            pass  # the node terminated its feed: TensorFlowOnSpark drops the rest
+            return sent, True
         except _ember.EmberError as exc:
             raise RuntimeError(f"feeding partition {p} to {name} at {host}:{port}: {exc}") from exc
         except Exception as exc:
@@ -340,8 +410,40 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
             raise
         finally:
             client.close()
-        yield pa.RecordBatch.from_pydict({"fed": pa.array([sent], pa.int64())})
+        return sent, False
     return feed
+
+
+def _grouping_class(sc: Any) -> Any:
+    """Ember's grouping class in the JVM (see ember._grouping), or None, said
+    once per driver, when Ember's Spark jar is missing."""
+    from ember import _grouping
+
+    groups = _grouping.java_class(sc)
+    if groups is None and not _warned.get("jar"):
+        _warned["jar"] = True
+        from ember import _jars
+
+        _log(f"warning: Ember's Spark jar ({_jars.SPARK_JAR}) is missing: train() feeds "
+             "one Spark task per partition, and under a synchronous strategy a node can "
+             "starve while Spark runs two tasks of another node (reinstall Ember)")
+    return groups
+
+
+_warned: Dict[str, bool] = {}
+
+
+def _warn_few_slots(sc: Any, fed: int) -> None:
+    """Warns when the cluster cannot run a feeding task for every fed node at once."""
+    from ember import _grouping
+
+    slots = _grouping.task_slots(sc)
+    if slots is not None and slots < fed:
+        _log(f"warning: train: the Spark cluster runs {slots} task(s) at once for {fed} fed "
+             "nodes; each node's feeding task holds its slot until the node has taken all "
+             "its data, so the nodes are fed one group at a time and a synchronous job "
+             "(an all-reduce every step) waits for the feed timeout: give the job at least "
+             f"{fed} task slots")
 
 
 class _Input:
@@ -427,7 +529,7 @@ class Cluster:
         self._secret = _ember.random_secret()
         self._server = server = _ember.RendezvousServer(
             self._secret, n, heartbeat_timeout_ms=int(self._heartbeat_timeout * 1000),
-            **self._roles)
+            host=_driver_bind(sc.getConf()), **self._roles)
         self._state: Dict[int, str] = {}  # node -> running|done|failed|lost|stopping
         self._failures: List[EmberNodeError] = []
         # fed node -> the epoch its main_fun resumes from (ctx.resume_from), 0
@@ -459,7 +561,8 @@ class Cluster:
             try:
                 for i in range(self._driver_nodes):
                     _spawn_node(dict(boot, index=i, sys_path=list(sys.path),
-                                     executor_id="driver"), self._reservation_timeout)
+                                     executor_id="driver", advertise_host=driver_host),
+                                self._reservation_timeout)
                 rdd = sc.parallelize(range(on_executors), on_executors)
                 if self._profile is not None:  # gpus_per_node: GPUs for this stage's tasks
                     rdd = rdd.withResources(self._profile)
@@ -635,7 +738,8 @@ class Cluster:
             secret = _ember.random_secret()
             # a report is one FEED_ERROR of at most 1 KiB: small limits
             self._reports = (_ember.FeedServer(secret, shm=False, queue_bytes=1 << 20,
-                                               max_frame=1 << 16), secret)
+                                               max_frame=1 << 16,
+                                               host=_driver_bind(self.sc.getConf())), secret)
         server, secret = self._reports
         host = self.sc.getConf().get("spark.driver.host", socket.gethostname())
         return host, server.port, secret
@@ -793,16 +897,35 @@ class Cluster:
             source.getNumPartitions()
         per_epoch = per_epoch or count
         first, parts = first_epoch * per_epoch, epochs * per_epoch
+        nodes, report, sc = len(targets), self._report_channel(), self.sc
+        # One feeding task per fed node (ember._grouping), so that no node is
+        # left without a feeder whatever Spark's scheduler runs first.  Grouped
+        # in the job's own thread: py4j finds Ember's class through the
+        # calling thread, and a DataFrame's plan may run jobs as it is made.
         if _is_dataframe(source):
-            fn = _arrow_feeder(targets, self._secret, seq, feed_timeout, self.chunk_bytes, parts,
-                               tensor_specs(source.schema), self._fault_feed_fail_at,
-                               report=self._report_channel(), first=first, per_epoch=per_epoch)
-            action = lambda: sum(r[0] for r in source.mapInArrow(fn, "fed long").collect())  # noqa: E731
+            tensors = tensor_specs(source.schema)
+
+            def action() -> int:
+                from ember import _grouping
+
+                groups = _grouping_class(sc)
+                data = source if groups is None else \
+                    _grouping.group_dataframe(source, groups, nodes, first, count)
+                fn = _arrow_feeder(targets, self._secret, seq, feed_timeout, self.chunk_bytes,
+                                   parts, tensors, self._fault_feed_fail_at, report=report,
+                                   first=first, per_epoch=per_epoch, grouped=groups is not None)
+                return sum(r[0] for r in data.mapInArrow(fn, "fed long").collect())
         else:
-            fn = _feeder(targets, self._secret, seq, feed_timeout, self.chunk_rows,
-                         want_results=False, parts=parts, report=self._report_channel(),
-                         first=first, per_epoch=per_epoch)
-            action = lambda: source.mapPartitions(fn).sum()  # noqa: E731
+            def action() -> int:
+                from ember import _grouping
+
+                groups = _grouping_class(sc)
+                data, upstream = (source, None) if groups is None else \
+                    _grouping.group_rdd(source, groups, nodes, first)
+                fn = _feeder(targets, self._secret, seq, feed_timeout, self.chunk_rows,
+                             want_results=False, parts=parts, report=report, first=first,
+                             per_epoch=per_epoch, grouped=groups is not None, upstream=upstream)
+                return data.mapPartitions(fn).sum()
         _log(f"train: feeding {count} partitions ({epochs - first_epoch} epoch(s)"
              + (f": {first_epoch}..{epochs - 1}" if first_epoch else "")
              + f") to {len(targets)} node(s)")
@@ -817,6 +940,7 @@ class Cluster:
                  "nodes); ending its feed (repartition the data to at least as many "
                  "partitions as nodes)")
             self._end_feed(host, port, name)
+        _warn_few_slots(sc, len(fed_nodes))
         fed = self._run_job(f"train {seq}", action, seq)
         secs = time.monotonic() - start
         _log(f"train: fed {fed} records in {secs:.1f} s ({fed / max(secs, 1e-9):.0f} records/s)")
@@ -914,14 +1038,86 @@ class Cluster:
             raise failure
 
     def _end_feed(self, host: str, port: int, name: str) -> None:
+        """Ends fed node ``name``'s feed (END_FEED); a node that has ended has
+        nothing to end, and a failed one raises its EmberNodeError (:meth:`_on_node`)."""
+        def end(client: Any) -> None:
+            client.end_feed(10.0)
+
         try:
-            client = _ember.FeedClient(host, port, self._secret, 0xFFFFFFFF, timeout_s=10.0)
-            try:
-                client.end_feed(10.0)
-            finally:
-                client.close()
+            self._on_node(host, port, 0xFFFFFFFF, end, 10.0, f"end of feed to {name}")
         except _ember.EmberError as exc:  # a node that is already gone has nothing to end
             _log(f"end of feed not delivered to {name}: {exc}")
+
+    def _index_of(self, host: str, port: int) -> Optional[int]:
+        """The index of the node whose feed is at ``host:port``."""
+        for n in self.nodes:
+            if n["host"] == host and n["ports"][1] == port:
+                return int(n["index"])
+        return None
+
+    def _on_node(self, host: str, port: int, key: int, use: Callable[[Any], None],
+                 timeout: float, what: str) -> None:
+        """Connects to a node's feed at ``host:port`` as ``key`` and runs
+        ``use(client)``, watching the cluster all the while.
+
+        Every wait on one node must also watch the nodes' liveness: a node
+        that died refuses connections until the timeout (10 minutes for a
+        feed), and one that hangs never answers.  So the delivery runs in a
+        helper thread, and this one raises the first node failure (its
+        :class:`EmberNodeError`, with the node's traceback) within 0.1 s of
+        the driver learning of it.  Connecting retries in attempts of 1 s
+        and gives up once the node is no longer running.  When the delivery
+        fails (a dropped connection), a failure the driver learns of within
+        2 s is raised instead of the connection's error; otherwise that error
+        (an ``EmberError``) is."""
+        index = self._index_of(host, port)
+        done, quit_ = threading.Event(), threading.Event()
+        outcome: Dict[str, BaseException] = {}
+
+        def deliver() -> None:
+            try:
+                deadline = time.monotonic() + timeout
+                while True:
+                    try:
+                        client = _ember.FeedClient(
+                            host, port, self._secret, key, timeout_s=max(
+                                0.05, min(_CONNECT_ATTEMPT, deadline - time.monotonic())))
+                        break
+                    except _ember.EmberTimeout:
+                        with self._lock:
+                            ended = index is not None and \
+                                self._state.get(index, "running") != "running"
+                        if ended or quit_.is_set() or time.monotonic() >= deadline:
+                            raise
+                try:
+                    use(client)
+                finally:
+                    client.close()
+            except BaseException as exc:  # raised in the caller's thread
+                outcome["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=deliver, name=f"ember-{what}", daemon=True).start()
+        try:
+            while not done.wait(0.1):
+                failure = self._failure()
+                if failure is not None:
+                    raise failure
+        finally:
+            quit_.set()
+        error = outcome.get("error")
+        if error is None:
+            return
+        if isinstance(error, _ember.EmberError) and not isinstance(error, _ember.EmberAborted):
+            deadline = time.monotonic() + 2.0
+            with self._lock:
+                while not self._failures and time.monotonic() < deadline:
+                    self._changed.wait(0.1)
+            failure = self._failure()
+            if failure is not None:
+                raise failure from error
+        raise error
 
     def _stop_all(self, wait: bool = True) -> None:
         """Stops every node, waits for local node processes to exit (unless not

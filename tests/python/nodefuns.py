@@ -203,3 +203,25 @@ def stamp_at_end(path: str) -> Any:
             with open(path, "w") as f:
                 f.write(repr(time.time()))
     return gen
+
+
+def lockstep(args: Dict[str, Any], ctx: Any) -> None:
+    """Consumes in lockstep, as a synchronous strategy does (MultiWorkerMirroredStrategy
+    all-reduces every step): every step all-reduces "I have a batch" over the fed
+    nodes, and a node that has one waits in that all-reduce for the others.  Stops
+    when no node has a batch; records which ids arrived in which epoch."""
+    import numpy as np
+
+    feed = ctx.get_data_feed()
+    ids, epochs, steps = [], [], 0
+    while True:
+        batch = feed.next_batch(args.get("batch", 10)) if not feed.should_stop() else []
+        have = np.array([1.0 if len(batch) else 0.0])
+        ctx.allreduce(have, "sum", timeout=args.get("step_timeout", 600.0))
+        if have[0] == 0:
+            break
+        steps += 1
+        if len(batch):
+            ids.extend(int(i) for i in batch.columns[0])
+            epochs.extend([feed.epoch] * len(batch))
+    _write(args, ctx, ids=ids, epochs=epochs, steps=steps, errors=feed.producer_errors)

@@ -110,6 +110,15 @@ def hosts(tmp_path_factory: Any) -> Iterator[SparkOnHosts]:
         yield spark
     leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "embt-" not in leftovers, f"namespaces left behind: {leftovers}"
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert "veth" not in links and "embt" not in links, links
+    assert not [d for d in os.listdir("/dev/shm") if d.startswith("embt-")]
+    assert not os.path.exists("/etc/netns") or not [
+        d for d in os.listdir("/etc/netns") if d.startswith("embt-")]
+    # no Spark daemon of these hosts outlives them (the Workers name the master's URL)
+    ps = subprocess.run(["pgrep", "-f", "spark://master:7077"], capture_output=True,
+                        text=True).stdout
+    assert not ps.split(), f"Spark workers left behind: {ps}"
 
 
 def _job(hosts: SparkOnHosts, job: str, out: str, timeout: float) -> str:
@@ -238,3 +247,38 @@ def test_host_lost_mid_epoch_is_named_and_job_finishes_elsewhere(hosts, tmp_path
     assert {hosts.sim.addr(d["host"]) for d in done} == set(result["after_hosts"])
     assert sum(d["seen"] for d in done) == result["fed"] == 3 * 4000
     hosts.wait_workers(len(WORKERS))
+
+
+def test_tfos_keras_example_trains_3_epochs_on_hosts(hosts, tmp_path):
+    """TensorFlowOnSpark's own examples/mnist/keras/mnist_spark.py (imports
+    changed; test_compat_tfos runs it on one host) through spark-submit's
+    environment on the driver host: 2 nodes, 3 epochs, on two of the workers."""
+    from examples.fashion_mnist import data
+    from test_compat_tfos import _mnist_csv
+
+    images, labels = data.load_split("train")
+    csv = str(tmp_path / "csv")
+    _mnist_csv(csv, images.reshape(len(labels), -1), labels)
+    programs = os.path.join(REPO, "tests", "python", "tfos_programs")
+    shims = os.path.join(programs, "tf1_shims")  # the example's TF 2.0-era export calls
+    confs = ["spark.driver.host=driver", f"spark.driver.bindAddress={hosts.sim.addr('driver')}",
+             "spark.ui.enabled=false", "spark.ui.showConsoleProgress=false",
+             "spark.executor.cores=1", "spark.cores.max=2", "spark.executor.memory=1g",
+             f"spark.executorEnv.PYTHONPATH={shims}", "spark.executorEnv.TF_ENABLE_ONEDNN_OPTS=0",
+             "spark.scheduler.minRegisteredResourcesRatio=1.0",
+             "spark.scheduler.maxRegisteredResourcesWaitingTime=90s"]
+    submit = " ".join(["--master", hosts.url] + [a for c in confs for a in ("--conf", c)]
+                      + ["pyspark-shell"])
+    # TF_USE_LEGACY_KERAS unset: ember.compat.tfos chooses tf_keras for the nodes
+    argv = ["env", "-u", "TF_USE_LEGACY_KERAS", f"PYSPARK_SUBMIT_ARGS={submit}",
+            f"PYTHONPATH={shims}", "TF_ENABLE_ONEDNN_OPTS=0", "TF_CPP_MIN_LOG_LEVEL=2", PY,
+            os.path.join(programs, "mnist_spark_tfos.py"), "--cluster_size", "2",
+            "--epochs", "3", "--images_labels", csv, "--model_dir", str(tmp_path / "model"),
+            "--export_dir", str(tmp_path / "export")]
+    text = hosts.run_driver(argv, "tfos-example.log", 900)
+    fed = re.findall(r"\[ember\] train: fed (\d+) records", text)
+    assert fed and int(fed[-1]) > 0, text[-4000:]
+    ready = re.findall(r"cluster ready: (.*)", text)
+    assert ready and set(re.findall(r"@([\d.]+):", ready[0])) <= {
+        hosts.sim.addr(w) for w in WORKERS}, ready
+    assert os.listdir(tmp_path / "export"), text[-3000:]

@@ -123,6 +123,30 @@ def test_train_num_epochs_zero_is_ten_passes_uneven_partitions(local_spark, tmp_
     assert got == collections.Counter({r[0]: 10 for r in rdd.collect()})
 
 
+def test_node_dying_while_a_call_is_announced_is_named_at_once(local_spark):
+    """The driver announces the call to the chief, which reads its feed only
+    after 60 s, while the worker raises: the worker's error, traceback
+    included, comes within seconds (it came after the chief's 60 s and then
+    the feed timeout, connecting to a dead node)."""
+    from ember.spark import EmberNodeError
+
+    sc = local_spark.sparkContext
+    cluster = TFCluster.run(sc, fp.worker_dies_while_chief_sleeps,
+                            {"chief_sleep": 60, "worker_sleep": 2}, 2, 0,
+                            input_mode=TFCluster.InputMode.SPARK, master_node="chief",
+                            reservation_timeout=60)
+    start = time.monotonic()
+    try:
+        with pytest.raises(EmberNodeError) as err:
+            cluster.train(sc.parallelize(range(100), 2), num_epochs=1, feed_timeout=120)
+        took = time.monotonic() - start
+    finally:
+        cluster.server._stop_all(wait=False)
+    assert err.value.node == 1 and "worker:0" in str(err.value), str(err.value)
+    assert "worker gave up before reading its feed" in str(err.value)
+    assert took < 10, f"the error took {took:.1f} s"
+
+
 def test_eval_feed_alongside_training(local_spark, tmp_path):
     sc = local_spark.sparkContext
     cluster = TFCluster.run(sc, fp.train_and_eval_feeds, {"out": str(tmp_path)}, 2, 0,
@@ -338,6 +362,67 @@ def test_pipeline_tfestimator_tfmodel(local_spark, tmp_path, fmnist):
     assert accuracy > 0.65
 
 
+def _mnist_csv(directory, images, labels, parts=10):
+    """The CSV input of TFoS's mnist examples (mnist_data_setup.py --format csv,
+    written by saveAsTextFile): part files of ``label,pixel0,...,pixel783``
+    lines; here of uneven sizes, so that the nodes' shares end at different
+    times."""
+    os.makedirs(directory)
+    cuts = np.linspace(0, len(labels), parts + 1).astype(int)
+    cuts[1:-1] += np.tile([-60, 60], parts)[:parts - 1]
+    for k in range(parts):
+        with open(os.path.join(directory, f"part-{k:05d}"), "w") as f:
+            for i in range(cuts[k], cuts[k + 1]):
+                f.write(",".join(map(str, [int(labels[i])] + images[i].astype(int).tolist())))
+                f.write("\n")
+
+
+def _run_mnist_spark_example(tmp_path, fmnist, master, confs=()):
+    """Runs TFoS's examples/mnist/keras/mnist_spark.py (imports changed) as a
+    script: 2 nodes, 3 epochs under MultiWorkerMirroredStrategy."""
+    import subprocess
+    import sys
+
+    xtr, ytr, _, _ = fmnist
+    data = str(tmp_path / "csv")
+    _mnist_csv(data, xtr, ytr)
+    here = os.path.dirname(os.path.abspath(__file__))
+    shims = os.path.join(here, "tfos_programs", "tf1_shims")  # see its docstring
+    # oneDNN's max-pooling gradient in TF 2.20 aborts the process on CPU
+    # ("MklMaxPoolingGradOp ... int32 expected, got float"): TF's own kernels
+    confs = ["spark.driver.host=127.0.0.1", "spark.driver.bindAddress=127.0.0.1",
+             "spark.ui.enabled=false", f"spark.executorEnv.PYTHONPATH={shims}",
+             "spark.executorEnv.TF_ENABLE_ONEDNN_OPTS=0", *confs]
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=shims, TF_ENABLE_ONEDNN_OPTS="0",
+               PYSPARK_SUBMIT_ARGS=" ".join(["--master", master]
+                                            + [a for c in confs for a in ("--conf", c)]
+                                            + ["pyspark-shell"]))
+    env.pop("TF_USE_LEGACY_KERAS", None)  # ember.compat.tfos sets it for the nodes
+    model_dir, export_dir = tmp_path / "model", tmp_path / "export"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, os.path.join(here, "tfos_programs", "mnist_spark_tfos.py"),
+         "--cluster_size", "2", "--epochs", "3", "--images_labels", data,
+         "--model_dir", str(model_dir), "--export_dir", str(export_dir)],
+        env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=540)
+    took = time.monotonic() - start
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    fed = [ln[ln.index("[ember] train: fed"):] for ln in log.splitlines()
+           if "[ember] train: fed" in ln]
+    assert fed, log[-6000:]
+    assert glob.glob(str(export_dir / "*" / "saved_model.pb")), log[-3000:]
+    assert glob.glob(str(model_dir / "weights-*")), log[-3000:]
+    print(f"mnist_spark.py on {master}: {took:.0f} s; {fed[-1]}")
+
+
+def test_tfos_mnist_spark_example_local(tmp_path, fmnist):
+    """TensorFlowOnSpark's own example, imports changed: 3 epochs on local[2]
+    (2 slots for 2 nodes' feeding tasks); it used to deadlock in epoch 2."""
+    _run_mnist_spark_example(tmp_path, fmnist, "local[2]")
+
+
 # --------------------------------------------------------------------------- standalone
 # (last: switching to the standalone cluster stops the local session)
 
@@ -362,3 +447,20 @@ def test_standalone_feed_and_inference(cluster_spark, tmp_path):
 
 def test_standalone_keras_mnist_input_mode_spark(cluster_spark, tmp_path, fmnist):
     _keras_mnist_spark(cluster_spark, tmp_path, fmnist)
+
+
+def test_tfos_mnist_spark_example_standalone(tmp_path, fmnist):
+    """The same on its own standalone cluster of 2 one-slot executors."""
+    from conftest import Standalone
+
+    cluster = Standalone(str(tmp_path / "standalone"))
+    os.makedirs(cluster.root)
+    cluster.start()
+    try:
+        _run_mnist_spark_example(tmp_path, fmnist, cluster.url, [
+            "spark.executor.cores=1", "spark.cores.max=2", "spark.executor.memory=768m",
+            # start once both executors are there: the nodes' barrier stage needs 2 slots
+            "spark.scheduler.minRegisteredResourcesRatio=1.0",
+            "spark.scheduler.maxRegisteredResourcesWaitingTime=90s"])
+    finally:
+        cluster.stop()

@@ -4,6 +4,7 @@ epochs without re-running the lineage, bad input named precisely."""
 from __future__ import annotations
 
 import collections
+import time
 
 import pytest
 
@@ -142,6 +143,131 @@ def test_node_without_a_partition_stops_instead_of_waiting(local_spark, tmp_path
         cluster.shutdown(timeout=60)
     ids = {info["index"]: info["ids"] for info in read_json_files(str(tmp_path))}
     assert sorted(ids[0]) == list(range(500)) and ids[1] == []
+
+
+_SIZES = (120, 30)  # records of an even (node 0) and an odd (node 1) partition
+
+
+def _partition_records(idx):
+    return [(idx * 1000 + j, [float(idx)]) for j in range(_SIZES[idx % 2])]
+
+
+def lockstep_epochs(spark, out, kind, parts=24, epochs=3, feed_timeout=30.0):
+    """2 nodes consume in lockstep (an all-reduce every step, as under
+    MultiWorkerMirroredStrategy) ``epochs`` epochs of ``parts`` small partitions,
+    node 1's 4x smaller than node 0's.  Fed one task per partition, node 1 ran
+    out first, its freed slot went to the next partition, node 0's, and so on
+    until every slot fed node 0, which waited in its all-reduce for node 1:
+    every feeding task blocked until the feed timeout.  Fed one task per node,
+    each record arrives once per epoch, on its node, well within the timeout."""
+    sc = spark.sparkContext
+    rdd = sc.parallelize(range(parts), parts).flatMap(_partition_records)
+    data = rdd if kind == "rdd" else spark.createDataFrame(rdd, "id long, x array<double>")
+    total = sum(_SIZES[i % 2] for i in range(parts))
+    cluster = run(sc, nodefuns.lockstep, {"out": str(out), "step_timeout": 4 * feed_timeout},
+                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=120)
+    try:
+        start = time.monotonic()
+        assert cluster.train(data, num_epochs=epochs, feed_timeout=feed_timeout) == \
+            epochs * total
+        took = time.monotonic() - start
+        cluster.shutdown(timeout=60)
+    finally:
+        cluster._stop_all()
+    assert took < feed_timeout, f"train took {took:.0f} s"
+    infos = read_json_files(str(out))
+    assert sorted(info["index"] for info in infos) == [0, 1]
+    for info in infos:
+        assert info["errors"] == []
+        mine = collections.Counter(i for idx in range(parts) if idx % 2 == info["index"]
+                                   for i, _ in _partition_records(idx))
+        for epoch in range(epochs):
+            got = collections.Counter(i for i, e in zip(info["ids"], info["epochs"])
+                                      if e == epoch)
+            assert got == mine, (info["index"], epoch)
+        assert len(info["ids"]) == epochs * sum(mine.values())
+    return took
+
+
+@pytest.mark.parametrize("kind", ["rdd", "dataframe"])
+def test_synchronous_training_never_starves_a_node(local_spark, tmp_path, kind):
+    lockstep_epochs(local_spark, tmp_path, kind)
+
+
+def test_grouped_feed_splits_at_partition_boundaries():
+    """A feeding task's view of its node's group: each partition's records in
+    turn (unread ones skipped), empty partitions included, and a stream that
+    does not match the group's partitions fails instead of misrouting."""
+    import pyarrow as pa
+
+    from ember import _grouping as g
+
+    B = g.BOUNDARY
+    items = [B, 1, 2, B, B, 3]
+    assert [(p, list(r)) for p, r in g.partitions(items, [0, 2, 4])] == \
+        [(0, [1, 2]), (2, []), (4, [3])]
+    assert [(p, next(r, None)) for p, r in g.partitions(items, [0, 2, 4])] == \
+        [(0, 1), (2, None), (4, 3)]
+    with pytest.raises(RuntimeError, match="lacks the start of partition 2"):
+        list(g.partitions([B, 1], [0, 2]))
+    with pytest.raises(RuntimeError, match="holds more than"):
+        list(g.partitions([B, 1, B], [0]))
+    assert g.node_partitions(1, 0, 10, 2) == [1, 3, 5, 7, 9]
+    assert g.node_partitions(0, 3, 10, 2) == [4, 6, 8]  # a feed resumed at partition 3
+    ids = pa.array([0, 0, 2, 2, 2], pa.int32())  # partitions 10 and 12 of the call
+    rb = pa.RecordBatch.from_pydict({"x": [1, 2, 3, 4, 5], g.PARTITION_COLUMN: ids})
+    got = [(p, [b.to_pydict() for b in r])
+           for p, r in g.arrow_partitions([rb], [10, 12, 14], 10)]
+    assert got == [(10, [{"x": [1, 2]}]), (12, [{"x": [3, 4, 5]}]), (14, [])]
+    with pytest.raises(RuntimeError, match="partition 12 came after 10"):
+        list(g.arrow_partitions([rb], [10, 14], 10))
+
+
+def test_fewer_task_slots_than_fed_nodes_is_warned(capfd):
+    """One feeding task per fed node holds its slot until the node has taken
+    its data: with fewer slots, a synchronous job cannot have every node fed."""
+    from types import SimpleNamespace
+
+    from ember import spark as ember_spark
+
+    jvm_sc = SimpleNamespace(
+        maxNumConcurrentTasks=lambda profile: 1,
+        resourceProfileManager=lambda: SimpleNamespace(defaultResourceProfile=lambda: None))
+    sc = SimpleNamespace(_jsc=SimpleNamespace(sc=lambda: jvm_sc))
+    ember_spark._warn_few_slots(sc, 1)
+    assert capfd.readouterr().err == ""
+    ember_spark._warn_few_slots(sc, 2)
+    err = capfd.readouterr().err
+    assert "runs 1 task(s) at once for 2 fed nodes" in err and "at least 2 task slots" in err
+
+
+def test_grouped_feed_reads_text_files_and_unions(local_spark, tmp_path):
+    """Sources PySpark does not pickle (a text file's lines) and unions of
+    differently built RDDs reach the grouped feed intact, blank lines included."""
+    sc = local_spark.sparkContext
+    lines = [str(i) if i % 7 else "" for i in range(300)]
+    (tmp_path / "in").mkdir()
+    for k in range(3):
+        with open(tmp_path / "in" / f"part-{k}.txt", "w") as f:
+            f.write("\n".join(lines[k * 100:(k + 1) * 100]) + "\n")
+    text = sc.textFile(str(tmp_path / "in"), 3)
+    union = sc.union([text.map(lambda ln: (int(ln or -1), [1.0])),
+                      sc.parallelize([(1000 + i, [2.0]) for i in range(50)], 2)])
+    # the lines straight (the map runs in the feeding task), then a union of
+    # 2 epochs (cached, re-pickled)
+    for data, epochs, want in [
+            (text.map(lambda ln: (len(ln), [0.0])), 1, [len(ln) for ln in lines]),
+            (union, 2, 2 * ([int(ln or -1) for ln in lines] + [1000 + i for i in range(50)]))]:
+        out = tmp_path / f"out-{epochs}"
+        out.mkdir()
+        cluster = run(sc, nodefuns.count_records, {"out": str(out)}, num_executors=2,
+                      input_mode=InputMode.SPARK, reservation_timeout=60)
+        try:
+            assert cluster.train(data, num_epochs=epochs) == len(want)
+        finally:
+            cluster.shutdown(timeout=60)
+        got = collections.Counter(i for info in read_json_files(str(out)) for i in info["ids"])
+        assert got == collections.Counter(want)
 
 
 def test_tensor_columns_arrive_as_the_arrays_they_pack(local_spark, tmp_path):

@@ -20,6 +20,7 @@ from conftest import read_json_files, signal_node_when_ready
 from ember import _ember
 from ember.errors import EmberFeedError
 from ember.spark import EmberNodeError, InputMode, run
+from test_feed_spark import lockstep_epochs
 
 
 def test_two_node_training_on_two_executors(cluster_spark, tmp_path):
@@ -34,6 +35,14 @@ def test_two_node_training_on_two_executors(cluster_spark, tmp_path):
         cluster.shutdown(timeout=120)
     got = collections.Counter(i for info in read_json_files(str(tmp_path)) for i in info["ids"])
     assert got == collections.Counter({i: 2 for i in range(4000)})
+
+
+@pytest.mark.parametrize("kind", ["rdd", "dataframe"])
+def test_synchronous_training_never_starves_a_node_on_two_executors(cluster_spark, tmp_path,
+                                                                    kind):
+    """Two executors of one slot each: one feeding task per node (see
+    test_feed_spark.lockstep_epochs, which deadlocked here before)."""
+    lockstep_epochs(cluster_spark, tmp_path, kind)
 
 
 def test_reservation_timeout_names_missing_node_on_cluster(cluster_spark):

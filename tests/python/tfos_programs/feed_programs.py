@@ -91,3 +91,20 @@ def streaming_count(args, ctx):
             break
     feed.terminate()
     _write(args, ctx, ids=ids)
+
+
+def worker_dies_while_chief_sleeps(args, ctx):
+    """The chief reads its feed only after ``args["chief_sleep"]`` s; the worker
+    raises after ``args["worker_sleep"]`` s, before it ever reads."""
+    import time
+
+    from ember.compat.tfos import TFNode
+
+    if ctx.job_name == "worker":
+        time.sleep(args["worker_sleep"])
+        raise ValueError("worker gave up before reading its feed")
+    time.sleep(args["chief_sleep"])
+    feed = TFNode.DataFeed(ctx.mgr, True)
+    while not feed.should_stop():
+        if len(feed.next_batch(10)) == 0:
+            break

@@ -49,6 +49,30 @@ def _default_fs(sc: Any) -> str:
     return fs
 
 
+def _node_env(sc: Any) -> Dict[str, str]:
+    """The nodes' extra environment: ``TF_USE_LEGACY_KERAS=1`` where ``tf_keras``
+    is installed, since TFoS's programs are TF 2 Keras programs that Keras 3
+    rejects (MultiWorkerMirroredStrategy, SavedModel exports...).  A choice of
+    the user's wins: ``spark.executorEnv.TF_USE_LEGACY_KERAS`` (the nodes
+    inherit their executor's environment) or ``TF_USE_LEGACY_KERAS`` in the
+    driver's environment (passed on to the nodes as it is)."""
+    import importlib.util
+
+    try:
+        executor_env = sc.getConf().get("spark.executorEnv.TF_USE_LEGACY_KERAS", None)
+    except Exception:  # no JVM gateway (tests with a fake context)
+        executor_env = None
+    if executor_env is not None:
+        return {}
+    if "TF_USE_LEGACY_KERAS" in os.environ:
+        return {"TF_USE_LEGACY_KERAS": os.environ["TF_USE_LEGACY_KERAS"]}
+    try:
+        installed = importlib.util.find_spec("tf_keras") is not None
+    except (ImportError, ValueError):
+        installed = False
+    return {"TF_USE_LEGACY_KERAS": "1"} if installed else {}
+
+
 def _why_not_registered(sc: Any, num_executors: int) -> str:
     """The likely reasons nodes could not start, from the Spark configuration."""
     conf = sc.getConf()
@@ -92,23 +116,26 @@ class TFCluster:
     # -- feeding -------------------------------------------------------------
     def _announce(self, seq: int, qname: str, is_train: bool, streaming: bool,
                   feed_timeout: float) -> None:
-        """Sends the call marker for feed ``seq`` to every fed node (see ``_node``)."""
+        """Sends the call marker for feed ``seq`` to every fed node (see ``_node``).
+
+        Each delivery watches the cluster (``Cluster._on_node``): a node that
+        fails meanwhile raises its EmberNodeError, traceback included, within
+        about a second, not after ``feed_timeout``."""
         core = self.server
         cols = _node.call_marker_columns(seq, self.queues.index(qname), is_train, streaming)
         key = type(core)._next_seq(core) << 20  # a key of its own: never a data partition
+
+        def deliver(client: Any) -> None:
+            client.send(cols, 1, feed_timeout)
+            client.end_partition(feed_timeout)
+
         for host, port, name in core._feed_targets():
             try:
-                client = _ember.FeedClient(host, port, core._secret, key, want_results=False,
-                                           timeout_s=feed_timeout)
-                try:
-                    client.send(cols, 1, feed_timeout)
-                    client.end_partition(feed_timeout)
-                finally:
-                    client.close()
+                core._on_node(host, port, key, deliver, feed_timeout, f"call marker to {name}")
             except _ember.EmberAborted:
                 pass  # that node terminated its feed; its data would be dropped anyway
             except _ember.EmberError as exc:
-                # a failed node surfaces through the feeding job with its traceback
+                # a node that ended: its feeding tasks fail, or it finished its main_fun
                 _log(f"call marker not delivered to {name}: {exc}")
 
     def _install_hook(self) -> None:
@@ -280,7 +307,8 @@ def run(sc: Any, map_fun: Callable[[Any, Any], Any], tf_args: Any, num_executors
                           tensorboard=tensorboard, input_mode=InputMode(int(input_mode)),
                           log_dir=log_dir, driver_ps_nodes=driver_ps_nodes,
                           master_node="chief" if master_node else None,
-                          reservation_timeout=reservation_timeout, eval_node=eval_node)
+                          reservation_timeout=reservation_timeout, eval_node=eval_node,
+                          env=_node_env(sc))
     except (TimeoutError, RuntimeError) as exc:
         if isinstance(exc, EmberNodeError):
             raise

@@ -1,0 +1,484 @@
+"""make bench-cluster: allreduce and the feed over TCP between hosts.
+
+The hosts are simulated on this machine (tests/python/simcluster.py): each is
+a network namespace with its own hostname and an ``eth0`` on one bridge, so
+every byte between two ranks crosses a real TCP connection between two
+network stacks (veth + bridge), as between machines; nothing is shared
+between ranks but the CPUs.  Needs root.
+
+Measured in the same run, in interleaved rounds (every side once per round,
+the order rotated from round to round), all in GB/s = 1e9 bytes/s:
+
+  stream   one TCP stream between two hosts: build/bench/tcp_stream (C,
+           blocking 4 MiB send()/recv(), the kernel's buffer autotuning), the
+           ceiling for anything that moves bytes from one host to another
+  ember    Ember's allreduce (ember._ember.Communicator, tcp_only=True, which
+           only asserts what the hosts' separate /dev/shm already imply), one
+           rank per host, rendezvous on the hosts' addresses
+  mpi      Open MPI (Debian's openmpi-bin; bench/mpi_allreduce.c) with
+           ``--mca btl tcp,self`` across the hosts: mpirun on the first host,
+           its daemons started on the others through ``plm_rsh_agent`` (a
+           script that enters the host's namespace, in place of ssh)
+  gloo     torch.distributed gloo (Debian's python3-torch, run by the system
+           python3 as in bench/allreduce.py), GLOO_SOCKET_IFNAME=eth0
+  feed     Ember's feed: a FeedServer on one host, a FeedClient on another
+           (shared memory off), 4 MiB chunks (one float32 column of 1024 x
+           1024), timed on the server from the first batch to the last
+
+Each side runs in its best configuration here: Open MPI with ``--bind-to
+none`` (each simulated host's daemon would otherwise pin its rank to core 0,
+i.e. every rank onto the same physical core: 24 ms per 1 MiB call) and
+``--mca mpi_yield_when_idle 1`` (Open MPI's setting for more processes than
+cores; its busy polling otherwise starves the other ranks: 4 ranks, 1 MiB,
+0.22 s per call instead of 0.03 s), TCP defaults otherwise, which autotune
+socket buffers (--mpi-extra adds options, e.g. ``--mca btl_tcp_links 2``);
+gloo with one intra-op thread per rank, as in bench/allreduce.py; Ember with
+its defaults (a ring, TCP only).  TCP congestion control is the machine's
+default in every namespace (bbr here) for all sides.
+
+Allreduce: float32 sum, in place; per size, warm-up calls, a barrier, then
+`iters` calls; the slowest rank's mean time per call.  busbw = bytes *
+2(n-1)/n / time (nccl-tests' bus bandwidth: what each rank's link carries).
+
+    make bench-cluster                            # 2 and 4 ranks, 1..256 MiB, 3 rounds
+    EMBER_BENCH_QUICK=1 make bench-cluster        # smoke run (< 1 minute)
+    python bench/cluster.py --ranks 2 --sizes 1M,64M --rounds 5
+
+The last line is
+RESULT bench-cluster vs_best_min=<x> vs_best_min_2r=<x> vs_best_min_4r=<x>
+  vs_stream_2r_max=<x> stream_gbs=<x> feed_tcp_gbs=<x> feed_vs_stream=<x>
+  allreduce_<n>r_<size>_gbs=<x> mpi_<n>r_<size>_gbs=<x> gloo_<n>r_<size>_gbs=<x> ...
+where vs_best_min_<n>r is the smallest, over sizes, of Ember's median busbw
+over the better of Open MPI's and gloo's medians (the like-for-like ratio;
+vs_best_min is the smaller over rank counts) and vs_stream_2r_max the
+largest of Ember's 2-rank median busbw over the stream's median.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECRET = b"ember-bench-cluster-secret-0032b"
+PREFIX = "embbc"
+HOSTS = ["h0", "h1", "h2", "h3"]
+EMBER_PORT = 29400
+GLOO_PORT = 29500
+FEED_PORT = 29600
+STREAM_PORT = 29700
+CHUNK = 4 << 20  # feed chunk: one float32 column, 1024 rows of 1024
+DEFAULT_SIZES = "1M,4M,16M,64M,256M"
+GLOO_PYTHON = "/usr/bin/python3"
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper().rstrip("B").rstrip("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(s[:-1] if s[-1:] in "KMG" else s) * mult
+
+
+def human(n: int) -> str:
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k and n % k == 0:
+            return "%d%s" % (n // k, unit)
+    return "%dB" % n
+
+
+def iters_for(size: int, budget: int) -> int:
+    """Calls per size: about `budget` bytes of buffer, at least 3."""
+    return max(3, min(100, budget // size))
+
+
+def warmups_for(size: int) -> int:
+    return 1 if size >= (64 << 20) else 2
+
+
+# ---------------------------------------------------------------- workers (one per host)
+
+def worker_ember(rank: int, addresses: List[str], plan: List[List[int]]) -> None:
+    sys.path.insert(0, os.path.join(REPO, "python"))
+    import numpy as np
+    from ember import _ember as E
+
+    host = addresses[rank].rsplit(":", 1)[0]
+    comm = E.Communicator(rank, addresses, SECRET, 120.0, bind_host=host, tcp_only=True)
+    for size, iters in plan:
+        a = np.ones(size // 4, dtype=np.float32)
+        for _ in range(warmups_for(size)):
+            comm.allreduce(a)
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            comm.allreduce(a)
+        dt = np.array([(time.perf_counter() - t0) / iters])
+        comm.allreduce(dt, "max")
+        if rank == 0:
+            print(json.dumps({"size": size, "sec": float(dt[0])}), flush=True)
+        del a
+    comm.close()
+
+
+def worker_gloo(rank: int, world: int, master: str, plan: List[List[int]]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="tcp://%s:%d" % (master, GLOO_PORT),
+                            rank=rank, world_size=world)
+    for size, iters in plan:
+        t = torch.ones(size // 4, dtype=torch.float32)
+        for _ in range(warmups_for(size)):
+            dist.all_reduce(t)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(t)
+        dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            print(json.dumps({"size": size, "sec": float(dt[0])}), flush=True)
+        del t
+    dist.destroy_process_group()
+
+
+def worker_feed_server(host: str, chunks: int) -> None:
+    """Pops `chunks` batches; times the first to the last (bytes of the column)."""
+    sys.path.insert(0, os.path.join(REPO, "python"))
+    from ember import _ember as E
+
+    srv = E.FeedServer(SECRET, host=host, port=FEED_PORT, shm=False)
+    print("ready", flush=True)
+    got, nbytes, t0 = 0, 0, 0.0
+    while got < chunks:
+        item = srv.next(120.0)
+        if item is None:
+            raise RuntimeError("feed stalled after %d of %d chunks" % (got, chunks))
+        if item.kind != "batch":
+            continue
+        if got == 0:
+            t0 = time.perf_counter()
+        else:  # the first batch only starts the clock
+            nbytes += CHUNK
+        got += 1
+        item.release()
+    dt = time.perf_counter() - t0
+    print(json.dumps({"bytes": nbytes, "sec": dt}), flush=True)
+    time.sleep(0.5)  # let the client's end_partition be acknowledged
+    srv.close()
+
+
+def worker_feed_client(host: str, chunks: int) -> None:
+    sys.path.insert(0, os.path.join(REPO, "python"))
+    import numpy as np
+    from ember import _ember as E
+
+    x = np.ones((1024, 1024), dtype=np.float32)
+    assert x.nbytes == CHUNK
+    with E.FeedClient(host, FEED_PORT, SECRET, 0, timeout_s=60.0, shm=False) as c:
+        for _ in range(chunks):
+            c.send([("x", E.DT_F32, 1024, x, None)], 1024, 60.0)
+        c.end_partition(60.0)
+
+
+# ---------------------------------------------------------------- sides
+
+class Bench:
+    def __init__(self, sim, args) -> None:
+        self.sim = sim
+        self.args = args
+        self.tmp = tempfile.mkdtemp(prefix="ember-bench-cluster-")
+        self.agent = os.path.join(self.tmp, "netns-rsh")
+        # ssh's contract for Open MPI: "agent HOST CMD..." runs CMD (a shell
+        # command line) on HOST.  Here HOST is entered exactly as
+        # SimCluster.command enters it (namespaces, hostname, /dev/shm), from
+        # this process's mount namespace: the agent itself runs on a simulated
+        # host, whose /dev/shm hides the other hosts' directories.
+        with open(self.agent, "w") as f:
+            f.write("#!%s\nimport os, sys\nsys.path.insert(0, %r)\nimport simcluster\n"
+                    "sim = simcluster.SimCluster(%r, prefix=%r)\n"
+                    "argv = ['nsenter', '--mount=/proc/%d/ns/mnt', '--'] + sim.command(\n"
+                    "    sys.argv[1], ['sh', '-c', ' '.join(sys.argv[2:])])\n"
+                    "os.execvp(argv[0], argv)\n"
+                    % (GLOO_PYTHON, os.path.join(REPO, "tests", "python"), sim.hosts, PREFIX,
+                       os.getpid()))
+        os.chmod(self.agent, 0o755)
+
+    def close(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _collect(self, procs: List[subprocess.Popen], timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        try:
+            out, err = procs[0].communicate(timeout=timeout)
+            for p in procs[1:]:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        codes = [p.returncode for p in procs]
+        if any(codes):
+            raise RuntimeError("exit codes %s; rank 0 stderr: %s" % (codes, (err or "")[-1500:]))
+        return out
+
+    @staticmethod
+    def _by_size(out: str) -> Dict[int, float]:
+        res = {}
+        for line in out.splitlines():
+            if line.startswith("{"):
+                d = json.loads(line)
+                res[d["size"]] = d["sec"]
+        return res
+
+    def _plan(self, sizes: Sequence[int]) -> str:
+        return json.dumps([[s, iters_for(s, self.args.budget)] for s in sizes])
+
+    def stream(self) -> float:
+        exe = os.path.join(REPO, "build", "bench", "tcp_stream")
+        rx = self.sim.popen("h1", [exe, "recv", str(STREAM_PORT)], stdout=subprocess.PIPE,
+                            text=True)
+        assert rx.stdout is not None
+        if rx.stdout.readline().strip() != "ready":
+            raise RuntimeError("tcp_stream receiver did not start")
+        self.sim.run("h0", [exe, "send", self.sim.addr("h1"), str(STREAM_PORT),
+                            str(self.args.stream_seconds)], check=True, timeout=120)
+        out = self._collect([rx], 60)
+        _, nbytes, sec = out.split()[-3:]
+        return int(nbytes) / float(sec) / 1e9
+
+    def ember(self, n: int, sizes: Sequence[int]) -> Dict[int, float]:
+        addrs = ",".join("%s:%d" % (self.sim.addr(h), EMBER_PORT) for h in HOSTS[:n])
+        procs = [self.sim.popen(HOSTS[r], [sys.executable, os.path.abspath(__file__),
+                                           "--worker", "ember", "--rank", str(r),
+                                           "--addresses", addrs, "--plan", self._plan(sizes)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(n)]
+        return self._by_size(self._collect(procs, self.args.timeout))
+
+    def gloo(self, n: int, sizes: Sequence[int]) -> Dict[int, float]:
+        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0")
+        env.pop("PYTHONPATH", None)
+        procs = [self.sim.popen(HOSTS[r], [GLOO_PYTHON, os.path.abspath(__file__),
+                                           "--worker", "gloo", "--rank", str(r), "--world",
+                                           str(n), "--master", self.sim.addr("h0"),
+                                           "--plan", self._plan(sizes)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
+                 for r in range(n)]
+        return self._by_size(self._collect(procs, self.args.timeout))
+
+    def mpi(self, n: int, sizes: Sequence[int]) -> Dict[int, float]:
+        exe = os.path.join(REPO, "build", "bench", "mpi_allreduce")
+        cmd = ["mpirun", "-np", str(n), "--host", ",".join(HOSTS[:n]), "--oversubscribe",
+               "--bind-to", "none", "--mca", "plm_rsh_agent", self.agent,
+               "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "eth0",
+               "--mca", "oob_tcp_if_include", "eth0", "--mca", "mpi_yield_when_idle", "1"]
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        cmd += self.args.mpi_extra.split()
+        cmd += [exe] + ["%d:%d" % (s, i) for s, i in json.loads(self._plan(sizes))]
+        p = self.sim.popen("h0", cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out = self._collect([p], self.args.timeout)
+        res = {}
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == "mpi":
+                res[int(parts[1])] = float(parts[2])
+        return res
+
+    def feed(self) -> float:
+        chunks = self.args.feed_chunks
+        srv = self.sim.popen("h1", [sys.executable, os.path.abspath(__file__), "--worker",
+                                    "feed_server", "--host", self.sim.addr("h1"),
+                                    "--chunks", str(chunks)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert srv.stdout is not None
+        if srv.stdout.readline().strip() != "ready":
+            raise RuntimeError("feed server did not start: %s" % srv.stderr.read()[-1500:])
+        cli = self.sim.popen("h0", [sys.executable, os.path.abspath(__file__), "--worker",
+                                    "feed_client", "--host", self.sim.addr("h1"),
+                                    "--chunks", str(chunks)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out = self._collect([srv, cli], self.args.timeout)
+        d = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
+        return d["bytes"] / d["sec"] / 1e9
+
+
+# ---------------------------------------------------------------- report
+
+def med(xs: List[float]) -> Optional[float]:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return statistics.median(xs) if xs else None
+
+
+def cell(xs: List[float]) -> str:
+    """median [min-max] of the rounds."""
+    ok = [x for x in xs if x is not None and math.isfinite(x)]
+    if not ok:
+        return "%-20s" % "n/a"
+    return "%-20s" % ("%.3f [%.2f-%.2f]" % (statistics.median(ok), min(ok), max(ok)))
+
+
+def kv(x: Optional[float]) -> str:
+    return "%.3f" % x if x is not None and math.isfinite(x) else "nan"
+
+
+def main() -> int:
+    quick = os.environ.get("EMBER_BENCH_QUICK", "") not in ("", "0")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--sizes", default="1M" if quick else DEFAULT_SIZES)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--budget", type=parse_size, default=parse_size("16M" if quick else "256M"),
+                    help="bytes of buffer per size and launch (calls = budget / size, 3..100)")
+    ap.add_argument("--stream-seconds", type=float, default=0.5 if quick else 2.0)
+    ap.add_argument("--feed-chunks", type=int, default=64 if quick else 512)
+    ap.add_argument("--mpi-extra", default="", help="more mpirun options, e.g. '--mca btl_tcp_links 2'")
+    ap.add_argument("--sides", default="stream,ember,mpi,gloo,feed")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    # worker modes (internal)
+    ap.add_argument("--worker", choices=["ember", "gloo", "feed_server", "feed_client"])
+    ap.add_argument("--rank", type=int)
+    ap.add_argument("--world", type=int)
+    ap.add_argument("--addresses")
+    ap.add_argument("--master")
+    ap.add_argument("--plan")
+    ap.add_argument("--host")
+    ap.add_argument("--chunks", type=int)
+    args = ap.parse_args()
+
+    if args.worker == "ember":
+        worker_ember(args.rank, args.addresses.split(","), json.loads(args.plan))
+        return 0
+    if args.worker == "gloo":
+        worker_gloo(args.rank, args.world, args.master, json.loads(args.plan))
+        return 0
+    if args.worker == "feed_server":
+        worker_feed_server(args.host, args.chunks)
+        return 0
+    if args.worker == "feed_client":
+        worker_feed_client(args.host, args.chunks)
+        return 0
+
+    sys.path.insert(0, os.path.join(REPO, "tests", "python"))
+    import simcluster
+
+    why = simcluster.available()
+    if why is not None:
+        print("bench-cluster needs network namespaces: %s" % why)
+        return 2
+    ranks = [int(r) for r in args.ranks.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sides = args.sides.split(",")
+    if any(s % 4 for s in sizes):
+        ap.error("sizes must be multiples of 4 bytes (float32)")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    if "mpi" in sides and not (shutil.which("mpirun") and
+                               os.path.exists(os.path.join(REPO, "build/bench/mpi_allreduce"))):
+        print("note: mpirun or build/bench/mpi_allreduce missing: mpi is n/a")
+        sides.remove("mpi")
+    if "gloo" in sides and subprocess.run(
+            [GLOO_PYTHON, "-c", "import torch.distributed as d; assert d.is_gloo_available()"],
+            capture_output=True).returncode != 0:
+        print("note: %s cannot import torch with gloo (apt-get install python3-torch): "
+              "gloo is n/a" % GLOO_PYTHON)
+        sides.remove("gloo")
+
+    # results[side][n][size] -> list over rounds; stream and feed: list over rounds
+    coll = {s: {n: {z: [] for z in sizes} for n in ranks} for s in ("ember", "mpi", "gloo")}
+    stream: List[float] = []
+    feed: List[float] = []
+    t_start = time.monotonic()
+    with simcluster.SimCluster(HOSTS[:max(max(ranks), 2)], prefix=PREFIX) as sim:
+        bench = Bench(sim, args)
+        try:
+            jobs = []  # (name, callable); rotated each round so no side always goes first
+            if "stream" in sides:
+                jobs.append(("stream", lambda: stream.append(bench.stream())))
+            if "feed" in sides:
+                jobs.append(("feed", lambda: feed.append(bench.feed())))
+            for n in ranks:
+                for side in ("ember", "mpi", "gloo"):
+                    if side in sides:
+                        def run(side=side, n=n) -> None:
+                            got = getattr(bench, side)(n, sizes)
+                            for z in sizes:
+                                sec = got.get(z)
+                                coll[side][n][z].append(z * 2.0 * (n - 1) / n / sec / 1e9
+                                                        if sec else float("nan"))
+                        jobs.append(("%s %d ranks" % (side, n), run))
+            for r in range(args.rounds):
+                k = r % len(jobs)
+                for name, job in jobs[k:] + jobs[:k]:
+                    t0 = time.monotonic()
+                    try:
+                        job()
+                    except Exception as e:  # one failed launch is a gap, not the end
+                        print("round %d: %s failed: %s" % (r + 1, name, e))
+                    print("round %d: %-14s %5.1f s" % (r + 1, name, time.monotonic() - t0),
+                          flush=True)
+        finally:
+            bench.close()
+
+    print("\n%d rounds, %.0f s; GB/s = 1e9 bytes/s, median [min-max] over rounds; "
+          "busbw = bytes * 2(n-1)/n / time" % (args.rounds, time.monotonic() - t_start))
+    s_med = med(stream)
+    print("one TCP stream h0 -> h1: %s" % cell(stream))
+    if feed:
+        print("Ember feed h0 -> h1 (TCP, 4 MiB chunks): %s" % cell(feed))
+    result = {}
+    best_min: Dict[int, Optional[float]] = {}
+    stream_max: Dict[int, Optional[float]] = {}
+    for n in ranks:
+        print("\n== allreduce, %d ranks on %d hosts: busbw GB/s" % (n, n))
+        print("%8s  %-20s %-20s %-20s %9s %9s %10s" % ("size", "ember", "mpi (tcp)", "gloo",
+                                                       "e/mpi", "e/gloo", "e/stream"))
+        ratios, vs_stream = [], []
+        for z in sizes:
+            e, m, g = (med(coll[s][n][z]) for s in ("ember", "mpi", "gloo"))
+
+            def rt(a: Optional[float], b: Optional[float]) -> str:
+                return "%8.2fx" % (a / b) if a is not None and b else "      n/a"
+            print("%8s  %s %s %s %s %s %s" % (human(z), cell(coll["ember"][n][z]),
+                                             cell(coll["mpi"][n][z]), cell(coll["gloo"][n][z]),
+                                             rt(e, m), rt(e, g), " " + rt(e, s_med)))
+            tag = "%dr_%s" % (n, human(z))
+            result["allreduce_%s_gbs" % tag] = e
+            result["mpi_%s_gbs" % tag] = m
+            result["gloo_%s_gbs" % tag] = g
+            peers = [x for x in (m, g) if x is not None]
+            if e is not None and peers:
+                ratios.append(e / max(peers))
+            if e is not None and s_med:
+                vs_stream.append(e / s_med)
+        best_min[n] = min(ratios) if ratios else None
+        stream_max[n] = max(vs_stream) if vs_stream else None
+    print()
+    mins = [x for x in best_min.values() if x is not None]
+    head = ["vs_best_min=%s" % kv(min(mins) if mins else None)]
+    head += ["vs_best_min_%dr=%s" % (n, kv(best_min[n])) for n in ranks]
+    head += ["vs_stream_%dr_max=%s" % (n, kv(stream_max[n])) for n in ranks]
+    f_med = med(feed)
+    head += ["stream_gbs=%s" % kv(s_med), "feed_tcp_gbs=%s" % kv(f_med),
+             "feed_vs_stream=%s" % kv(f_med / s_med if f_med is not None and s_med else None)]
+    print("RESULT bench-cluster " + " ".join(head + ["%s=%s" % (k, kv(v))
+                                                     for k, v in result.items()]))
+    # A side that failed is a gap in the table; Ember failing is a failed run.
+    missing = "ember" in sides and any(result["allreduce_%dr_%s_gbs" % (n, human(z))] is None
+                                       for n in ranks for z in sizes)
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""One feeding task per fed node: ``train()``'s data grouped by node, without a shuffle.
+
+Partition ``p`` of a ``train()`` call goes to fed node ``p % n``.  Fed one
+Spark task per partition, a node can starve: Spark may run two partitions of
+node 0 at once while node 1 has no feeder, and under a synchronous strategy
+(an all-reduce every step) node 0 then stops consuming, waiting for node 1,
+so both feeding tasks block until the feed timeout.  Grouped, task ``i``
+feeds node ``i``'s partitions (``p ≡ i mod n``, increasing) one after the
+other, so every node has its feeder as soon as the job has ``n`` slots.
+
+The grouping is ``ember.spark.NodeGroups`` (Ember's Spark jar): a
+``PartitionCoalescer``, so a narrow dependency, no shuffle.  The feeding task
+must still see where each partition starts:
+
+- an RDD's JVM elements are pickled batches (or text lines); each partition
+  is made to begin with a null element (neither ever is null), which
+  :class:`BoundaryDeserializer` turns into :data:`BOUNDARY`.  The RDD's own
+  Python functions (a ``PipelinedRDD``'s) run in the feeding task, as
+  ``rdd.mapPartitions(feeder)`` would run them: no extra pickling, and their
+  errors reach the feeder;
+- a DataFrame gets its partition id as a column (``spark_partition_id()``)
+  and stays on Spark's Arrow path (``mapInArrow``); the feeding task splits
+  Arrow batches where that column changes (:func:`arrow_partitions`) and
+  drops it.
+
+Driver-side functions import pyspark; the splitters run in feeding tasks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any, Deque, Iterator, List, Optional, Tuple
+
+from pyspark.serializers import (AutoBatchedSerializer, BatchedSerializer, CloudPickleSerializer,
+                                 FramedSerializer, PickleSerializer, SpecialLengths,
+                                 UTF8Deserializer, read_int)
+
+#: The feeding task's mark of a partition's start in a grouped RDD.
+BOUNDARY = type("PartitionBoundary", (), {"__repr__": lambda self: "<partition boundary>"})()
+_END = object()  # the end of a grouped RDD's records
+#: The column of a grouped DataFrame that holds each row's partition (dropped before feeding).
+PARTITION_COLUMN = "__ember_partition__"
+_JAVA_CLASS = "ember.spark.NodeGroups"
+_jar_lock = threading.Lock()  # one ADD JAR per driver
+_PICKLES = (PickleSerializer, CloudPickleSerializer)
+
+
+def node_partitions(node: int, first: int, parts: int, nodes: int) -> List[int]:
+    """The call's partitions that fed node ``node`` gets, in the order its task feeds them."""
+    return list(range(first + (node - first) % nodes, parts, nodes))
+
+
+# --------------------------------------------------------------------------- driver
+
+def java_class(sc: Any) -> Any:
+    """``ember.spark.NodeGroups``, after adding Ember's Spark jar to the session
+    (``ADD JAR``: the driver and the executors) if ``spark.jars`` did not;
+    None when the jar is missing.
+
+    py4j finds classes through the calling thread's context class loader, and
+    ``ADD JAR`` sets only its own thread's: other threads get the session's
+    jar class loader set when the plain lookup fails."""
+    import os
+
+    from py4j.java_gateway import JavaClass
+    from pyspark.sql import SparkSession
+
+    from ember import _jars
+
+    def lookup() -> Any:
+        cls = sc._jvm
+        for part in _JAVA_CLASS.split("."):
+            cls = getattr(cls, part)
+        return cls if isinstance(cls, JavaClass) else None
+
+    cls = lookup()
+    if cls is not None or not os.path.exists(_jars.SPARK_JAR):
+        return cls
+    spark = SparkSession.builder.getOrCreate()
+    with _jar_lock:
+        cls = lookup()
+        if cls is None:
+            loader = spark._jsparkSession.sharedState().jarClassLoader()
+            sc._jvm.java.lang.Thread.currentThread().setContextClassLoader(loader)
+            cls = lookup()
+        if cls is None:
+            spark.sql(f"ADD JAR '{_jars.SPARK_JAR}'")
+            cls = lookup()
+    return cls
+
+
+def task_slots(sc: Any) -> Optional[int]:
+    """How many tasks the cluster can run at once now (None if Spark cannot say)."""
+    try:
+        jsc = sc._jsc.sc()
+        return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager()
+                                             .defaultResourceProfile()))
+    except Exception:  # a diagnostic only
+        return None
+
+
+def _readable(ser: Any) -> bool:
+    """Whether :class:`BoundaryDeserializer` reads what ``ser`` reads: pickles
+    (batched or not) or UTF-8 text (``sc.textFile``)."""
+    if type(ser) in (BatchedSerializer, AutoBatchedSerializer):
+        ser = ser.serializer
+    return type(ser) in _PICKLES or type(ser) is UTF8Deserializer
+
+
+def group_rdd(rdd: Any, groups: Any, nodes: int, first: int) -> Tuple[Any, Any]:
+    """``rdd`` as one partition per fed node (``groups``: the JVM class from
+    :func:`java_class`), each source partition's records preceded by
+    :data:`BOUNDARY`; and the function ``f(split, records)`` the feeding task
+    applies to each source partition (a ``PipelinedRDD``'s Python pipeline,
+    as PySpark runs it; None for none)."""
+    from pyspark import RDD
+    from pyspark.rdd import PipelinedRDD
+
+    count = rdd.getNumPartitions()
+    if isinstance(rdd, PipelinedRDD) and rdd._is_pipelinable() and \
+            _readable(rdd._prev_jrdd_deserializer):
+        jrdd, ser, func = rdd._prev_jrdd, rdd._prev_jrdd_deserializer, rdd.func
+    else:
+        if not _readable(rdd._jrdd_deserializer):  # pairs, raw bytes: pickle them
+            rdd = rdd.map(lambda x: x)
+        jrdd, ser, func = rdd._jrdd, rdd._jrdd_deserializer, None
+    grouped = groups.groupPython(jrdd, nodes, first, count)
+    return RDD(grouped, rdd.ctx, BoundaryDeserializer(ser)), func
+
+
+def group_dataframe(df: Any, groups: Any, nodes: int, first: int, expected: int) -> Any:
+    """``df`` plus :data:`PARTITION_COLUMN` as one partition per fed node."""
+    from pyspark.sql import DataFrame
+    from pyspark.sql.functions import spark_partition_id
+
+    # spark_partition_id() is nondeterministic: the optimizer keeps it where
+    # it is, over the epochs' union, so it numbers the union's partitions
+    tagged = df.withColumn(PARTITION_COLUMN, spark_partition_id())
+    return DataFrame(groups.groupRows(tagged._jdf, nodes, first, expected), df.sparkSession)
+
+
+class InputBroken(RuntimeError):
+    """The stream from Spark to the feeding task ended without Spark's end
+    mark: a stage upstream failed, and Spark reports its error.  Not the end
+    of a partition."""
+
+
+class BoundaryDeserializer(FramedSerializer):
+    """Reads a grouped RDD: a NULL frame is :data:`BOUNDARY`; any other is a
+    batch of the source's pickled records, one pickled record, or a line of
+    text, as the source's deserializer ``source`` reads it."""
+
+    def __init__(self, source: Any) -> None:
+        super().__init__()
+        self._batched = type(source) in (BatchedSerializer, AutoBatchedSerializer)
+        inner = source.serializer if self._batched else source
+        self._text = type(inner) is UTF8Deserializer
+        self._unicode = bool(getattr(inner, "use_unicode", True))
+        self._inner = inner
+
+    def load_stream(self, stream: Any) -> Iterator[Any]:
+        while True:
+            try:
+                length = read_int(stream)
+            except EOFError:
+                raise InputBroken("ember: Spark's input to the feeding task ended "
+                                  "without its end mark") from None
+            if length == SpecialLengths.END_OF_DATA_SECTION:
+                return
+            if length == SpecialLengths.NULL:
+                yield BOUNDARY
+                continue
+            data = stream.read(length)
+            if len(data) < length:
+                raise InputBroken("ember: Spark's input to the feeding task broke off "
+                                  "within a record")
+            if self._text:
+                yield data.decode("utf-8") if self._unicode else data
+            elif self._batched:
+                yield from self._inner.loads(data)
+            else:
+                yield self._inner.loads(data)
+
+    def dumps(self, obj: Any) -> bytes:
+        raise NotImplementedError("BoundaryDeserializer only reads")
+
+    def __repr__(self) -> str:
+        return f"BoundaryDeserializer({self._inner!r}, batched={self._batched})"
+
+
+# --------------------------------------------------------------------------- feeding task
+
+def partitions(items: Any, group: List[int]) -> Iterator[Tuple[int, Iterator[Any]]]:
+    """Splits a grouped RDD's records at its boundaries: ``(p, records)`` for
+    each partition ``p`` of ``group`` in turn.  Records a consumer leaves
+    unread are skipped before the next partition."""
+    it = iter(items)
+    head = next(it, _END)
+    for p in group:
+        if head is not BOUNDARY:
+            raise RuntimeError(f"ember: the grouped feed lacks the start of partition {p}")
+        cell = [next(it, _END)]  # the record read ahead
+
+        def records(cell: List[Any] = cell) -> Iterator[Any]:
+            while cell[0] is not BOUNDARY and cell[0] is not _END:
+                yield cell[0]
+                cell[0] = next(it, _END)
+
+        body = records()
+        yield p, body
+        for _ in body:  # what the consumer did not read (it stopped early)
+            pass
+        head = cell[0]
+    if head is not _END:
+        raise RuntimeError(f"ember: the grouped feed holds more than partitions {group}")
+
+
+def arrow_partitions(batches: Any, group: List[int], first: int
+                     ) -> Iterator[Tuple[int, Iterator[Any]]]:
+    """Splits a grouped DataFrame's Arrow batches by :data:`PARTITION_COLUMN`
+    (dropped): ``(p, record batches)`` for each partition ``p`` of ``group``
+    in turn, empty partitions included (the rows say nothing of those)."""
+    import numpy as np
+
+    queue: Deque[Tuple[int, Any]] = deque()  # runs (p, rows) read ahead: one batch's
+    source = iter(batches)
+    done = False
+
+    def fill() -> bool:
+        nonlocal done
+        while not queue and not done:
+            rb = next(source, None)
+            if rb is None:
+                done = True
+                break
+            at = rb.schema.get_field_index(PARTITION_COLUMN)
+            ids = rb.column(at).to_numpy(zero_copy_only=False)
+            rb = rb.drop_columns([PARTITION_COLUMN]) if hasattr(rb, "drop_columns") \
+                else rb.remove_column(at)
+            if not len(ids):
+                continue
+            cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+            for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(ids)]):
+                queue.append((first + int(ids[lo]), rb.slice(int(lo), int(hi - lo))))
+        return bool(queue)
+
+    for p in group:
+        def rows(p: int = p) -> Iterator[Any]:
+            while fill() and queue[0][0] == p:
+                yield queue.popleft()[1]
+
+        body = rows()
+        yield p, body
+        for _ in body:
+            pass
+        if fill() and queue[0][0] not in group[group.index(p) + 1:]:
+            raise RuntimeError(f"ember: partition {queue[0][0]} came after {p} in the "
+                               f"grouped feed of partitions {group}")
+    if fill():
+        raise RuntimeError(f"ember: the grouped feed holds rows of partition {queue[0][0]}, "
+                           f"not one of {group}")
