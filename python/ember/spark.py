@@ -46,13 +46,29 @@ class InputMode(enum.IntEnum):
     SPARK = 1  #: cluster.train(rdd) pushes partitions into the nodes' feeds
 
 
+#: How a collective (and the feed) words a peer that vanished mid-operation:
+#: a node failing with it is more likely the casualty of another node's loss
+#: than its cause.
+_PEER_VANISHED = "failed, was killed or left)"
+#: How long the driver waits for the cause of a failure that only reports a
+#: vanished peer (the lost node's control connection drops at about the same
+#: moment, see Cluster._failure).
+_CAUSE_GRACE = 3.0
+
+
 class EmberNodeError(RuntimeError):
     """A node failed (its main_fun raised, it exited, or it was lost)."""
 
-    def __init__(self, message: str, node: int) -> None:
+    def __init__(self, message: str, node: int, kind: str = "failed") -> None:
         super().__init__(message)
         self.node = node
+        self.kind = kind  #: "failed" (main_fun raised or the node exited) or "lost"
         self.seen_at = time.monotonic()  #: when the driver learnt of it (time.monotonic)
+
+    @property
+    def peer_vanished(self) -> bool:
+        """True when the node failed only because a peer vanished under it."""
+        return self.kind == "failed" and _PEER_VANISHED in str(self)
 
 
 def _log(msg: str) -> None:
@@ -667,12 +683,24 @@ class Cluster:
                         msg = f"ember {self._name(node)} {what}"
                         if text:
                             msg += f":\n{text}"
-                        self._failures.append(EmberNodeError(msg, node))
+                        self._failures.append(EmberNodeError(msg, node, kind))
                     self._changed.notify_all()
 
     def _failure(self) -> Optional[EmberNodeError]:
         with self._lock:
-            return self._failures[0] if self._failures else None
+            while self._failures:
+                # the first failure that is a cause, not a peer's casualty: when
+                # a host dies, its peers' collectives break at once and they may
+                # report before the lost node's connections are seen to drop
+                causes = [f for f in self._failures if not f.peer_vanished]
+                if causes:
+                    return causes[0]
+                first = self._failures[0]
+                left = first.seen_at + _CAUSE_GRACE - time.monotonic()
+                if left <= 0:
+                    return first
+                self._changed.wait(left)
+            return None
 
     # -- jobs ----------------------------------------------------------------
     def _run_job(self, what: str, action: Callable[[], Any], seq: Optional[int] = None) -> Any:

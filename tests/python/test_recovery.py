@@ -219,3 +219,46 @@ def test_restart_feeds_only_the_epochs_the_checkpoint_lacks(local_spark, tmp_pat
     # so the records trained twice are exactly those of the interrupted
     # epochs trained before the kill
     assert sum(before.values()) + sum(after.values()) == epochs * n + before[1] + before[2]
+
+
+def test_the_lost_node_is_named_not_the_peer_its_loss_broke(monkeypatch):
+    """A host dies: its peer's allreduce breaks at once and that peer reports
+    first, the dead node's dropped connection a moment later.  The driver
+    names the dead node; a failure that is only a vanished peer is reported
+    as it is when no cause follows within the grace."""
+    import ember.spark as spark
+
+    def cluster():
+        c = spark.Cluster.__new__(spark.Cluster)
+        c._lock = threading.Lock()
+        c._changed = threading.Condition(c._lock)
+        c._failures = []
+        return c
+
+    def report(c, err, delay):
+        def add():
+            time.sleep(delay)
+            with c._lock:
+                c._failures.append(err)
+                c._changed.notify_all()
+        threading.Thread(target=add, daemon=True).start()
+
+    casualty = ("ember node 0 failed with exit code 1:\nEmberError: allreduce #35: recv from "
+                "rank 1 (198.18.0.5:34979) (the peer failed, was killed or left): reset")
+    c = cluster()
+    report(c, EmberNodeError(casualty, 0), 0)
+    report(c, EmberNodeError("ember node 1 was lost", 1, "lost"), 0.5)
+    time.sleep(0.1)
+    start = time.monotonic()
+    got = c._failure()
+    assert got.node == 1 and got.kind == "lost" and 0.2 < time.monotonic() - start < 2
+    # no cause follows: the casualty is the failure, after the grace
+    monkeypatch.setattr(spark, "_CAUSE_GRACE", 0.5)
+    c = cluster()
+    report(c, EmberNodeError(casualty, 0), 0)
+    time.sleep(0.1)
+    assert c._failure().node == 0
+    # a node that failed by itself is named at once, before its peers' casualties
+    c = cluster()
+    c._failures += [EmberNodeError(casualty, 1), EmberNodeError("node 0: ValueError", 0)]
+    assert c._failure().node == 0
