@@ -33,7 +33,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = b"ember-bench-allreduce-secret-32b"
@@ -61,6 +61,19 @@ def warmups_for(size: int) -> int:
     return 1 if size >= (64 << 20) else 2
 
 
+def seconds_per_call(allreduce: Callable[[], Any], barrier: Callable[[], Any], size: int,
+                     iters: int) -> float:
+    """This rank's mean time of `iters` calls of `allreduce` (of `size` bytes),
+    after its warm-up calls and a barrier; every implementation is timed so."""
+    for _ in range(warmups_for(size)):
+        allreduce()
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        allreduce()
+    return (time.perf_counter() - t0) / iters
+
+
 # ---------------------------------------------------------------- workers
 
 def worker_ember(rank: int, addresses: List[str], fd: int, sizes: List[int],
@@ -72,14 +85,8 @@ def worker_ember(rank: int, addresses: List[str], fd: int, sizes: List[int],
     comm = E.Communicator(rank, addresses, SECRET, 120.0, listen_fd=fd, tcp_only=tcp_only)
     for size in sizes:
         a = np.ones(size // 4, dtype=np.float32)
-        for _ in range(warmups_for(size)):
-            comm.allreduce(a)
-        comm.barrier()
-        n = iters_for(size)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            comm.allreduce(a)
-        dt = np.array([(time.perf_counter() - t0) / n])
+        dt = np.array([seconds_per_call(lambda: comm.allreduce(a), comm.barrier, size,
+                                        iters_for(size))])
         comm.allreduce(dt, "max")
         if rank == 0:
             print(json.dumps({"size": size, "sec": float(dt[0])}), flush=True)
@@ -95,14 +102,8 @@ def worker_gloo(rank: int, world: int, port: int, sizes: List[int]) -> None:
                             world_size=world)
     for size in sizes:
         t = torch.ones(size // 4, dtype=torch.float32)
-        for _ in range(warmups_for(size)):
-            dist.all_reduce(t)
-        dist.barrier()
-        n = iters_for(size)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            dist.all_reduce(t)
-        dt = torch.tensor([(time.perf_counter() - t0) / n], dtype=torch.float64)
+        dt = torch.tensor([seconds_per_call(lambda: dist.all_reduce(t), dist.barrier, size,
+                                            iters_for(size))], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if rank == 0:
             print(json.dumps({"size": size, "sec": float(dt[0])}), flush=True)

@@ -67,6 +67,9 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
+# the single-host benchmark's size syntax and timed loop (bench/ is this script's path)
+from allreduce import human, parse_size, seconds_per_call
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = b"ember-bench-cluster-secret-0032b"
 PREFIX = "embbc"
@@ -80,26 +83,9 @@ DEFAULT_SIZES = "1M,4M,16M,64M,256M"
 GLOO_PYTHON = "/usr/bin/python3"
 
 
-def parse_size(s: str) -> int:
-    s = s.strip().upper().rstrip("B").rstrip("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(s[:-1] if s[-1:] in "KMG" else s) * mult
-
-
-def human(n: int) -> str:
-    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= k and n % k == 0:
-            return "%d%s" % (n // k, unit)
-    return "%dB" % n
-
-
 def iters_for(size: int, budget: int) -> int:
     """Calls per size: about `budget` bytes of buffer, at least 3."""
     return max(3, min(100, budget // size))
-
-
-def warmups_for(size: int) -> int:
-    return 1 if size >= (64 << 20) else 2
 
 
 # ---------------------------------------------------------------- workers (one per host)
@@ -113,17 +99,10 @@ def worker_ember(rank: int, addresses: List[str], plan: List[List[int]]) -> None
     comm = E.Communicator(rank, addresses, SECRET, 120.0, bind_host=host, tcp_only=True)
     for size, iters in plan:
         a = np.ones(size // 4, dtype=np.float32)
-        for _ in range(warmups_for(size)):
-            comm.allreduce(a)
-        comm.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            comm.allreduce(a)
-        dt = np.array([(time.perf_counter() - t0) / iters])
+        dt = np.array([seconds_per_call(lambda: comm.allreduce(a), comm.barrier, size, iters)])
         comm.allreduce(dt, "max")
         if rank == 0:
             print(json.dumps({"size": size, "sec": float(dt[0])}), flush=True)
-        del a
     comm.close()
 
 
@@ -136,17 +115,11 @@ def worker_gloo(rank: int, world: int, master: str, plan: List[List[int]]) -> No
                             rank=rank, world_size=world)
     for size, iters in plan:
         t = torch.ones(size // 4, dtype=torch.float32)
-        for _ in range(warmups_for(size)):
-            dist.all_reduce(t)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(t)
-        dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+        dt = torch.tensor([seconds_per_call(lambda: dist.all_reduce(t), dist.barrier, size,
+                                            iters)], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if rank == 0:
             print(json.dumps({"size": size, "sec": float(dt[0])}), flush=True)
-        del t
     dist.destroy_process_group()
 
 
