@@ -105,7 +105,7 @@ $(BUILD)/obj/%.o: csrc/%.c $(LIB_HDRS)
 	@mkdir -p $(@D)
 	$(CC) $(BASE) $(OPT) -c $< -o $@
 $(BUILD)/libember.a: $(LIB_OBJS)
-	ar rcs $@ $^
+	rm -f $@ && ar rcs $@ $^
 
 # libember for C programs.  The shared library is linked from the same -fPIC
 # objects as libember.a and exports only the public API (csrc/libember.map);
@@ -177,7 +177,7 @@ $(BUILD)/san/%.o: csrc/%.c $(LIB_HDRS)
 	@mkdir -p $(@D)
 	$(CC) $(BASE) $(SAN) -c $< -o $@
 $(BUILD)/san/libember.a: $(SAN_OBJS)
-	ar rcs $@ $^
+	rm -f $@ && ar rcs $@ $^
 $(BUILD)/san/test_%: tests/c/test_%.c tests/c/harness.h tests/c/strangers.h $(BUILD)/san/libember.a
 	$(CC) $(BASE) $(SAN) -Itests/c $< $(BUILD)/san/libember.a $(LIBS) -o $@
 
@@ -234,6 +234,12 @@ demo-quick: setup
 .PHONY: cluster-test
 cluster-test: setup
 	$(PY) -m pytest -q tests/python/test_cluster.py
+
+# Tests too long for CI's budget (each also has a shorter variant that CI
+# runs): 10,000 train() calls on one cluster (~40 min on 2 cores).
+.PHONY: test-long
+test-long: setup
+	EMBER_LONG_TESTS=1 $(PY) -m pytest -q -s tests/python/test_feed_spark.py -k ten_thousand
 
 test: setup hadoop
 	$(MAKE) --no-print-directory test-c

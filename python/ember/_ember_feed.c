@@ -23,7 +23,8 @@
 
 #define EMBPY_SLICE_MS 250
 
-enum { ITEM_BATCH = 1, ITEM_END = 2, ITEM_RESULTS = 3, ITEM_ERROR = 4 };
+enum { ITEM_BATCH = 1, ITEM_END = 2, ITEM_RESULTS = 3, ITEM_ERROR = 4, ITEM_START = 5,
+       ITEM_PARTITION_END = 6, ITEM_CALL_END = 7 };
 
 static PyObject *self_enter(PyObject *self, PyObject *Py_UNUSED(ignored)) {
   return Py_NewRef(self);
@@ -44,6 +45,7 @@ typedef struct {
   PyObject_HEAD
   int kind;
   uint64_t source;
+  uint64_t call;
   uint32_t partition;
   uint32_t flags;
   uint32_t nrows;
@@ -57,7 +59,7 @@ typedef struct {
 } FeedItemObject;
 
 /* Takes ownership of item / raw (exactly one non-NULL) whatever happens. */
-static PyObject *FeedItem_create(ember_state *st, int kind, uint64_t source,
+static PyObject *FeedItem_create(ember_state *st, int kind, uint64_t source, uint64_t call,
                                  uint32_t partition, uint32_t flags,
                                  ember_feed_item *item, uint8_t *raw,
                                  const uint8_t *data, size_t len,
@@ -71,6 +73,7 @@ static PyObject *FeedItem_create(ember_state *st, int kind, uint64_t source,
     goto err;
   self->kind = kind;
   self->source = source;
+  self->call = call;
   self->partition = partition;
   self->flags = flags;
   self->nrows = d->nrows;
@@ -162,6 +165,9 @@ static const char *item_kind_name(int kind) {
   case ITEM_END: return "end";
   case ITEM_RESULTS: return "results";
   case ITEM_ERROR: return "error";
+  case ITEM_START: return "start";
+  case ITEM_PARTITION_END: return "partition_end";
+  case ITEM_CALL_END: return "call_end";
   default: return "unknown";
   }
 }
@@ -171,6 +177,16 @@ static PyObject *FeedItem_get_kind(PyObject *op, void *c) {
 }
 static PyObject *FeedItem_get_source(PyObject *op, void *c) {
   return PyLong_FromUnsignedLongLong(((FeedItemObject *)op)->source);
+}
+static PyObject *FeedItem_get_call(PyObject *op, void *c) {
+  return PyLong_FromUnsignedLongLong(((FeedItemObject *)op)->call);
+}
+static PyObject *FeedItem_get_tag(PyObject *op, void *c) {
+  FeedItemObject *self = (FeedItemObject *)op;
+  if (self->kind != ITEM_START)
+    Py_RETURN_NONE;
+  return PyBytes_FromStringAndSize(self->data ? (const char *)self->data : "",
+                                   self->data ? (Py_ssize_t)self->len : 0);
 }
 static PyObject *FeedItem_get_partition(PyObject *op, void *c) {
   return PyLong_FromUnsignedLong(((FeedItemObject *)op)->partition);
@@ -210,7 +226,15 @@ static PyMethodDef FeedItem_methods[] = {
 
 static PyGetSetDef FeedItem_getset[] = {
     {"kind", FeedItem_get_kind, NULL,
-     "'batch', 'end', 'results', or 'error' (a producer failed; see reason).", NULL},
+     "'batch', 'end', 'results', 'error' (a producer failed; see reason), or\n"
+     "for a named call (call != 0) 'start' (a partition begins; see tag),\n"
+     "'partition_end' (it was delivered whole) and 'call_end' (every\n"
+     "partition of the call for this node ended).", NULL},
+    {"call", FeedItem_get_call, NULL,
+     "The call (64-bit id from the producer's FeedClient; 0: anonymous).", NULL},
+    {"tag", FeedItem_get_tag, NULL,
+     "For a 'start' item: the producer's description of its partition\n"
+     "(bytes, FeedClient's tag).  None for other kinds.", NULL},
     {"reason", FeedItem_get_reason, NULL,
      "For an 'error' item: why its producer failed (the batches it sent before\n"
      "came first).  None for other kinds.",
@@ -350,7 +374,8 @@ static PyObject *FeedServer_port(PyObject *op, void *closure) {
   return PyLong_FromLong(self->port);
 }
 
-/* Pops one item and decodes it; runs without the GIL. */
+/* Pops one item; runs without the GIL.  A batch comes decoded by the server
+ * (it validated it there): d borrows the item's columns, nothing to free. */
 static int pop_and_decode(ember_feed_server *s, int64_t ms, ember_feed_item **out,
                           embpy_decoded *d, embpy_err *e) {
   int rc;
@@ -360,11 +385,9 @@ static int pop_and_decode(ember_feed_server *s, int64_t ms, ember_feed_item **ou
   if (rc != EMBER_OK)
     return rc;
   if ((*out)->kind == EMBER_FEED_ITEM_BATCH) {
-    EMBPY_CALL(rc, e, embpy_decode((*out)->data, (*out)->len, d));
-    if (rc != EMBER_OK) {
-      ember_feed_item_free(*out);
-      *out = NULL;
-    }
+    d->ncols = (*out)->ncols;
+    d->nrows = (*out)->nrows;
+    d->cols = (*out)->cols;
   }
   return rc;
 }
@@ -415,15 +438,17 @@ static PyObject *FeedServer_next(PyObject *op, PyObject *arg) {
     return embpy_raise(st, &e);
   if (st == NULL) {
     ember_feed_item_free(item);
-    embpy_decoded_free(&d);
     return NULL;
   }
-  int kind = item->kind == EMBER_FEED_ITEM_END     ? ITEM_END
-             : item->kind == EMBER_FEED_ITEM_ERROR ? ITEM_ERROR
-                                                   : ITEM_BATCH;
-  PyObject *res = FeedItem_create(st, kind, item->source, item->partition, item->flags,
+  int kind = item->kind == EMBER_FEED_ITEM_END               ? ITEM_END
+             : item->kind == EMBER_FEED_ITEM_ERROR           ? ITEM_ERROR
+             : item->kind == EMBER_FEED_ITEM_PARTITION_START ? ITEM_START
+             : item->kind == EMBER_FEED_ITEM_PARTITION_END   ? ITEM_PARTITION_END
+             : item->kind == EMBER_FEED_ITEM_CALL_END        ? ITEM_CALL_END
+                                                             : ITEM_BATCH;
+  PyObject *res = FeedItem_create(st, kind, item->source, item->call, item->partition,
+                                  item->flags,
                                   item, NULL, item->data, item->len, &d);
-  embpy_decoded_free(&d);
   return res;
 }
 
@@ -615,7 +640,8 @@ static void feed_client_destroy(void *p) { ember_feed_client_destroy(p); }
 static PyObject *FeedClient_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
   static char *kwlist[] = {"host",         "port",      "secret", "partition",
                            "want_results", "timeout_s", "shm",    "shm_bytes",
-                           "resume",       NULL};
+                           "resume",       "call",      "call_partitions", "tag",
+                           NULL};
   ember_state *st = embpy_state_of_type(type);
   if (st == NULL)
     return NULL;
@@ -628,17 +654,28 @@ static PyObject *FeedClient_new(PyTypeObject *type, PyObject *args, PyObject *kw
   PyObject *shm = Py_None;
   Py_ssize_t shm_bytes = 0;
   int resume = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO&y*n|$pO&Onp:FeedClient", kwlist, &host,
-                                   embpy_port_conv, &port, &secret, &partition,
+  unsigned long long call = 0;
+  Py_ssize_t call_partitions = 0;
+  Py_buffer tag = {0};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO&y*n|$pO&OnpKny*:FeedClient", kwlist,
+                                   &host, embpy_port_conv, &port, &secret, &partition,
                                    &want_results, embpy_timeout_conv, &ms, &shm,
-                                   &shm_bytes, &resume))
+                                   &shm_bytes, &resume, &call, &call_partitions, &tag))
     return NULL;
   FeedClientObject *self = NULL;
   uint32_t part;
   ember_feed_client_options opts;
   memset(&opts, 0, sizeof opts);
-  if (check_u32(partition, "partition", &part) < 0)
+  if (check_u32(partition, "partition", &part) < 0 ||
+      check_u32(call_partitions, "call_partitions", &opts.call_partitions) < 0)
     goto err;
+  if (tag.buf != NULL && (size_t)tag.len > EMBER_FEED_TAG_MAX) {
+    PyErr_Format(PyExc_ValueError, "tag is %zd bytes; at most %u", tag.len, EMBER_FEED_TAG_MAX);
+    goto err;
+  }
+  opts.call = (uint64_t)call;
+  opts.tag = tag.buf;
+  opts.tag_len = tag.buf != NULL ? (size_t)tag.len : 0;
   if (shm == Py_None) {
     opts.shm = EMBER_FEED_SHM_AUTO;
   } else {
@@ -675,9 +712,13 @@ static PyObject *FeedClient_new(PyTypeObject *type, PyObject *args, PyObject *kw
   }
   self->h.ptr = c;
   PyBuffer_Release(&secret);
+  if (tag.obj != NULL)
+    PyBuffer_Release(&tag);
   return (PyObject *)self;
 err:
   PyBuffer_Release(&secret);
+  if (tag.obj != NULL)
+    PyBuffer_Release(&tag);
   Py_XDECREF(self);
   return NULL;
 }
@@ -769,7 +810,7 @@ static PyObject *FeedClient_recv_results(PyObject *op, PyObject *arg) {
     embpy_decoded_free(&d);
     return NULL;
   }
-  PyObject *res = FeedItem_create(st, ITEM_RESULTS, 0, self->partition, 0, NULL, batch,
+  PyObject *res = FeedItem_create(st, ITEM_RESULTS, 0, 0, self->partition, 0, NULL, batch,
                                   batch, len, &d);
   embpy_decoded_free(&d);
   return res;
@@ -922,7 +963,8 @@ static PyMethodDef FeedClient_methods[] = {
 
 PyDoc_STRVAR(FeedClient_doc,
              "FeedClient(host, port, secret, partition, *, want_results=False,\n"
-             "           timeout_s=60.0, shm=None, shm_bytes=0, resume=False)\n\n"
+             "           timeout_s=60.0, shm=None, shm_bytes=0, resume=False,\n"
+             "           call=0, call_partitions=0, tag=b'')\n\n"
              "A producer's connection to a node's feed server; connects,\n"
              "authenticates and sends FEED_HELLO at once.  Calls are serialized\n"
              "by a per-object lock.\n"
@@ -934,7 +976,12 @@ PyDoc_STRVAR(FeedClient_doc,
              "the ring is split through it.  See uses_shm.\n"
              "resume: resume a partition an earlier attempt fed part of (see\n"
              "resume_point); refused with EmberError while that attempt's\n"
-             "connection is still open.");
+             "connection is still open.\n"
+             "call: the 64-bit call this partition belongs to (0: anonymous); a\n"
+             "named call's node gets 'start' (with tag, at most 1024 bytes) and\n"
+             "'partition_end' items around the partition's batches, and\n"
+             "'call_end' after the last of call_partitions partitions (0: not\n"
+             "counted).  Partitions are delivered once per (call, partition).");
 
 static PyType_Slot FeedClient_slots[] = {
     {Py_tp_doc, (void *)FeedClient_doc},

@@ -10,6 +10,7 @@ view that memory without a copy.
 
 from __future__ import annotations
 
+import json
 import operator
 import os
 import sys
@@ -81,6 +82,19 @@ class _Chunk:
         self.epoch: Optional[int] = None  # train(): the epoch of its partition
 
 
+def partition_tag(item: Any) -> Dict[str, Any]:
+    """The description a feeding task gave its partition (a 'start' item's tag,
+    see ``ember.spark._partition_tag``): queue, results, stream, plan."""
+    if not item.tag:
+        return {}
+    try:
+        tag = json.loads(item.tag)
+    except ValueError as exc:
+        raise ValueError(f"partition {item.partition} of feed call {item.call}: its tag is not "
+                         f"JSON ({item.tag[:80]!r})") from exc
+    return tag if isinstance(tag, dict) else {}
+
+
 class FeedProducerError(RuntimeError):
     """A feeding task failed; raised by ``next_batch`` when the feed was made
     with ``on_producer_error="raise"``."""
@@ -136,14 +150,15 @@ class DataFeed:
         self._chunk: Optional[_Chunk] = None
         self._ended = False
         self._terminated = False
-        # the current train() call: its sequence, partitions expected and ended
-        self._call_seq = -1
-        self._call_expected = 0
+        # the current feed call (train() or inference()): its id, the partitions
+        # that ended, whether its end (CALL_END) was read; the feed marks them
+        self._call = -1
         self._call_ended: set = set()
         self._call_done = False
-        self._epochs: Dict[int, int] = {}  # feed key -> its epoch, from the start marks
+        self._call_stream = False  # one micro-batch of a stream: its end is not the data's
+        self._epochs: Dict[int, int] = {}  # partition -> its epoch, from the partitions' tags
         # the call's (partitions per epoch, first, end, fed nodes, this node's
-        # residue): partitions first..end-1 go round-robin, from the start marks
+        # residue): partitions first..end-1 go round-robin, from the partitions' tags
         self._plan: Optional[Tuple[int, int, int, int, int]] = None
         #: the epoch (within its train() call) of the last batch ``next_batch``
         #: returned; None before the first, and for data of ``inference``
@@ -186,33 +201,37 @@ class DataFeed:
                       "delivered; Spark's retry of the task sends the rest)",
                       file=sys.stderr, flush=True)
                 continue
+            kind = item.kind
+            if kind == "start":  # a partition of a named call begins: its tag says how
+                self._start_call(item.call)
+                tag = partition_tag(item)
+                self._call_stream = bool(tag.get("stream"))
+                plan = tag.get("plan")
+                if plan:
+                    per_epoch, first, end, nodes = (int(v) for v in plan)
+                    self._epochs[item.partition] = item.partition // per_epoch
+                    self._plan = (per_epoch, first, end, nodes, item.partition % nodes)
+                continue
+            if kind == "partition_end":
+                self._start_call(item.call)
+                self._call_ended.add(item.partition)
+                continue
+            if kind == "call_end":
+                self._start_call(item.call)
+                if self._call_stream:
+                    continue  # a stream's data goes on with its next micro-batch
+                self._call_done = True
+                return None
             if item.nrows == 0:
                 continue
             chunk = _Chunk(item)
-            seq = item.partition >> 20  # the feed key: (train() call << 20) | partition
-            if chunk.names == [_columns.PARTITION_START_FIELD]:
-                mark_seq, part, per_epoch, first, end, nodes = \
-                    (int(v) for v in chunk.columns[0][0])
-                self._start_call(mark_seq)
-                self._epochs[item.partition] = part // per_epoch
-                self._plan = (per_epoch, first, end, nodes, part % nodes)
-                continue
-            if chunk.names == [_columns.PARTITION_END_FIELD]:
-                mark_seq, part, expected = (int(v) for v in chunk.columns[0][0])
-                self._start_call(mark_seq)
-                self._call_ended.add(part)
-                self._call_expected = expected
-                if len(self._call_ended) >= expected:
-                    self._call_done = True
-                    return None
-                continue
-            self._start_call(seq)
+            self._start_call(item.call)
             chunk.epoch = self._epochs.get(item.partition)
             return chunk
 
-    def _start_call(self, seq: int) -> None:
-        if seq != self._call_seq:
-            self._call_seq, self._call_expected, self._call_done = seq, 0, False
+    def _start_call(self, call: int) -> None:
+        if call != self._call:
+            self._call, self._call_done, self._call_stream = call, False, False
             self._call_ended = set()
             self._epochs = {}
             self._plan = None

@@ -35,7 +35,7 @@ from ember.node import RESUME_REPORT
 from ember.tensors import tensor_specs
 
 FEED_ROLES = ("chief", "worker")
-_SEQ_BITS = 20  # feed partition key = (feed sequence << 20) | partition index
+_MAX_PARTITIONS = 1 << 32  # partitions of one feed call (the feed's u32 partition id)
 _CONNECT_ATTEMPT = 1.0  # s: a driver's connect to a node, between looks at its liveness
 
 
@@ -163,10 +163,12 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
             chunk_rows: int, want_results: bool, parts: int = 0,
             report: Optional[Tuple[str, int, bytes]] = None, first: int = 0,
             per_epoch: int = 0, grouped: bool = False,
-            upstream: Optional[Callable[[int, Any], Any]] = None) -> Callable[[Any], Any]:
-    """The feeding task of an RDD.  In train(), task ``i`` feeds partition
-    ``p = first + i`` of the call (``parts`` ends that range; its epoch is
-    ``p // per_epoch``) and marks its start and end (:func:`_start_mark`).
+            upstream: Optional[Callable[[int, Any], Any]] = None, qname: str = "input",
+            stream: bool = False) -> Callable[[Any], Any]:
+    """The feeding task of an RDD for feed call ``seq``.  In train(), task ``i``
+    feeds partition ``p = first + i`` of the call (``parts`` ends that range;
+    its epoch is ``p // per_epoch``), described to the node by its tag
+    (:func:`_partition_tag`).
 
     ``grouped`` (train()): task ``i`` feeds fed node ``i`` all its partitions
     of the call, one after the other (:mod:`ember._grouping`), each as a task
@@ -199,20 +201,18 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
         (records fed or skipped as delivered, whether the node terminated its feed)."""
         from ember import _grouping
 
-        if p >= (1 << _SEQ_BITS):
-            raise ValueError(f"ember feeds at most {1 << _SEQ_BITS} partitions per call")
         host, port, name = targets[p % len(targets)]
-        client = _ember.FeedClient(host, port, secret, (seq << _SEQ_BITS) | p,
-                                   want_results=want_results, timeout_s=feed_timeout,
-                                   resume=not want_results)
+        client = _ember.FeedClient(
+            host, port, secret, p, want_results=want_results, timeout_s=feed_timeout,
+            resume=not want_results, call=seq,
+            call_partitions=0 if want_results else _node_share(p, first, parts, len(targets)),
+            tag=_partition_tag(per_epoch, first, parts, len(targets), qname, want_results,
+                               stream))
         # a retried task skips what an earlier attempt already delivered
         skip, delivered = client.resume_point
         sent = 0
         layout: Dict[str, Any] = {}  # each column's type in this partition's first chunk
         try:
-            if per_epoch and not want_results:
-                skip = _start_mark(client, seq, p, (per_epoch, first, parts, len(targets)),
-                                   skip, delivered, feed_timeout)
             chunk: List[Any] = []
             for record in iterator:
                 if skip or delivered:
@@ -228,8 +228,6 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
             if chunk:
                 yield from _send(client, chunk, p, sent, want_results, feed_timeout, layout)
                 sent += len(chunk)
-            if not want_results and not delivered:
-                _end_mark(client, seq, p, parts, len(targets), feed_timeout, first)
             client.end_partition(feed_timeout)
         except _ember.EmberAborted:
             return sent, True
@@ -283,12 +281,12 @@ def _partition_failed(client: Any, report: Optional[Tuple[str, int, bytes]], seq
     partition's failure notice (:func:`_fail_partition`) unless ``tell_node``
     is false."""
     if isinstance(exc, EmberFeedError):
-        _report_feed_error(report, (seq << _SEQ_BITS) | p, exc)
+        _report_feed_error(report, seq, p, exc)
     if tell_node:
         _fail_partition(client, p, sent, exc, timeout)
 
 
-def _report_feed_error(report: Optional[Tuple[str, int, bytes]], key: int,
+def _report_feed_error(report: Optional[Tuple[str, int, bytes]], seq: int, p: int,
                        exc: BaseException) -> None:
     """Tells the driver at once that this partition holds input the feed cannot
     carry (its report channel, see ``Cluster._report_channel``).  Such an
@@ -298,7 +296,7 @@ def _report_feed_error(report: Optional[Tuple[str, int, bytes]], key: int,
         return
     host, port, secret = report
     try:
-        client = _ember.FeedClient(host, port, secret, key, timeout_s=5.0, shm=False)
+        client = _ember.FeedClient(host, port, secret, p, call=seq, timeout_s=5.0, shm=False)
         try:
             client.fail(str(exc)[:1000], 5.0)
         finally:
@@ -307,40 +305,35 @@ def _report_feed_error(report: Optional[Tuple[str, int, bytes]], key: int,
         pass  # the driver learns it from Spark instead, as fast as Spark tells it
 
 
-def _end_mark(client: Any, seq: int, p: int, parts: int, nodes: int, timeout: float,
-              first: int = 0) -> None:
-    """Tells the node this partition is complete and how many it gets in this call
-    (partitions ``first..parts-1``, round-robin), so it sees the end of the
-    call's data (see DataFeed) without waiting for shutdown."""
-    from ember import _columns
-
-    expected = len(range(first + (p - first) % nodes, parts, nodes))
-    client.send(_columns.partition_end_columns(seq, p, expected), 1, timeout)
+def _node_share(p: int, first: int, parts: int, nodes: int) -> int:
+    """How many of the call's partitions ``first..parts-1`` (round-robin over
+    ``nodes``) go to the node that gets partition ``p``: the feed ends the
+    call for that node after as many partition ends (CALL_END, ember/feed.h)."""
+    return len(range(first + (p - first) % nodes, parts, nodes))
 
 
-def _start_mark(client: Any, seq: int, p: int, plan: Tuple[int, int, int, int], skip: int,
-                delivered: bool, timeout: float) -> int:
-    """Sends the partition's start mark unless an earlier attempt delivered it;
-    returns how many data records to skip.  ``plan``: partitions per epoch
-    (partition ``p`` is of epoch ``p // per_epoch``), the call's first and end
-    partition and the number of fed nodes, so the node can tell when all its
-    partitions of an epoch have ended (``DataFeed.epochs_done``).
+def _partition_tag(per_epoch: int, first: int, parts: int, nodes: int, qname: str,
+                   want_results: bool, stream: bool) -> bytes:
+    """A partition's description for the node (the feed's START tag, read by
+    ``DataFeed``): the node's queue, whether results are wanted, whether the
+    call is one micro-batch of a stream, and in train() the plan: partitions
+    per epoch (partition ``p`` is of epoch ``p // per_epoch``), the call's
+    first and end partition and the number of fed nodes, so the node can tell
+    when all its partitions of an epoch have ended (``DataFeed.epochs_done``)."""
+    import json
 
-    The mark is the partition's record 0: the node's resume count includes it,
-    and whatever an earlier attempt delivered came after it."""
-    from ember import _columns
-
-    if skip or delivered:
-        return max(0, skip - 1)
-    client.send(_columns.partition_start_columns(seq, p, *plan), 1, timeout)
-    return 0
+    tag: Dict[str, Any] = {"queue": qname, "results": want_results, "stream": stream}
+    if per_epoch and not want_results:
+        tag["plan"] = [per_epoch, first, parts, nodes]
+    return json.dumps(tag, separators=(",", ":")).encode()
 
 
 def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
                   chunk_bytes: int, parts: int, tensors: Dict[str, Any],
                   fail_at: Optional[Tuple[Any, ...]] = None,
                   report: Optional[Tuple[str, int, bytes]] = None, first: int = 0,
-                  per_epoch: int = 0, grouped: bool = False) -> Callable[[Any], Any]:
+                  per_epoch: int = 0, grouped: bool = False, qname: str = "input",
+                  stream: bool = False) -> Callable[[Any], Any]:
     """The feeding task of a DataFrame (``mapInArrow``): Arrow record batches go
     to the node as columnar batches, their buffers encoded straight from Arrow
     memory (no Python object per value).  Yields one row: the records fed.
@@ -374,19 +367,16 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
 
         from ember import _columns
 
-        if p >= (1 << _SEQ_BITS):
-            raise ValueError(f"ember feeds at most {1 << _SEQ_BITS} partitions per call")
         host, port, name = targets[p % len(targets)]
-        client = _ember.FeedClient(host, port, secret, (seq << _SEQ_BITS) | p,
-                                   want_results=False, timeout_s=feed_timeout, resume=True)
+        client = _ember.FeedClient(
+            host, port, secret, p, want_results=False, timeout_s=feed_timeout, resume=True,
+            call=seq, call_partitions=_node_share(p, first, parts, len(targets)),
+            tag=_partition_tag(per_epoch, first, parts, len(targets), qname, False, stream))
         # a retried task skips what an earlier attempt already delivered
         skip, delivered = client.resume_point
         sent = 0
         layout: Dict[str, Any] = {}  # each array column's width in this partition
         try:
-            if per_epoch:
-                skip = _start_mark(client, seq, p, (per_epoch, first, parts, len(targets)),
-                                   skip, delivered, feed_timeout)
             for rb in rbs:
                 if delivered or skip >= rb.num_rows:
                     skip -= 0 if delivered else rb.num_rows
@@ -408,8 +398,6 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
                         layout=layout)
                     client.send(cols, n, feed_timeout)
                     sent += n
-            if not delivered:
-                _end_mark(client, seq, p, parts, len(targets), feed_timeout, first)
             client.end_partition(feed_timeout)
         except _ember.EmberAborted:
             return sent, True
@@ -781,7 +769,7 @@ class Cluster:
             item = self._reports[0].next(0)
             if item is None:
                 return None
-            if item.kind == "error" and item.partition >> _SEQ_BITS == seq:
+            if item.kind == "error" and item.call == seq:
                 # the server's "feed: the producer of partition K failed: <report>"
                 return EmberFeedError((item.reason or "").split(" failed: ", 1)[-1])
 
@@ -794,7 +782,7 @@ class Cluster:
         return self._feed_seq
 
     def train(self, data: Any, num_epochs: int = 1, feed_timeout: float = 600.0,
-              qname: str = "input") -> int:
+              qname: str = "input", stream: bool = False) -> int:
         """Feeds every record of ``data`` (RDD or DataFrame) ``num_epochs`` times.
 
         An RDD's records arrive as TensorFlowOnSpark's records (``batch[i]``)
@@ -817,6 +805,12 @@ class Cluster:
         without naming any.  Earlier epochs are not fed again; that epoch and
         the later ones are fed whole.  Epochs are counted from 0 within this
         call, and each batch's epoch is ``feed.epoch`` on the node.
+
+        Every call is one feed call (a 64-bit id, so a cluster takes any
+        number of them); the node's feed marks where each partition and the
+        call end.  ``qname`` names the node queue the data is for (read by
+        ``ember.compat.tfos``'s queues); ``stream=True`` marks the call as
+        one micro-batch of a stream: the nodes' feeds do not end at its end.
         """
         if self.input_mode != InputMode.SPARK:
             raise ValueError("train() feeds data only in InputMode.SPARK; in "
@@ -836,8 +830,8 @@ class Cluster:
 
         per_epoch = data.rdd.getNumPartitions() if _is_dataframe(data) else \
             data.getNumPartitions()
-        if epochs * per_epoch > (1 << _SEQ_BITS):
-            raise ValueError(f"ember feeds at most {1 << _SEQ_BITS} partitions per train() "
+        if epochs * per_epoch > _MAX_PARTITIONS:
+            raise ValueError(f"ember feeds at most {_MAX_PARTITIONS} partitions per train() "
                              f"call; {epochs} epochs of {per_epoch} partitions are more")
         if cached:
             data = data.persist(StorageLevel.MEMORY_AND_DISK)
@@ -853,7 +847,7 @@ class Cluster:
                         return 0
                     try:
                         return self._feed_once(self._epochs_of(data, epochs - first), epochs,
-                                               feed_timeout, first, per_epoch)
+                                               feed_timeout, first, per_epoch, qname, stream)
                     except EmberNodeError as exc:
                         failure, interrupted = exc, True
                 self._restart_or_raise(failure)
@@ -915,7 +909,7 @@ class Cluster:
         return first
 
     def _feed_once(self, source: Any, epochs: int, feed_timeout: float, first_epoch: int = 0,
-                   per_epoch: int = 0) -> int:
+                   per_epoch: int = 0, qname: str = "input", stream: bool = False) -> int:
         """Feeds ``source``, epochs ``first_epoch..epochs-1`` of ``per_epoch``
         partitions each: the call's partitions ``first..parts-1``, epoch-major."""
         seq = self._next_seq()
@@ -941,7 +935,8 @@ class Cluster:
                     _grouping.group_dataframe(source, groups, nodes, first, count)
                 fn = _arrow_feeder(targets, self._secret, seq, feed_timeout, self.chunk_bytes,
                                    parts, tensors, self._fault_feed_fail_at, report=report,
-                                   first=first, per_epoch=per_epoch, grouped=groups is not None)
+                                   first=first, per_epoch=per_epoch, grouped=groups is not None,
+                                   qname=qname, stream=stream)
                 return sum(r[0] for r in data.mapInArrow(fn, "fed long").collect())
         else:
             def action() -> int:
@@ -952,7 +947,8 @@ class Cluster:
                     _grouping.group_rdd(source, groups, nodes, first)
                 fn = _feeder(targets, self._secret, seq, feed_timeout, self.chunk_rows,
                              want_results=False, parts=parts, report=report, first=first,
-                             per_epoch=per_epoch, grouped=groups is not None, upstream=upstream)
+                             per_epoch=per_epoch, grouped=groups is not None, upstream=upstream,
+                             qname=qname, stream=stream)
                 return data.mapPartitions(fn).sum()
         _log(f"train: feeding {count} partitions ({epochs - first_epoch} epoch(s)"
              + (f": {first_epoch}..{epochs - 1}" if first_epoch else "")
@@ -987,7 +983,7 @@ class Cluster:
         if failure is not None:
             raise failure
         fn = _feeder(self._feed_targets(), self._secret, self._next_seq(), feed_timeout,
-                     self.chunk_rows, want_results=True)
+                     self.chunk_rows, want_results=True, qname=qname)
         return _as_rdd(data).mapPartitions(fn)
 
     # -- shutdown ------------------------------------------------------------
@@ -1203,10 +1199,27 @@ class Cluster:
 
     def tensorboard_url(self) -> Optional[str]:
         """TensorBoard's URL (``http://host:port``) when started with tensorboard=True."""
+        node = self.tensorboard_node()
+        if node is None:
+            return None
+        return f"http://{node['host']}:{node['ports'][2]}"
+
+    def tensorboard_node(self) -> Optional[Dict[str, Any]]:
+        """The node (one of :attr:`nodes`) serving TensorBoard, None without it."""
         if not self._tensorboard or not self.nodes:
             return None
-        node = self.nodes[self._tensorboard_node()]
-        return f"http://{node['host']}:{node['ports'][2]}"
+        return self.nodes[self._tensorboard_node()]
+
+    def failure(self) -> Optional[EmberNodeError]:
+        """The node failure that ends the job, if the driver knows of one (what
+        ``train`` or ``shutdown`` would raise); None while all is well."""
+        return self._failure()
+
+    def node_states(self) -> Dict[int, str]:
+        """Each node's state, by index, as the driver knows it: ``running``,
+        ``done`` (its main_fun returned), ``failed``, ``lost`` or ``stopping``."""
+        with self._lock:
+            return {n["index"]: self._state.get(n["index"], "running") for n in self.nodes}
 
 
 def _is_dataframe(data: Any) -> bool:

@@ -411,6 +411,9 @@ static uint32_t verify_item(const ember_feed_item *it, uint32_t p, uint64_t *nex
 typedef struct {
   uint16_t port;
   uint32_t partition, flags;
+  uint64_t call;            /* named call (connect_ex), 0: anonymous */
+  uint32_t call_partitions; /* with call */
+  const char *tag;          /* with call */
   uint32_t nbatches, rows_per_batch, extra;
   int64_t send_timeout_ms;
   int end;             /* call end_partition at the end */
@@ -432,8 +435,11 @@ static void *producer(void *arg) {
   producer_args *a = arg;
   ember_feed_client *c = NULL;
   uint64_t row = 0;
-  int rc = ember_feed_client_connect(&c, "127.0.0.1", a->port, SECRET, sizeof SECRET,
-                                     a->partition, a->flags, 5000);
+  ember_feed_client_options o = {.call = a->call, .call_partitions = a->call_partitions,
+                                 .tag = (const uint8_t *)a->tag,
+                                 .tag_len = a->tag ? strlen(a->tag) : 0};
+  int rc = ember_feed_client_connect_ex(&c, "127.0.0.1", a->port, SECRET, sizeof SECRET,
+                                        a->partition, a->flags, a->call ? &o : NULL, 5000);
   a->send_rc = rc;
   if (rc != EMBER_OK) return NULL;
   for (uint32_t b = 0; b < a->nbatches; b++) {
@@ -502,12 +508,11 @@ static void producer_init(producer_args *a, uint16_t port, uint32_t partition,
  * by hand (malformed ones included). */
 static int raw_producer(uint16_t port, uint32_t partition) {
   int fd = -1;
-  uint8_t hello[8];
+  uint8_t hello[24] = {0};
   CHECK_OK(ember_net_connect("127.0.0.1", port, ember_deadline_after(5000), &fd));
   CHECK_OK(ember_auth_client(fd, SECRET, sizeof SECRET, ember_deadline_after(5000)));
-  ember_wire_put_u32(hello, partition);
-  ember_wire_put_u32(hello + 4, 0);
-  CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_FEED_HELLO, hello, 8, ember_deadline_after(5000)));
+  ember_wire_put_u32(hello, partition); /* flags 0, call 0, no count, no tag */
+  CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_FEED_HELLO, hello, 24, ember_deadline_after(5000)));
   return fd;
 }
 
@@ -1628,6 +1633,190 @@ TEST(rejections_are_logged_rate_limited) {
     setenv("EMBER_FEED_SHM", "0", 1); \
     test_##name();                   \
   }
+
+/* ------------------------------------------------------------ named calls */
+
+/* Pops one item of the given kind, call and partition (and tag, for START). */
+static void pop_event(ember_feed_server *s, int kind, uint64_t call, uint32_t p,
+                      const char *tag) {
+  ember_feed_item *it = NULL;
+  CHECK_OK(ember_feed_server_next(s, &it, 10000));
+  CHECK_EQ_INT(it->kind, kind);
+  CHECK(it->call == call);
+  if (kind != EMBER_FEED_ITEM_CALL_END) CHECK_EQ_INT(it->partition, p);
+  if (tag != NULL) {
+    CHECK_EQ_INT(it->len, strlen(tag));
+    CHECK(it->len == 0 || memcmp(it->data, tag, it->len) == 0);
+  }
+  ember_feed_item_free(it);
+}
+
+/* A call id beyond 32 bits: each partition's START (with its tag) comes
+ * before its batches, its END after them, and CALL_END after the END that
+ * completes the call; a later call reuses partition numbers freely, and a
+ * retried partition of an ended call adds nothing. */
+TEST(named_calls_mark_partition_and_call_ends) {
+  ember_feed_server *s = start_server(0, 0);
+  uint16_t port = ember_feed_server_port(s);
+  const uint64_t call = (1ull << 40) + 5;
+  producer_args a, b, again;
+  pthread_t t;
+  ember_feed_item *it = NULL;
+  ember_feed_stats st;
+  uint64_t next = 0;
+  /* partition 0 of 2: START, 3 batches, END, and no CALL_END yet */
+  producer_init(&a, port, 0, 3, 10);
+  a.call = call;
+  a.call_partitions = 2;
+  a.tag = "epoch=0";
+  CHECK(pthread_create(&t, NULL, producer, &a) == 0);
+  pop_event(s, EMBER_FEED_ITEM_PARTITION_START, call, 0, "epoch=0");
+  pop_partition(s, 0, 3, &next);
+  pop_event(s, EMBER_FEED_ITEM_PARTITION_END, call, 0, "");
+  pthread_join(t, NULL);
+  CHECK_OK(a.end_rc);
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 100), EMBER_ETIMEDOUT);
+  /* partition 1 (an empty tag) completes the call */
+  producer_init(&b, port, 1, 2, 5);
+  b.call = call;
+  b.call_partitions = 2;
+  next = 0;
+  CHECK(pthread_create(&t, NULL, producer, &b) == 0);
+  pop_event(s, EMBER_FEED_ITEM_PARTITION_START, call, 1, "");
+  pop_partition(s, 1, 2, &next);
+  pop_event(s, EMBER_FEED_ITEM_PARTITION_END, call, 1, NULL);
+  pop_event(s, EMBER_FEED_ITEM_CALL_END, call, 0, NULL);
+  pthread_join(t, NULL);
+  CHECK_OK(b.end_rc);
+  /* a late retry of partition 0: acknowledged, nothing queued */
+  producer_init(&again, port, 0, 3, 10);
+  again.call = call;
+  again.call_partitions = 2;
+  again.tag = "epoch=0";
+  producer(&again);
+  CHECK_OK(again.end_rc);
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 100), EMBER_ETIMEDOUT);
+  /* the next call's partition 0 is new data */
+  producer_init(&a, port, 0, 1, 4);
+  a.call = call + 1;
+  a.call_partitions = 1;
+  next = 0;
+  CHECK(pthread_create(&t, NULL, producer, &a) == 0);
+  pop_event(s, EMBER_FEED_ITEM_PARTITION_START, call + 1, 0, NULL);
+  pop_partition(s, 0, 1, &next);
+  pop_event(s, EMBER_FEED_ITEM_PARTITION_END, call + 1, 0, NULL);
+  pop_event(s, EMBER_FEED_ITEM_CALL_END, call + 1, 0, NULL);
+  pthread_join(t, NULL);
+  CHECK_OK(a.end_rc);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.partitions_acked, 3);
+  CHECK_EQ_INT(st.duplicate_partitions, 1);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+/* A named partition's first attempt dies half-way; the resumed attempt skips
+ * what was delivered, gets no second START, and the call still ends once. */
+TEST(named_call_resumed_partition_starts_and_ends_once) {
+  ember_feed_server *s = start_server(0, 0);
+  uint16_t port = ember_feed_server_port(s);
+  const uint8_t tag[] = "t";
+  ember_feed_client_options o = {.call = 9, .call_partitions = 1, .tag = tag, .tag_len = 1};
+  ember_feed_client *c = NULL;
+  producer_args rest;
+  pthread_t t;
+  ember_feed_item *it = NULL;
+  uint64_t held = 0, next = 0;
+  int delivered = 1;
+  gen_batch g;
+  CHECK_OK(ember_feed_client_connect_ex(&c, "127.0.0.1", port, SECRET, sizeof SECRET, 2,
+                                        EMBER_FEED_RESUME, &o, 5000));
+  gen_make(&g, 2, 0, 10, 0);
+  CHECK_OK(ember_feed_client_send(c, g.cols, 4, g.nrows, 5000));
+  gen_free(&g);
+  pop_event(s, EMBER_FEED_ITEM_PARTITION_START, 9, 2, "t");
+  pop_partition(s, 2, 1, &next);
+  ember_feed_client_destroy(c); /* the task dies */
+  /* the retry: wait until the node has reaped the first connection */
+  for (int tries = 0;; tries++) {
+    int rc = ember_feed_client_connect_ex(&c, "127.0.0.1", port, SECRET, sizeof SECRET, 2,
+                                          EMBER_FEED_RESUME, &o, 5000);
+    if (rc == EMBER_OK) break;
+    CHECK_EQ_INT(rc, EMBER_ESTATE);
+    CHECK(tries < 100);
+    sleep_ms(20);
+  }
+  ember_feed_client_resume_point(c, &held, &delivered);
+  CHECK_EQ_INT(held, 10);
+  CHECK_EQ_INT(delivered, 0);
+  ember_feed_client_destroy(c);
+  /* the rest of the partition, as a resumed producer sends it (rows 10..) */
+  producer_init(&rest, port, 2, 0, 0);
+  rest.call = 9;
+  rest.call_partitions = 1;
+  rest.tag = "t";
+  rest.flags = EMBER_FEED_RESUME;
+  CHECK(pthread_create(&t, NULL, producer, &rest) == 0);
+  pop_event(s, EMBER_FEED_ITEM_PARTITION_END, 9, 2, NULL);
+  pop_event(s, EMBER_FEED_ITEM_CALL_END, 9, 0, NULL);
+  pthread_join(t, NULL);
+  /* END_PARTITION counts this connection's records: 0 sent, 0 received */
+  CHECK_OK(rest.end_rc);
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 100), EMBER_ETIMEDOUT);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+/* HELLOs that disagree on a call's partition count, or carry a tag longer
+ * than the payload or the limit, are refused with the reason; other
+ * producers are served. */
+TEST(named_call_bad_hellos_refused) {
+  ember_feed_server *s = start_server(0, 0);
+  uint16_t port = ember_feed_server_port(s);
+  producer_args a, b;
+  pthread_t t;
+  uint8_t hello[24 + 8] = {0};
+  char reason[512];
+  uint64_t next = 0;
+  int fd = -1;
+  ember_feed_client *c = NULL;
+  uint8_t big[EMBER_FEED_TAG_MAX + 1] = {0};
+  ember_feed_client_options o = {.call = 3, .tag = big, .tag_len = sizeof big};
+  /* call 3 says 2 partitions, then 5 */
+  producer_init(&a, port, 0, 1, 3);
+  a.call = 3;
+  a.call_partitions = 2;
+  CHECK(pthread_create(&t, NULL, producer, &a) == 0);
+  pop_event(s, EMBER_FEED_ITEM_PARTITION_START, 3, 0, NULL);
+  pop_partition(s, 0, 1, &next);
+  pop_event(s, EMBER_FEED_ITEM_PARTITION_END, 3, 0, NULL);
+  pthread_join(t, NULL);
+  CHECK_OK(a.end_rc);
+  producer_init(&b, port, 1, 1, 3);
+  b.call = 3;
+  b.call_partitions = 5;
+  producer(&b);
+  CHECK(b.send_rc == EMBER_EPROTO || b.end_rc == EMBER_EPROTO);
+  CHECK(strstr(b.end_msg, "says the call has 5 partitions for this node, an earlier one "
+                          "said 2") != NULL);
+  /* a tag_len beyond the payload */
+  CHECK_OK(ember_net_connect("127.0.0.1", port, ember_deadline_after(5000), &fd));
+  CHECK_OK(ember_auth_client(fd, SECRET, sizeof SECRET, ember_deadline_after(5000)));
+  ember_wire_put_u64(hello + 8, 4);
+  ember_wire_put_u32(hello + 20, 9); /* 8 tag bytes follow */
+  CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_FEED_HELLO, hello, sizeof hello,
+                                ember_deadline_after(5000)));
+  CHECK_EQ_INT(raw_status(fd, EMBER_MSG_REFUSED, reason, sizeof reason), EMBER_EPROTO);
+  CHECK(strstr(reason, "tag of 9 bytes in a payload of 32") != NULL);
+  ember_net_close(fd);
+  /* the client refuses a tag over the limit before connecting */
+  CHECK_EQ_INT(ember_feed_client_connect_ex(&c, "127.0.0.1", port, SECRET, sizeof SECRET, 0, 0,
+                                            &o, 5000),
+               EMBER_EINVAL);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
 TCP_VARIANT(one_producer_in_order)
 TCP_VARIANT(four_concurrent_producers)
 TCP_VARIANT(backpressure_blocks_until_pop)
@@ -1642,6 +1831,8 @@ TCP_VARIANT(end_feed_item_after_queued_batches)
 TCP_VARIANT(destroy_with_connected_producers_leaks_nothing)
 TCP_VARIANT(client_fail_marker)
 TCP_VARIANT(resumed_partition_delivered_exactly_once)
+TCP_VARIANT(named_calls_mark_partition_and_call_ends)
+TCP_VARIANT(named_call_resumed_partition_starts_and_ends_once)
 
 RUN_TESTS(T(dtype_sizes), T(codec_roundtrip_every_dtype), T(codec_zero_columns_and_bytes_only),
           T(codec_encode_rejects_inconsistent_columns), T(decode_rejects_every_truncation),
@@ -1667,4 +1858,8 @@ RUN_TESTS(T(dtype_sizes), T(codec_roundtrip_every_dtype), T(codec_zero_columns_a
           T(tcp_destroy_with_connected_producers_leaks_nothing), T(tcp_client_fail_marker),
           T(tcp_resumed_partition_delivered_exactly_once),
           T(strangers_hold_no_limit_producers_need), T(pending_pool_evicts_the_oldest_stranger),
-          T(preauth_deadline_is_not_the_io_timeout), T(rejections_are_logged_rate_limited))
+          T(preauth_deadline_is_not_the_io_timeout), T(rejections_are_logged_rate_limited),
+          T(named_calls_mark_partition_and_call_ends),
+          T(named_call_resumed_partition_starts_and_ends_once), T(named_call_bad_hellos_refused),
+          T(tcp_named_calls_mark_partition_and_call_ends),
+          T(tcp_named_call_resumed_partition_starts_and_ends_once))

@@ -225,3 +225,23 @@ def lockstep(args: Dict[str, Any], ctx: Any) -> None:
             ids.extend(int(i) for i in batch.columns[0])
             epochs.extend([feed.epoch] * len(batch))
     _write(args, ctx, ids=ids, epochs=epochs, steps=steps, errors=feed.producer_errors)
+
+
+def count_calls(args: Dict[str, Any], ctx: Any) -> None:
+    """Reads ``args["expect"]`` records spread over many train() calls; counts the
+    records, their sum, the non-empty batches and how many of them ended with
+    the feed saying this node's share of the call had ended (``should_stop``):
+    a batch never spans two calls, so with one record per node per call every
+    batch should be one call's whole share."""
+    feed = ctx.get_data_feed()
+    total = value_sum = batches = ends = 0
+    while total < args["expect"]:
+        batch = feed.next_batch(64)
+        if not len(batch):
+            time.sleep(0.0005)  # between calls: the next call's data is on its way
+            continue
+        total += len(batch)
+        value_sum += int(sum(int(v) for v in batch.columns[0]))
+        batches += 1
+        ends += feed.should_stop()
+    _write(args, ctx, total=total, value_sum=value_sum, batches=batches, ends=ends)

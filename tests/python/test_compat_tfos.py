@@ -123,11 +123,11 @@ def test_train_num_epochs_zero_is_ten_passes_uneven_partitions(local_spark, tmp_
     assert got == collections.Counter({r[0]: 10 for r in rdd.collect()})
 
 
-def test_node_dying_while_a_call_is_announced_is_named_at_once(local_spark):
-    """The driver announces the call to the chief, which reads its feed only
-    after 60 s, while the worker raises: the worker's error, traceback
-    included, comes within seconds (it came after the chief's 60 s and then
-    the feed timeout, connecting to a dead node)."""
+def test_node_dying_while_a_call_starts_is_named_at_once(local_spark):
+    """The chief reads its feed only after 60 s, so the call's feeding tasks
+    wait on it, while the worker raises: the worker's error, traceback
+    included, comes within seconds (it once came after the chief's 60 s and
+    then the feed timeout, connecting to a dead node)."""
     from ember.spark import EmberNodeError
 
     sc = local_spark.sparkContext

@@ -4,6 +4,7 @@ epochs without re-running the lineage, bad input named precisely."""
 from __future__ import annotations
 
 import collections
+import os
 import time
 
 import pytest
@@ -507,3 +508,42 @@ def test_null_array_upstream_is_named_without_a_spurious_arrow_error(local_spark
         cluster.shutdown(timeout=60)
     errors = [e for info in read_json_files(str(tmp_path)) for e in info["errors"]]
     assert not any("Arrow" in e for e in errors), errors
+
+
+def _many_train_calls(sc, out, calls, first_call=0):
+    """``calls`` train() calls of one record per node on one cluster, whose feed
+    call ids start after ``first_call``; checks every node read every call's
+    record, and saw each call end (a batch never spans two calls)."""
+    rdd = sc.parallelize([1, 2], 2).cache()
+    rdd.count()
+    cluster = run(sc, nodefuns.count_calls, {"out": str(out), "expect": calls},
+                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60)
+    cluster._feed_seq = first_call  # the id of the cluster's last feed call
+    start = time.monotonic()
+    try:
+        fed = [cluster.train(rdd, num_epochs=1, feed_timeout=60) for _ in range(calls)]
+    finally:
+        cluster.shutdown(timeout=120)
+        rdd.unpersist()
+    took = time.monotonic() - start
+    print(f"{calls} train() calls in {took:.0f} s ({took / calls * 1000:.1f} ms per call)")
+    assert fed == [2] * calls
+    infos = sorted(read_json_files(str(out)), key=lambda i: i["index"])
+    assert [(i["total"], i["value_sum"], i["batches"], i["ends"]) for i in infos] == \
+        [(calls, calls * 1, calls, calls), (calls, calls * 2, calls, calls)]
+
+
+def test_train_calls_past_32_bit_call_ids(local_spark, tmp_path):
+    """Feed call ids are 64-bit end to end: 200 train() calls whose ids cross
+    2^32 (the call number used to share the partition's 32 bits and stopped
+    the feed at call 4,096).  The 10,000-call run is the next test."""
+    _many_train_calls(local_spark.sparkContext, tmp_path, 200, (1 << 32) - 100)
+
+
+@pytest.mark.skipif(os.environ.get("EMBER_LONG_TESTS") != "1",
+                    reason="10,000 Spark jobs take about 40 min on 2 cores (each train() is a "
+                           "Spark job of ~0.25 s): run with EMBER_LONG_TESTS=1 (make test-long)")
+def test_ten_thousand_train_calls_on_one_cluster(local_spark, tmp_path):
+    """A long-lived cluster takes any number of train() calls (it stopped
+    accepting feeds at call 4,096)."""
+    _many_train_calls(local_spark.sparkContext, tmp_path, 10000)

@@ -123,7 +123,7 @@ def test_wheel_and_sdist_contents(dist) -> None:
     assert f"Version: {__version__}" in meta
     with tarfile.open(dist["sdist"]) as t:
         snames = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    assert {"setup.py", "pyproject.toml", "csrc/feed.c", "csrc/include/ember/feed.h",
+    assert {"setup.py", "pyproject.toml", "csrc/feed_server.c", "csrc/include/ember/feed.h",
             "python/ember/_ember.c", "spark/src/ember/spark/DirectInference.java",
             "hadoop/yarn-app/pom.xml", "python/ember/jars/ember-spark.jar"} <= snames
 

@@ -2,18 +2,37 @@
  *
  * A node's trainer runs one feed server on its reserved feed port.  Feeding
  * tasks (producers) connect, authenticate with the job secret (auth.h), send
- * FEED_HELLO(partition, flags), then BATCH frames, then END_PARTITION(count).
+ * FEED_HELLO(partition, flags, call, call_partitions, tag), then BATCH frames,
+ * then END_PARTITION(count).
+ *
+ * Calls.  A feed carries any number of calls (a driver's train() or
+ * inference()), each named by a 64-bit call id in the HELLO, and each made of
+ * partitions 0..2^32-1.  Every partition state below (delivered, resumed,
+ * duplicate) is per (call, partition).  Call 0 is anonymous: its partitions
+ * are batches only.  For a named call (id != 0) the consumer also gets
+ *   - PARTITION_START(call, partition, tag) before the partition's first
+ *     batch (once per partition, not again for a resumed attempt): the tag is
+ *     the producer's description of the partition, opaque to the feed (up to
+ *     EMBER_FEED_TAG_MAX bytes);
+ *   - PARTITION_END(call, partition) after its last batch, once the
+ *     partition was delivered whole (END_PARTITION with the right count);
+ *   - CALL_END(call) right after the PARTITION_END that completes the call,
+ *     when the HELLOs said how many partitions this node gets in the call
+ *     (call_partitions > 0; every HELLO of a call must say the same).
+ * So a consumer knows where each call and partition ends from the feed
+ * itself, in order with the data, whatever the number of calls.
  * The server's thread reads frames from any number of producers at once into a
  * bounded in-memory queue; when the queue is full it stops reading, so TCP
  * back-pressure blocks the producers (each send has a deadline).  The consumer
  * (the trainer) pops items with ember_feed_server_next.
  *
  * Delivery: END_PARTITION is answered with ACK only once every batch of that
- * connection has been popped by the consumer and the count matches, so a
- * producer that saw ACK(EMBER_OK) knows its partition was delivered whole.
- * A partition id that was already acknowledged in this server's life is
- * answered ACK(EMBER_OK) without being queued again (a retried task must not
- * duplicate data); its batches are discarded.
+ * connection (and its PARTITION_END, CALL_END) has been popped by the
+ * consumer and the count matches, so a producer that saw ACK(EMBER_OK) knows
+ * its partition was delivered whole.  A (call, partition) whose END_PARTITION
+ * was already accepted in this server's life is answered ACK(EMBER_OK)
+ * without being queued again (a retried task must not duplicate data); its
+ * batches are discarded.
  * If the consumer called ember_feed_server_terminate, producers get
  * ACK(EMBER_EABORTED, "trainer terminated the feed") and their data is dropped
  * (TensorFlowOnSpark's terminate semantics).
@@ -71,64 +90,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "ember/net.h" /* ember_log_fn */
+#include "ember/batch.h" /* the batch codec: ember_column, ember_batch_* */
+#include "ember/net.h"   /* ember_log_fn */
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* ------------------------------------------------------------ batch codec
- * An encoded batch (payload of BATCH and RESULTS):
- *   u32 nrows, u32 ncols, then ncols descriptors:
- *     u8 dtype, u8 name_len, u16 reserved(0), u32 width, u64 nbytes, name bytes
- *   then, at the next multiple of 8 from the start of the batch, each column's
- *   body in order, each starting 8-aligned:
- *     fixed dtypes: nrows * width elements (nbytes must equal that * itemsize)
- *     EMBER_DT_BYTES: (nrows + 1) u64 offsets, then nbytes - 8*(nrows+1) data
- *                     bytes; offsets start at 0, never decrease, end at the
- *                     data length.  width is 0.
- * Decoding checks every count, size (overflow-checked) and offset, so a hostile
- * payload yields EMBER_EPROTO with a message naming the column, never an
- * out-of-bounds read. */
-typedef enum {
-  EMBER_DT_F32 = 1,
-  EMBER_DT_F64 = 2,
-  EMBER_DT_I32 = 3,
-  EMBER_DT_I64 = 4,
-  EMBER_DT_U8 = 5,
-  EMBER_DT_BYTES = 6, /* variable-length bytes per row (also UTF-8 strings) */
-  EMBER_DT_BOOL = 7   /* one byte per element, 0 or 1 */
-} ember_dtype;
-
-#define EMBER_BATCH_MAX_COLS 1024u
-
-typedef struct {
-  uint8_t dtype;      /* ember_dtype */
-  uint8_t name_len;   /* 0..255; name need not be NUL-terminated */
-  const char *name;
-  uint32_t width;     /* elements per row (fixed dtypes), 0 for BYTES */
-  const void *data;   /* fixed: nrows*width elements; BYTES: the data bytes */
-  uint64_t data_len;  /* bytes at data */
-  const uint64_t *offsets; /* BYTES only: nrows + 1 offsets into data */
-} ember_column;
-
-/* Size in bytes of the element type; 0 for BYTES or unknown. */
-size_t ember_dtype_size(uint8_t dtype);
-
-/* Bytes ember_batch_encode will write, or a negative status (EMBER_EINVAL for
- * inconsistent columns, EMBER_ETOOBIG on overflow). */
-int ember_batch_encoded_size(const ember_column *cols, uint32_t ncols,
-                             uint32_t nrows, size_t *out_size);
-
-/* Encodes into out[0..cap).  Fails with EMBER_EINVAL when a column's sizes do
- * not match nrows (message names the column). */
-int ember_batch_encode(const ember_column *cols, uint32_t ncols, uint32_t nrows,
-                       uint8_t *out, size_t cap, size_t *written);
-
-/* Decodes buf[0..len) in place: cols[i].data/offsets/name point into buf (no
- * copy; offsets are only 8-aligned relative to buf).  max_cols bounds ncols. */
-int ember_batch_decode(const uint8_t *buf, size_t len, ember_column *cols,
-                       uint32_t max_cols, uint32_t *ncols, uint32_t *nrows);
 
 /* ------------------------------------------------------------ server */
 
@@ -146,21 +113,34 @@ int ember_batch_decode(const uint8_t *buf, size_t len, ember_column *cols,
  * WANT_RESULTS: results of the skipped records went to the dead connection. */
 #define EMBER_FEED_RESUME 2u
 
+/* Largest partition tag in a FEED_HELLO. */
+#define EMBER_FEED_TAG_MAX 1024u
+
 typedef enum {
   EMBER_FEED_ITEM_BATCH = 1, /* data = an encoded batch */
   EMBER_FEED_ITEM_END = 2,   /* END_FEED: no more data will come */
-  EMBER_FEED_ITEM_ERROR = 3  /* a producer failed (FEED_ERROR or a ring ERROR
+  EMBER_FEED_ITEM_ERROR = 3, /* a producer failed (FEED_ERROR or a ring ERROR
                                 marker): data = its reason, NUL-terminated, len
                                 without the NUL; after the batches it sent */
+  EMBER_FEED_ITEM_PARTITION_START = 4, /* named calls only: data = the tag (may
+                                be empty, then NULL) */
+  EMBER_FEED_ITEM_PARTITION_END = 5, /* named calls only: delivered whole */
+  EMBER_FEED_ITEM_CALL_END = 6 /* named calls with call_partitions: every
+                                partition of the call for this node ended */
 } ember_feed_item_kind;
 
 typedef struct {
   int kind;
   uint64_t source;    /* producer connection id, for send_results */
+  uint64_t call;      /* from the producer's FEED_HELLO (0: anonymous) */
   uint32_t partition; /* from the producer's FEED_HELLO */
   uint32_t flags;     /* the producer's FEED_HELLO flags */
   uint8_t *data;      /* encoded batch (8-aligned malloc), owned by the item */
   size_t len;
+  /* BATCH: the batch as the server decoded (and validated) it, pointing into
+   * data, so the consumer need not decode it again; NULL/0 for other kinds */
+  ember_column *cols; /* ncols entries, owned by the item */
+  uint32_t ncols, nrows;
 } ember_feed_item;
 
 typedef struct {
@@ -220,7 +200,8 @@ void ember_feed_server_destroy(ember_feed_server *s); /* accepts NULL */
 
 typedef struct ember_feed_client ember_feed_client;
 
-/* Connects, authenticates, sends FEED_HELLO(partition, flags). */
+/* Connects, authenticates, sends FEED_HELLO(partition, flags) for the
+ * anonymous call 0 (see connect_ex for named calls). */
 int ember_feed_client_connect(ember_feed_client **out, const char *host, uint16_t port,
                               const uint8_t *secret, size_t secret_len,
                               uint32_t partition, uint32_t flags, int64_t timeout_ms);
@@ -236,6 +217,11 @@ typedef enum {
 typedef struct {
   int shm;          /* ember_feed_shm_mode */
   size_t shm_bytes; /* ring capacity; 0 = EMBER_FEED_SHM_BYTES, else 16 MiB */
+  uint64_t call;    /* the call this partition belongs to; 0 = anonymous */
+  uint32_t call_partitions; /* partitions of the call this node gets; 0 =
+                               not counted (no CALL_END) */
+  const uint8_t *tag; /* the partition's description (PARTITION_START) */
+  size_t tag_len;     /* 0..EMBER_FEED_TAG_MAX */
 } ember_feed_client_options;
 
 /* ember_feed_client_connect with options (opts NULL = defaults).  The ring is

@@ -50,7 +50,9 @@ typedef enum {
   EMBER_MSG_STOP = 20,      /* server->node: u32 grace_ms */
 
   /* data feed (see feed.h) */
-  EMBER_MSG_FEED_HELLO = 32,    /* producer->node: u32 partition, u32 flags */
+  EMBER_MSG_FEED_HELLO = 32,    /* producer->node: u32 partition, u32 flags,
+                                   u64 call, u32 call_partitions, u32 tag_len,
+                                   tag (feed.h) */
   EMBER_MSG_BATCH = 33,         /* producer->node: an encoded batch */
   EMBER_MSG_END_PARTITION = 34, /* producer->node: u64 records sent */
   EMBER_MSG_ACK = 35,           /* node->producer: u32 status, string reason */

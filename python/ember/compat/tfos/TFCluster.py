@@ -18,11 +18,9 @@ import logging
 import os
 import random
 import sys
-import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from ember import _ember
 from ember.compat.tfos import _node
 from ember.spark import EmberNodeError, InputMode, run as _ember_run
 
@@ -114,54 +112,6 @@ class TFCluster:
     server: Any = None  #: the underlying :class:`ember.spark.Cluster`
 
     # -- feeding -------------------------------------------------------------
-    def _announce(self, seq: int, qname: str, is_train: bool, streaming: bool,
-                  feed_timeout: float) -> None:
-        """Sends the call marker for feed ``seq`` to every fed node (see ``_node``).
-
-        Each delivery watches the cluster (``Cluster._on_node``): a node that
-        fails meanwhile raises its EmberNodeError, traceback included, within
-        about a second, not after ``feed_timeout``."""
-        core = self.server
-        cols = _node.call_marker_columns(seq, self.queues.index(qname), is_train, streaming)
-        key = type(core)._next_seq(core) << 20  # a key of its own: never a data partition
-
-        def deliver(client: Any) -> None:
-            client.send(cols, 1, feed_timeout)
-            client.end_partition(feed_timeout)
-
-        for host, port, name in core._feed_targets():
-            try:
-                core._on_node(host, port, key, deliver, feed_timeout, f"call marker to {name}")
-            except _ember.EmberAborted:
-                pass  # that node terminated its feed; its data would be dropped anyway
-            except _ember.EmberError as exc:
-                # a node that ended: its feeding tasks fail, or it finished its main_fun
-                _log(f"call marker not delivered to {name}: {exc}")
-
-    def _install_hook(self) -> None:
-        """Makes the core announce each feed call to the nodes right after drawing its
-        feed sequence (and before any of its data is sent)."""
-        core = self.server
-        draw = type(core)._next_seq
-        self._tls = threading.local()
-
-        def next_seq() -> int:
-            seq = draw(core)
-            call = getattr(self._tls, "call", None)
-            if call is not None:
-                self._announce(seq, *call)
-            return seq
-
-        core._next_seq = next_seq  # per instance: the core draws one seq per feed call
-
-    def _feed_call(self, qname: str, is_train: bool, streaming: bool, feed_timeout: float,
-                   action: Callable[[], Any]) -> Any:
-        self._tls.call = (qname, is_train, streaming, feed_timeout)
-        try:
-            return action()
-        finally:
-            self._tls.call = None
-
     def train(self, dataRDD: Any, num_epochs: int = 0, feed_timeout: float = 600,
               qname: str = "input") -> Optional[int]:
         """*InputMode.SPARK only*: feeds ``dataRDD`` (an RDD, a DataFrame or a DStream)
@@ -183,8 +133,7 @@ class TFCluster:
             cluster = self
 
             def feed_micro_batch(rdd: Any) -> None:
-                cluster._feed_call(qname, True, True, feed_timeout,
-                                   lambda: cluster.server.train(rdd, 1, feed_timeout, qname))
+                cluster.server.train(rdd, 1, feed_timeout, qname, stream=True)
 
             dataRDD.foreachRDD(feed_micro_batch)
             return None
@@ -192,8 +141,7 @@ class TFCluster:
             _log(f"train(num_epochs=0): feeding the data {TFOS_DEFAULT_EPOCHS} times "
                  "(TensorFlowOnSpark's meaning of 0); pass num_epochs to choose")
             num_epochs = TFOS_DEFAULT_EPOCHS
-        return self._feed_call(qname, True, False, feed_timeout,
-                               lambda: self.server.train(dataRDD, num_epochs, feed_timeout, qname))
+        return self.server.train(dataRDD, num_epochs, feed_timeout, qname)
 
     def inference(self, dataRDD: Any, feed_timeout: float = 600, qname: str = "input") -> Any:
         """*InputMode.SPARK only*: an RDD of the results the nodes give with
@@ -203,8 +151,7 @@ class TFCluster:
             raise AssertionError("TFCluster.inference() requires InputMode.SPARK")
         if qname not in (self.queues or []):
             raise AssertionError(f"Unknown queue: {qname}")
-        return self._feed_call(qname, False, False, feed_timeout,
-                               lambda: self.server.inference(dataRDD, feed_timeout, qname))
+        return self.server.inference(dataRDD, feed_timeout, qname)
 
     # -- shutdown ------------------------------------------------------------
     def shutdown(self, ssc: Any = None, grace_secs: float = 0, timeout: float = 259200) -> None:
@@ -221,7 +168,7 @@ class TFCluster:
         if ssc is not None:
             deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
             while not ssc.awaitTerminationOrTimeout(1):
-                if core._failure() is not None or self._trainers_done():
+                if core.failure() is not None or self._trainers_done():
                     _log("trainers finished; stopping the StreamingContext")
                     ssc.stop(stopSparkContext=False, stopGraceFully=True)
                     break
@@ -232,9 +179,9 @@ class TFCluster:
 
     def _trainers_done(self) -> bool:
         core = self.server
-        with core._lock:
-            return all(core._state.get(n["index"]) == "done" for n in core.nodes
-                       if n["role"] in ("chief", "worker"))
+        states = core.node_states()
+        return all(states[n["index"]] == "done" for n in core.nodes
+                   if n["role"] in ("chief", "worker"))
 
     def tensorboard_url(self) -> Optional[str]:
         """TensorBoard's URL when started with ``tensorboard=True``, else None."""
@@ -325,14 +272,12 @@ def run(sc: Any, map_fun: Callable[[Any, Any], Any], tf_args: Any, num_executors
     cluster.input_mode = input_mode
     cluster.queues = queues
     cluster.server = core
-    cluster._install_hook()
     tb = core.tensorboard_url()
     cluster.cluster_info = [
         dict(executor_id=n["index"], host=n["host"],
              job_name=(master_node if n["role"] == "chief" and master_node else n["role"]),
              task_index=n["task_index"], port=n["ports"][0],
-             tb_port=(int(tb.rsplit(":", 1)[1]) if tb and n["index"] == core._tensorboard_node()
-                      else 0),
+             tb_port=(int(tb.rsplit(":", 1)[1]) if tb and n is core.tensorboard_node() else 0),
              spark_executor=n["executor_id"], pid=n["pid"])
         for n in core.nodes]
     cluster.cluster_meta = dict(id=cluster.cluster_id, cluster_template=template,

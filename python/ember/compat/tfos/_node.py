@@ -3,11 +3,13 @@
 A TFoS node had one ``multiprocessing.Manager`` per executor with named queues
 (``input``, ``output``, ``error``...) fed by pickled records.  Here the node's
 single C feed server carries everything; this module splits it into TFoS's
-named queues.  The driver announces each ``train``/``inference`` call before
-its data with a one-row *call marker* (feed sequence, queue, train or
-inference, streaming) sent through the same authenticated feed, so a node can
-route the call's batches to the queue the driver named, knows which batches
-need no results, and, for a DStream, keeps reading across micro-batches.
+named queues.  Each ``train``/``inference`` call is one feed call of the core
+cluster (``ember.spark``), and each of its partitions starts with a 'start'
+item whose tag names the queue (the call's ``qname``), whether results are
+wanted and whether the call is a DStream's micro-batch; the call's other
+items carry its id.  So a node routes each call's batches to the queue the
+driver named, knows which batches need no results, and, for a DStream, keeps
+reading across micro-batches.
 
 Nothing here imports pyspark (node processes do not need it).
 """
@@ -22,26 +24,10 @@ import time
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
 
-import numpy as np
 
-from ember import _columns
+from ember.node import partition_tag
 
-#: Field of the one-row call marker: int64 [feed seq, queue index, is_train, streaming].
-CALL_MARKER_FIELD = "__ember_tfos_call__"
-_SEQ_SHIFT = 20  # ember.spark: partition key = (feed sequence << 20) | partition
 _FOREVER = 10.0 ** 9  # TFoS's next_batch blocks until data or the end of the feed
-
-
-def call_marker_columns(seq: int, queue_index: int, is_train: bool,
-                        streaming: bool) -> List[Any]:
-    mark = np.array([[seq, queue_index, int(is_train), int(streaming)]], dtype=np.int64)
-    return [_columns.array_column(CALL_MARKER_FIELD, mark, "call marker")]
-
-
-def _seq_of(item: Any) -> int:
-    """The feed call (sequence) of a received item, from its partition key."""
-    key = item.partition if hasattr(item, "partition") else item.source
-    return int(key) >> _SEQ_SHIFT
 
 
 def cluster_spec_of(nodes: Sequence[Dict[str, Any]],
@@ -68,47 +54,35 @@ def tf_config_of(spec: Dict[str, List[str]], job_name: str, task_index: int) -> 
 class _Demux:
     """Splits this node's feed server into TFoS's named queues (thread-safe)."""
 
-    def __init__(self, server: Any, queues: Sequence[str], announced: bool = True) -> None:
+    def __init__(self, server: Any, queues: Sequence[str]) -> None:
         self.server = server
-        self.announced = announced  # False: the driver sends no call markers (all is "input")
         self.queues = list(queues)
         self._stash: Dict[str, Deque[Any]] = {q: deque() for q in self.queues}
-        self._route: Dict[int, str] = {}  # feed seq -> queue name
-        # items that arrived before their call's marker: the marker travels on its own
-        # connection, and the server does not order items across connections
-        self._parked: Dict[int, List[Any]] = {}
-        self.train_seqs: set = set()  # feed seqs of train() calls (no results wanted)
+        self._route: Dict[int, str] = {}  # feed call -> queue name, from its partitions' tags
+        self.train_calls: set = set()  # feed calls of train() (no results wanted)
         self.streaming = False
         self.ended = False  # the driver ended the feed (shutdown)
         self._end_item: Any = None
         self._lock = threading.Lock()
 
     def _queue_of(self, item: Any) -> Optional[str]:
-        """The queue an item belongs to, or None when consumed here (a call marker,
-        the end of the feed, or an item parked until its call's marker arrives)."""
+        """The queue an item belongs to, or None for the end of the feed.  A call's
+        'start' items come before its other items and name its queue; items of
+        no named call (call 0) are for ``input``."""
         if item.kind == "end":
             self.ended, self._end_item = True, item
             return None
-        if item.nrows == 1:
-            names, cols = _columns.item_columns(item)
-            if names == [CALL_MARKER_FIELD]:
-                seq, qi, is_train, streaming = (int(v) for v in cols[0][0])
-                if not 0 <= qi < len(self.queues):
-                    raise ValueError(f"call marker names queue #{qi}; this node has "
-                                     f"{self.queues}")
-                self._route[seq] = self.queues[qi]
-                if is_train:
-                    self.train_seqs.add(seq)
-                self.streaming |= bool(streaming)
-                self._stash[self.queues[qi]].extend(self._parked.pop(seq, []))
-                return None
-        seq = _seq_of(item)
-        if not self.announced:
-            return "input"
-        if seq not in self._route:
-            self._parked.setdefault(seq, []).append(item)
-            return None
-        return self._route[seq]
+        if item.kind == "start":
+            tag = partition_tag(item)
+            queue = str(tag.get("queue", "input"))
+            if queue not in self._stash:
+                raise ValueError(f"feed call {item.call} is for queue {queue!r}; this node has "
+                                 f"{self.queues}")
+            self._route[item.call] = queue
+            if not tag.get("results"):
+                self.train_calls.add(item.call)
+            self.streaming |= bool(tag.get("stream"))
+        return self._route.get(item.call, "input")
 
     def next_for(self, queue: str, timeout: float) -> Any:
         """The next item of ``queue`` (or the end of the feed), None after ``timeout``."""
@@ -157,11 +131,11 @@ class _QueueView:
 class TFManager:
     """What TFoS code knows as ``ctx.mgr``: the node's feed, by queue name."""
 
-    def __init__(self, ctx: Any, queues: Sequence[str], announced: bool = True) -> None:
+    def __init__(self, ctx: Any, queues: Sequence[str]) -> None:
         self._ctx = ctx
         self.queues = list(queues)
         server = getattr(ctx, "_feed_server", None)
-        self._demux = _Demux(server, queues, announced) if server is not None else None
+        self._demux = _Demux(server, queues) if server is not None else None
         self._feeds: Dict[Any, Any] = {}
         self._lock = threading.Lock()
 
@@ -238,8 +212,8 @@ class DataFeed:
         if not self.train_mode and len(batch):
             # an inference-mode feed reading train() data (TFoS's keras example does
             # this): those batches want no results, so do not hold them for results
-            awaiting, train_seqs = self._feed._awaiting, self.mgr._demux.train_seqs
-            while awaiting and _seq_of(awaiting[-1][0].item) in train_seqs:
+            awaiting, train_calls = self._feed._awaiting, self.mgr._demux.train_calls
+            while awaiting and awaiting[-1][0].item.call in train_calls:
                 awaiting.pop()
                 self._train_batches_unanswered = True
         return batch
@@ -381,14 +355,14 @@ class TFNodeContext:
 
 
 def node_context(ctx: Any, master_node: Optional[str], default_fs: str, working_dir: str,
-                 queues: Sequence[str], announced: bool = True) -> TFNodeContext:
+                 queues: Sequence[str]) -> TFNodeContext:
     """A TFoS ctx for an Ember node context; exports TF_CONFIG as TFoS did."""
     spec = cluster_spec_of(ctx.nodes, master_node)
     me = next(n for n in ctx.nodes if n["index"] == ctx.worker_num)
     job_name = master_node if me["role"] == "chief" and master_node else me["role"]
     tctx = TFNodeContext(ctx.worker_num, job_name, me["task_index"], spec, default_fs,
                          working_dir)
-    tctx.mgr = TFManager(ctx, queues, announced)
+    tctx.mgr = TFManager(ctx, queues)
     tctx._ember_ctx = ctx
     tf_config = tf_config_of(spec, job_name, me["task_index"])
     if tf_config is None:
@@ -399,16 +373,12 @@ def node_context(ctx: Any, master_node: Optional[str], default_fs: str, working_
 
 
 def wrap_main(fn: Callable[[Any, Any], Any], master_node: Optional[str], default_fs: str,
-              working_dir: str, queues: Sequence[str], announced: bool = True
-              ) -> Callable[[Any, Any], Any]:
-    """The main_fun Ember runs: builds TFoS's ctx, sets sys.argv for list args, calls ``fn``.
-
-    ``announced=False`` when the driver feeds through ``ember.spark`` directly (no call
-    markers): everything then goes to the ``input`` queue."""
+              working_dir: str, queues: Sequence[str]) -> Callable[[Any, Any], Any]:
+    """The main_fun Ember runs: builds TFoS's ctx, sets sys.argv for list args, calls ``fn``."""
     queues = list(queues)
 
     def tfos_main(args: Any, ctx: Any) -> None:
-        tctx = node_context(ctx, master_node, default_fs, working_dir, queues, announced)
+        tctx = node_context(ctx, master_node, default_fs, working_dir, queues)
         if isinstance(args, list):
             sys.argv = args
         fn(args, tctx)

@@ -43,9 +43,9 @@ class TFEstimator(EmberEstimator):
         if fn is None:
             raise ValueError("TFEstimator has no train_fn")
         sc = dataset.sparkSession.sparkContext
-        # ember.ml feeds through ember.spark directly (no call markers): all to "input"
+        # ember.ml feeds through ember.spark's train(), whose queue is "input"
         self.train_fn = _node.wrap_main(fn, self.getMasterNode(), _default_fs(sc), os.getcwd(),
-                                        ["input", "output", "error"], announced=False)
+                                        ["input", "output", "error"])
         try:
             model = super()._fit(dataset)
         finally:

@@ -1,11 +1,7 @@
-/* feed.c - the data feed: batch codec, feed server (poll loop), feed client.
- *
- * Three parts, in file order:
- *   1. the batch codec (pure functions, see the layout in feed.h);
- *   2. the server: one thread runs a poll() loop over the listen socket, an
- *      eventfd for wake-ups and every producer connection; the consumer pops
- *      items from a byte-bounded queue under one mutex;
- *   3. the client: blocking calls with deadlines over net.h.
+/* feed_server.c - the feed server: a poll() loop over the listen socket, an
+ * eventfd for wake-ups and every producer connection; the consumer pops
+ * items from a byte-bounded queue under one mutex (protocol: ember/feed.h).
+ * The codec is batch.c, the client feed_client.c.
  *
  * Contract details beyond feed.h:
  *   - a negative timeout_ms means "no limit" (every call still takes one);
@@ -60,506 +56,8 @@
 #include "ember/net.h"
 #include "ember/shm_ring.h"
 #include "ember/wire.h"
+#include "feed_internal.h"
 #include "preauth.h"
-
-/* Decoded batches point straight into the received buffer (no copy), so
- * fixed-width columns and BYTES offsets are used in host byte order.  The wire
- * is little-endian; refuse to build where the two differ rather than silently
- * mis-read numbers. */
-#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "libember's zero-copy batch codec requires a little-endian host"
-#endif
-
-/* ======================================================================
- * 1. Batch codec
- * ====================================================================== */
-
-#define BATCH_HDR_LEN 8u   /* u32 nrows, u32 ncols */
-#define BATCH_DESC_LEN 16u /* u8 dtype, u8 name_len, u16 0, u32 width, u64 nbytes */
-
-size_t ember_dtype_size(uint8_t dtype) {
-  switch (dtype) {
-    case EMBER_DT_F32: return 4;
-    case EMBER_DT_F64: return 8;
-    case EMBER_DT_I32: return 4;
-    case EMBER_DT_I64: return 8;
-    case EMBER_DT_U8: return 1;
-    case EMBER_DT_BOOL: return 1;
-    default: return 0; /* BYTES (variable) and unknown */
-  }
-}
-
-static int dtype_known(uint8_t dtype) {
-  return dtype == EMBER_DT_BYTES || ember_dtype_size(dtype) != 0;
-}
-
-/* Rounds up to a multiple of 8; *out overflow-checked. */
-static int align8(uint64_t v, uint64_t *out) {
-  if (v > UINT64_MAX - 7u) return -1;
-  *out = (v + 7u) & ~(uint64_t)7u;
-  return 0;
-}
-
-/* Column names come from the network: print at most 64 bytes, with anything
- * unprintable replaced, so an error message can never be garbled by them. */
-static const char *printable_name(const char *name, size_t len, char *out, size_t cap) {
-  size_t n = 0;
-  if (name == NULL) len = 0;
-  for (size_t i = 0; i < len && i < 64 && n + 1 < cap; i++) {
-    unsigned char ch = (unsigned char)name[i];
-    out[n++] = (ch >= 0x20 && ch < 0x7f && ch != '\'') ? (char)ch : '?';
-  }
-  if (len > 64 && n + 4 < cap) {
-    memcpy(out + n, "...", 3);
-    n += 3;
-  }
-  out[n] = '\0';
-  return out;
-}
-
-/* Body bytes of one column, from its descriptor fields; -1 on overflow.
- * fixed: nrows * width * itemsize.  BYTES: 8 * (nrows + 1) + data_len. */
-static int column_body_size(uint8_t dtype, uint32_t width, uint32_t nrows,
-                            uint64_t data_len, uint64_t *out) {
-  uint64_t n = 0;
-  if (dtype == EMBER_DT_BYTES) {
-    /* (nrows + 1) * 8 <= 2^35: cannot overflow u64; the add can. */
-    n = ((uint64_t)nrows + 1u) * 8u;
-    if (__builtin_add_overflow(n, data_len, &n)) return -1;
-  } else {
-    if (__builtin_mul_overflow((uint64_t)nrows, (uint64_t)width, &n)) return -1;
-    if (__builtin_mul_overflow(n, (uint64_t)ember_dtype_size(dtype), &n)) return -1;
-  }
-  *out = n;
-  return 0;
-}
-
-/* Validates the caller's columns and computes the layout: *desc_end is the
- * offset just past the last descriptor, *total the encoded size. */
-static int batch_layout(const ember_column *cols, uint32_t ncols, uint32_t nrows,
-                        size_t *desc_end, size_t *total) {
-  char nm[80];
-  uint64_t pos = BATCH_HDR_LEN, body = 0;
-  int rc = EMBER_OK;
-
-  if (ncols > 0 && cols == NULL) {
-    rc = ember__set_error(EMBER_EINVAL, "batch: %u columns but cols is NULL", ncols);
-    goto cleanup;
-  }
-  if (ncols > EMBER_BATCH_MAX_COLS) {
-    rc = ember__set_error(EMBER_EINVAL, "batch: %u columns exceeds the limit of %u",
-                          ncols, EMBER_BATCH_MAX_COLS);
-    goto cleanup;
-  }
-  for (uint32_t i = 0; i < ncols; i++) {
-    const ember_column *c = &cols[i];
-    printable_name(c->name, c->name_len, nm, sizeof nm);
-    if (c->name_len > 0 && c->name == NULL) {
-      rc = ember__set_error(EMBER_EINVAL, "batch column %u: name_len %u but name is NULL",
-                            i, c->name_len);
-      goto cleanup;
-    }
-    if (!dtype_known(c->dtype)) {
-      rc = ember__set_error(EMBER_EINVAL, "batch column %u ('%s'): unknown dtype %u", i,
-                            nm, c->dtype);
-      goto cleanup;
-    }
-    if (c->data_len > 0 && c->data == NULL) {
-      rc = ember__set_error(EMBER_EINVAL, "batch column %u ('%s'): data_len %llu but data is NULL",
-                            i, nm, (unsigned long long)c->data_len);
-      goto cleanup;
-    }
-    if (c->dtype == EMBER_DT_BYTES) {
-      uint64_t prev = 0, cur = 0;
-      if (c->width != 0) {
-        rc = ember__set_error(EMBER_EINVAL, "batch column %u ('%s'): BYTES width must be 0, not %u",
-                              i, nm, c->width);
-        goto cleanup;
-      }
-      if (c->offsets == NULL) {
-        rc = ember__set_error(EMBER_EINVAL, "batch column %u ('%s'): BYTES column without offsets",
-                              i, nm);
-        goto cleanup;
-      }
-      /* memcpy: the caller's offsets may sit at any address (e.g. a decoded
-       * batch in an unaligned buffer). */
-      for (uint64_t r = 0; r <= nrows; r++) {
-        memcpy(&cur, (const uint8_t *)c->offsets + r * 8u, 8);
-        if ((r == 0 && cur != 0) || cur < prev) {
-          rc = ember__set_error(EMBER_EINVAL,
-                                "batch column %u ('%s'): offset[%llu] = %llu (offsets must "
-                                "start at 0 and never decrease)",
-                                i, nm, (unsigned long long)r, (unsigned long long)cur);
-          goto cleanup;
-        }
-        prev = cur;
-      }
-      if (cur != c->data_len) {
-        rc = ember__set_error(EMBER_EINVAL,
-                              "batch column %u ('%s'): last offset %llu != data_len %llu", i,
-                              nm, (unsigned long long)cur, (unsigned long long)c->data_len);
-        goto cleanup;
-      }
-    } else {
-      uint64_t want = 0;
-      if (column_body_size(c->dtype, c->width, nrows, 0, &want) != 0) {
-        rc = ember__set_error(EMBER_ETOOBIG, "batch column %u ('%s'): %u rows x width %u overflows",
-                              i, nm, nrows, c->width);
-        goto cleanup;
-      }
-      if (want != c->data_len) {
-        rc = ember__set_error(EMBER_EINVAL,
-                              "batch column %u ('%s'): data_len %llu, expected nrows %u x "
-                              "width %u x %zu = %llu",
-                              i, nm, (unsigned long long)c->data_len, nrows, c->width,
-                              ember_dtype_size(c->dtype), (unsigned long long)want);
-        goto cleanup;
-      }
-      if (c->dtype == EMBER_DT_BOOL && want > 0) {
-        const uint8_t *b = c->data;
-        for (uint64_t k = 0; k < want; k++)
-          if (b[k] > 1) {
-            rc = ember__set_error(EMBER_EINVAL, "batch column %u ('%s'): BOOL element %llu is %u",
-                                  i, nm, (unsigned long long)k, b[k]);
-            goto cleanup;
-          }
-      }
-    }
-    pos += BATCH_DESC_LEN + c->name_len; /* <= 8 + 1024 * 271: no overflow */
-  }
-  *desc_end = (size_t)pos;
-  if (align8(pos, &pos) != 0) goto overflow;
-  for (uint32_t i = 0; i < ncols; i++) {
-    if (align8(pos, &pos) != 0) goto overflow;
-    if (column_body_size(cols[i].dtype, cols[i].width, nrows, cols[i].data_len, &body) != 0)
-      goto overflow;
-    if (__builtin_add_overflow(pos, body, &pos)) goto overflow;
-  }
-  if (pos > SIZE_MAX) goto overflow;
-  *total = (size_t)pos;
-  goto cleanup;
-overflow:
-  rc = ember__set_error(EMBER_ETOOBIG, "batch: encoded size overflows");
-cleanup:
-  return rc;
-}
-
-int ember_batch_encoded_size(const ember_column *cols, uint32_t ncols, uint32_t nrows,
-                             size_t *out_size) {
-  size_t desc_end = 0, total = 0;
-  int rc;
-  if (out_size == NULL) return ember__set_error(EMBER_EINVAL, "batch: out_size is NULL");
-  rc = batch_layout(cols, ncols, nrows, &desc_end, &total);
-  if (rc == EMBER_OK) *out_size = total;
-  return rc;
-}
-
-/* Writes the 8-byte header and the descriptors (not the padding) to out. */
-static void write_descriptors(const ember_column *cols, uint32_t ncols, uint32_t nrows,
-                              uint8_t *out) {
-  size_t pos = BATCH_HDR_LEN;
-  ember_wire_put_u32(out, nrows);
-  ember_wire_put_u32(out + 4, ncols);
-  for (uint32_t i = 0; i < ncols; i++) {
-    const ember_column *c = &cols[i];
-    uint64_t nbytes = 0;
-    (void)column_body_size(c->dtype, c->width, nrows, c->data_len, &nbytes); /* checked */
-    out[pos] = c->dtype;
-    out[pos + 1] = c->name_len;
-    out[pos + 2] = 0;
-    out[pos + 3] = 0;
-    ember_wire_put_u32(out + pos + 4, c->width);
-    ember_wire_put_u64(out + pos + 8, nbytes);
-    if (c->name_len) memcpy(out + pos + BATCH_DESC_LEN, c->name, c->name_len);
-    pos += BATCH_DESC_LEN + c->name_len;
-  }
-}
-
-/* Writes a batch whose layout batch_layout has checked; returns its size. */
-static size_t encode_checked(const ember_column *cols, uint32_t ncols, uint32_t nrows,
-                             size_t desc_end, uint8_t *out) {
-  size_t pos;
-  write_descriptors(cols, ncols, nrows, out);
-  pos = desc_end;
-  for (uint32_t i = 0; i < ncols; i++) {
-    const ember_column *c = &cols[i];
-    size_t start = (pos + 7u) & ~(size_t)7u; /* total fit, so no overflow */
-    memset(out + pos, 0, start - pos);
-    pos = start;
-    if (c->dtype == EMBER_DT_BYTES) {
-      size_t olen = ((size_t)nrows + 1u) * 8u;
-      memcpy(out + pos, c->offsets, olen); /* host order == little-endian */
-      pos += olen;
-    }
-    if (c->data_len) memcpy(out + pos, c->data, (size_t)c->data_len);
-    pos += (size_t)c->data_len;
-  }
-  return pos;
-}
-
-int ember_batch_encode(const ember_column *cols, uint32_t ncols, uint32_t nrows,
-                       uint8_t *out, size_t cap, size_t *written) {
-  size_t desc_end = 0, total = 0, pos;
-  int rc = batch_layout(cols, ncols, nrows, &desc_end, &total);
-  if (rc != EMBER_OK) goto cleanup;
-  if (out == NULL || cap < total) {
-    rc = ember__set_error(EMBER_ETOOBIG, "batch: needs %zu bytes, buffer has %zu", total,
-                          out == NULL ? (size_t)0 : cap);
-    goto cleanup;
-  }
-  pos = encode_checked(cols, ncols, nrows, desc_end, out);
-  if (written) *written = pos;
-cleanup:
-  return rc;
-}
-
-int ember_batch_decode(const uint8_t *buf, size_t len, ember_column *cols,
-                       uint32_t max_cols, uint32_t *ncols_out, uint32_t *nrows_out) {
-  char nm[80];
-  uint32_t nrows = 0, ncols = 0;
-  uint64_t pos = BATCH_HDR_LEN, end = 0;
-  int rc = EMBER_OK;
-
-  if ((buf == NULL && len > 0) || ncols_out == NULL || nrows_out == NULL) {
-    rc = ember__set_error(EMBER_EINVAL, "batch decode: NULL argument");
-    goto cleanup;
-  }
-  if (len < BATCH_HDR_LEN) {
-    rc = ember__set_error(EMBER_EPROTO, "batch: %zu bytes is shorter than the 8-byte header", len);
-    goto cleanup;
-  }
-  nrows = ember_wire_get_u32(buf);
-  ncols = ember_wire_get_u32(buf + 4);
-  if (ncols > EMBER_BATCH_MAX_COLS || ncols > max_cols) {
-    rc = ember__set_error(EMBER_EPROTO, "batch: %u columns exceeds the limit of %u", ncols,
-                          max_cols < EMBER_BATCH_MAX_COLS ? max_cols : EMBER_BATCH_MAX_COLS);
-    goto cleanup;
-  }
-  if (ncols > 0 && cols == NULL) {
-    rc = ember__set_error(EMBER_EINVAL, "batch decode: cols is NULL");
-    goto cleanup;
-  }
-
-  /* Pass 1: descriptors.  nbytes is parked in data_len until pass 2. */
-  for (uint32_t i = 0; i < ncols; i++) {
-    ember_column *c = &cols[i];
-    uint64_t nbytes, want = 0;
-    uint16_t reserved;
-    if (len - pos < BATCH_DESC_LEN) {
-      rc = ember__set_error(EMBER_EPROTO,
-                            "batch column %u: descriptor truncated (%zu bytes left at offset %llu)",
-                            i, (size_t)(len - pos), (unsigned long long)pos);
-      goto cleanup;
-    }
-    memset(c, 0, sizeof *c);
-    c->dtype = buf[pos];
-    c->name_len = buf[pos + 1];
-    reserved = (uint16_t)(buf[pos + 2] | buf[pos + 3] << 8);
-    c->width = ember_wire_get_u32(buf + pos + 4);
-    nbytes = ember_wire_get_u64(buf + pos + 8);
-    pos += BATCH_DESC_LEN;
-    if (len - pos < c->name_len) {
-      rc = ember__set_error(EMBER_EPROTO, "batch column %u: name of %u bytes truncated", i,
-                            c->name_len);
-      goto cleanup;
-    }
-    c->name = (const char *)(buf + pos);
-    pos += c->name_len;
-    printable_name(c->name, c->name_len, nm, sizeof nm);
-    if (reserved != 0) {
-      rc = ember__set_error(EMBER_EPROTO, "batch column %u ('%s'): reserved field is %u, not 0",
-                            i, nm, reserved);
-      goto cleanup;
-    }
-    if (!dtype_known(c->dtype)) {
-      rc = ember__set_error(EMBER_EPROTO, "batch column %u ('%s'): unknown dtype %u", i, nm,
-                            c->dtype);
-      goto cleanup;
-    }
-    if (c->dtype == EMBER_DT_BYTES) {
-      if (c->width != 0) {
-        rc = ember__set_error(EMBER_EPROTO, "batch column %u ('%s'): BYTES width is %u, not 0",
-                              i, nm, c->width);
-        goto cleanup;
-      }
-      want = ((uint64_t)nrows + 1u) * 8u;
-      if (nbytes < want) {
-        rc = ember__set_error(EMBER_EPROTO,
-                              "batch column %u ('%s'): nbytes %llu is less than the %llu bytes "
-                              "of offsets for %u rows",
-                              i, nm, (unsigned long long)nbytes, (unsigned long long)want, nrows);
-        goto cleanup;
-      }
-    } else {
-      if (column_body_size(c->dtype, c->width, nrows, 0, &want) != 0) {
-        rc = ember__set_error(EMBER_EPROTO, "batch column %u ('%s'): %u rows x width %u overflows",
-                              i, nm, nrows, c->width);
-        goto cleanup;
-      }
-      if (nbytes != want) {
-        rc = ember__set_error(EMBER_EPROTO,
-                              "batch column %u ('%s'): nbytes %llu != nrows %u x width %u x "
-                              "itemsize %zu",
-                              i, nm, (unsigned long long)nbytes, nrows, c->width,
-                              ember_dtype_size(c->dtype));
-        goto cleanup;
-      }
-    }
-    c->data_len = nbytes;
-  }
-
-  /* Pass 2: bodies, each 8-aligned from the start of the batch. */
-  if (align8(pos, &pos) != 0) goto truncated_bodies; /* pos <= len: cannot happen */
-  for (uint32_t i = 0; i < ncols; i++) {
-    ember_column *c = &cols[i];
-    uint64_t nbytes = c->data_len;
-    printable_name(c->name, c->name_len, nm, sizeof nm);
-    if (align8(pos, &pos) != 0 || pos > len || nbytes > len - pos) {
-      rc = ember__set_error(EMBER_EPROTO,
-                            "batch column %u ('%s'): body of %llu bytes at offset %llu runs past "
-                            "the end of the %zu-byte batch",
-                            i, nm, (unsigned long long)nbytes, (unsigned long long)pos, len);
-      goto cleanup;
-    }
-    if (c->dtype == EMBER_DT_BYTES) {
-      uint64_t olen = ((uint64_t)nrows + 1u) * 8u, dlen = nbytes - olen, prev = 0, cur = 0;
-      const uint8_t *ob = buf + pos;
-      for (uint64_t r = 0; r <= nrows; r++) {
-        cur = ember_wire_get_u64(ob + r * 8u);
-        if ((r == 0 && cur != 0) || cur < prev || cur > dlen) {
-          rc = ember__set_error(EMBER_EPROTO,
-                                "batch column %u ('%s'): bad offset[%llu] = %llu (previous %llu, "
-                                "data length %llu)",
-                                i, nm, (unsigned long long)r, (unsigned long long)cur,
-                                (unsigned long long)prev, (unsigned long long)dlen);
-          goto cleanup;
-        }
-        prev = cur;
-      }
-      if (cur != dlen) {
-        rc = ember__set_error(EMBER_EPROTO,
-                              "batch column %u ('%s'): last offset %llu != data length %llu", i,
-                              nm, (unsigned long long)cur, (unsigned long long)dlen);
-        goto cleanup;
-      }
-      /* Only 8-aligned relative to buf, as feed.h says; the cast creates no
-       * access, callers with an aligned buf may read through it. */
-      c->offsets = (const uint64_t *)(const void *)ob;
-      c->data = buf + pos + olen;
-      c->data_len = dlen;
-    } else {
-      c->data = buf + pos;
-      c->data_len = nbytes;
-      if (c->dtype == EMBER_DT_BOOL) {
-        const uint8_t *b = buf + pos;
-        for (uint64_t k = 0; k < nbytes; k++)
-          if (b[k] > 1) {
-            rc = ember__set_error(EMBER_EPROTO, "batch column %u ('%s'): BOOL element %llu is %u",
-                                  i, nm, (unsigned long long)k, b[k]);
-            goto cleanup;
-          }
-      }
-    }
-    pos += nbytes;
-  }
-  /* The encoder writes no trailing padding; a writer that pads every body to
-   * 8 bytes is accepted too, but nothing beyond that word. */
-  if (align8(pos, &end) != 0 || len < pos || len > end) {
-    rc = ember__set_error(EMBER_EPROTO, "batch: %llu unexpected bytes after the last column",
-                          (unsigned long long)(len - pos));
-    goto cleanup;
-  }
-  *ncols_out = ncols;
-  *nrows_out = nrows;
-  goto cleanup;
-truncated_bodies:
-  rc = ember__set_error(EMBER_EPROTO, "batch: descriptors run past the end");
-cleanup:
-  return rc;
-}
-
-/* ======================================================================
- * Shared helpers
- * ====================================================================== */
-
-#define FEED_DEFAULT_QUEUE (64u * 1024u * 1024u)
-#define FEED_DEFAULT_MAX_FRAME (256u * 1024u * 1024u)
-#define FEED_DEFAULT_IO_MS 600000u
-/* Payload limit of every frame but BATCH/RESULTS (HELLO, AUTH, ACK, ...). */
-#define FEED_CTL_MAX 4096u
-#define FEED_REASON_MAX 1024u
-
-/* Absolute deadline; a negative timeout means "no limit". */
-static int64_t feed_deadline(int64_t timeout_ms) {
-  return timeout_ms < 0 ? INT64_MAX : ember_deadline_after(timeout_ms);
-}
-
-/* 1 if code is one of the EMBER_E* values (for statuses read off the wire). */
-static int known_status(int32_t code) {
-#define FEED__KNOWN(name, value, desc) if (code == (value)) return 1;
-  EMBER_ERRNO_MAP(FEED__KNOWN)
-#undef FEED__KNOWN
-  return 0;
-}
-
-/* This host's identity for FEED_SHM: the kernel's boot id, mixed with the
- * network namespace's inode, 16 bytes; all zero when unknown.  Containers on
- * one kernel share the boot id; those with a network of their own are other
- * hosts to Spark (their own address), and their /dev/shm and /proc may be
- * too, so only a producer in this network namespace is offered the ring. */
-static void feed_host_id(uint8_t out[16]) {
-  char buf[64];
-  size_t n = 0;
-  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-  memset(out, 0, 16);
-  if (f == NULL) return;
-  if (fgets(buf, sizeof buf, f) != NULL) {
-    for (const char *p = buf; *p && n < 32; p++) {
-      int v = (*p >= '0' && *p <= '9') ? *p - '0'
-              : (*p >= 'a' && *p <= 'f') ? *p - 'a' + 10
-              : (*p >= 'A' && *p <= 'F') ? *p - 'A' + 10
-                                         : -1;
-      if (v < 0) continue;
-      out[n / 2] = (uint8_t)(out[n / 2] | (n % 2 ? v : v << 4));
-      n++;
-    }
-  }
-  fclose(f);
-  if (n != 32) {
-    memset(out, 0, 16);
-    return;
-  }
-  struct stat netns;
-  if (stat("/proc/self/ns/net", &netns) == 0) {
-    uint64_t ino = (uint64_t)netns.st_ino;
-    for (int i = 0; i < 8; i++) out[8 + i] ^= (uint8_t)(ino >> (8 * i));
-  }
-}
-
-/* EMBER_FEED_SHM=0 (or "false", "no", "off") turns shared memory off. */
-static int feed_env_shm_enabled(void) {
-  const char *v = getenv("EMBER_FEED_SHM");
-  if (v == NULL) return 1;
-  return !(strcmp(v, "0") == 0 || strcasecmp(v, "false") == 0 || strcasecmp(v, "no") == 0 ||
-           strcasecmp(v, "off") == 0);
-}
-
-#define FEED_DEFAULT_RING (16u * 1024u * 1024u)
-
-static size_t feed_env_ring_bytes(void) {
-  const char *v = getenv("EMBER_FEED_SHM_BYTES");
-  char *end = NULL;
-  unsigned long long n;
-  if (v == NULL || *v == '\0') return FEED_DEFAULT_RING;
-  n = strtoull(v, &end, 10);
-  if (*end != '\0' || n < EMBER_SHM_RING_MIN_BYTES || n > EMBER_SHM_RING_MAX_BYTES)
-    return FEED_DEFAULT_RING;
-  return (size_t)n;
-}
-
-/* ======================================================================
- * 2. Server
- * ====================================================================== */
 
 #define FEED_STAGE_LEN 65536u
 /* A body read with at least this much left goes straight into the batch
@@ -583,8 +81,6 @@ static size_t feed_env_ring_bytes(void) {
 #define FEED_LINGER_MS 2000
 /* Shared-memory producers at once (one reader thread each); more get TCP. */
 #define FEED_MAX_RINGS 64u
-/* FEED_SHM payload: host id, pid, fd, segment bytes, token */
-#define FEED_SHM_REQ_LEN (16u + 4u + 4u + 8u + 32u)
 
 enum { C_AUTH, C_HELLO, C_STREAM, C_ENDING, C_DONE, C_LINGER, C_DEAD };
 enum { RX_HDR, RX_BODY };
@@ -623,9 +119,12 @@ typedef struct feed_conn {
   size_t body_have;
   /* partition state */
   int helloed;
+  uint64_t call;
   uint32_t partition, flags;
+  uint32_t call_partitions; /* from the HELLO: this node's partitions of the call */
   int dup;           /* partition already acknowledged: discard its data */
-  int acked_ok;      /* ACK(EMBER_OK) queued: the partition is delivered */
+  int acked_ok;      /* END_PARTITION accepted: the partition is delivered
+                        (its PARTITION_END is queued; the ACK follows its pop) */
   uint64_t batches;  /* BATCH frames queued for this partition */
   uint64_t records;  /* rows in them */
   uint64_t end_count;
@@ -687,12 +186,15 @@ struct ember_feed_server {
   feed_conn *conns;
   size_t nconns;
   uint64_t next_id;
-  uint32_t *acked; /* sorted partition ids acknowledged OK */
-  size_t nacked, acked_cap;
-  /* records queued by connections that ended without an ACK, per partition
-   * (what a resuming producer skips); sorted by partition */
-  struct held_rows { uint32_t partition; uint64_t records; } *held;
-  size_t nheld, held_cap;
+  /* every (call, partition) seen, sorted: whether it started (PARTITION_START
+   * queued) and ended (delivered whole), and the records queued by its
+   * connections that ended without an END (what a resuming producer skips) */
+  struct part_state { uint64_t call; uint32_t partition; uint8_t started, ended;
+                      uint64_t held; } *parts;
+  size_t nparts, parts_cap;
+  /* named calls that count their partitions (call_partitions > 0), sorted */
+  struct call_state { uint64_t call; uint32_t expected, ended; } *calls;
+  size_t ncalls, calls_cap;
   ember_feed_stats stats;
   size_t nrings;
   ember__pool pool; /* unauthenticated connections, oldest first */
@@ -723,71 +225,88 @@ static int cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t dead
   return pthread_cond_timedwait(cv, mu, &ts);
 }
 
-/* --- acknowledged partitions: a sorted array (a few thousand at most) --- */
-static int acked_find(const ember_feed_server *s, uint32_t p, size_t *at) {
-  size_t lo = 0, hi = s->nacked;
+/* --- partition and call state: sorted arrays, binary search --- */
+
+static int part_less(const struct part_state *a, uint64_t call, uint32_t p) {
+  return a->call < call || (a->call == call && a->partition < p);
+}
+
+/* The state of (call, p), NULL when never seen. */
+static struct part_state *part_find(const ember_feed_server *s, uint64_t call, uint32_t p,
+                                    size_t *at) {
+  size_t lo = 0, hi = s->nparts;
   while (lo < hi) {
     size_t mid = lo + (hi - lo) / 2;
-    if (s->acked[mid] < p) lo = mid + 1;
+    if (part_less(&s->parts[mid], call, p)) lo = mid + 1;
     else hi = mid;
   }
-  *at = lo;
-  return lo < s->nacked && s->acked[lo] == p;
+  if (at) *at = lo;
+  return lo < s->nparts && s->parts[lo].call == call && s->parts[lo].partition == p
+             ? &s->parts[lo]
+             : NULL;
 }
 
-static size_t held_find(const ember_feed_server *s, uint32_t p, int *found) {
-  size_t lo = 0, hi = s->nheld;
-  while (lo < hi) {
-    size_t mid = lo + (hi - lo) / 2;
-    if (s->held[mid].partition < p) lo = mid + 1;
-    else hi = mid;
-  }
-  *found = lo < s->nheld && s->held[lo].partition == p;
-  return lo;
-}
-
-static uint64_t held_records(const ember_feed_server *s, uint32_t p) {
-  int found;
-  size_t at = held_find(s, p, &found);
-  return found ? s->held[at].records : 0;
-}
-
-/* Remembers records of p queued by a connection that ended without an ACK.
- * On ENOMEM the count is lost: a later resume re-sends them (duplicates),
- * the pre-resume behaviour, never a loss. */
-static void held_add(ember_feed_server *s, uint32_t p, uint64_t records) {
-  int found;
-  size_t at = held_find(s, p, &found);
-  if (!found) {
-    if (s->nheld == s->held_cap) {
-      size_t ncap = s->held_cap ? s->held_cap * 2 : 16;
-      struct held_rows *n = realloc(s->held, ncap * sizeof *n);
-      if (n == NULL) return;
-      s->held = n;
-      s->held_cap = ncap;
-    }
-    memmove(s->held + at + 1, s->held + at, (s->nheld - at) * sizeof *s->held);
-    s->held[at].partition = p;
-    s->held[at].records = 0;
-    s->nheld++;
-  }
-  s->held[at].records += records;
-}
-
-static int acked_add(ember_feed_server *s, uint32_t p) {
+/* The state of (call, p), made if new; NULL without memory. */
+static struct part_state *part_get(ember_feed_server *s, uint64_t call, uint32_t p) {
   size_t at = 0;
-  if (acked_find(s, p, &at)) return EMBER_OK;
-  if (s->nacked == s->acked_cap) {
-    size_t ncap = s->acked_cap ? s->acked_cap * 2 : 64;
-    uint32_t *n = realloc(s->acked, ncap * sizeof *n);
-    if (n == NULL) return EMBER_ENOMEM;
-    s->acked = n;
-    s->acked_cap = ncap;
+  struct part_state *st = part_find(s, call, p, &at);
+  if (st) return st;
+  if (s->nparts == s->parts_cap) {
+    size_t ncap = s->parts_cap ? s->parts_cap * 2 : 64;
+    struct part_state *n = realloc(s->parts, ncap * sizeof *n);
+    if (n == NULL) return NULL;
+    s->parts = n;
+    s->parts_cap = ncap;
   }
-  memmove(s->acked + at + 1, s->acked + at, (s->nacked - at) * sizeof *s->acked);
-  s->acked[at] = p;
-  s->nacked++;
-  return EMBER_OK;
+  memmove(s->parts + at + 1, s->parts + at, (s->nparts - at) * sizeof *s->parts);
+  memset(&s->parts[at], 0, sizeof s->parts[at]);
+  s->parts[at].call = call;
+  s->parts[at].partition = p;
+  s->nparts++;
+  return &s->parts[at];
+}
+
+static int part_ended(const ember_feed_server *s, uint64_t call, uint32_t p) {
+  const struct part_state *st = part_find(s, call, p, NULL);
+  return st != NULL && st->ended;
+}
+
+static uint64_t held_records(const ember_feed_server *s, uint64_t call, uint32_t p) {
+  const struct part_state *st = part_find(s, call, p, NULL);
+  return st ? st->held : 0;
+}
+
+/* Remembers records of (call, p) queued by a connection that ended without
+ * an END.  On ENOMEM the count is lost: a later resume re-sends them
+ * (duplicates), the pre-resume behaviour, never a loss. */
+static void held_add(ember_feed_server *s, uint64_t call, uint32_t p, uint64_t records) {
+  struct part_state *st = part_get(s, call, p);
+  if (st) st->held += records;
+}
+
+/* The state of a call that counts its partitions, made if new (expected as
+ * its first HELLO said); NULL without memory. */
+static struct call_state *call_get(ember_feed_server *s, uint64_t call, uint32_t expected) {
+  size_t lo = 0, hi = s->ncalls;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (s->calls[mid].call < call) lo = mid + 1;
+    else hi = mid;
+  }
+  if (lo < s->ncalls && s->calls[lo].call == call) return &s->calls[lo];
+  if (s->ncalls == s->calls_cap) {
+    size_t ncap = s->calls_cap ? s->calls_cap * 2 : 64;
+    struct call_state *n = realloc(s->calls, ncap * sizeof *n);
+    if (n == NULL) return NULL;
+    s->calls = n;
+    s->calls_cap = ncap;
+  }
+  memmove(s->calls + lo + 1, s->calls + lo, (s->ncalls - lo) * sizeof *s->calls);
+  s->calls[lo].call = call;
+  s->calls[lo].expected = expected;
+  s->calls[lo].ended = 0;
+  s->ncalls++;
+  return &s->calls[lo];
 }
 
 /* --- out queue --- */
@@ -1011,42 +530,105 @@ static void handle_auth_frame(ember_feed_server *s, feed_conn *c) {
   c->deadline = ember_now_ms() + s->pre_ms; /* still in the pool: evictable */
 }
 
+/* "partition 3", or "partition 3 of call 17" for a named call. */
+static const char *part_name(const feed_conn *c, char *out, size_t cap) {
+  if (c->call == 0) snprintf(out, cap, "partition %u", c->partition);
+  else snprintf(out, cap, "partition %u of call %llu", c->partition,
+                (unsigned long long)c->call);
+  return out;
+}
+
+/* Queues a PARTITION_START (data: a copy of data[0..len)), PARTITION_END or
+ * CALL_END of c's call, counted in c's outstanding items so that its ACK
+ * waits for their pops.  Under s->mu. */
+static int queue_event(ember_feed_server *s, feed_conn *c, int kind, const uint8_t *data,
+                       size_t len) {
+  qnode *n = calloc(1, sizeof *n);
+  if (n == NULL) return EMBER_ENOMEM;
+  if (len > 0) {
+    n->item.data = malloc(len);
+    if (n->item.data == NULL) {
+      free(n);
+      return EMBER_ENOMEM;
+    }
+    memcpy(n->item.data, data, len);
+  }
+  n->item.kind = kind;
+  n->item.source = c->id;
+  n->item.call = c->call;
+  n->item.partition = c->partition;
+  n->item.flags = c->flags;
+  n->item.len = len;
+  n->conn = c;
+  c->outstanding++;
+  s->qbytes += len;
+  queue_push(s, n);
+  return EMBER_OK;
+}
+
+/* FEED_HELLO: u32 partition, u32 flags, u64 call, u32 call_partitions,
+ * u32 tag_len, tag. */
 static void handle_hello(ember_feed_server *s, feed_conn *c) {
-  char why[256];
-  size_t at = 0;
-  if (c->fh.length != 8) {
-    snprintf(why, sizeof why, "feed: FEED_HELLO payload is %u bytes, expected 8", c->fh.length);
+  char why[320], name[64];
+  uint32_t tag_len;
+  struct part_state *st;
+  if (c->fh.length < 24) {
+    snprintf(why, sizeof why, "feed: FEED_HELLO payload is %u bytes, expected at least 24",
+             c->fh.length);
     conn_refuse(s, c, EMBER_EPROTO, why);
     return;
   }
   c->partition = ember_wire_get_u32(c->body);
   c->flags = ember_wire_get_u32(c->body + 4);
+  c->call = ember_wire_get_u64(c->body + 8);
+  c->call_partitions = ember_wire_get_u32(c->body + 16);
+  tag_len = ember_wire_get_u32(c->body + 20);
+  part_name(c, name, sizeof name);
+  if (tag_len > EMBER_FEED_TAG_MAX || c->fh.length != 24 + tag_len) {
+    snprintf(why, sizeof why, "feed: FEED_HELLO of %s: tag of %u bytes in a payload of %u "
+             "(the tag is at most %u bytes)", name, tag_len, c->fh.length, EMBER_FEED_TAG_MAX);
+    conn_refuse(s, c, EMBER_EPROTO, why);
+    return;
+  }
   if (c->flags & ~(EMBER_FEED_WANT_RESULTS | EMBER_FEED_RESUME)) {
     snprintf(why, sizeof why, "feed: FEED_HELLO has unknown flags 0x%x", c->flags);
     conn_refuse(s, c, EMBER_EPROTO, why);
     return;
   }
   if ((c->flags & EMBER_FEED_RESUME) && (c->flags & EMBER_FEED_WANT_RESULTS)) {
-    snprintf(why, sizeof why, "feed: FEED_HELLO asks to resume partition %u with results "
-             "(results of the skipped records are gone)", c->partition);
+    snprintf(why, sizeof why, "feed: FEED_HELLO asks to resume %s with results "
+             "(results of the skipped records are gone)", name);
     conn_refuse(s, c, EMBER_EPROTO, why);
     return;
+  }
+  if (c->call != 0 && c->call_partitions > 0) {
+    struct call_state *cs = call_get(s, c->call, c->call_partitions);
+    if (cs == NULL) {
+      conn_refuse(s, c, EMBER_ENOMEM, "feed: out of memory recording a call");
+      return;
+    }
+    if (cs->expected != c->call_partitions) {
+      snprintf(why, sizeof why, "feed: FEED_HELLO of %s says the call has %u partitions for "
+               "this node, an earlier one said %u", name, c->call_partitions, cs->expected);
+      conn_refuse(s, c, EMBER_EPROTO, why);
+      return;
+    }
   }
   if (c->flags & EMBER_FEED_RESUME) {
     /* The count is only final once every earlier connection of the partition
      * has ended (and its ring reader stopped queueing). */
     for (feed_conn *o = s->conns; o; o = o->next)
-      if (o != c && o->helloed && o->partition == c->partition && !o->dup && !o->acked_ok &&
-          !(o->flags & EMBER_FEED_WANT_RESULTS)) {
-        snprintf(why, sizeof why, "feed: partition %u is still being fed by another connection "
+      if (o != c && o->helloed && o->call == c->call && o->partition == c->partition &&
+          !o->dup && !o->acked_ok && !(o->flags & EMBER_FEED_WANT_RESULTS)) {
+        snprintf(why, sizeof why, "feed: %s is still being fed by another connection "
                  "(%s, an earlier attempt of this task?); retry once it has ended",
-                 c->partition, o->peer);
+                 name, o->peer);
         conn_refuse(s, c, EMBER_ESTATE, why);
         return;
       }
   }
   c->helloed = 1;
-  if (acked_find(s, c->partition, &at)) {
+  if (part_ended(s, c->call, c->partition)) {
     c->dup = 1;
     s->stats.duplicate_partitions++;
   }
@@ -1055,26 +637,48 @@ static void handle_hello(ember_feed_server *s, feed_conn *c) {
     ember_wire_encode_header(frame, EMBER_MSG_FEED_RESUME, 12);
     ember_wire_put_u32(frame + EMBER_WIRE_HEADER_LEN, (uint32_t)c->dup);
     ember_wire_put_u64(frame + EMBER_WIRE_HEADER_LEN + 4,
-                       c->dup ? 0 : held_records(s, c->partition));
+                       c->dup ? 0 : held_records(s, c->call, c->partition));
     if (queue_owned_frame(c, frame, sizeof frame) != EMBER_OK) {
       conn_kill(s, c);
       return;
     }
   }
+  /* A named call's partition starts once, before its first batch: a resumed
+   * attempt's batches follow the first attempt's. */
+  if (c->call != 0 && !c->dup && !s->terminated) {
+    st = part_get(s, c->call, c->partition);
+    if (st == NULL ||
+        (!st->started &&
+         queue_event(s, c, EMBER_FEED_ITEM_PARTITION_START, c->body + 24, tag_len) != EMBER_OK)) {
+      conn_refuse(s, c, EMBER_ENOMEM, "feed: out of memory queuing a partition's start");
+      return;
+    }
+    st->started = 1;
+  }
   c->state = C_STREAM;
   c->deadline = 0;
 }
 
-/* Queues a decoded batch of c (body: malloc'd, taken over).  Under s->mu. */
+/* Queues a decoded batch of c (body: malloc'd, taken over; cols: its ncols
+ * decoded columns, copied into the item so the consumer need not decode the
+ * batch again).  Under s->mu. */
 static int queue_batch(ember_feed_server *s, feed_conn *c, uint8_t *body, size_t len,
-                       uint32_t nrows) {
+                       const ember_column *cols, uint32_t ncols, uint32_t nrows) {
   qnode *n = calloc(1, sizeof *n);
-  if (n == NULL) {
+  ember_column *copy = malloc(sizeof *copy * (ncols ? ncols : 1));
+  if (n == NULL || copy == NULL) {
+    free(n);
+    free(copy);
     free(body);
     return EMBER_ENOMEM;
   }
+  if (ncols) memcpy(copy, cols, sizeof *copy * ncols);
+  n->item.cols = copy;
+  n->item.ncols = ncols;
+  n->item.nrows = nrows;
   n->item.kind = EMBER_FEED_ITEM_BATCH;
   n->item.source = c->id;
+  n->item.call = c->call;
   n->item.partition = c->partition;
   n->item.flags = c->flags;
   n->item.data = body;
@@ -1109,6 +713,7 @@ static void queue_error(ember_feed_server *s, feed_conn *c, const char *reason) 
   memcpy(n->item.data, reason, len + 1);
   n->item.kind = EMBER_FEED_ITEM_ERROR;
   n->item.source = c->id;
+  n->item.call = c->call;
   n->item.partition = c->partition;
   n->item.flags = c->flags;
   n->item.len = len;
@@ -1133,7 +738,7 @@ static void handle_batch(ember_feed_server *s, feed_conn *c) {
     conn_refuse(s, c, EMBER_EPROTO, why);
     return;
   }
-  if (queue_batch(s, c, body, c->fh.length, nr) != EMBER_OK)
+  if (queue_batch(s, c, body, c->fh.length, s->cols, nc, nr) != EMBER_OK)
     conn_refuse(s, c, EMBER_ENOMEM, "feed: out of memory queuing a batch");
 }
 
@@ -1211,7 +816,7 @@ static void *ring_reader(void *arg) {
       free(body);
       continue;
     }
-    if (queue_batch(s, c, body, m.len, nr) != EMBER_OK) {
+    if (queue_batch(s, c, body, m.len, cols, nc, nr) != EMBER_OK) {
       code = EMBER_ENOMEM;
       snprintf(why, sizeof why, "feed: out of memory queuing a batch");
     }
@@ -1297,6 +902,7 @@ static void handle_end_feed(ember_feed_server *s, feed_conn *c) {
     }
     n->item.kind = EMBER_FEED_ITEM_END;
     n->item.source = c->id;
+    n->item.call = c->call;
     n->item.partition = c->partition;
     n->item.flags = c->flags;
     s->end_queued = 1;
@@ -1587,6 +1193,45 @@ static void accept_new(ember_feed_server *s) {
   }
 }
 
+/* c's END_PARTITION, with every batch queued: checks the count, then (named
+ * call) queues PARTITION_END and, when it completes the call, CALL_END, and
+ * records the partition as delivered.  Returns the ACK's status (why: its
+ * reason).  Under s->mu. */
+static int end_partition(ember_feed_server *s, feed_conn *c, char *why, size_t cap) {
+  char name[64];
+  struct part_state *st;
+  struct call_state *cs = NULL;
+  part_name(c, name, sizeof name);
+  if (c->end_count != c->records) {
+    snprintf(why, cap, "%s: END_PARTITION says %llu records, the node received %llu", name,
+             (unsigned long long)c->end_count, (unsigned long long)c->records);
+    return EMBER_EPROTO;
+  }
+  if (part_ended(s, c->call, c->partition)) {
+    /* another connection of the partition, open at the same time, ended it
+     * first (its batches were delivered too: no dedup without RESUME) */
+    c->acked_ok = 1;
+    return EMBER_OK;
+  }
+  st = part_get(s, c->call, c->partition);
+  if (c->call != 0 && c->call_partitions > 0) cs = call_get(s, c->call, c->call_partitions);
+  if (st == NULL || (c->call != 0 && c->call_partitions > 0 && cs == NULL) ||
+      (c->call != 0 &&
+       queue_event(s, c, EMBER_FEED_ITEM_PARTITION_END, NULL, 0) != EMBER_OK)) {
+    snprintf(why, cap, "out of memory recording %s", name);
+    return EMBER_ENOMEM;
+  }
+  if (cs != NULL && ++cs->ended == cs->expected &&
+      queue_event(s, c, EMBER_FEED_ITEM_CALL_END, NULL, 0) != EMBER_OK) {
+    snprintf(why, cap, "out of memory ending call %llu", (unsigned long long)c->call);
+    return EMBER_ENOMEM;
+  }
+  st->ended = 1;
+  c->acked_ok = 1;
+  s->stats.partitions_acked++;
+  return EMBER_OK;
+}
+
 /* State changes that do not come from the socket: ACKs that wait for the
  * consumer, deadlines, lingering closes, reaping. */
 static void loop_progress(ember_feed_server *s) {
@@ -1615,7 +1260,7 @@ static void loop_progress(ember_feed_server *s) {
       }
     }
     if (c->state == C_ENDING) {
-      char why[160];
+      char why[200];
       int st = EMBER_OK, ready = 1;
       why[0] = '\0';
       if (s->terminated) {
@@ -1625,20 +1270,13 @@ static void loop_progress(ember_feed_server *s) {
         ready = 0; /* the reader has not reached the ring's END marker yet */
       } else if (c->dup) {
         /* already delivered by an earlier connection; data discarded */
-      } else if (c->outstanding > 0) {
-        ready = 0;
-      } else if (c->end_count != c->records) {
-        st = EMBER_EPROTO;
-        snprintf(why, sizeof why,
-                 "partition %u: END_PARTITION says %llu records, the node received %llu",
-                 c->partition, (unsigned long long)c->end_count,
-                 (unsigned long long)c->records);
-      } else if (acked_add(s, c->partition) != EMBER_OK) {
-        st = EMBER_ENOMEM;
-        snprintf(why, sizeof why, "out of memory recording partition %u", c->partition);
+      } else if (!c->acked_ok) {
+        /* Every batch is queued (TCP: END_PARTITION follows them; ring: the
+         * reader passed END), so the count is final. */
+        st = end_partition(s, c, why, sizeof why);
+        ready = st != EMBER_OK || c->outstanding == 0;
       } else {
-        s->stats.partitions_acked++;
-        c->acked_ok = 1;
+        ready = c->outstanding == 0; /* the ACK waits for the consumer's pops */
       }
       if (ready) {
         if (queue_status_frame(c, EMBER_MSG_ACK, st, why) != EMBER_OK) {
@@ -1683,7 +1321,7 @@ static void loop_progress(ember_feed_server *s) {
     ember_shm_ring_destroy(c->ring);
     /* Its queued batches stay in the queue: a resumed attempt skips them. */
     if (c->helloed && !c->dup && !c->acked_ok && c->records > 0)
-      held_add(s, c->partition, c->records);
+      held_add(s, c->call, c->partition, c->records);
     *pp = c->next;
     s->nconns--;
     if (c->outstanding)
@@ -1788,8 +1426,7 @@ static void free_queue(ember_feed_server *s) {
   for (; n; n = nx) {
     nx = n->next;
     if (n->conn) n->conn->outstanding--;
-    free(n->item.data);
-    free(n);
+    ember_feed_item_free(&n->item); /* frees n: the item is its first member */
   }
   s->qhead = s->qtail = NULL;
   s->qbytes = 0;
@@ -1835,8 +1472,8 @@ void ember_feed_server_destroy(ember_feed_server *s) {
   pthread_mutex_destroy(&s->mu);
   if (s->secret) memset(s->secret, 0, s->secret_len);
   free(s->secret);
-  free(s->acked);
-  free(s->held);
+  free(s->parts);
+  free(s->calls);
   free(s->pfds);
   free(s->pconns);
   free(s);
@@ -1883,8 +1520,8 @@ int ember_feed_server_create(ember_feed_server **out, const ember_feed_server_co
   s->max_pending = ember__preauth_max_pending(cfg->max_pending);
   s->log_fn = cfg->log_fn ? cfg->log_fn : ember__log_stderr;
   s->log_arg = cfg->log_fn ? cfg->log_arg : NULL;
-  s->shm_enabled = !cfg->disable_shm && feed_env_shm_enabled();
-  feed_host_id(s->host_id);
+  s->shm_enabled = !cfg->disable_shm && ember__feed_env_shm_enabled();
+  ember__feed_host_id(s->host_id);
 
   if (pthread_mutex_init(&s->mu, NULL) != 0) {
     rc = ember__set_error(EMBER_ESYS, "feed server: pthread_mutex_init failed");
@@ -1949,7 +1586,7 @@ cleanup:
 uint16_t ember_feed_server_port(const ember_feed_server *s) { return s ? s->port : 0; }
 
 int ember_feed_server_next(ember_feed_server *s, ember_feed_item **out, int64_t timeout_ms) {
-  int64_t deadline = feed_deadline(timeout_ms);
+  int64_t deadline = ember__feed_deadline(timeout_ms);
   int rc = EMBER_OK, wake = 0;
   if (s == NULL || out == NULL) return ember__set_error(EMBER_EINVAL, "feed next: NULL argument");
   *out = NULL;
@@ -2011,13 +1648,14 @@ int ember_feed_server_next(ember_feed_server *s, ember_feed_item **out, int64_t 
 
 void ember_feed_item_free(ember_feed_item *item) {
   if (item == NULL) return;
+  free(item->cols);
   free(item->data);
   free(item); /* item is the first member of its qnode */
 }
 
 int ember_feed_server_send_results(ember_feed_server *s, uint64_t source, const uint8_t *batch,
                                    size_t len, int64_t timeout_ms) {
-  int64_t deadline = feed_deadline(timeout_ms);
+  int64_t deadline = ember__feed_deadline(timeout_ms);
   out_req req;
   feed_conn *c;
   int rc = EMBER_OK;
@@ -2106,658 +1744,4 @@ void ember_feed_server_stats(ember_feed_server *s, ember_feed_stats *out) {
   pthread_mutex_lock(&s->mu);
   *out = s->stats;
   pthread_mutex_unlock(&s->mu);
-}
-
-/* ======================================================================
- * 3. Client
- * ====================================================================== */
-
-/* RESULTS frames the client accepts; results are trainer output, usually far
- * smaller than input, but bounded all the same. */
-#define FEED_CLIENT_MAX_FRAME FEED_DEFAULT_MAX_FRAME
-/* iovecs per writev: stays under IOV_MAX (1024). */
-#define FEED_IOV_CHUNK 512
-
-typedef struct pending_result {
-  struct pending_result *next;
-  uint8_t *data;
-  size_t len;
-} pending_result;
-
-struct ember_feed_client {
-  int fd;
-  uint32_t partition, flags;
-  uint64_t rows_sent;
-  uint64_t resume_records; /* FEED_RESUME: records the node already holds */
-  int resume_delivered;    /* FEED_RESUME: the partition was delivered whole */
-  int broken; /* a send failed half-way or the server refused us */
-  int ended;  /* END_PARTITION or END_FEED acknowledged */
-  char peer[64];
-  /* RESULTS that arrived while end_partition waited for the ACK; handed out
-   * by recv_results first, in order. */
-  pending_result *res_head, *res_tail;
-  uint8_t *scratch; /* frame header + batch descriptors */
-  size_t scratch_cap;
-  struct iovec *iov;
-  size_t iov_cap;
-  /* shared memory: offered by the first send when shm_wanted */
-  int shm_wanted;
-  int shm_decided;
-  size_t shm_bytes;
-  ember_shm_ring *ring; /* non-NULL: batches go through it */
-};
-
-void ember_feed_client_destroy(ember_feed_client *c) {
-  pending_result *p, *nx;
-  if (c == NULL) return;
-  /* The ring first: a server still reading it sees the producer close
-   * (after any END already written), then the socket close. */
-  ember_shm_ring_destroy(c->ring);
-  ember_net_close(c->fd);
-  for (p = c->res_head; p; p = nx) {
-    nx = p->next;
-    free(p->data);
-    free(p);
-  }
-  free(c->scratch);
-  free(c->iov);
-  free(c);
-}
-
-int ember_feed_client_connect(ember_feed_client **out, const char *host, uint16_t port,
-                              const uint8_t *secret, size_t secret_len, uint32_t partition,
-                              uint32_t flags, int64_t timeout_ms) {
-  return ember_feed_client_connect_ex(out, host, port, secret, secret_len, partition, flags,
-                                      NULL, timeout_ms);
-}
-
-static int client_read_resume(ember_feed_client *c, int64_t deadline);
-
-int ember_feed_client_connect_ex(ember_feed_client **out, const char *host, uint16_t port,
-                                 const uint8_t *secret, size_t secret_len, uint32_t partition,
-                                 uint32_t flags, const ember_feed_client_options *opts,
-                                 int64_t timeout_ms) {
-  int64_t deadline = feed_deadline(timeout_ms);
-  ember_feed_client *c = NULL;
-  uint8_t hello[8];
-  int rc = EMBER_OK;
-  if (out == NULL || host == NULL) {
-    rc = ember__set_error(EMBER_EINVAL, "feed connect: NULL argument");
-    goto cleanup;
-  }
-  *out = NULL;
-  if (flags & ~(EMBER_FEED_WANT_RESULTS | EMBER_FEED_RESUME)) {
-    rc = ember__set_error(EMBER_EINVAL, "feed connect: unknown flags 0x%x", flags);
-    goto cleanup;
-  }
-  if (opts != NULL && (opts->shm < EMBER_FEED_SHM_AUTO || opts->shm > EMBER_FEED_SHM_ON)) {
-    rc = ember__set_error(EMBER_EINVAL, "feed connect: unknown shm mode %d", opts->shm);
-    goto cleanup;
-  }
-  if (opts != NULL && opts->shm_bytes != 0 &&
-      (opts->shm_bytes < EMBER_SHM_RING_MIN_BYTES || opts->shm_bytes > EMBER_SHM_RING_MAX_BYTES)) {
-    rc = ember__set_error(EMBER_EINVAL, "feed connect: shm_bytes %zu is outside %u..%u",
-                          opts->shm_bytes, EMBER_SHM_RING_MIN_BYTES, EMBER_SHM_RING_MAX_BYTES);
-    goto cleanup;
-  }
-  c = calloc(1, sizeof *c);
-  if (c == NULL) {
-    rc = ember__set_error(EMBER_ENOMEM, "feed connect: out of memory");
-    goto cleanup;
-  }
-  c->fd = -1;
-  c->partition = partition;
-  c->flags = flags;
-  {
-    int mode = opts ? opts->shm : EMBER_FEED_SHM_AUTO;
-    c->shm_wanted = mode == EMBER_FEED_SHM_ON || (mode == EMBER_FEED_SHM_AUTO && feed_env_shm_enabled());
-    c->shm_bytes = opts && opts->shm_bytes ? opts->shm_bytes : feed_env_ring_bytes();
-  }
-  rc = ember__connect_auth(host, port, secret, secret_len, deadline, &c->fd);
-  if (rc != EMBER_OK) goto cleanup;
-  (void)ember_net_tune(c->fd);
-  ember_net_peer_name(c->fd, c->peer, sizeof c->peer);
-  ember_wire_put_u32(hello, partition);
-  ember_wire_put_u32(hello + 4, flags);
-  rc = ember_net_send_frame(c->fd, EMBER_MSG_FEED_HELLO, hello, sizeof hello, deadline);
-  if (rc != EMBER_OK) goto cleanup;
-  if (flags & EMBER_FEED_RESUME) {
-    rc = client_read_resume(c, deadline);
-    if (rc != EMBER_OK) goto cleanup;
-  }
-  *out = c;
-  c = NULL;
-cleanup:
-  ember_feed_client_destroy(c);
-  return rc;
-}
-
-/* Turns an ACK/REFUSED payload (u32 status, str reason) into a status code
- * and the thread's error message. */
-static int client_status(ember_feed_client *c, uint16_t type, const uint8_t *p, uint32_t len) {
-  ember_wire_reader r;
-  char reason[FEED_REASON_MAX + 1];
-  int32_t st;
-  ember_wire_reader_init(&r, p, len);
-  st = (int32_t)ember_wire_read_u32(&r);
-  ember_wire_read_str(&r, reason, sizeof reason);
-  if (ember_wire_reader_finish(&r, 1, ember_wire_type_name(type)) != EMBER_OK) {
-    c->broken = 1;
-    return EMBER_EPROTO; /* reader set the message */
-  }
-  if (type == EMBER_MSG_REFUSED) c->broken = 1;
-  if (st == EMBER_OK && type == EMBER_MSG_ACK) return EMBER_OK;
-  if (st >= 0 || !known_status(st)) st = EMBER_EPROTO;
-  return ember__set_error(st, "feed server %s (partition %u) %s: %s", c->peer, c->partition,
-                          type == EMBER_MSG_REFUSED ? "refused the producer" : "answered",
-                          reason[0] ? reason : ember_strerror(st));
-}
-
-static int client_usable(ember_feed_client *c, const char *what) {
-  if (c == NULL) return ember__set_error(EMBER_EINVAL, "feed %s: NULL client", what);
-  if (c->broken)
-    return ember__set_error(EMBER_ESTATE,
-                            "feed %s: the connection to %s is unusable after an earlier error",
-                            what, c->peer);
-  return EMBER_OK;
-}
-
-/* Receives the next frame; RESULTS are returned to the caller as-is. */
-static int client_recv(ember_feed_client *c, ember_frame_header *fh, uint8_t **payload,
-                       int64_t deadline, const char *what) {
-  int rc = ember_net_recv_frame(c->fd, FEED_CLIENT_MAX_FRAME, fh, payload, deadline);
-  if (rc != EMBER_OK && rc != EMBER_ETIMEDOUT) c->broken = 1;
-  if (rc == EMBER_ECLOSED)
-    rc = ember__set_error(EMBER_ECLOSED, "feed %s: node %s closed the connection (partition %u)",
-                          what, c->peer, c->partition);
-  return rc;
-}
-
-/* The answer to a resuming FEED_HELLO: FEED_RESUME, or REFUSED. */
-static int client_read_resume(ember_feed_client *c, int64_t deadline) {
-  ember_frame_header fh;
-  uint8_t *payload = NULL;
-  int rc = client_recv(c, &fh, &payload, deadline, "connect");
-  if (rc != EMBER_OK) goto done;
-  if (fh.type == EMBER_MSG_REFUSED) {
-    rc = client_status(c, fh.type, payload, fh.length);
-  } else if (fh.type != EMBER_MSG_FEED_RESUME || fh.length != 12) {
-    c->broken = 1;
-    rc = ember__set_error(EMBER_EPROTO, "feed connect: node %s answered a resuming FEED_HELLO "
-                          "with %s (%u bytes), expected FEED_RESUME (12 bytes)", c->peer,
-                          ember_wire_type_name(fh.type), fh.length);
-  } else {
-    c->resume_delivered = ember_wire_get_u32(payload) != 0;
-    c->resume_records = ember_wire_get_u64(payload + 4);
-  }
-done:
-  free(payload);
-  return rc;
-}
-
-void ember_feed_client_resume_point(const ember_feed_client *c, uint64_t *records,
-                                    int *delivered) {
-  if (records) *records = c ? c->resume_records : 0;
-  if (delivered) *delivered = c ? c->resume_delivered : 0;
-}
-
-/* Keeps a RESULTS payload that arrived while we waited for something else,
- * for recv_results (takes payload over). */
-static int client_keep_result(ember_feed_client *c, uint8_t *payload, size_t len,
-                              const char *what) {
-  pending_result *pr = calloc(1, sizeof *pr);
-  if (pr != NULL) pr->data = payload ? payload : malloc(1);
-  if (pr == NULL || pr->data == NULL) {
-    free(payload);
-    free(pr);
-    c->broken = 1;
-    return ember__set_error(EMBER_ENOMEM, "feed %s: out of memory", what);
-  }
-  pr->len = len;
-  if (c->res_tail) c->res_tail->next = pr;
-  else c->res_head = pr;
-  c->res_tail = pr;
-  return EMBER_OK;
-}
-
-/* Milliseconds left until deadline, for calls that take a timeout. */
-static int64_t ms_left(int64_t deadline) {
-  int64_t left;
-  if (deadline == INT64_MAX) return -1;
-  left = deadline - ember_now_ms();
-  return left > 0 ? left : 0;
-}
-
-/* How long a producer whose ring was closed waits for the node's reason. */
-#define FEED_REASON_WAIT_MS 2000
-
-/* A ring operation failed.  When the node closed the ring, the reason (a
- * REFUSED frame, or the connection's end) is on the socket: report that. */
-static int client_ring_failed(ember_feed_client *c, int rc, int64_t deadline, const char *what) {
-  char ringmsg[512];
-  int64_t d = ember_deadline_after(FEED_REASON_WAIT_MS);
-  c->broken = 1;
-  snprintf(ringmsg, sizeof ringmsg, "%s", ember_last_error());
-  if (rc != EMBER_ECLOSED)
-    return ember__set_error(rc, "feed %s to %s (partition %u): %s", what, c->peer, c->partition,
-                            ringmsg);
-  if (d > deadline) d = deadline;
-  for (;;) {
-    ember_frame_header fh;
-    uint8_t *payload = NULL;
-    int r = ember_net_recv_frame(c->fd, FEED_CLIENT_MAX_FRAME, &fh, &payload, d);
-    if (r == EMBER_ECLOSED)
-      return ember__set_error(EMBER_ECLOSED, "feed %s: node %s closed the connection "
-                              "(partition %u; %s)", what, c->peer, c->partition, ringmsg);
-    if (r != EMBER_OK) break; /* no word from the node: the ring's reason stands */
-    if (fh.type == EMBER_MSG_REFUSED) {
-      r = client_status(c, fh.type, payload, fh.length);
-      free(payload);
-      return r;
-    }
-    if (fh.type == EMBER_MSG_RESULTS && (c->flags & EMBER_FEED_WANT_RESULTS)) {
-      if (client_keep_result(c, payload, fh.length, what) != EMBER_OK) return EMBER_ENOMEM;
-      continue;
-    }
-    free(payload);
-  }
-  return ember__set_error(EMBER_ECLOSED, "feed %s to %s (partition %u): %s", what, c->peer,
-                          c->partition, ringmsg);
-}
-
-/* Before sending more, looks (without blocking) for a REFUSED the server
- * sent because of an earlier batch, so the producer stops early with the
- * server's reason instead of streaming into a closing connection.  RESULTS
- * frames are left for recv_results. */
-static int client_check_refused(ember_feed_client *c, int64_t deadline) {
-  uint8_t hdr[EMBER_WIRE_HEADER_LEN];
-  struct pollfd pfd = {.fd = c->fd, .events = POLLIN};
-  ember_frame_header fh;
-  uint8_t *payload = NULL;
-  ssize_t n;
-  int rc = EMBER_OK;
-  if (poll(&pfd, 1, 0) <= 0) goto cleanup;
-  n = recv(c->fd, hdr, sizeof hdr, MSG_PEEK | MSG_DONTWAIT);
-  if (n == 0) {
-    c->broken = 1;
-    rc = ember__set_error(EMBER_ECLOSED, "feed send to %s (partition %u): server closed the "
-                          "connection", c->peer, c->partition);
-    goto cleanup;
-  }
-  if (n < (ssize_t)sizeof hdr) goto cleanup; /* nothing whole yet, or an error send will see */
-  /* Judge only the type here (a big RESULTS header is fine); a bad header is
-   * left for recv_results or end_partition to report. */
-  if (ember_wire_get_u32(hdr) != EMBER_WIRE_MAGIC) goto cleanup;
-  fh.type = (uint16_t)(hdr[6] | hdr[7] << 8);
-  if (fh.type != EMBER_MSG_REFUSED && fh.type != EMBER_MSG_ACK) goto cleanup;
-  rc = ember_net_recv_frame(c->fd, FEED_CTL_MAX, &fh, &payload, deadline);
-  if (rc != EMBER_OK) {
-    c->broken = 1;
-    goto cleanup;
-  }
-  rc = client_status(c, fh.type, payload, fh.length);
-  if (rc == EMBER_OK) {
-    /* An ACK nobody asked for is a protocol error too. */
-    c->broken = 1;
-    rc = ember__set_error(EMBER_EPROTO, "feed: unexpected ACK from %s", c->peer);
-  }
-cleanup:
-  free(payload);
-  return rc;
-}
-
-/* The first send offers a ring (feed.h).  EMBER_OK whether or not the node
- * took it (c->ring says); an error only if the connection failed. */
-static int client_offer_shm(ember_feed_client *c, int64_t deadline) {
-  uint8_t req[FEED_SHM_REQ_LEN];
-  ember_shm_ring *ring = NULL;
-  ember_shm_ring_desc d;
-  int rc = EMBER_OK;
-  c->shm_decided = 1;
-  if (!c->shm_wanted) goto cleanup;
-  if (ember_shm_ring_create(&ring, c->shm_bytes, EMBER_SHM_PRODUCER) != EMBER_OK)
-    goto cleanup; /* no memfd here: TCP */
-  ember_shm_ring_describe(ring, &d);
-  feed_host_id(req);
-  ember_wire_put_u32(req + 16, (uint32_t)d.pid);
-  ember_wire_put_u32(req + 20, (uint32_t)d.fd);
-  ember_wire_put_u64(req + 24, d.size);
-  memcpy(req + 32, d.token, 32);
-  rc = ember_net_send_frame(c->fd, EMBER_MSG_FEED_SHM, req, sizeof req, deadline);
-  if (rc != EMBER_OK) {
-    c->broken = 1;
-    goto cleanup;
-  }
-  for (;;) {
-    ember_frame_header fh;
-    uint8_t *payload = NULL;
-    rc = client_recv(c, &fh, &payload, deadline, "send");
-    if (rc != EMBER_OK) {
-      c->broken = 1; /* a late reply would be misread */
-      goto cleanup;
-    }
-    if (fh.type == EMBER_MSG_FEED_SHM_REPLY) {
-      ember_wire_reader r;
-      char reason[FEED_REASON_MAX + 1];
-      uint32_t st;
-      ember_wire_reader_init(&r, payload, fh.length);
-      st = ember_wire_read_u32(&r);
-      ember_wire_read_str(&r, reason, sizeof reason);
-      rc = ember_wire_reader_finish(&r, 1, "FEED_SHM_REPLY");
-      free(payload);
-      if (rc != EMBER_OK) {
-        c->broken = 1;
-        goto cleanup;
-      }
-      if (st == 0) { /* attached: the ring is ours to write */
-        c->ring = ring;
-        ring = NULL;
-      }
-      goto cleanup; /* declined (reason says why): TCP */
-    }
-    if (fh.type == EMBER_MSG_REFUSED) {
-      rc = client_status(c, fh.type, payload, fh.length);
-      free(payload);
-      goto cleanup;
-    }
-    free(payload);
-    c->broken = 1;
-    rc = ember__set_error(EMBER_EPROTO, "feed send: expected FEED_SHM_REPLY from %s, got %s",
-                          c->peer, ember_wire_type_name(fh.type));
-    goto cleanup;
-  }
-cleanup:
-  ember_shm_ring_destroy(ring);
-  return rc;
-}
-
-int ember_feed_client_uses_shm(const ember_feed_client *c) { return c != NULL && c->ring != NULL; }
-
-int ember_feed_client_send(ember_feed_client *c, const ember_column *cols, uint32_t ncols,
-                           uint32_t nrows, int64_t timeout_ms) {
-  int64_t deadline = feed_deadline(timeout_ms);
-  static const uint8_t zeros[8] = {0};
-  size_t desc_end = 0, total = 0, hlen, pos, niov = 0;
-  int rc = client_usable(c, "send");
-  if (rc != EMBER_OK) goto cleanup;
-  if (c->ended) {
-    rc = ember__set_error(EMBER_ESTATE, "feed send: partition %u already ended", c->partition);
-    goto cleanup;
-  }
-  rc = client_check_refused(c, deadline);
-  if (rc != EMBER_OK) goto cleanup;
-  rc = batch_layout(cols, ncols, nrows, &desc_end, &total);
-  if (rc != EMBER_OK) goto cleanup;
-  if (total > EMBER_WIRE_ABSOLUTE_MAX) {
-    rc = ember__set_error(EMBER_ETOOBIG, "feed send: batch of %zu bytes exceeds the %u-byte "
-                          "frame limit", total, EMBER_WIRE_ABSOLUTE_MAX);
-    goto cleanup;
-  }
-  if (!c->shm_decided) {
-    rc = client_offer_shm(c, deadline);
-    if (rc != EMBER_OK) goto cleanup;
-  }
-  if (c->ring && total + EMBER_SHM_RING_RECORD_HDR <= ember_shm_ring_capacity(c->ring) / 2) {
-    /* Encoded straight into ring memory: the only copy of the columns. */
-    void *w = NULL;
-    rc = ember_shm_ring_reserve(c->ring, total, &w, ms_left(deadline));
-    if (rc == EMBER_OK) {
-      encode_checked(cols, ncols, nrows, desc_end, w);
-      rc = ember_shm_ring_commit(c->ring, total);
-    }
-    if (rc != EMBER_OK) {
-      rc = client_ring_failed(c, rc, deadline, "send");
-      goto cleanup;
-    }
-    c->rows_sent += nrows;
-    goto cleanup;
-  }
-  /* Frame header, batch header, descriptors and the padding after them go
-   * in one small buffer; column bodies are sent from the caller's memory. */
-  hlen = EMBER_WIRE_HEADER_LEN + ((desc_end + 7u) & ~(size_t)7u);
-  if (hlen > c->scratch_cap) {
-    uint8_t *nb = realloc(c->scratch, hlen);
-    if (nb == NULL) {
-      rc = ember__set_error(EMBER_ENOMEM, "feed send: out of memory");
-      goto cleanup;
-    }
-    c->scratch = nb;
-    c->scratch_cap = hlen;
-  }
-  if ((size_t)ncols * 3u + 1u > c->iov_cap) {
-    struct iovec *ni = realloc(c->iov, ((size_t)ncols * 3u + 1u) * sizeof *ni);
-    if (ni == NULL) {
-      rc = ember__set_error(EMBER_ENOMEM, "feed send: out of memory");
-      goto cleanup;
-    }
-    c->iov = ni;
-    c->iov_cap = (size_t)ncols * 3u + 1u;
-  }
-  ember_wire_encode_header(c->scratch, EMBER_MSG_BATCH, (uint32_t)total);
-  write_descriptors(cols, ncols, nrows, c->scratch + EMBER_WIRE_HEADER_LEN);
-  memset(c->scratch + EMBER_WIRE_HEADER_LEN + desc_end, 0,
-         hlen - EMBER_WIRE_HEADER_LEN - desc_end);
-  c->iov[niov++] = (struct iovec){c->scratch, hlen};
-  pos = hlen - EMBER_WIRE_HEADER_LEN;
-  for (uint32_t i = 0; i < ncols; i++) {
-    const ember_column *col = &cols[i];
-    size_t pad = ((pos + 7u) & ~(size_t)7u) - pos;
-    if (pad) c->iov[niov++] = (struct iovec){(void *)(uintptr_t)zeros, pad};
-    pos += pad;
-    if (col->dtype == EMBER_DT_BYTES) {
-      size_t olen = ((size_t)nrows + 1u) * 8u; /* offsets are little-endian in memory */
-      c->iov[niov++] = (struct iovec){(void *)(uintptr_t)col->offsets, olen};
-      pos += olen;
-    }
-    if (col->data_len) {
-      c->iov[niov++] = (struct iovec){(void *)(uintptr_t)col->data, (size_t)col->data_len};
-      pos += (size_t)col->data_len;
-    }
-  }
-  if (c->ring) {
-    /* Over half the ring: gathered from the columns into a split message
-     * (the frame header stays out: the ring has its own framing). */
-    c->iov[0].iov_base = c->scratch + EMBER_WIRE_HEADER_LEN;
-    c->iov[0].iov_len = hlen - EMBER_WIRE_HEADER_LEN;
-    rc = ember_shm_ring_sendv(c->ring, c->iov, (int)niov, ms_left(deadline));
-    if (rc != EMBER_OK) {
-      rc = client_ring_failed(c, rc, deadline, "send");
-      goto cleanup;
-    }
-    c->rows_sent += nrows;
-    goto cleanup;
-  }
-  for (size_t at = 0; at < niov; at += FEED_IOV_CHUNK) {
-    size_t cnt = niov - at < FEED_IOV_CHUNK ? niov - at : FEED_IOV_CHUNK;
-    rc = ember_net_sendv_all(c->fd, c->iov + at, (int)cnt, deadline);
-    if (rc != EMBER_OK) {
-      /* Part of a frame may be out: the stream cannot be resumed. */
-      c->broken = 1;
-      goto cleanup;
-    }
-  }
-  c->rows_sent += nrows;
-cleanup:
-  return rc;
-}
-
-int ember_feed_client_recv_results(ember_feed_client *c, uint8_t **batch, size_t *len,
-                                   int64_t timeout_ms) {
-  int64_t deadline = feed_deadline(timeout_ms);
-  ember_frame_header fh;
-  uint8_t *payload = NULL;
-  int rc = EMBER_OK;
-  if (c == NULL || batch == NULL || len == NULL) {
-    rc = ember__set_error(EMBER_EINVAL, "feed recv_results: NULL argument");
-    goto cleanup;
-  }
-  *batch = NULL;
-  *len = 0;
-  if (c->res_head) { /* buffered during end_partition; hand out even if broken */
-    pending_result *p = c->res_head;
-    c->res_head = p->next;
-    if (c->res_head == NULL) c->res_tail = NULL;
-    *batch = p->data;
-    *len = p->len;
-    free(p);
-    goto cleanup;
-  }
-  rc = client_usable(c, "recv_results");
-  if (rc != EMBER_OK) goto cleanup;
-  if (!(c->flags & EMBER_FEED_WANT_RESULTS)) {
-    rc = ember__set_error(EMBER_ESTATE, "feed recv_results: partition %u did not ask for results",
-                          c->partition);
-    goto cleanup;
-  }
-  rc = client_recv(c, &fh, &payload, deadline, "recv_results");
-  if (rc != EMBER_OK) goto cleanup;
-  if (fh.type == EMBER_MSG_RESULTS) {
-    /* malloc(0) may be NULL: give the caller a real (empty) buffer. */
-    *batch = payload ? payload : malloc(1);
-    *len = fh.length;
-    payload = NULL;
-    if (*batch == NULL) rc = ember__set_error(EMBER_ENOMEM, "feed recv_results: out of memory");
-    goto cleanup;
-  }
-  if (fh.type == EMBER_MSG_REFUSED) {
-    rc = client_status(c, fh.type, payload, fh.length);
-    goto cleanup;
-  }
-  c->broken = 1;
-  rc = ember__set_error(EMBER_EPROTO, "feed recv_results: expected RESULTS from %s, got %s",
-                        c->peer, ember_wire_type_name(fh.type));
-cleanup:
-  free(payload);
-  return rc;
-}
-
-/* Sends a control frame and waits for its ACK; RESULTS arriving meanwhile
- * are kept for recv_results when the producer asked for them. */
-static int client_request(ember_feed_client *c, uint16_t type, const uint8_t *p, uint32_t len,
-                          int64_t timeout_ms, const char *what) {
-  int64_t deadline = feed_deadline(timeout_ms);
-  int rc = ember_net_send_frame(c->fd, type, p, len, deadline);
-  if (rc != EMBER_OK) {
-    c->broken = 1;
-    goto cleanup;
-  }
-  for (;;) {
-    ember_frame_header fh;
-    uint8_t *payload = NULL;
-    rc = client_recv(c, &fh, &payload, deadline, what);
-    if (rc != EMBER_OK) {
-      if (rc == EMBER_ETIMEDOUT) c->broken = 1; /* an ACK may still come: stream is ambiguous */
-      goto cleanup;
-    }
-    if (fh.type == EMBER_MSG_RESULTS && (c->flags & EMBER_FEED_WANT_RESULTS)) {
-      rc = client_keep_result(c, payload, fh.length, what);
-      if (rc != EMBER_OK) goto cleanup;
-      continue;
-    }
-    if (fh.type == EMBER_MSG_ACK || fh.type == EMBER_MSG_REFUSED) {
-      rc = client_status(c, fh.type, payload, fh.length);
-      free(payload);
-      goto cleanup;
-    }
-    free(payload);
-    c->broken = 1;
-    rc = ember__set_error(EMBER_EPROTO, "feed %s: expected ACK from %s, got %s", what, c->peer,
-                          ember_wire_type_name(fh.type));
-    goto cleanup;
-  }
-cleanup:
-  return rc;
-}
-
-int ember_feed_client_end_partition(ember_feed_client *c, int64_t timeout_ms) {
-  uint8_t cnt[8];
-  int rc = client_usable(c, "end_partition");
-  if (rc != EMBER_OK) goto cleanup;
-  if (c->ended) {
-    rc = ember__set_error(EMBER_ESTATE, "feed end_partition: partition %u already ended",
-                          c->partition);
-    goto cleanup;
-  }
-  ember_wire_put_u64(cnt, c->rows_sent);
-  if (c->ring) {
-    /* The END marker goes after the last batch in the ring; the node ACKs
-     * only once its reader has reached it. */
-    int64_t deadline = feed_deadline(timeout_ms);
-    rc = ember_shm_ring_end(c->ring, timeout_ms);
-    if (rc != EMBER_OK) {
-      rc = client_ring_failed(c, rc, deadline, "end_partition");
-      goto cleanup;
-    }
-    timeout_ms = ms_left(deadline);
-  }
-  rc = client_request(c, EMBER_MSG_END_PARTITION, cnt, sizeof cnt, timeout_ms, "end_partition");
-  /* Any answer ends the partition on this connection. */
-  if (rc == EMBER_OK || !c->broken) c->ended = 1;
-cleanup:
-  return rc;
-}
-
-int ember_feed_client_end_feed(ember_feed_client *c, int64_t timeout_ms) {
-  int rc = client_usable(c, "end_feed");
-  if (rc != EMBER_OK) goto cleanup;
-  if (c->ended) {
-    rc = ember__set_error(EMBER_ESTATE, "feed end_feed: this connection already ended");
-    goto cleanup;
-  }
-  if (c->ring) {
-    int64_t deadline = feed_deadline(timeout_ms);
-    rc = ember_shm_ring_end(c->ring, timeout_ms);
-    if (rc != EMBER_OK) {
-      rc = client_ring_failed(c, rc, deadline, "end_feed");
-      goto cleanup;
-    }
-    timeout_ms = ms_left(deadline);
-  }
-  rc = client_request(c, EMBER_MSG_END_FEED, NULL, 0, timeout_ms, "end_feed");
-  if (rc == EMBER_OK || !c->broken) c->ended = 1;
-cleanup:
-  return rc;
-}
-
-int ember_feed_client_fail(ember_feed_client *c, const char *reason, int64_t timeout_ms) {
-  int64_t deadline = feed_deadline(timeout_ms);
-  int rc = client_usable(c, "fail");
-  if (rc != EMBER_OK) goto cleanup;
-  if (c->ended) {
-    rc = ember__set_error(EMBER_ESTATE, "feed fail: partition %u already ended", c->partition);
-    goto cleanup;
-  }
-  if (reason == NULL) reason = "";
-  if (c->ring) {
-    rc = ember_shm_ring_fail(c->ring, EMBER_EIO, reason, timeout_ms);
-    if (rc != EMBER_OK) {
-      rc = client_ring_failed(c, rc, deadline, "fail");
-    } else {
-      /* Wait (up to the deadline) until the node has read the marker and
-       * dropped the connection: closing at once would tear the ring down
-       * before its reader reaches the marker, and the reason would be lost. */
-      for (;;) {
-        ember_frame_header fh;
-        uint8_t *payload = NULL;
-        int r = ember_net_recv_frame(c->fd, FEED_CLIENT_MAX_FRAME, &fh, &payload, deadline);
-        free(payload);
-        if (r != EMBER_OK) break;
-      }
-    }
-  } else {
-    ember_wire_writer w;
-    char cut[FEED_REASON_MAX + 1];
-    snprintf(cut, sizeof cut, "%s", reason);
-    ember_wire_writer_init(&w);
-    ember_wire_write_str(&w, cut);
-    rc = w.err ? ember__set_error(w.err, "feed fail: out of memory")
-               : ember_net_send_frame(c->fd, EMBER_MSG_FEED_ERROR, w.buf, (uint32_t)w.len,
-                                      deadline);
-    ember_wire_writer_free(&w);
-  }
-  /* Either way this connection is over: the node drops it. */
-  c->broken = 1;
-  c->ended = 1;
-cleanup:
-  return rc;
 }

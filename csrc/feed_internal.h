@@ -1,0 +1,48 @@
+/* feed_internal.h - pieces the feed's codec, server and client share
+ * (not public; ember/feed.h and ember/batch.h are the contract). */
+#ifndef EMBER_FEED_INTERNAL_H
+#define EMBER_FEED_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ember/batch.h"
+
+#define FEED_DEFAULT_QUEUE (64u * 1024u * 1024u)
+#define FEED_DEFAULT_MAX_FRAME (256u * 1024u * 1024u)
+#define FEED_DEFAULT_IO_MS 600000u
+/* Payload limit of every frame but BATCH/RESULTS (HELLO, AUTH, ACK, ...). */
+#define FEED_CTL_MAX 4096u
+#define FEED_REASON_MAX 1024u
+
+#define FEED_DEFAULT_RING (16u * 1024u * 1024u)
+/* FEED_SHM payload: host id, pid, fd, segment bytes, token */
+#define FEED_SHM_REQ_LEN (16u + 4u + 4u + 8u + 32u)
+
+/* ---- batch codec pieces (batch.c) ---- */
+
+/* Validates the caller's columns and computes the layout: *desc_end is the
+ * offset just past the last descriptor, *total the encoded size. */
+int ember__batch_layout(const ember_column *cols, uint32_t ncols, uint32_t nrows,
+                        size_t *desc_end, size_t *total);
+/* Writes the 8-byte header and the descriptors (not the padding) to out. */
+void ember__batch_write_descriptors(const ember_column *cols, uint32_t ncols, uint32_t nrows,
+                                    uint8_t *out);
+/* Writes a batch whose layout ember__batch_layout has checked; returns its size. */
+size_t ember__batch_encode_checked(const ember_column *cols, uint32_t ncols, uint32_t nrows,
+                                   size_t desc_end, uint8_t *out);
+
+/* ---- shared by server and client (feed_common.c) ---- */
+
+/* Absolute deadline; a negative timeout means "no limit". */
+int64_t ember__feed_deadline(int64_t timeout_ms);
+/* 1 if code is one of the EMBER_E* values (for statuses read off the wire). */
+int ember__feed_known_status(int32_t code);
+/* This host's identity for FEED_SHM (see feed_common.c), all zero when unknown. */
+void ember__feed_host_id(uint8_t out[16]);
+/* EMBER_FEED_SHM=0 (or "false", "no", "off") turns shared memory off. */
+int ember__feed_env_shm_enabled(void);
+/* EMBER_FEED_SHM_BYTES, else FEED_DEFAULT_RING. */
+size_t ember__feed_env_ring_bytes(void);
+
+#endif /* EMBER_FEED_INTERNAL_H */
