@@ -1,9 +1,10 @@
 """Records <-> columnar batches, the shapes that cross Ember's data feed.
 
 A batch on the wire is a set of contiguous columns (see ``ember/feed.h``).  This
-module turns a chunk of Spark records into such columns with numpy (one
-vectorised conversion per field, not per value on the wire) and turns a
-received batch back into zero-copy numpy views.
+module turns a chunk of Spark records into such columns (in one C call per
+chunk for the common record shapes, ``_ember.records_to_columns``; otherwise
+with numpy, one vectorised conversion per field) and turns a received batch
+back into zero-copy numpy views.
 
 Record shapes and how they map:
 
@@ -32,31 +33,6 @@ from ember.errors import EmberFeedError
 
 #: The single column of a batch whose records are plain values, not tuples.
 VALUE_FIELD = ""
-
-#: A one-row batch a feeding task sends after its partition's data in train():
-#: int64 [feed sequence, partition, partitions this node gets in the call].
-#: The node's DataFeed consumes it; the trainer never sees it.
-PARTITION_END_FIELD = "__ember_partition_end__"
-
-
-def partition_end_columns(seq: int, partition: int, expected: int) -> List[ColumnSpec]:
-    mark = np.array([[seq, partition, expected]], dtype=np.int64)
-    return [(PARTITION_END_FIELD, _ember.DT_I64, 3, mark, None)]
-
-
-#: A one-row batch a feeding task of train() sends before its partition's data
-#: (the partition's record 0 when resuming): int64 [feed sequence, partition,
-#: partitions per epoch, the call's first and end partition, fed nodes].  The
-#: partition's epoch is partition // partitions per epoch; the DataFeed labels
-#: its batches with it and counts the epochs whose partitions have all ended.
-PARTITION_START_FIELD = "__ember_partition_start__"
-
-
-def partition_start_columns(seq: int, partition: int, per_epoch: int, first: int, end: int,
-                            nodes: int) -> List[ColumnSpec]:
-    mark = np.array([[seq, partition, per_epoch, first, end, nodes]], dtype=np.int64)
-    return [(PARTITION_START_FIELD, _ember.DT_I64, 6, mark, None)]
-
 
 _NUMPY_TO_DT = {
     np.dtype(np.float32): _ember.DT_F32,
@@ -284,6 +260,37 @@ def _field_column(values: List[Any], j: int, field: str, where: str, first: int,
     return array_column(field, array, where), ref
 
 
+# ------------------------------------------------ the C fast path (one call a chunk)
+# _ember.records_to_columns converts the record shapes Spark jobs feed in bulk
+# straight into the columns' buffers; it returns None for anything it does not
+# convert exactly as the Python path below (other types, a disagreement, a None,
+# a ragged array, an int beyond int64...), which then converts the chunk or
+# raises the error naming the record: the wording has this one source.
+
+
+#: numpy type character the fast path reports -> (numpy dtype, feed dtype)
+_FAST_DTYPES = {c: (np.dtype(c), _NUMPY_TO_DT[np.dtype(c)]) for c in "fdilB?"}
+
+
+def _records_to_columns_c(records: List[Any], fields: Optional[List[str]],
+                          refs: Optional[List[Any]]
+                          ) -> Optional[Tuple[List[ColumnSpec], List[Any]]]:
+    """(column specs, refs for the next chunk) from the C fast path, or None."""
+    out = _ember.records_to_columns(records, fields, refs)
+    if out is None:
+        return None
+    cols, new_refs = out
+    specs: List[ColumnSpec] = []
+    for name, char, width, data, offsets, shape in cols:
+        if char is None:  # str/bytes: the joined bytes and n + 1 offsets
+            specs.append((name, _ember.DT_BYTES, 0, data,
+                          np.frombuffer(offsets, dtype=np.uint64)))
+        else:
+            dtype, dt = _FAST_DTYPES[char]
+            specs.append((name, dt, width, np.frombuffer(data, dtype=dtype).reshape(shape), None))
+    return specs, new_refs
+
+
 def records_to_columns(records: Any, where: str = "batch", first: int = 0,
                        layout: Optional[Dict[str, Any]] = None
                        ) -> Tuple[List[ColumnSpec], int]:
@@ -300,7 +307,31 @@ def records_to_columns(records: Any, where: str = "batch", first: int = 0,
     ``layout``: a dict the caller keeps across the chunks of one partition;
     the first chunk records each column's kind and shape in it, and a later
     chunk that disagrees is named the same way.
+
+    The chunk is converted in one C call (``_ember.records_to_columns``) when
+    its records are of the common shapes; otherwise, and to name an error, by
+    :func:`_records_to_columns_py`, with the same result.
     """
+    if not isinstance(records, np.ndarray):
+        records = records if isinstance(records, list) else list(records)
+    if isinstance(records, list) and records:
+        if layout is None:
+            layout = {}
+        if "fields" not in layout:
+            layout["fields"] = _record_fields(records[0])
+        fast = _records_to_columns_c(records, layout["fields"], layout.get("refs"))
+        if fast is not None:
+            specs, layout["refs"] = fast
+            return specs, len(records)
+    return _records_to_columns_py(records, where, first, layout)
+
+
+def _records_to_columns_py(records: Any, where: str = "batch", first: int = 0,
+                           layout: Optional[Dict[str, Any]] = None
+                           ) -> Tuple[List[ColumnSpec], int]:
+    """:func:`records_to_columns` in Python, record by record (same arguments,
+    result, errors and ``layout``): the reference for the C fast path, and the
+    path that converts the rarer types and words every error."""
     if isinstance(records, np.ndarray):
         return [array_column(VALUE_FIELD, records, where)], int(records.shape[0])
     records = records if isinstance(records, list) else list(records)

@@ -806,6 +806,8 @@ static int module_exec(PyObject *m) {
     return -1;
   if (embpy_hdfs_exec(m, st) < 0)
     return -1;
+  if (embpy_records_exec(m, st) < 0)
+    return -1;
   return 0;
 }
 
@@ -827,6 +829,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
   Py_VISIT(st->TFRecordReader_Type);
   Py_VISIT(st->TFRecordWriter_Type);
   Py_VISIT(st->Communicator_Type);
+  Py_VISIT(st->np_types);
   return 0;
 }
 
@@ -848,6 +851,7 @@ static int module_clear(PyObject *m) {
   Py_CLEAR(st->TFRecordReader_Type);
   Py_CLEAR(st->TFRecordWriter_Type);
   Py_CLEAR(st->Communicator_Type);
+  Py_CLEAR(st->np_types);
   return 0;
 }
 

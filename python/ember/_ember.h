@@ -64,6 +64,9 @@ typedef struct {
   PyTypeObject *ExampleDecoder_Type;
   PyTypeObject *TFRecordReader_Type;
   PyTypeObject *TFRecordWriter_Type;
+  /* _ember_records.c: numpy's ndarray and scalar types, imported on the first
+   * records_to_columns() call (NULL before; see records_np_types there) */
+  PyObject *np_types;
 } ember_state;
 
 extern PyModuleDef embpy_module;
@@ -194,5 +197,6 @@ int embpy_feed_exec(PyObject *m, ember_state *st);
 int embpy_coll_exec(PyObject *m, ember_state *st);
 int embpy_tfrecord_exec(PyObject *m, ember_state *st);
 int embpy_hdfs_exec(PyObject *m, ember_state *st);
+int embpy_records_exec(PyObject *m, ember_state *st);
 
 #endif /* EMBER_PY_EMBER_H */

@@ -161,8 +161,10 @@ def test_feed_and_collectives_cross_hosts_over_tcp(hosts, tmp_path):
     assert driver["fed"] == [6000, 6000]
     assert sorted(r for n in nodes for r in n["rows"]) == list(range(12000))
     for n in nodes:
-        # each partition came with its start and end marks
-        assert n["feed"]["records_received"] == len(n["rows"]) + 2 * n["feed"]["partitions_acked"]
+        # the feed counted exactly the data records (partition and call ends
+        # travel as feed frames, not as records)
+        assert n["feed"]["records_received"] == len(n["rows"])
+        assert n["feed"]["partitions_acked"] > 0
         assert n["feed"]["bytes_received"] > 8 * len(n["rows"]) > 0
     # partitions fed from a task on the node's own host may use shared memory;
     # the others crossed hosts over TCP
