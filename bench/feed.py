@@ -1,32 +1,43 @@
 """make bench-feed: Fashion-MNIST-shaped records from Spark into a trainer.
 
 The same records (784 float32 pixels + an int64 label; the images are the real
-Fashion-MNIST training images, repeated) go, in one process tree on local
-Spark, through:
+Fashion-MNIST training images, repeated) go, in one process tree on local[2]
+Spark with one trainer node, through three like-for-like comparisons, each
+peer on the same cached data, the same partitions and the same record count:
 
-  ember_df   Ember's feed from a cached DataFrame (Arrow path, columnar batches),
-             the image an array<float> column
-  ember_tensor  the same, the image a tensor column (ember.tensors.pack: 784
-             float32 packed in one binary value per row; the trainer gets the
-             same (n, 784) float32 array)
-  ember_rdd  Ember's feed from an RDD of (numpy image, label) records
-  tfos       TensorFlowOnSpark 2.2.5's InputMode.SPARK feed: its own
-             TFSparkNode.train() feeding function pushing every record into its
-             multiprocessing.Manager queue, consumed by its TFNode.DataFeed
-  memcpy     a plain copy of the same bytes (the physical limit here)
-  spark_arrow  Spark's ceiling for the DataFrame path: the same cached
-             DataFrame through a mapInArrow that only counts rows (what any
-             consumer of Spark's Arrow export can reach at best); and
-             spark_arrow_tensor, the same for the tensor-column DataFrame
+  DataFrame, image an array<float> column
+    ember_df      Ember's feed from the cached DataFrame (Arrow path)
+    spark_arrow   Spark's ceiling for that path: the same DataFrame through a
+                  mapInArrow that only counts rows
+  DataFrame, image a tensor column (ember.tensors.pack: 784 float32 in one
+  binary value per row; the trainer gets the same (n, 784) float32 array)
+    ember_tensor, spark_arrow_tensor   as above
+  RDD of (numpy float32[784] image, int label) records, cached
+    ember_rdd     Ember's feed from the RDD (what TensorFlowOnSpark programs use)
+    spark_rdd     Spark's ceiling for that path: the same RDD, grouped as the
+                  feed groups it (one task per fed node), through a
+                  mapPartitions that only iterates and counts
+    tfos          TensorFlowOnSpark 2.2.5's InputMode.SPARK feed in its best
+                  configuration: its own TFSparkNode.train() pushing every record
+                  into the node's multiprocessing.Manager queue, the manager in
+                  'local' mode (as TFoS's own nodes start it) and one feeding
+                  task per node, consumed by its TFNode.DataFeed
 
-Every consumer touches every batch (sums the pixels) and the sums are checked
-against the expected total, so nothing is counted that was not delivered.  The
-bare channel (C producer and consumer, no Spark) is timed by
-build/bench/feed_channel when it is built.
+Each comparison runs --rounds interleaved rounds (every side once per round)
+and reports every side's median and [min-max]; records/s and GB/s (1e9
+bytes/s of record payload, 3,144 bytes a record).  Every consumer touches every
+batch (sums the pixels) and the sums are checked against the expected total,
+so nothing is counted that was not delivered.  memcpy of the same bytes and
+the bare C channel (build/bench/feed_channel) are printed as references.
 
-TensorFlowOnSpark moves a few thousand records/s, so by default it is timed on
-the first --tfos-records records of the same data (records/s is what is
-compared); pass --tfos-records 1000000 for the full run.
+The RESULT line's headline ratios are the like-for-like ones:
+rdd_vs_spark_rdd (goal >= 0.8), rdd_vs_tfos (goal >= 50),
+tensor_vs_spark_arrow_tensor and df_vs_spark_arrow, each a ratio of medians.
+
+EMBER_BENCH_QUICK=1 (make bench-smoke) only makes the defaults tiny: 20,000
+DataFrame records and 2,000 RDD records, 4 partitions; the
+build/bench/feed_channel run it starts gets the same variable and moves 32,768
+records.
 """
 
 from __future__ import annotations
@@ -34,11 +45,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List
 
 import numpy as np
 
@@ -46,6 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "python")]
 
 RECORD_BYTES = 784 * 4 + 8
+QUICK = os.environ.get("EMBER_BENCH_QUICK", "") not in ("", "0")
 
 
 def _images() -> np.ndarray:
@@ -143,7 +156,9 @@ def run_tfos(spark: Any, rdd: Any, batch: int, workdir: str) -> Dict[str, float]
     from tensorflowonspark import TFManager, TFSparkNode, util
 
     authkey = os.urandom(16)
-    mgr = TFManager.start(authkey, ["input", "output", "error"], "remote")
+    # 'local': a Unix socket on this host, as TFoS's own nodes start it for
+    # InputMode.SPARK (TFSparkNode.run: mode 'local' unless a PS or driver feeds)
+    mgr = TFManager.start(authkey, ["input", "output", "error"], "local")
     mgr.set("state", "running")
     addr = mgr.address
     # TFSparkNode.train finds "this executor's" manager by IP and the executor_id
@@ -170,6 +185,21 @@ def run_tfos(spark: Any, rdd: Any, batch: int, workdir: str) -> Dict[str, float]
     if any(fed):
         raise RuntimeError("TensorFlowOnSpark reported a terminated feed")
     return dict(rows=int(rows), sum=float(total), secs=secs)
+
+
+def _count_records(it: Any) -> Any:
+    yield sum(1 for _ in it)
+
+
+def run_spark_rdd(rdd: Any, n: int) -> Dict[str, float]:
+    """Spark's ceiling for the RDD path: the records, one task per fed node as
+    the feed groups them, iterated and counted in Python."""
+    t0 = time.monotonic()
+    rows = sum(rdd.coalesce(1).mapPartitions(_count_records).collect())
+    secs = time.monotonic() - t0
+    if rows != n:
+        raise SystemExit(f"spark_rdd: counted {rows} records, expected {n}")
+    return dict(rows=rows, secs=secs)
 
 
 def _count_rows(batches: Any) -> Any:
@@ -223,14 +253,18 @@ def run_channel() -> Dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--records", type=int, default=1_000_000)
-    p.add_argument("--tfos-records", dest="tfos_records", type=int, default=100_000)
-    p.add_argument("--partitions", type=int, default=16)
+    p.add_argument("--records", type=int, default=20_000 if QUICK else 1_000_000,
+                   help="records of the DataFrame comparisons")
+    p.add_argument("--rdd-records", dest="rdd_records", type=int,
+                   default=2_000 if QUICK else 100_000,
+                   help="records of the RDD comparison (TensorFlowOnSpark's feed moves a few "
+                        "thousand records/s)")
+    p.add_argument("--partitions", type=int, default=4 if QUICK else 16)
     p.add_argument("--batch", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=2,
-                   help="passes of each DataFrame path (alternating; the best counts)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds of each comparison (at least 3)")
     a = p.parse_args()
-    n, tn = a.records, min(a.tfos_records, a.records)
+    n, rn, rounds = a.records, a.rdd_records, max(3, a.rounds)
 
     from pyspark.sql import SparkSession
 
@@ -247,93 +281,88 @@ def main() -> int:
              .config("spark.sql.execution.arrow.maxRecordsPerBatch", "4096")
              .getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
+    load = os.getloadavg()[0]
+    results: Dict[str, List[Dict[str, float]]] = {}
     try:
-        print(f"bench-feed: {n} records of {RECORD_BYTES} bytes ({n * RECORD_BYTES / 1e9:.2f} GB), "
-              f"{a.partitions} partitions, local[2], {os.cpu_count()} CPUs", flush=True)
-        t0 = time.monotonic()
+        print(f"bench-feed: {n} DataFrame records and {rn} RDD records of {RECORD_BYTES} bytes, "
+              f"{a.partitions} partitions, local[2], {os.cpu_count()} CPUs, one trainer node, "
+              f"{rounds} interleaved rounds, load {load:.1f}", flush=True)
+        want = expected_sum(n)
+
         df = _source(spark, n, a.partitions).cache()
         assert df.count() == n
-        print(f"cached the DataFrame in {time.monotonic() - t0:.1f} s", flush=True)
-        want = expected_sum(n)
-        results: Dict[str, Dict[str, float]] = {}
-
-        # Spark's own ceiling for each DataFrame path: the same cached DataFrame
-        # handed to a Python mapInArrow that only counts rows (no feed, no
-        # consumer).  The JVM's first pass over a layout runs before its JIT has
-        # compiled the export (20-40% slower here), so Ember and the ceiling
-        # alternate --repeats times and each keeps its best.
-        results.update(best_of(a.repeats, {
+        results.update(interleaved(rounds, {
             "ember_df": lambda: _checked("ember_df", run_ember(spark, df, n, a.batch, workdir),
                                          n, want),
             "spark_arrow": lambda: run_spark_arrow(df, n)}))
-
-        def records(it: Any) -> Any:
-            for row in it:
-                yield (np.asarray(row[0], dtype=np.float32), row[1])
-
-        results["ember_rdd"] = r = run_ember(spark, df.rdd.mapPartitions(records), n, a.batch,
-                                             workdir)
-        _check("ember_rdd", r, n, want)
         df.unpersist(blocking=True)
 
-        # The same records with the pixels as a tensor column (784 float32 packed
-        # in one binary value per row): Spark exports one copy per row, not one
-        # write per pixel, and the trainer gets the same (n, 784) float32 array.
-        t0 = time.monotonic()
         df = tensors.pack(_source(spark, n, a.partitions), {"image": (784,)}).cache()
         assert df.count() == n
-        print(f"cached the tensor-column DataFrame in {time.monotonic() - t0:.1f} s", flush=True)
-        results.update(best_of(a.repeats, {
+        results.update(interleaved(rounds, {
             "ember_tensor": lambda: _checked("ember_tensor",
                                              run_ember(spark, df, n, a.batch, workdir), n, want),
             "spark_arrow_tensor": lambda: run_spark_arrow(df, n)}))
         df.unpersist(blocking=True)
 
-        df_t = _source(spark, tn, a.partitions).cache()
-        df_t.count()
-        results["tfos"] = r = run_tfos(spark, df_t.rdd.mapPartitions(records), a.batch, workdir)
-        _check("tfos", r, tn, expected_sum(tn) if tn != n else want)
-        df_t.unpersist()
+        def records(it: Any) -> Any:
+            for row in it:
+                yield (np.asarray(row[0], dtype=np.float32), row[1])
+
+        # the records themselves are cached, so every side reads the same
+        # (image, label) objects and none pays for making them
+        rdd = _source(spark, rn, a.partitions).rdd.mapPartitions(records).cache()
+        assert rdd.count() == rn
+        rwant = expected_sum(rn)
+        results.update(interleaved(rounds, {
+            "ember_rdd": lambda: _checked("ember_rdd", run_ember(spark, rdd, rn, a.batch,
+                                                                 workdir), rn, rwant),
+            "spark_rdd": lambda: run_spark_rdd(rdd, rn),
+            "tfos": lambda: _checked("tfos", run_tfos(spark, rdd.coalesce(1), a.batch, workdir),
+                                     rn, rwant)}))
+        rdd.unpersist()
     finally:
         spark.stop()
-    results["memcpy"] = run_memcpy(n)
+    results["memcpy"] = [run_memcpy(n) for _ in range(rounds)]
     channel = run_channel()
 
-    print(f"\n{'path':<20}{'records':>10}{'seconds':>10}{'records/s':>14}{'GB/s':>9}")
-    for name, r in results.items():
-        rps = r["rows"] / r["secs"]
-        print(f"{name:<20}{int(r['rows']):>10}{r['secs']:>10.2f}{rps:>14,.0f}"
-              f"{rps * RECORD_BYTES / 1e9:>9.3f}")
+    rps = {k: [r["rows"] / r["secs"] for r in rs] for k, rs in results.items()}
+    med = {k: statistics.median(v) for k, v in rps.items()}
+    print(f"\n{'path':<20}{'records':>10}{'rounds':>7}{'median records/s':>18}"
+          f"{'[min - max]':>24}{'median GB/s':>13}")
+    for name, v in rps.items():
+        print(f"{name:<20}{int(results[name][0]['rows']):>10}{len(v):>7}{med[name]:>18,.0f}"
+              f"{f'[{min(v):,.0f} - {max(v):,.0f}]':>24}{gbps(med[name]):>13.3f}")
     for k, v in channel.items():
         print(f"{'channel':<20}{k} = {v:.3f}")
-    rps = {k: r["rows"] / r["secs"] for k, r in results.items()}
-    # ember_rps is Ember's feed from the tensor-column DataFrame (its fastest
-    # layout for these records); the array<float> DataFrame's figures follow it
-    ember = rps["ember_tensor"]
-    print(f"RESULT feed ember_rps={ember:.0f} tfos_rps={rps['tfos']:.0f} "
-          f"ratio_vs_tfos={ember / rps['tfos']:.1f} ember_gbps={ember * RECORD_BYTES / 1e9:.3f} "
+    print("GB/s = 1e9 bytes/s of record payload; ratios are ratios of medians")
+    print(f"RESULT feed rdd_vs_spark_rdd={med['ember_rdd'] / med['spark_rdd']:.2f} "
+          f"rdd_vs_tfos={med['ember_rdd'] / med['tfos']:.1f} "
+          f"tensor_vs_spark_arrow_tensor={med['ember_tensor'] / med['spark_arrow_tensor']:.2f} "
+          f"df_vs_spark_arrow={med['ember_df'] / med['spark_arrow']:.2f} "
+          + " ".join(f"{k}_gbps={gbps(med[k]):.3f}" for k in
+                     ("ember_rdd", "spark_rdd", "tfos", "ember_tensor", "spark_arrow_tensor",
+                      "ember_df", "spark_arrow", "memcpy"))
+          + f" ember_rdd_rps={med['ember_rdd']:.0f} tfos_rps={med['tfos']:.0f} "
           f"channel_gbps={channel.get('channel_gbps', float('nan')):.3f} "
-          f"memcpy_gbps={results['memcpy']['gbps']:.3f} ember_layout=tensor "
-          f"ember_array_rps={rps['ember_df']:.0f} "
-          f"ratio_array_vs_tfos={rps['ember_df'] / rps['tfos']:.1f} "
-          f"ember_rdd_rps={rps['ember_rdd']:.0f} "
-          f"spark_arrow_tensor_rps={rps['spark_arrow_tensor']:.0f} "
-          f"ember_vs_spark_arrow_tensor={ember / rps['spark_arrow_tensor']:.2f} "
-          f"spark_arrow_rps={rps['spark_arrow']:.0f} "
-          f"ember_array_vs_spark_arrow={rps['ember_df'] / rps['spark_arrow']:.2f}")
+          f"df_records={n} rdd_records={rn} rounds={rounds} load={load:.1f}")
     return 0
 
 
-def best_of(repeats: int, runs: Dict[str, Any]) -> Dict[str, Dict[str, float]]:
-    """Runs each of ``runs`` ``repeats`` times, alternating; keeps each one's fastest."""
-    best: Dict[str, Dict[str, float]] = {}
-    for _ in range(max(1, repeats)):
+def gbps(records_per_s: float) -> float:
+    return records_per_s * RECORD_BYTES / 1e9
+
+
+def interleaved(rounds: int, runs: Dict[str, Any]) -> Dict[str, List[Dict[str, float]]]:
+    """Runs every one of ``runs`` once per round, ``rounds`` times; returns each
+    one's results, in round order."""
+    out: Dict[str, List[Dict[str, float]]] = {name: [] for name in runs}
+    for i in range(rounds):
         for name, fn in runs.items():
             r = fn()
-            print(f"  {name}: {r['rows'] / r['secs']:,.0f} records/s", flush=True)
-            if name not in best or r["secs"] < best[name]["secs"]:
-                best[name] = r
-    return best
+            out[name].append(r)
+            print(f"  round {i + 1}: {name}: {r['rows'] / r['secs']:,.0f} records/s", flush=True)
+    return out
 
 
 def _checked(name: str, r: Dict[str, float], n: int, want: float) -> Dict[str, float]:
