@@ -44,11 +44,12 @@ help:
 	@echo "make test-torch - the PyTorch path: ember.torch and examples/fashion_mnist_torch (in .venv-torch)"
 	@echo "make wheel  - sdist + wheel (python -m build), auditwheel show, and a manylinux wheel in dist/"
 	@echo "make bench-reservation - Ember vs TensorFlowOnSpark reservation server"
-	@echo "make bench-allreduce - allreduce: Ember vs Open MPI (TCP, defaults) vs torch.distributed gloo, loopback limit"
+	@echo "make bench-allreduce - allreduce on one host: Ember vs Open MPI over shared memory; Ember vs Open MPI vs gloo over TCP"
 	@echo "make bench-cluster - allreduce and feed over TCP between simulated hosts (netns): Ember vs Open MPI TCP vs gloo vs one TCP stream"
 	@echo "make bench-feed - Spark -> trainer feed: Ember vs TensorFlowOnSpark, records/s and GB/s"
 	@echo "make bench-tfrecord - TFRecord reading: Ember vs tf.data; CRC-32C; Example decoder vs protobuf-c"
 	@echo "make bench-inference - Spark ML inference: ember.ml.EmberModel vs predict_batch_udf vs TFoS TFModel"
+	@echo "make bench-smoke - every bench-* at a tiny size (EMBER_BENCH_QUICK=1), checking each RESULT line"
 	@echo "make install PREFIX=/usr/local - libember for C programs: lib/libember.{a,so}, include/ember/*.h, lib/pkgconfig/ember.pc (DESTDIR honoured)"
 	@echo "make test-c-install - install into build/install-test; build and run examples/c through pkg-config (static and shared)"
 
@@ -247,9 +248,19 @@ test: setup hadoop
 	$(MAKE) --no-print-directory fuzz
 	$(PY) -m pytest -q tests/python
 	$(MAKE) --no-print-directory test-torch
+	$(MAKE) --no-print-directory bench-smoke
 	$(MAKE) --no-print-directory demo-quick
 
 # ---------------------------------------------------------------- benchmarks
+# Every bench-* below takes EMBER_BENCH_QUICK=1: tiny sizes, record counts or
+# rounds (the same code and measurements), seconds to a minute or two each.
+# bench-smoke runs them all so, and fails naming the benchmark whose RESULT
+# line is missing or lacks a numeric key (bench/smoke.py; logs in
+# build/bench-smoke/; BENCH_SMOKE_ARGS="--only bench-allreduce" for a subset).
+.PHONY: bench-smoke
+bench-smoke: setup
+	PYTHONUNBUFFERED=1 $(PY) bench/smoke.py $(BENCH_SMOKE_ARGS)
+
 bench-reservation: setup
 	PYTHONUNBUFFERED=1 $(PY) bench/reservation.py
 
@@ -269,7 +280,9 @@ $(BUILD)/bench/example_decode: bench/example_decode.c $(BUILD)/bench/pb/example.
 bench-tfrecord: setup $(BUILD)/bench/crc32c $(BUILD)/bench/example_decode
 	PYTHONUNBUFFERED=1 $(PY) bench/tfrecord.py
 
-# Allreduce peers: Open MPI (APT_PACKAGES) and gloo through Debian's CPU-only
+# Allreduce on one host, like for like: Ember shm vs Open MPI's default (vader
+# shm); Ember TCP vs Open MPI --mca btl tcp,self vs gloo (bench/allreduce.py).
+# Peers: Open MPI (APT_PACKAGES) and gloo through Debian's CPU-only
 # python3-torch, run by the system python3: the PyPI torch wheel does not
 # import without its multi-GB nvidia-* / cuda-toolkit dependencies.
 # python3-torch is in APT_PACKAGES (the PyTorch path, .venv-torch); the check
@@ -298,7 +311,7 @@ bench-cluster: setup $(BUILD)/bench/mpi_allreduce $(BUILD)/bench/tcp_stream
 
 # The bare feed channel (issue 3): shared-memory ring, feed over shm, feed over
 # TCP loopback, memcpy; C only.  bench/feed.py runs the binary and parses its
-# last line (CHANNEL ...).
+# CHANNEL line; the last line is RESULT feed_channel.
 .PHONY: bench-feed-channel
 $(BUILD)/bench/feed_channel: bench/feed_channel.c $(BUILD)/libember.a
 	@mkdir -p $(@D)

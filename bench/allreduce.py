@@ -1,26 +1,56 @@
-"""Allreduce on one host: Ember vs Open MPI (TCP only, and its defaults with
-shared memory) vs torch.distributed gloo, and the loopback TCP limit, all
-measured in the same run.
+"""Allreduce on one host, like for like: Ember vs Open MPI over shared memory,
+and Ember vs Open MPI vs torch.distributed gloo over TCP loopback, with one
+TCP stream over loopback as the TCP ceiling; all measured in the same run.
 
-    make bench-allreduce            # 2 and 4 ranks, 4 KiB .. 256 MiB
-    python bench/allreduce.py --ranks 2 --sizes 1M,64M   # a subset
+    make bench-allreduce                      # 2 and 4 ranks, 4 KiB .. 256 MiB, 3 rounds
+    EMBER_BENCH_QUICK=1 make bench-allreduce  # tiny sizes (a smoke run, seconds)
+    python bench/allreduce.py --ranks 2 --sizes 1M,64M --rounds 5
 
-Every implementation runs the same loop: float32 sum, in place; per size a
-warm-up, a barrier, `iters` calls, and the slowest rank's mean time per call.
-algbw = bytes / time; busbw = algbw * 2(n-1)/n (nccl-tests' definition: the
-bandwidth each rank's link must carry for a ring allreduce).  GB/s are 10^9
-bytes per second; the loopback figure is also given in Gbit/s.
+Sides, each in its own documented best configuration:
 
-Peers: Open MPI from Debian (openmpi-bin; bench/mpi_allreduce.c compiled with
-mpicc, run with mpirun's default process binding), gloo through Debian's
-python3-torch (CPU-only torch 1.13 with Debian's libgloo) run by the system
-interpreter (--gloo-python), because the PyPI torch wheel cannot be imported
-without its multi-GB CUDA dependencies.  Ember runs twice: with its defaults
-(shared memory between ranks on one host) and TCP only.
+  ember_shm  Ember's defaults: ranks on one host move data through shared
+             memory (checked: every peer's transport() is "shm")
+  mpi_shm    Open MPI's defaults (Debian's openmpi-bin 4.1, pml ob1): ranks on
+             one host use its shared-memory btl (vader; "sm" in Open MPI 5)
+  ember_tcp  Ember with tcp_only=True (the Communicator flag that turns its
+             shared memory off; there is no environment variable for it),
+             checked: every peer's transport() is "tcp"
+  mpi_tcp    Open MPI with ``--mca pml ob1 --mca btl tcp,self`` (TCP only;
+             pml ob1 so that no UCX pml can bypass the btl choice)
+  gloo       torch.distributed gloo (TCP; Debian's CPU-only python3-torch, run
+             by the system interpreter, --gloo-python, because the PyPI torch
+             wheel does not import without its multi-GB CUDA dependencies),
+             one intra-op thread per rank
+  loopback   one TCP stream over loopback (4 MiB sendall()s for a fixed time):
+             the ceiling for the TCP sides
 
-The last line is
-RESULT allreduce ranks=2 size=64MiB ember_busbw=<GB/s> mpi_tcp_busbw=<GB/s>
-  mpi_default_busbw=<GB/s> gloo_busbw=<GB/s> loopback_gbps=<Gbit/s>
+Open MPI runs with mpirun's default process binding and --oversubscribe (4
+ranks on 2 cores is oversubscribed: Open MPI then yields when idle by itself).
+
+Every allreduce side runs the same loop (allreduce.seconds_per_call, also used
+by bench/cluster.py; Open MPI's in bench/mpi_allreduce.c is its C twin):
+float32 sum, in place; per size warm-up calls, a barrier, `iters` calls
+(about --budget bytes of buffer, 3..200), and the slowest rank's mean time per
+call.  busbw = bytes * 2(n-1)/n / time (nccl-tests' bus bandwidth: what each
+rank's link carries in a ring allreduce).  Rounds are interleaved: round r
+launches every side once (all sizes, both rank counts; the order rotated from
+round to round) before round r+1.  Every figure is the median [min-max] over
+the rounds, in GB/s = 1e9 bytes/s.
+
+The headline ratios compare matching transports only: Ember shm / Open MPI
+shm, Ember TCP / Open MPI TCP, Ember TCP / gloo.  The last line is
+
+RESULT allreduce shm_vs_ompi_min=<x> tcp_vs_ompi_tcp_min=<x> tcp_vs_gloo_min=<x>
+  shm_vs_ompi_max=<x> tcp_vs_ompi_tcp_max=<x> tcp_vs_gloo_max=<x>
+  shm_vs_ompi_min_<n>r=<x> tcp_vs_ompi_tcp_min_<n>r=<x> tcp_vs_gloo_min_<n>r=<x> ...
+  loopback_gbs=<x> rounds=<r>
+  ember_shm_<n>r_<size>_gbs=<x> mpi_shm_... ember_tcp_... mpi_tcp_... gloo_... (every n, size)
+  [not_measured=mpi,gloo]
+
+where <a>_vs_<b>_min (_max) is the smallest (largest), over sizes and rank
+counts, of Ember's median busbw over the peer's median busbw (the per-rank-count
+minimum is _min_<n>r); a peer that is not installed is listed in not_measured
+and its keys are nan.
 """
 from __future__ import annotations
 
@@ -30,6 +60,7 @@ import math
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -38,6 +69,19 @@ from typing import Any, Callable, Dict, List, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = b"ember-bench-allreduce-secret-32b"
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
+QUICK_SIZES = "64K,1M"
+SIDES = ("ember_shm", "mpi_shm", "ember_tcp", "mpi_tcp", "gloo")
+# (Ember side, peer side, RESULT prefix): the like-for-like pairs
+PAIRS = (("ember_shm", "mpi_shm", "shm_vs_ompi"),
+         ("ember_tcp", "mpi_tcp", "tcp_vs_ompi_tcp"),
+         ("ember_tcp", "gloo", "tcp_vs_gloo"))
+LABEL = {"ember_shm": "ember shm", "mpi_shm": "ompi shm", "ember_tcp": "ember tcp",
+         "mpi_tcp": "ompi tcp", "gloo": "gloo (tcp)"}
+
+
+def quick_mode() -> bool:
+    """EMBER_BENCH_QUICK=1: tiny sizes for a smoke run (make bench-smoke)."""
+    return os.environ.get("EMBER_BENCH_QUICK", "") not in ("", "0")
 
 
 def parse_size(s: str) -> int:
@@ -53,8 +97,9 @@ def human(n: int) -> str:
     return "%dB" % n
 
 
-def iters_for(size: int) -> int:
-    return max(3, min(200, (512 << 20) // size))
+def iters_for(size: int, budget: int) -> int:
+    """Calls per size: about `budget` bytes of buffer, 3..200."""
+    return max(3, min(200, budget // size))
 
 
 def warmups_for(size: int) -> int:
@@ -76,41 +121,44 @@ def seconds_per_call(allreduce: Callable[[], Any], barrier: Callable[[], Any], s
 
 # ---------------------------------------------------------------- workers
 
-def worker_ember(rank: int, addresses: List[str], fd: int, sizes: List[int],
+def worker_ember(rank: int, addresses: List[str], fd: int, plan: List[List[int]],
                  tcp_only: bool) -> None:
     sys.path.insert(0, os.path.join(REPO, "python"))
     import numpy as np
     from ember import _ember as E
 
     comm = E.Communicator(rank, addresses, SECRET, 120.0, listen_fd=fd, tcp_only=tcp_only)
-    for size in sizes:
+    want = "tcp" if tcp_only else "shm"
+    got = [comm.transport(p) for p in range(len(addresses)) if p != rank]
+    if any(t != want for t in got):  # not the transport this side stands for
+        raise SystemExit("rank %d: transports %s, expected %s" % (rank, got, want))
+    for size, iters in plan:
         a = np.ones(size // 4, dtype=np.float32)
-        dt = np.array([seconds_per_call(lambda: comm.allreduce(a), comm.barrier, size,
-                                        iters_for(size))])
+        dt = np.array([seconds_per_call(lambda: comm.allreduce(a), comm.barrier, size, iters)])
         comm.allreduce(dt, "max")
         if rank == 0:
             print(json.dumps({"size": size, "sec": float(dt[0])}), flush=True)
     comm.close()
 
 
-def worker_gloo(rank: int, world: int, port: int, sizes: List[int]) -> None:
+def worker_gloo(rank: int, world: int, port: int, plan: List[List[int]]) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
                             world_size=world)
-    for size in sizes:
+    for size, iters in plan:
         t = torch.ones(size // 4, dtype=torch.float32)
         dt = torch.tensor([seconds_per_call(lambda: dist.all_reduce(t), dist.barrier, size,
-                                            iters_for(size))], dtype=torch.float64)
+                                            iters)], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if rank == 0:
             print(json.dumps({"size": size, "sec": float(dt[0])}), flush=True)
     dist.destroy_process_group()
 
 
-def worker_sink(port: int, seconds: float) -> None:
+def worker_sink(port: int) -> None:
     """Loopback receiver: counts bytes until the sender closes."""
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -139,6 +187,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def plan_arg(sizes: List[int], budget: int) -> str:
+    return json.dumps([[s, iters_for(s, budget)] for s in sizes])
+
+
 def collect(procs: List[subprocess.Popen], timeout: float) -> Dict[int, float]:
     out: Dict[int, float] = {}
     deadline = time.monotonic() + timeout
@@ -150,6 +202,7 @@ def collect(procs: List[subprocess.Popen], timeout: float) -> Dict[int, float]:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
     if any(p.returncode != 0 for p in procs):
         raise RuntimeError("a rank failed (exit codes %s)" % [p.returncode for p in procs])
     for line in stdout.splitlines():
@@ -159,7 +212,7 @@ def collect(procs: List[subprocess.Popen], timeout: float) -> Dict[int, float]:
     return out
 
 
-def run_ember(n: int, sizes: List[int], tcp_only: bool, timeout: float) -> Dict[int, float]:
+def run_ember(n: int, plan: str, tcp_only: bool, timeout: float) -> Dict[int, float]:
     sys.path.insert(0, os.path.join(REPO, "python"))
     from ember import _ember as E
 
@@ -169,31 +222,29 @@ def run_ember(n: int, sizes: List[int], tcp_only: bool, timeout: float) -> Dict[
     for rank, (fd, _) in enumerate(reserved):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "ember", "--rank",
                str(rank), "--addresses", addresses, "--fd", str(fd),
-               "--sizes", ",".join(map(str, sizes))] + (["--tcp"] if tcp_only else [])
+               "--plan", plan] + (["--tcp"] if tcp_only else [])
         procs.append(subprocess.Popen(cmd, pass_fds=[fd], stdout=subprocess.PIPE, text=True))
         os.close(fd)
     return collect(procs, timeout)
 
 
-def run_gloo(n: int, sizes: List[int], python: str, timeout: float) -> Dict[int, float]:
+def run_gloo(n: int, plan: str, python: str, timeout: float) -> Dict[int, float]:
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTHONPATH", None)
     procs = [subprocess.Popen([python, os.path.abspath(__file__), "--worker", "gloo", "--rank",
-                               str(r), "--world", str(n), "--port", str(port), "--sizes",
-                               ",".join(map(str, sizes))],
+                               str(r), "--world", str(n), "--port", str(port), "--plan", plan],
                               stdout=subprocess.PIPE, text=True, env=env) for r in range(n)]
     return collect(procs, timeout)
 
 
-def run_mpi(n: int, sizes: List[int], exe: str, tcp_only: bool,
-            timeout: float) -> Dict[int, float]:
+def run_mpi(n: int, plan: str, exe: str, tcp_only: bool, timeout: float) -> Dict[int, float]:
     cmd = ["mpirun", "-np", str(n), "--oversubscribe"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     if tcp_only:
-        cmd += ["--mca", "btl", "tcp,self"]
-    cmd += [exe] + ["%d:%d" % (s, iters_for(s)) for s in sizes]
+        cmd += ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self"]
+    cmd += [exe] + ["%d:%d" % (s, i) for s, i in json.loads(plan)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError("mpirun failed: %s" % res.stderr[-2000:])
@@ -205,7 +256,7 @@ def run_mpi(n: int, sizes: List[int], exe: str, tcp_only: bool,
     return out
 
 
-def loopback_bytes_per_sec(seconds: float = 2.0) -> float:
+def loopback_bytes_per_sec(seconds: float) -> float:
     """One TCP stream over loopback, 4 MiB writes, for `seconds`."""
     port = free_port()
     sink = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", "sink",
@@ -223,20 +274,38 @@ def loopback_bytes_per_sec(seconds: float = 2.0) -> float:
     return res["bytes"] / res["sec"]
 
 
-def fmt(x: Optional[float]) -> str:
-    return "%8.3f" % x if x is not None and math.isfinite(x) else "     n/a"
+# ---------------------------------------------------------------- report
+
+def med(xs: List[float]) -> Optional[float]:
+    ok = [x for x in xs if x is not None and math.isfinite(x)]
+    return statistics.median(ok) if ok else None
 
 
-def ratio(a: Optional[float], b: Optional[float]) -> str:
-    if a is None or b is None or not (b > 0):
-        return "   n/a"
-    return "%5.2fx" % (a / b)
+def cell(xs: List[float]) -> str:
+    """median [min-max] over the rounds."""
+    ok = [x for x in xs if x is not None and math.isfinite(x)]
+    if not ok:
+        return "%-19s" % "n/a"
+    return "%-19s" % ("%.3f [%.3f-%.3f]" % (statistics.median(ok), min(ok), max(ok)))
+
+
+def kv(x: Optional[float]) -> str:
+    return "%.3f" % x if x is not None and math.isfinite(x) else "nan"
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
 
 
 def main() -> int:
+    quick = quick_mode()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", default="2,4")
-    ap.add_argument("--sizes", default=DEFAULT_SIZES)
+    ap.add_argument("--sizes", default=QUICK_SIZES if quick else DEFAULT_SIZES)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--budget", type=parse_size, default=parse_size("8M" if quick else "512M"),
+                    help="bytes of buffer per size and launch (calls = budget / size, 3..200)")
+    ap.add_argument("--loopback-seconds", type=float, default=0.2 if quick else 1.0)
     ap.add_argument("--mpi-exe", default=os.path.join(REPO, "build", "bench", "mpi_allreduce"))
     ap.add_argument("--gloo-python", default="/usr/bin/python3",
                     help="an interpreter that can import torch with gloo (Debian python3-torch)")
@@ -248,76 +317,124 @@ def main() -> int:
     ap.add_argument("--addresses")
     ap.add_argument("--fd", type=int)
     ap.add_argument("--port", type=int)
+    ap.add_argument("--plan")
     ap.add_argument("--tcp", action="store_true")
     args = ap.parse_args()
 
     if args.worker == "ember":
-        worker_ember(args.rank, args.addresses.split(","), args.fd,
-                     [int(s) for s in args.sizes.split(",")], args.tcp)
+        worker_ember(args.rank, args.addresses.split(","), args.fd, json.loads(args.plan),
+                     args.tcp)
         return 0
     if args.worker == "gloo":
-        worker_gloo(args.rank, args.world, args.port, [int(s) for s in args.sizes.split(",")])
+        worker_gloo(args.rank, args.world, args.port, json.loads(args.plan))
         return 0
     if args.worker == "sink":
-        worker_sink(args.port, 0)
+        worker_sink(args.port)
         return 0
 
     ranks = [int(r) for r in args.ranks.split(",")]
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if any(s % 4 for s in sizes):
         ap.error("sizes must be multiples of 4 bytes (float32)")
-    have_mpi = os.path.exists(args.mpi_exe) and shutil.which("mpirun") is not None
-    gloo_ok = subprocess.run([args.gloo_python, "-c",
-                              "import torch.distributed as d; assert d.is_gloo_available()"],
-                             capture_output=True).returncode == 0 \
-        if shutil.which(args.gloo_python) or os.path.exists(args.gloo_python) else False
-    if not have_mpi:
-        print("note: Open MPI or %s missing: MPI columns are n/a" % args.mpi_exe)
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    not_measured = []
+    if not (os.path.exists(args.mpi_exe) and shutil.which("mpirun")):
+        print("note: Open MPI (mpirun) or %s missing: Open MPI not measured" % args.mpi_exe)
+        not_measured.append("mpi")
+    gloo_ok = (shutil.which(args.gloo_python) or os.path.exists(args.gloo_python)) and \
+        subprocess.run([args.gloo_python, "-c",
+                        "import torch.distributed as d; assert d.is_gloo_available()"],
+                       capture_output=True).returncode == 0
     if not gloo_ok:
         print("note: %s cannot import torch with gloo (apt-get install python3-torch): "
-              "gloo columns are n/a" % args.gloo_python)
+              "gloo not measured" % args.gloo_python)
+        not_measured.append("gloo")
+    sides = [s for s in SIDES if not (s.startswith("mpi") and "mpi" in not_measured)
+             and not (s == "gloo" and "gloo" in not_measured)]
 
-    loop = loopback_bytes_per_sec()
-    print("loopback TCP, one stream: %.3f GB/s = %.2f Gbit/s" % (loop / 1e9, loop * 8 / 1e9))
-    print("float32 sum, in place; GB/s = 1e9 bytes/s; busbw = algbw * 2(n-1)/n\n")
-
-    headline: Dict[str, Optional[float]] = {}
+    plan = plan_arg(sizes, args.budget)
+    # bus[side][n][size] -> busbw (GB/s) per round; loop: loopback GB/s per round
+    bus = {s: {n: {z: [] for z in sizes} for n in ranks} for s in SIDES}
+    loop: List[float] = []
+    launch = {
+        "ember_shm": lambda n: run_ember(n, plan, False, args.timeout),
+        "ember_tcp": lambda n: run_ember(n, plan, True, args.timeout),
+        "mpi_shm": lambda n: run_mpi(n, plan, args.mpi_exe, False, args.timeout),
+        "mpi_tcp": lambda n: run_mpi(n, plan, args.mpi_exe, True, args.timeout),
+        "gloo": lambda n: run_gloo(n, plan, args.gloo_python, args.timeout),
+    }
+    jobs = [("loopback", lambda: loop.append(loopback_bytes_per_sec(args.loopback_seconds)
+                                             / 1e9))]
     for n in ranks:
-        res: Dict[str, Dict[int, float]] = {}
-        res["ember"] = run_ember(n, sizes, False, args.timeout)
-        res["ember_tcp"] = run_ember(n, sizes, True, args.timeout)
-        if have_mpi:
-            res["mpi_tcp"] = run_mpi(n, sizes, args.mpi_exe, True, args.timeout)
-            res["mpi_default"] = run_mpi(n, sizes, args.mpi_exe, False, args.timeout)
-        if gloo_ok:
-            res["gloo"] = run_gloo(n, sizes, args.gloo_python, args.timeout)
-        names = ["ember", "ember_tcp", "mpi_tcp", "mpi_default", "gloo"]
-        k = 2.0 * (n - 1) / n
-        print("== %d ranks: busbw GB/s (algbw = busbw / %.2f)" % (n, k))
-        print("%8s " % "size" + " ".join("%11s" % x for x in names) +
-              "   ember/mpi_tcp ember/mpi_default ember/gloo ember_tcp/mpi_tcp "
-              "ember_tcp/gloo ember_tcp/loopback")
-        for s in sizes:
-            bus = {x: (s / res[x][s] / 1e9 * k if x in res and s in res[x] else None)
-                   for x in names}
-            print("%8s " % human(s) + " ".join("   %s" % fmt(bus[x]) for x in names) +
-                  "   %13s %17s %10s %17s %14s %18s" % (
-                      ratio(bus["ember"], bus["mpi_tcp"]),
-                      ratio(bus["ember"], bus["mpi_default"]),
-                      ratio(bus["ember"], bus["gloo"]),
-                      ratio(bus["ember_tcp"], bus["mpi_tcp"]),
-                      ratio(bus["ember_tcp"], bus["gloo"]),
-                      ratio(bus["ember_tcp"], loop / 1e9)))
-            if n == 2 and s == 64 << 20:
-                headline = bus
-        print()
-    def kv(x: Optional[float]) -> str:
-        return "%.3f" % x if x is not None else "nan"
-    print("RESULT allreduce ranks=2 size=64MiB ember_busbw=%s mpi_tcp_busbw=%s "
-          "mpi_default_busbw=%s gloo_busbw=%s loopback_gbps=%.2f" % (
-              kv(headline.get("ember")), kv(headline.get("mpi_tcp")),
-              kv(headline.get("mpi_default")), kv(headline.get("gloo")), loop * 8 / 1e9))
-    return 0
+        for side in sides:
+            def job(side: str = side, n: int = n) -> None:
+                got = launch[side](n)
+                for z in sizes:
+                    sec = got.get(z)
+                    bus[side][n][z].append(z * 2.0 * (n - 1) / n / sec / 1e9 if sec
+                                           else float("nan"))
+            jobs.append(("%s %d ranks" % (side, n), job))
+    print("allreduce, one host: %s; ranks %s; sizes %s; %d interleaved rounds; %d CPUs"
+          % (", ".join(sides), args.ranks, ",".join(human(z) for z in sizes), args.rounds,
+             os.cpu_count() or 0), flush=True)
+    t_start = time.monotonic()
+    for r in range(args.rounds):
+        k = r % len(jobs)  # rotated each round so no side always goes first
+        t_round, took = time.monotonic(), []
+        for name, job in jobs[k:] + jobs[:k]:
+            t0 = time.monotonic()
+            try:
+                job()
+            except Exception as e:  # one failed launch is a gap in the table, not the end
+                print("round %d: %s failed: %s" % (r + 1, name, e), flush=True)
+            took.append("%s %.1f" % (name.replace(" ranks", "r"), time.monotonic() - t0))
+        print("round %d/%d: %.1f s (%s)" % (r + 1, args.rounds,
+                                            time.monotonic() - t_round, ", ".join(took)),
+              flush=True)
+
+    print("\nfloat32 sum, in place; GB/s = 1e9 bytes/s; busbw = bytes * 2(n-1)/n / time; "
+          "median [min-max] over %d rounds (%.0f s)" % (args.rounds, time.monotonic() - t_start))
+    print("loopback TCP, one stream: %s GB/s" % cell(loop).strip())
+    result: Dict[str, Optional[float]] = {}
+    ratios: Dict[str, Dict[int, List[float]]] = {p: {n: [] for n in ranks} for _, _, p in PAIRS}
+    for n in ranks:
+        print("\n== %d ranks: busbw GB/s, median [min-max]" % n)
+        print("%8s  " % "size" + " ".join("%-19s" % LABEL[s] for s in SIDES) +
+              "  shm/ompi  tcp/ompi_tcp  tcp/gloo")
+        for z in sizes:
+            m = {s: med(bus[s][n][z]) for s in SIDES}
+            rs = []
+            for a, b, p in PAIRS:
+                x = ratio(m[a], m[b])
+                if x is not None:
+                    ratios[p][n].append(x)
+                rs.append(("%7.2fx" % x) if x is not None else "     n/a")
+            print("%8s  " % human(z) + " ".join(cell(bus[s][n][z]) for s in SIDES) +
+                  "  %s  %12s  %8s" % (rs[0], rs[1], rs[2]))
+            for s in SIDES:
+                result["%s_%dr_%s_gbs" % (s, n, human(z))] = m[s]
+    print()
+    head: List[str] = []
+    for _, _, p in PAIRS:
+        every = [x for n in ranks for x in ratios[p][n]]
+        head.append("%s_min=%s" % (p, kv(min(every) if every else None)))
+    for _, _, p in PAIRS:
+        every = [x for n in ranks for x in ratios[p][n]]
+        head.append("%s_max=%s" % (p, kv(max(every) if every else None)))
+    for n in ranks:
+        for _, _, p in PAIRS:
+            low = min(ratios[p][n]) if ratios[p][n] else None
+            head.append("%s_min_%dr=%s" % (p, n, kv(low)))
+    head += ["loopback_gbs=%s" % kv(med(loop)), "rounds=%d" % args.rounds]
+    tail = ["%s=%s" % (k, kv(v)) for k, v in result.items()]
+    if not_measured:
+        tail.append("not_measured=" + ",".join(not_measured))
+    print("RESULT allreduce " + " ".join(head + tail))
+    # A peer that failed is a gap in the table; Ember failing is a failed run.
+    ember_missing = any(result["%s_%dr_%s_gbs" % (s, n, human(z))] is None
+                        for s in ("ember_shm", "ember_tcp") for n in ranks for z in sizes)
+    return 1 if ember_missing else 0
 
 
 if __name__ == "__main__":

@@ -261,10 +261,12 @@ def main() -> int:
                         "thousand records/s)")
     p.add_argument("--partitions", type=int, default=4 if QUICK else 16)
     p.add_argument("--batch", type=int, default=1024)
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=int, default=1 if QUICK else 3,
                    help="interleaved rounds of each comparison (at least 3)")
     a = p.parse_args()
-    n, rn, rounds = a.records, a.rdd_records, max(3, a.rounds)
+    # at least 3 rounds for figures; the tiny smoke run (make bench-smoke) only
+    # checks that every side still runs and reports
+    n, rn, rounds = a.records, a.rdd_records, a.rounds if QUICK else max(3, a.rounds)
 
     from pyspark.sql import SparkSession
 

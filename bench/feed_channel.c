@@ -17,8 +17,13 @@
  * Every run checks the consumer's checksum against the producer's data.
  * GB/s counts record bytes (3144 per record) for all four, so they compare.
  *
- * Usage: feed_channel [records] [ring_bytes].  Last line:
+ * Usage: feed_channel [records] [ring_bytes]; EMBER_BENCH_QUICK=1 in the
+ * environment (make bench-smoke) makes the default 32768 records.  The line
  *   CHANNEL channel_gbps=<a> feed_shm_gbps=<b> feed_tcp_gbps=<c> memcpy_gbps=<d>
+ * (which bench/feed.py reads) is followed by the last line
+ *   RESULT feed_channel feed_shm_vs_memcpy=<b/d> feed_tcp_vs_memcpy=<c/d>
+ *     channel_vs_memcpy=<a/d> channel_gbps=<a> feed_shm_gbps=<b> feed_tcp_gbps=<c>
+ *     memcpy_gbps=<d>
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -224,7 +229,8 @@ static double run_feed(int shm) {
   pid = fork();
   if (pid == 0) {
     ember_feed_client *c = NULL;
-    ember_feed_client_options o = {shm ? EMBER_FEED_SHM_ON : EMBER_FEED_SHM_OFF, ring_bytes};
+    ember_feed_client_options o = {.shm = shm ? EMBER_FEED_SHM_ON : EMBER_FEED_SHM_OFF,
+                                   .shm_bytes = ring_bytes};
     if (ember_feed_client_connect_ex(&c, "127.0.0.1", port, SECRET, sizeof SECRET, 0, 0, &o,
                                      10000) != EMBER_OK)
       die("connect");
@@ -263,6 +269,8 @@ static double run_feed(int shm) {
 
 int main(int argc, char **argv) {
   double tm, ta, tb, tc;
+  const char *quick = getenv("EMBER_BENCH_QUICK");
+  if (quick != NULL && quick[0] != '\0' && strcmp(quick, "0") != 0) total_records = 32768;
   if (argc > 1) total_records = strtoull(argv[1], NULL, 10);
   if (argc > 2) ring_bytes = (size_t)strtoull(argv[2], NULL, 10);
   if (total_records == 0) total_records = 1;
@@ -286,6 +294,10 @@ int main(int argc, char **argv) {
   printf("%-28s %14.0f %10.2f %11s\n", "(d) memcpy", total_records / tm, gbps(tm), "100%");
   printf("CHANNEL channel_gbps=%.2f feed_shm_gbps=%.2f feed_tcp_gbps=%.2f memcpy_gbps=%.2f\n",
          gbps(ta), gbps(tb), gbps(tc), gbps(tm));
+  printf("RESULT feed_channel feed_shm_vs_memcpy=%.3f feed_tcp_vs_memcpy=%.3f "
+         "channel_vs_memcpy=%.3f channel_gbps=%.2f feed_shm_gbps=%.2f feed_tcp_gbps=%.2f "
+         "memcpy_gbps=%.2f\n",
+         tm / tb, tm / tc, tm / ta, gbps(ta), gbps(tb), gbps(tc), gbps(tm));
   for (int b = 0; b < POOL; b++) {
     free(pool[b].img);
     free(pool[b].label);

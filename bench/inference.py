@@ -25,6 +25,11 @@ classes on the same rows (checked).  Prints a table and
 
   RESULT inference ember_rps=<x> pbu_rps=<y> tfos_rps=<z> ratio_vs_pbu=<x/y> ratio_vs_tfos=<x/z>
          ember_udf_rps=<Ember's Arrow UDF path> noop_udf_rps=<the no-op UDF> ratio_vs_noop_udf=...
+
+EMBER_BENCH_QUICK=1 (make bench-smoke) only makes the defaults tiny: the
+model trained on 10,000 rows, 1 test set copy (10,000 rows), one
+predict_batch_udf batch size (1024: no sweep), 1 timed round; the same
+methods, checks and code.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK = os.environ.get("EMBER_BENCH_QUICK", "") not in ("", "0")
 sys.path[:0] = [REPO, os.path.join(REPO, "python")]
 
 
@@ -138,10 +144,15 @@ def timed(what, build, rows, cpu=None):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--copies", type=int, default=20, help="test set copies (default 20: 200,000 rows)")
+    p.add_argument("--copies", type=int, default=1 if QUICK else 20,
+                   help="test set copies (default 20: 200,000 rows)")
+    p.add_argument("--train-rows", type=int, default=10_000 if QUICK else 60_000,
+                   help="training rows for the model (default: all 60,000)")
     p.add_argument("--cores", type=int, default=2, help="local[N] Spark")
-    p.add_argument("--sweep", default="256,1024,4096,10000", help="predict_batch_udf batch sizes")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds; each method's best counts")
+    p.add_argument("--sweep", default="1024" if QUICK else "256,1024,4096,10000",
+                   help="predict_batch_udf batch sizes")
+    p.add_argument("--rounds", type=int, default=1 if QUICK else 3,
+                   help="timed rounds; each method's best counts")
     p.add_argument("--tfos-batch", type=int, default=0,
                    help="TFoS TFModel BatchSize (default: the best predict_batch_udf batch size)")
     args = p.parse_args()
@@ -167,16 +178,20 @@ def main() -> int:
     export = os.path.join(work, "export")
     try:
         tr_x, tr_y = data.load_split("train")
+        tr_x, tr_y = tr_x[:args.train_rows], tr_y[:args.train_rows]
         te_x, te_y = data.load_split("test")
         t = time.perf_counter()
         build_saved_model(export, tr_x.reshape(-1, 784).astype(np.float32) / 255.0, tr_y.astype(np.int64))
-        print(f"SavedModel trained (1 epoch) and exported in {time.perf_counter() - t:.1f} s", flush=True)
+        print(f"SavedModel trained (1 epoch, {len(tr_y)} rows) and exported in {time.perf_counter() - t:.1f} s", flush=True)
 
         parts = args.cores * 2
         df = frame(spark, te_x, te_y, args.copies, parts).cache()
         rows = df.count()
-        small = frame(spark, te_x, te_y, 1, parts).cache()
-        small.count()
+        if args.copies == 1:
+            small = df  # the same 10,000 rows
+        else:
+            small = frame(spark, te_x, te_y, 1, parts).cache()
+            small.count()
         src, small_src = df.select("image"), small.select("image")
         print(f"{rows} rows x 784 floats cached in {parts} partitions; local[{args.cores}]", flush=True)
 
@@ -230,20 +245,24 @@ def main() -> int:
             raise RuntimeError("the three methods disagree on predictions")
         timed("ember warm-up", lambda: ember_out(small_src), len(te_y))
 
-        print(f"predict_batch_udf batch-size sweep ({len(te_y) * 4} rows)", flush=True)
-        sweep_src = small_src.unionAll(small_src).unionAll(small_src).unionAll(small_src)
         # Two interleaved passes, each size keeping its better one (by CPU
         # seconds, which other work on the machine disturbs less than wall
         # time): one pass under a passing load spike picked 256 where 10000
         # is the better size, which made predict_batch_udf look slower.
         sizes = [int(b) for b in args.sweep.split(",")]
-        sweep_cpu: dict = {bs: [] for bs in sizes}
-        for _ in range(2):
-            for bs in sizes:
-                timed(f"batch_size={bs}", lambda: pbu_out(sweep_src, bs), len(te_y) * 4,
-                      sweep_cpu[bs])
-        best = min(sizes, key=lambda bs: min(sweep_cpu[bs]))
-        print(f"  best batch size: {best}", flush=True)
+        if len(sizes) > 1:
+            print(f"predict_batch_udf batch-size sweep ({len(te_y) * 4} rows)", flush=True)
+            sweep_src = small_src.unionAll(small_src).unionAll(small_src).unionAll(small_src)
+            sweep_cpu: dict = {bs: [] for bs in sizes}
+            for _ in range(2):
+                for bs in sizes:
+                    timed(f"batch_size={bs}", lambda: pbu_out(sweep_src, bs), len(te_y) * 4,
+                          sweep_cpu[bs])
+            best = min(sizes, key=lambda bs: min(sweep_cpu[bs]))
+            print(f"  best batch size: {best}", flush=True)
+        else:
+            best = sizes[0]  # one size (--sweep N): nothing to choose
+            print(f"predict_batch_udf batch size: {best} (no sweep)", flush=True)
         tfos_bs = args.tfos_batch or best
         timed("tfos warm-up", lambda: tfos_out(small_src, tfos_bs), len(te_y))
 

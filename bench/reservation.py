@@ -40,15 +40,26 @@ fails at the largest N for another reason, tfos_select_probe() registers N
 nodes one at a time to show whether its select() loop (FD_SETSIZE 1024) would
 have survived anyway.
 
+Each system gets the same TRIALS (3) trials per N, interleaved: round k runs
+one Ember and one TFoS trial (which goes first alternates), before round k+1.
+A system that fails at an N is not retried at that N (its figure is "failed"
+whatever later trials would give).  Seconds are reported as median [min-max]
+of the trials.  EMBER_BENCH_QUICK=1 (make bench-smoke) runs N = 8, 16
+instead, with the same harness and trial counts.
+
 The last line is machine-readable:
-RESULT reservation n=1024 ember_s=<x> tfos_s=<y|failed> ratio=<y/x|inf> ...
-with tfos_error=<tag> when TFoS failed, ratio_<N>=<r> for the largest N where
-both completed, ember_server_s=<server ready> and tfos_select_probe=<died|ok>.
+RESULT reservation n=1024 ratio=<tfos/ember medians|inf> ember_s=<median>
+  ember_min_s=<x> ember_max_s=<x> tfos_s=<median|nan> tfos_min_s=<x> tfos_max_s=<x>
+  trials=3 ember_server_s=<server ready> ratio_64=<r> ratio_256=<r>
+with tfos_error=<tag> when TFoS failed at n (its seconds are then nan and
+ratio=inf), ratio_<N> the same ratio at each smaller N, and
+tfos_select_probe=<died|ok>.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -65,7 +76,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.join(REPO, "python") not in sys.path:
     sys.path.insert(0, os.path.join(REPO, "python"))
 
-SIZES = (64, 256, 1024)
+# EMBER_BENCH_QUICK=1 (make bench-smoke): tiny N, same harness and trials
+QUICK = os.environ.get("EMBER_BENCH_QUICK", "") not in ("", "0")
+SIZES = (8, 16) if QUICK else (64, 256, 1024)
 WORKERS = 8
 # CPython's default 5 ms GIL switch interval is pathological with ~100+ threads
 # per process that all return from a blocking C call at once: every waiter wakes
@@ -73,8 +86,7 @@ WORKERS = 8
 # wake-ups and context switches (perf) -- 4 x 256 threads did not finish in 20 s.
 # The node processes (the same ones for both systems) use a longer interval.
 SWITCH_INTERVAL_S = 0.05
-EMBER_TRIALS = 3
-TFOS_TRIALS = {64: 2, 256: 1, 1024: 1}
+TRIALS = 3          # per system and N, interleaved (E T, T E, E T, ...)
 EMBER_LIMIT_S = 30.0
 TFOS_LIMIT_S = 60.0
 NUM_PS = 1          # roles: 1 ps, 1 chief, the rest workers (TFoS's order)
@@ -740,7 +752,6 @@ def _teardown(pool: NodePool, sconn: Any, tr: Trial) -> None:
     tr.teardown_s = time.monotonic() - t
 
 
-
 # ================================================================ TFoS select() probe
 
 def tfos_select_probe(n: int, timeout_s: float = 30.0) -> str:
@@ -795,16 +806,27 @@ def tfos_select_probe(n: int, timeout_s: float = 30.0) -> str:
         sp.join(5.0)
         sconn.close()
 
+
 # ================================================================ the benchmark
 
-def _median(trials: List[Trial]) -> Optional[float]:
+def _stats(trials: List[Trial]) -> Optional[Tuple[float, float, float]]:
+    """(median, min, max) of the trials' seconds; None unless every trial completed."""
     if not trials or not all(t.ok for t in trials):
         return None
-    return statistics.median(t.seconds for t in trials)  # type: ignore[misc]
+    xs = [t.seconds for t in trials]
+    return statistics.median(xs), min(xs), max(xs)  # type: ignore[type-var]
 
 
 def _fmt(x: Optional[float]) -> str:
     return "failed" if x is None else f"{x:.3f}"
+
+
+def _kv(x: Optional[float]) -> str:
+    return "nan" if x is None else f"{x:.3f}"
+
+
+def _cell(st: Optional[Tuple[float, float, float]]) -> str:
+    return "failed" if st is None else f"{st[0]:.3f} [{st[1]:.3f}-{st[2]:.3f}]"
 
 
 def _run_all(t_start: float) -> Dict[Tuple[str, int], List[Trial]]:
@@ -813,26 +835,23 @@ def _run_all(t_start: float) -> Dict[Tuple[str, int], List[Trial]]:
     print(f"node processes started in {time.monotonic() - t_start:.1f} s (not timed)")
     try:
         for n in SIZES:
-            order = []    # interleaved: E T E T E
-            for k in range(max(EMBER_TRIALS, TFOS_TRIALS[n])):
-                if k < EMBER_TRIALS:
-                    order.append("ember")
-                if k < TFOS_TRIALS[n]:
-                    order.append("tfos")
-            for kind in order:
-                if kind == "tfos" and any(not t.ok for t in results[(kind, n)]):
-                    continue     # a TFoS size that failed once is not retried
-                tr = run_trial(pool, kind, n)
-                results[(kind, n)].append(tr)
-                print(f"  {kind:5s} n={n:<5d} trial {len(results[(kind, n)])}: {tr.summary()}")
-                if tr.server_notes:
-                    print("        server events: " + ", ".join(
-                        f"{k}={v}" for k, v in sorted(tr.server_events.items())))
-                    for note in tr.server_notes[:4]:
-                        print(f"        {note[:300]}")
-                if tr.pool_dirty:   # threads may still hang in a dead server: fresh pool
-                    pool.close(kill=True)
-                    pool = NodePool().start()
+            for k in range(TRIALS):
+                # round k: each system once, the first one alternating (E T, T E, ...)
+                for kind in ("ember", "tfos") if k % 2 == 0 else ("tfos", "ember"):
+                    if any(not t.ok for t in results[(kind, n)]):
+                        continue     # failed at this N: its figure is "failed", not retried
+                    tr = run_trial(pool, kind, n)
+                    results[(kind, n)].append(tr)
+                    print(f"  {kind:5s} n={n:<5d} trial {len(results[(kind, n)])}: "
+                          f"{tr.summary()}")
+                    if tr.server_notes:
+                        print("        server events: " + ", ".join(
+                            f"{k}={v}" for k, v in sorted(tr.server_events.items())))
+                        for note in tr.server_notes[:4]:
+                            print(f"        {note[:300]}")
+                    if tr.pool_dirty:   # threads may still hang in a dead server: fresh pool
+                        pool.close(kill=True)
+                        pool = NodePool().start()
     finally:
         pool.close()
     return results
@@ -847,13 +866,13 @@ def main() -> int:
           f"RLIMIT_NOFILE {soft}/{hard}")
     print(f"each trial: a fresh server process; N node threads over {WORKERS} node processes "
           f"(started once); timed from 'go' until the last node holds the spec; "
-          f"ember {EMBER_TRIALS} trials per N, tfos {TFOS_TRIALS} with a "
-          f"{TFOS_LIMIT_S:.0f} s limit")
+          f"{TRIALS} interleaved trials per system and N (limits: ember {EMBER_LIMIT_S:.0f} s, "
+          f"tfos {TFOS_LIMIT_S:.0f} s; a system that fails at an N is not retried there)")
     t_start = time.monotonic()
     results = _run_all(t_start)
 
     big = SIZES[-1]
-    med = {(k, n): _median(results[(k, n)]) for k in ("ember", "tfos") for n in SIZES}
+    st = {(k, n): _stats(results[(k, n)]) for k in ("ember", "tfos") for n in SIZES}
     srv_ready = {n: (statistics.median([x.server_ready for x in results[("ember", n)]
                                         if x.server_ready is not None])
                      if any(x.server_ready is not None for x in results[("ember", n)])
@@ -865,49 +884,62 @@ def main() -> int:
         # separately whether it would have survived N connections at all.
         probe = tfos_select_probe(big)
 
+    def ratio(n: int) -> Optional[float]:
+        """TFoS's median over Ember's at n (inf: TFoS failed, Ember did not)."""
+        e, t = st[("ember", n)], st[("tfos", n)]
+        if e is None:
+            return None
+        return math.inf if t is None else t[0] / e[0]
+
     print()
-    print(f"{'N':>6} | {'ember_s':>8} | {'tfos_s':>8} | {'ratio':>7} | {'ember server ready':>18}")
-    print("-" * 62)
-    last_both: Optional[Tuple[int, float]] = None
+    print(f"{'N':>6} | {'ember_s':>22} | {'tfos_s':>22} | {'ratio':>7} | "
+          f"{'ember server ready':>18}")
+    print("-" * 88)
     for n in SIZES:
-        e, t = med[("ember", n)], med[("tfos", n)]
-        ratio = f"{t / e:.1f}x" if e and t else ("inf" if e and t is None else "-")
-        print(f"{n:>6} | {_fmt(e):>8} | {_fmt(t):>8} | {ratio:>7} | {_fmt(srv_ready[n]):>16} s")
-        if e and t:
-            last_both = (n, t / e)
-    print(f"medians in seconds; total run {time.monotonic() - t_start:.0f} s")
+        r = ratio(n)
+        rs = "-" if r is None else ("inf" if math.isinf(r) else f"{r:.1f}x")
+        print(f"{n:>6} | {_cell(st[('ember', n)]):>22} | {_cell(st[('tfos', n)]):>22} | "
+              f"{rs:>7} | {_fmt(srv_ready[n]):>16} s")
+    print(f"seconds, median [min-max] of {TRIALS} trials each; ratio = tfos median / ember "
+          f"median; total run {time.monotonic() - t_start:.0f} s")
     for n in SIZES:
         for kind in ("ember", "tfos"):
             bad = [x for x in results[(kind, n)] if not x.ok]
             if bad:
-                print(f"  {kind} n={n} failed [{bad[0].error_key}]: {bad[0].error[:400]}")
+                print(f"  {kind} n={n} failed [{bad[0].error_key}] in trial "
+                      f"{len(results[(kind, n)])} of {TRIALS}: {bad[0].error[:400]}")
     if probe is not None:
         print(f"  tfos select() probe, n={big}: {probe}")
     print(f"  'ember server ready' = the server's wait_ready() returned (all registered, "
           f"spec queued); the rest of ember_s is the nodes receiving and decoding their "
           f"copy of the {big}-row spec into Python ({big} copies on {os.cpu_count()} CPUs)")
 
-    e, t = med[("ember", big)], med[("tfos", big)]
+    e, t = st[("ember", big)], st[("tfos", big)]
+    r = ratio(big)
     print()
     print(f"target: {big} nodes in under 1 s with Ember: "
-          + ("met" if e is not None and e < 1.0 else "NOT met")
-          + f" (last node has the spec: {_fmt(e)} s; server ready: {_fmt(srv_ready[big])} s)")
+          + ("met" if e is not None and e[0] < 1.0 else "NOT met")
+          + f" (last node has the spec: {_fmt(e and e[0])} s; server ready: "
+          f"{_fmt(srv_ready[big])} s)")
     print(f"target: at least 10x faster than TFoS at {big}: "
-          + ("met" if e and t and t / e >= 10 else
-             ("TFoS did not complete, Ember did" if e and t is None else "NOT met")))
-    parts = [f"RESULT reservation n={big}", f"ember_s={_fmt(e)}", f"tfos_s={_fmt(t)}"]
-    if e and t:
-        parts.append(f"ratio={t / e:.1f}")
-    elif e and t is None:
-        parts.append("ratio=inf")
-        parts.append(f"tfos_error={tfos_big_bad[0].error_key if tfos_big_bad else 'not_run'}")
-    else:
-        bad = [x for x in results[("ember", big)] if not x.ok]
-        parts.append("ratio=nan")
-        parts.append(f"ember_error={bad[0].error_key if bad else 'not_run'}")
-    if last_both is not None and last_both[0] != big:
-        parts.append(f"ratio_{last_both[0]}={last_both[1]:.1f}")
-    parts.append(f"ember_server_s={_fmt(srv_ready[big])}")
+          + ("met" if r is not None and not math.isinf(r) and r >= 10 else
+             ("TFoS did not complete, Ember did" if r is not None and math.isinf(r)
+              else "NOT met")))
+    parts = [f"RESULT reservation n={big}",
+             "ratio=" + ("nan" if r is None else "inf" if math.isinf(r) else f"{r:.1f}")]
+    for kind, x in (("ember", e), ("tfos", t)):
+        parts += [f"{kind}_s={_kv(x and x[0])}", f"{kind}_min_s={_kv(x and x[1])}",
+                  f"{kind}_max_s={_kv(x and x[2])}"]
+    parts.append(f"trials={TRIALS}")
+    parts.append(f"ember_server_s={_kv(srv_ready[big])}")
+    for n in SIZES[:-1]:
+        rn = ratio(n)
+        parts.append(f"ratio_{n}=" + ("nan" if rn is None else "inf" if math.isinf(rn)
+                                      else f"{rn:.1f}"))
+    for kind in ("ember", "tfos"):
+        bad = [x for x in results[(kind, big)] if not x.ok]
+        if bad:
+            parts.append(f"{kind}_error={bad[0].error_key}")
     if probe is not None:
         parts.append("tfos_select_probe=" + ("died" if "died" in probe else "ok"))
     print(" ".join(parts))

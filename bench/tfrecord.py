@@ -19,6 +19,10 @@ batches, Ember vs tf.data, plus CRC-32C and Example-decoder microbenchmarks.
   protobuf-c's generated one (+ copying into columns), on the same records;
   the figure behind the choice in csrc/example.c.
 
+EMBER_BENCH_QUICK=1 (make bench-smoke): the first QUICK_ROWS Examples and a
+~50 MB total instead (CRC-32C rounds shortened likewise); the same readers,
+checks and figures.
+
 Last line: ``RESULT tfrecord ember_gbps=<x> tfdata_gbps=<y>
 ratio_vs_tfdata=<x/y> crc_gbps=<c> crc_limit_gbps=<l>``.
 """
@@ -39,6 +43,10 @@ sys.path.insert(0, REPO)
 BATCH = 1024
 TRIALS = 3
 TARGET_BYTES = 1_000_000_000
+QUICK = os.environ.get("EMBER_BENCH_QUICK", "") not in ("", "0")
+QUICK_ROWS = 8192
+if QUICK:
+    TARGET_BYTES = 50_000_000
 WORK = os.path.join(REPO, "build", "bench")
 
 
@@ -59,6 +67,8 @@ def main() -> None:
     os.makedirs(WORK, exist_ok=True)
     path = os.path.join(WORK, "fashion_mnist_train.tfrecord")
     images, labels = load_split("train")
+    if QUICK:
+        images, labels = images[:QUICK_ROWS], labels[:QUICK_ROWS]
     n = len(labels)
     t0 = time.perf_counter()
     tfr.write(path, {"image": images.reshape(n, 784).astype(np.float32) / 255.0,

@@ -752,12 +752,12 @@ class Cluster:
         milliseconds, not when Spark gives up retrying."""
         if self._reports is None:
             secret = _ember.random_secret()
+            conf = self.sc.getConf()  # a copy of the whole conf through py4j: once
             # a report is one FEED_ERROR of at most 1 KiB: small limits
             self._reports = (_ember.FeedServer(secret, shm=False, queue_bytes=1 << 20,
-                                               max_frame=1 << 16,
-                                               host=_driver_bind(self.sc.getConf())), secret)
-        server, secret = self._reports
-        host = self.sc.getConf().get("spark.driver.host", socket.gethostname())
+                                               max_frame=1 << 16, host=_driver_bind(conf)),
+                             secret, conf.get("spark.driver.host", socket.gethostname()))
+        server, secret, host = self._reports
         return host, server.port, secret
 
     def _reported_feed_error(self, seq: Optional[int]) -> Optional[EmberFeedError]:
