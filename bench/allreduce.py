@@ -97,9 +97,9 @@ def human(n: int) -> str:
     return "%dB" % n
 
 
-def iters_for(size: int, budget: int) -> int:
-    """Calls per size: about `budget` bytes of buffer, 3..200."""
-    return max(3, min(200, budget // size))
+def iters_for(size: int, budget: int, most: int = 200) -> int:
+    """Calls per size: about `budget` bytes of buffer, 3..most."""
+    return max(3, min(most, budget // size))
 
 
 def warmups_for(size: int) -> int:
@@ -124,7 +124,6 @@ def seconds_per_call(allreduce: Callable[[], Any], barrier: Callable[[], Any], s
 def worker_ember(rank: int, addresses: List[str], fd: int, plan: List[List[int]],
                  tcp_only: bool) -> None:
     sys.path.insert(0, os.path.join(REPO, "python"))
-    import numpy as np
     from ember import _ember as E
 
     comm = E.Communicator(rank, addresses, SECRET, 120.0, listen_fd=fd, tcp_only=tcp_only)
@@ -132,6 +131,15 @@ def worker_ember(rank: int, addresses: List[str], fd: int, plan: List[List[int]]
     got = [comm.transport(p) for p in range(len(addresses)) if p != rank]
     if any(t != want for t in got):  # not the transport this side stands for
         raise SystemExit("rank %d: transports %s, expected %s" % (rank, got, want))
+    time_ember(comm, rank, plan)
+
+
+def time_ember(comm: Any, rank: int, plan: List[List[int]]) -> None:
+    """Times Ember's allreduce for each (size, calls) of ``plan`` on ``comm``
+    (then closed); rank 0 prints the slowest rank's seconds per call, a JSON
+    line per size."""
+    import numpy as np
+
     for size, iters in plan:
         a = np.ones(size // 4, dtype=np.float32)
         dt = np.array([seconds_per_call(lambda: comm.allreduce(a), comm.barrier, size, iters)])
@@ -141,13 +149,13 @@ def worker_ember(rank: int, addresses: List[str], fd: int, plan: List[List[int]]
     comm.close()
 
 
-def worker_gloo(rank: int, world: int, port: int, plan: List[List[int]]) -> None:
+def worker_gloo(rank: int, world: int, init_method: str, plan: List[List[int]]) -> None:
+    """gloo's allreduce, timed as :func:`time_ember` times Ember's."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     for size, iters in plan:
         t = torch.ones(size // 4, dtype=torch.float32)
         dt = torch.tensor([seconds_per_call(lambda: dist.all_reduce(t), dist.barrier, size,
@@ -281,12 +289,12 @@ def med(xs: List[float]) -> Optional[float]:
     return statistics.median(ok) if ok else None
 
 
-def cell(xs: List[float]) -> str:
+def cell(xs: List[float], width: int = 19) -> str:
     """median [min-max] over the rounds."""
     ok = [x for x in xs if x is not None and math.isfinite(x)]
     if not ok:
-        return "%-19s" % "n/a"
-    return "%-19s" % ("%.3f [%.3f-%.3f]" % (statistics.median(ok), min(ok), max(ok)))
+        return "%-*s" % (width, "n/a")
+    return "%-*s" % (width, "%.3f [%.3f-%.3f]" % (statistics.median(ok), min(ok), max(ok)))
 
 
 def kv(x: Optional[float]) -> str:
@@ -326,7 +334,8 @@ def main() -> int:
                      args.tcp)
         return 0
     if args.worker == "gloo":
-        worker_gloo(args.rank, args.world, args.port, json.loads(args.plan))
+        worker_gloo(args.rank, args.world, "tcp://127.0.0.1:%d" % args.port,
+                    json.loads(args.plan))
         return 0
     if args.worker == "sink":
         worker_sink(args.port)

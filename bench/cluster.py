@@ -60,10 +60,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,7 +69,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 # the single-host benchmark's size syntax and timed loop (bench/ is this script's path)
-from allreduce import human, parse_size, seconds_per_call
+from allreduce import cell, human, iters_for, kv, med, parse_size, time_ember, worker_gloo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = b"ember-bench-cluster-secret-0032b"
@@ -86,44 +84,15 @@ DEFAULT_SIZES = "1M,4M,16M,64M,256M"
 GLOO_PYTHON = "/usr/bin/python3"
 
 
-def iters_for(size: int, budget: int) -> int:
-    """Calls per size: about `budget` bytes of buffer, at least 3."""
-    return max(3, min(100, budget // size))
-
-
 # ---------------------------------------------------------------- workers (one per host)
 
 def worker_ember(rank: int, addresses: List[str], plan: List[List[int]]) -> None:
     sys.path.insert(0, os.path.join(REPO, "python"))
-    import numpy as np
     from ember import _ember as E
 
     host = addresses[rank].rsplit(":", 1)[0]
     comm = E.Communicator(rank, addresses, SECRET, 120.0, bind_host=host, tcp_only=True)
-    for size, iters in plan:
-        a = np.ones(size // 4, dtype=np.float32)
-        dt = np.array([seconds_per_call(lambda: comm.allreduce(a), comm.barrier, size, iters)])
-        comm.allreduce(dt, "max")
-        if rank == 0:
-            print(json.dumps({"size": size, "sec": float(dt[0])}), flush=True)
-    comm.close()
-
-
-def worker_gloo(rank: int, world: int, master: str, plan: List[List[int]]) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://%s:%d" % (master, GLOO_PORT),
-                            rank=rank, world_size=world)
-    for size, iters in plan:
-        t = torch.ones(size // 4, dtype=torch.float32)
-        dt = torch.tensor([seconds_per_call(lambda: dist.all_reduce(t), dist.barrier, size,
-                                            iters)], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            print(json.dumps({"size": size, "sec": float(dt[0])}), flush=True)
-    dist.destroy_process_group()
+    time_ember(comm, rank, plan)
 
 
 def worker_feed_server(host: str, chunks: int) -> None:
@@ -217,7 +186,7 @@ class Bench:
         return res
 
     def _plan(self, sizes: Sequence[int]) -> str:
-        return json.dumps([[s, iters_for(s, self.args.budget)] for s in sizes])
+        return json.dumps([[s, iters_for(s, self.args.budget, 100)] for s in sizes])
 
     def stream(self) -> float:
         exe = os.path.join(REPO, "build", "bench", "tcp_stream")
@@ -292,23 +261,6 @@ class Bench:
 
 # ---------------------------------------------------------------- report
 
-def med(xs: List[float]) -> Optional[float]:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return statistics.median(xs) if xs else None
-
-
-def cell(xs: List[float]) -> str:
-    """median [min-max] of the rounds."""
-    ok = [x for x in xs if x is not None and math.isfinite(x)]
-    if not ok:
-        return "%-20s" % "n/a"
-    return "%-20s" % ("%.3f [%.2f-%.2f]" % (statistics.median(ok), min(ok), max(ok)))
-
-
-def kv(x: Optional[float]) -> str:
-    return "%.3f" % x if x is not None and math.isfinite(x) else "nan"
-
-
 def main() -> int:
     quick = os.environ.get("EMBER_BENCH_QUICK", "") not in ("", "0")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -337,7 +289,8 @@ def main() -> int:
         worker_ember(args.rank, args.addresses.split(","), json.loads(args.plan))
         return 0
     if args.worker == "gloo":
-        worker_gloo(args.rank, args.world, args.master, json.loads(args.plan))
+        worker_gloo(args.rank, args.world, "tcp://%s:%d" % (args.master, GLOO_PORT),
+                    json.loads(args.plan))
         return 0
     if args.worker == "feed_server":
         worker_feed_server(args.host, args.chunks)
@@ -414,9 +367,9 @@ def main() -> int:
     print("\n%d rounds, %.0f s; GB/s = 1e9 bytes/s, median [min-max] over rounds; "
           "busbw = bytes * 2(n-1)/n / time" % (args.rounds, time.monotonic() - t_start))
     s_med = med(stream)
-    print("one TCP stream h0 -> h1: %s" % cell(stream))
+    print("one TCP stream h0 -> h1: %s" % cell(stream, 20))
     if feed:
-        print("Ember feed h0 -> h1 (TCP, 4 MiB chunks): %s" % cell(feed))
+        print("Ember feed h0 -> h1 (TCP, 4 MiB chunks): %s" % cell(feed, 20))
     result = {}
     best_min: Dict[int, Optional[float]] = {}
     stream_max: Dict[int, Optional[float]] = {}
@@ -430,8 +383,9 @@ def main() -> int:
 
             def rt(a: Optional[float], b: Optional[float]) -> str:
                 return "%8.2fx" % (a / b) if a is not None and b else "      n/a"
-            print("%8s  %s %s %s %s %s %s" % (human(z), cell(coll["ember"][n][z]),
-                                             cell(coll["mpi"][n][z]), cell(coll["gloo"][n][z]),
+            print("%8s  %s %s %s %s %s %s" % (human(z), cell(coll["ember"][n][z], 20),
+                                             cell(coll["mpi"][n][z], 20),
+                                             cell(coll["gloo"][n][z], 20),
                                              rt(e, m), rt(e, g), " " + rt(e, s_med)))
             tag = "%dr_%s" % (n, human(z))
             result["allreduce_%s_gbs" % tag] = e
