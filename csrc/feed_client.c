@@ -596,6 +596,20 @@ cleanup:
   return rc;
 }
 
+/* With a ring: writes its END marker after the last batch (the node answers
+ * only once its reader has reached it) and leaves in *timeout_ms what is
+ * left of the deadline.  EMBER_OK at once without a ring. */
+static int client_end_ring(ember_feed_client *c, int64_t *timeout_ms, const char *what) {
+  int64_t deadline;
+  int rc;
+  if (c->ring == NULL) return EMBER_OK;
+  deadline = ember__feed_deadline(*timeout_ms);
+  rc = ember_shm_ring_end(c->ring, *timeout_ms);
+  if (rc != EMBER_OK) return client_ring_failed(c, rc, deadline, what);
+  *timeout_ms = ms_left(deadline);
+  return EMBER_OK;
+}
+
 int ember_feed_client_end_partition(ember_feed_client *c, int64_t timeout_ms) {
   uint8_t cnt[8];
   int rc = client_usable(c, "end_partition");
@@ -606,17 +620,8 @@ int ember_feed_client_end_partition(ember_feed_client *c, int64_t timeout_ms) {
     goto cleanup;
   }
   ember_wire_put_u64(cnt, c->rows_sent);
-  if (c->ring) {
-    /* The END marker goes after the last batch in the ring; the node ACKs
-     * only once its reader has reached it. */
-    int64_t deadline = ember__feed_deadline(timeout_ms);
-    rc = ember_shm_ring_end(c->ring, timeout_ms);
-    if (rc != EMBER_OK) {
-      rc = client_ring_failed(c, rc, deadline, "end_partition");
-      goto cleanup;
-    }
-    timeout_ms = ms_left(deadline);
-  }
+  rc = client_end_ring(c, &timeout_ms, "end_partition");
+  if (rc != EMBER_OK) goto cleanup;
   rc = client_request(c, EMBER_MSG_END_PARTITION, cnt, sizeof cnt, timeout_ms, "end_partition");
   /* Any answer ends the partition on this connection. */
   if (rc == EMBER_OK || !c->broken) c->ended = 1;
@@ -631,15 +636,8 @@ int ember_feed_client_end_feed(ember_feed_client *c, int64_t timeout_ms) {
     rc = ember__set_error(EMBER_ESTATE, "feed end_feed: this connection already ended");
     goto cleanup;
   }
-  if (c->ring) {
-    int64_t deadline = ember__feed_deadline(timeout_ms);
-    rc = ember_shm_ring_end(c->ring, timeout_ms);
-    if (rc != EMBER_OK) {
-      rc = client_ring_failed(c, rc, deadline, "end_feed");
-      goto cleanup;
-    }
-    timeout_ms = ms_left(deadline);
-  }
+  rc = client_end_ring(c, &timeout_ms, "end_feed");
+  if (rc != EMBER_OK) goto cleanup;
   rc = client_request(c, EMBER_MSG_END_FEED, NULL, 0, timeout_ms, "end_feed");
   if (rc == EMBER_OK || !c->broken) c->ended = 1;
 cleanup:

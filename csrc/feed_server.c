@@ -190,11 +190,9 @@ struct ember_feed_server {
    * queued) and ended (delivered whole), and the records queued by its
    * connections that ended without an END (what a resuming producer skips) */
   struct part_state { uint64_t call; uint32_t partition; uint8_t started, ended;
+                      uint32_t call_partitions; /* as its HELLO said (0: not counted) */
                       uint64_t held; } *parts;
   size_t nparts, parts_cap;
-  /* named calls that count their partitions (call_partitions > 0), sorted */
-  struct call_state { uint64_t call; uint32_t expected, ended; } *calls;
-  size_t ncalls, calls_cap;
   ember_feed_stats stats;
   size_t nrings;
   ember__pool pool; /* unauthenticated connections, oldest first */
@@ -284,29 +282,22 @@ static void held_add(ember_feed_server *s, uint64_t call, uint32_t p, uint64_t r
   if (st) st->held += records;
 }
 
-/* The state of a call that counts its partitions, made if new (expected as
- * its first HELLO said); NULL without memory. */
-static struct call_state *call_get(ember_feed_server *s, uint64_t call, uint32_t expected) {
-  size_t lo = 0, hi = s->ncalls;
-  while (lo < hi) {
-    size_t mid = lo + (hi - lo) / 2;
-    if (s->calls[mid].call < call) lo = mid + 1;
-    else hi = mid;
-  }
-  if (lo < s->ncalls && s->calls[lo].call == call) return &s->calls[lo];
-  if (s->ncalls == s->calls_cap) {
-    size_t ncap = s->calls_cap ? s->calls_cap * 2 : 64;
-    struct call_state *n = realloc(s->calls, ncap * sizeof *n);
-    if (n == NULL) return NULL;
-    s->calls = n;
-    s->calls_cap = ncap;
-  }
-  memmove(s->calls + lo + 1, s->calls + lo, (s->ncalls - lo) * sizeof *s->calls);
-  s->calls[lo].call = call;
-  s->calls[lo].expected = expected;
-  s->calls[lo].ended = 0;
-  s->ncalls++;
-  return &s->calls[lo];
+/* A call's partitions are one run of the sorted array: what its HELLOs said
+ * the call counts (0: none said), and how many of them ended. */
+static uint32_t call_partitions_said(const ember_feed_server *s, uint64_t call) {
+  size_t at = 0;
+  (void)part_find(s, call, 0, &at);
+  for (; at < s->nparts && s->parts[at].call == call; at++)
+    if (s->parts[at].call_partitions) return s->parts[at].call_partitions;
+  return 0;
+}
+
+static uint32_t call_partitions_ended(const ember_feed_server *s, uint64_t call) {
+  size_t at = 0;
+  uint32_t ended = 0;
+  (void)part_find(s, call, 0, &at);
+  for (; at < s->nparts && s->parts[at].call == call; at++) ended += s->parts[at].ended;
+  return ended;
 }
 
 /* --- out queue --- */
@@ -602,14 +593,10 @@ static void handle_hello(ember_feed_server *s, feed_conn *c) {
     return;
   }
   if (c->call != 0 && c->call_partitions > 0) {
-    struct call_state *cs = call_get(s, c->call, c->call_partitions);
-    if (cs == NULL) {
-      conn_refuse(s, c, EMBER_ENOMEM, "feed: out of memory recording a call");
-      return;
-    }
-    if (cs->expected != c->call_partitions) {
+    uint32_t said = call_partitions_said(s, c->call);
+    if (said != 0 && said != c->call_partitions) {
       snprintf(why, sizeof why, "feed: FEED_HELLO of %s says the call has %u partitions for "
-               "this node, an earlier one said %u", name, c->call_partitions, cs->expected);
+               "this node, an earlier one said %u", name, c->call_partitions, said);
       conn_refuse(s, c, EMBER_EPROTO, why);
       return;
     }
@@ -654,6 +641,7 @@ static void handle_hello(ember_feed_server *s, feed_conn *c) {
       return;
     }
     st->started = 1;
+    st->call_partitions = c->call_partitions;
   }
   c->state = C_STREAM;
   c->deadline = 0;
@@ -1200,7 +1188,6 @@ static void accept_new(ember_feed_server *s) {
 static int end_partition(ember_feed_server *s, feed_conn *c, char *why, size_t cap) {
   char name[64];
   struct part_state *st;
-  struct call_state *cs = NULL;
   part_name(c, name, sizeof name);
   if (c->end_count != c->records) {
     snprintf(why, cap, "%s: END_PARTITION says %llu records, the node received %llu", name,
@@ -1214,21 +1201,20 @@ static int end_partition(ember_feed_server *s, feed_conn *c, char *why, size_t c
     return EMBER_OK;
   }
   st = part_get(s, c->call, c->partition);
-  if (c->call != 0 && c->call_partitions > 0) cs = call_get(s, c->call, c->call_partitions);
-  if (st == NULL || (c->call != 0 && c->call_partitions > 0 && cs == NULL) ||
-      (c->call != 0 &&
-       queue_event(s, c, EMBER_FEED_ITEM_PARTITION_END, NULL, 0) != EMBER_OK)) {
+  if (st == NULL ||
+      (c->call != 0 && queue_event(s, c, EMBER_FEED_ITEM_PARTITION_END, NULL, 0) != EMBER_OK)) {
     snprintf(why, cap, "out of memory recording %s", name);
-    return EMBER_ENOMEM;
-  }
-  if (cs != NULL && ++cs->ended == cs->expected &&
-      queue_event(s, c, EMBER_FEED_ITEM_CALL_END, NULL, 0) != EMBER_OK) {
-    snprintf(why, cap, "out of memory ending call %llu", (unsigned long long)c->call);
     return EMBER_ENOMEM;
   }
   st->ended = 1;
   c->acked_ok = 1;
   s->stats.partitions_acked++;
+  if (c->call != 0 && c->call_partitions > 0 &&
+      call_partitions_ended(s, c->call) == c->call_partitions &&
+      queue_event(s, c, EMBER_FEED_ITEM_CALL_END, NULL, 0) != EMBER_OK) {
+    snprintf(why, cap, "out of memory ending call %llu", (unsigned long long)c->call);
+    return EMBER_ENOMEM;
+  }
   return EMBER_OK;
 }
 
@@ -1473,7 +1459,6 @@ void ember_feed_server_destroy(ember_feed_server *s) {
   if (s->secret) memset(s->secret, 0, s->secret_len);
   free(s->secret);
   free(s->parts);
-  free(s->calls);
   free(s->pfds);
   free(s->pconns);
   free(s);

@@ -376,7 +376,7 @@ static PyObject *FeedServer_port(PyObject *op, void *closure) {
 
 /* Pops one item; runs without the GIL.  A batch comes decoded by the server
  * (it validated it there): d borrows the item's columns, nothing to free. */
-static int pop_and_decode(ember_feed_server *s, int64_t ms, ember_feed_item **out,
+static int pop_item(ember_feed_server *s, int64_t ms, ember_feed_item **out,
                           embpy_decoded *d, embpy_err *e) {
   int rc;
   *out = NULL;
@@ -416,7 +416,7 @@ static PyObject *FeedServer_next(PyObject *op, PyObject *arg) {
       left = 0;
     int64_t slice = left > EMBPY_SLICE_MS ? EMBPY_SLICE_MS : left;
     Py_BEGIN_ALLOW_THREADS
-    rc = pop_and_decode(s, slice, &item, &d, &e);
+    rc = pop_item(s, slice, &item, &d, &e);
     Py_END_ALLOW_THREADS
     if (rc != EMBER_ETIMEDOUT || slice == left)
       break;

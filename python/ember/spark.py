@@ -202,12 +202,8 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
         from ember import _grouping
 
         host, port, name = targets[p % len(targets)]
-        client = _ember.FeedClient(
-            host, port, secret, p, want_results=want_results, timeout_s=feed_timeout,
-            resume=not want_results, call=seq,
-            call_partitions=0 if want_results else _node_share(p, first, parts, len(targets)),
-            tag=_partition_tag(per_epoch, first, parts, len(targets), qname, want_results,
-                               stream))
+        client = _partition_client(targets, secret, seq, p, feed_timeout, want_results, first,
+                                   parts, per_epoch, qname, stream)
         # a retried task skips what an earlier attempt already delivered
         skip, delivered = client.resume_point
         sent = 0
@@ -305,6 +301,22 @@ def _report_feed_error(report: Optional[Tuple[str, int, bytes]], seq: int, p: in
         pass  # the driver learns it from Spark instead, as fast as Spark tells it
 
 
+def _partition_client(targets: List[Any], secret: bytes, seq: int, p: int, timeout: float,
+                      want_results: bool, first: int, parts: int, per_epoch: int, qname: str,
+                      stream: bool) -> Any:
+    """A feeding task's connection for partition ``p`` of feed call ``seq`` to
+    the node that gets it: described by its tag, with the number of the
+    call's partitions that node gets (train()), resuming what an earlier
+    attempt delivered (train()) or asking for results (inference())."""
+    host, port, _ = targets[p % len(targets)]
+    nodes = len(targets)
+    return _ember.FeedClient(
+        host, port, secret, p, want_results=want_results, timeout_s=timeout,
+        resume=not want_results, call=seq,
+        call_partitions=0 if want_results else _node_share(p, first, parts, nodes),
+        tag=_partition_tag(per_epoch, first, parts, nodes, qname, want_results, stream))
+
+
 def _node_share(p: int, first: int, parts: int, nodes: int) -> int:
     """How many of the call's partitions ``first..parts-1`` (round-robin over
     ``nodes``) go to the node that gets partition ``p``: the feed ends the
@@ -368,10 +380,8 @@ def _arrow_feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: flo
         from ember import _columns
 
         host, port, name = targets[p % len(targets)]
-        client = _ember.FeedClient(
-            host, port, secret, p, want_results=False, timeout_s=feed_timeout, resume=True,
-            call=seq, call_partitions=_node_share(p, first, parts, len(targets)),
-            tag=_partition_tag(per_epoch, first, parts, len(targets), qname, False, stream))
+        client = _partition_client(targets, secret, seq, p, feed_timeout, False, first, parts,
+                                   per_epoch, qname, stream)
         # a retried task skips what an earlier attempt already delivered
         skip, delivered = client.resume_point
         sent = 0
