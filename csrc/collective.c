@@ -336,6 +336,7 @@ struct ember_comm {
   size_t small_max;
   uint32_t seq;
   int spin_us;        /* most a wait spins before it sleeps */
+  int yield_us;       /* then how long it yields its core before it sleeps */
   int64_t spin_cur_ns; /* adaptive spin budget, 0..spin_us */
   unsigned waits;
   _Atomic int abort_req;
@@ -503,7 +504,7 @@ typedef struct {
   size_t esz;
   reduce_fn fn;
   int64_t start_ms, deadline_ms, timeout_ms;
-  char what[160]; /* "allreduce #3 (float32 sum, 4096 bytes)" */
+  char what[160]; /* op_name(): empty until an error message needs it */
 } op_ctx;
 
 typedef struct {
@@ -541,7 +542,19 @@ static void describe_ophdr(const uint8_t *h, char *out, size_t cap) {
              (unsigned long long)ember_wire_get_u64(h + 16));
 }
 
-static int check_ophdr(const op_ctx *o, peer_t *from, int step, const uint8_t *got) {
+/* "allreduce #3 (float32 sum, 4096 bytes)": the op as error messages name it,
+ * formatted only when one is written (a small op takes a few microseconds,
+ * and formatting the name every time cost a visible share of it). */
+static const char *op_name(op_ctx *o) {
+  if (o->what[0] == '\0') {
+    uint8_t h[OPHDR_LEN];
+    encode_ophdr(o, 0, h);
+    describe_ophdr(h, o->what, sizeof o->what);
+  }
+  return o->what;
+}
+
+static int check_ophdr(op_ctx *o, peer_t *from, int step, const uint8_t *got) {
   uint8_t want[OPHDR_LEN];
   encode_ophdr(o, step, want);
   if (memcmp(want, got, OPHDR_LEN) == 0) return EMBER_OK;
@@ -549,16 +562,16 @@ static int check_ophdr(const op_ctx *o, peer_t *from, int step, const uint8_t *g
     return ember__set_error(EMBER_EPROTO,
                             "%s: %s sent bytes that are not a collective header (magic "
                             "0x%08x): the ranks' calls are out of step",
-                            o->what, from->desc, (unsigned)ember_wire_get_u32(got));
+                            op_name(o), from->desc, (unsigned)ember_wire_get_u32(got));
   char theirs[160];
   describe_ophdr(got, theirs, sizeof theirs);
   if (got[11] != (uint8_t)step && memcmp(want, got, 11) == 0)
     return ember__set_error(EMBER_EPROTO, "%s: %s is at step %u, this rank at step %d",
-                            o->what, from->desc, (unsigned)got[11], step);
+                            op_name(o), from->desc, (unsigned)got[11], step);
   return ember__set_error(EMBER_EPROTO,
                           "mismatched collectives: this rank called %s but %s called %s "
                           "(all ranks must make the same calls in the same order)",
-                          o->what, from->desc, theirs);
+                          op_name(o), from->desc, theirs);
 }
 
 /* Is the peer's end of the connection gone?  (POLLRDHUP: it shut down or
@@ -574,7 +587,7 @@ static int timeout_error(op_ctx *o, peer_t *to, peer_t *from, const char *progre
   else
     snprintf(who, sizeof who, "%s", from != NULL ? from->desc : to != NULL ? to->desc : "?");
   return ember__set_error(EMBER_ETIMEDOUT, "%s: timed out after %lld ms waiting for %s (%s)",
-                          o->what, (long long)(ember_now_ms() - o->start_ms), who,
+                          op_name(o), (long long)(ember_now_ms() - o->start_ms), who,
                           progress);
 }
 
@@ -582,13 +595,13 @@ static int aborted_error(op_ctx *o) {
   ember_comm *c = o->c;
   if (atomic_load(&c->abort_req))
     return ember__set_error(EMBER_EABORTED, "%s: aborted on this rank (ember_comm_abort)",
-                            o->what);
+                            op_name(o));
   uint32_t by = c->inbox ? atomic_load(&c->inbox->aborted_by) : 0;
   if (by >= 1 && by <= c->size)
     return ember__set_error(EMBER_EABORTED,
                             "%s: %s aborted the collective (it failed or was closed)",
-                            o->what, c->peers[by - 1].desc);
-  return ember__set_error(EMBER_EABORTED, "%s: aborted", o->what);
+                            op_name(o), c->peers[by - 1].desc);
+  return ember__set_error(EMBER_EABORTED, "%s: aborted", op_name(o));
 }
 
 static int shm_ready(const peer_t *to, const peer_t *from) {
@@ -605,16 +618,20 @@ static int64_t mono_ns(void) {
 }
 
 /* Adaptive spinning (as in adaptive mutexes).  A wait that spinning ended
- * sets the budget to twice its length; a wait that had to sleep halves it,
- * since the peer was not running (more ranks than idle cores, or the
- * scheduler put two ranks on one core) and spinning only keeps it off the
- * core.  Every 32nd wait probes with the full budget, to notice when cores
- * free up again. */
+ * doubles the budget (to at least twice that wait); a wait that had to sleep
+ * halves it, since the peer was not running (more ranks than idle cores, or
+ * the scheduler put two ranks on one core) and spinning only keeps it off
+ * the core.  Every 32nd wait probes with the full budget, to notice when
+ * cores free up again.  Doubling matters: a budget that a slow start (a peer
+ * still importing, ranks arriving seconds apart) halved to nothing must grow
+ * back within a few waits, or every later wait of a few microseconds sleeps
+ * and pays a futex wake-up, several times the op itself. */
 static void adapt_spin(ember_comm *c, int64_t waited_ns, int spun) {
   int64_t max = (int64_t)c->spin_us * 1000;
   if (spun) {
-    int64_t want = 2 * waited_ns + 500;
-    if (want > c->spin_cur_ns) c->spin_cur_ns = want < max ? want : max;
+    int64_t want = 2 * waited_ns + 2000;
+    if (want < 2 * c->spin_cur_ns) want = 2 * c->spin_cur_ns;
+    c->spin_cur_ns = want < max ? want : max;
   } else {
     c->spin_cur_ns /= 2;
   }
@@ -629,6 +646,14 @@ static int wait_io(op_ctx *o, peer_t *to, peer_t *from, peer_t *to_live, peer_t 
   ember_comm *c = o->c;
   int any_shm = (to != NULL && to->shm) || (from != NULL && from->shm);
   int any_tcp = (to != NULL && !to->shm) || (from != NULL && !from->shm);
+  /* Sockets only: poll without blocking for as long as a shared-memory wait
+   * would spin (and yield), since a blocking poll's wake-up costs tens of
+   * microseconds, more than a small op over loopback or a LAN takes. */
+  int64_t t_spin = any_shm ? 0 : mono_ns();
+  int64_t spin_until = any_shm ? 0
+                                : t_spin + ((++c->waits & 31u) == 0 ? (int64_t)c->spin_us * 1000
+                                                                    : c->spin_cur_ns);
+  int64_t poll_until = any_shm ? 0 : spin_until + (int64_t)c->yield_us * 1000;
   for (;;) {
     if (atomic_load_explicit(&c->abort_req, memory_order_relaxed) ||
         (c->inbox != NULL && atomic_load_explicit(&c->inbox->aborted_by, memory_order_relaxed)))
@@ -651,6 +676,18 @@ static int wait_io(op_ctx *o, peer_t *to, peer_t *from, peer_t *to_live, peer_t 
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
 #endif
+      }
+      /* More ranks than cores: the peer we wait for is likely queued behind
+       * us on our own core.  Yielding hands it the core at once, where a
+       * futex sleep would add the wake-up's tens of microseconds to every
+       * step (Open MPI yields likewise when oversubscribed). */
+      if (c->yield_us > 0) {
+        int64_t yield_until = mono_ns() + (int64_t)c->yield_us * 1000;
+        for (unsigned it = 0;; it++) {
+          if (shm_ready(to, from)) return EMBER_OK;
+          if ((it & 3u) == 3u && mono_ns() >= yield_until) break;
+          sched_yield();
+        }
       }
       atomic_store_explicit(&c->inbox->waiting, 1, memory_order_seq_cst);
       uint32_t bell = atomic_load_explicit(&c->inbox->bell, memory_order_seq_cst);
@@ -684,11 +721,13 @@ static int wait_io(op_ctx *o, peer_t *to, peer_t *from, peer_t *to_live, peer_t 
       for (int i = 0; i < n; i++)
         if (who[i] == from) pf[i].events |= POLLIN;
     }
-    int ms = any_shm ? 0 : (left < POLL_SLICE_MS ? (int)left : POLL_SLICE_MS);
+    int64_t t_now = any_shm ? 0 : mono_ns();
+    int spinning = !any_shm && t_now < poll_until;
+    int ms = any_shm || spinning ? 0 : (left < POLL_SLICE_MS ? (int)left : POLL_SLICE_MS);
     int rc = poll(pf, (nfds_t)n, ms);
     if (rc < 0) {
       if (errno == EINTR) continue;
-      return ember__set_errno(EMBER_ESYS, errno, "%s: poll", o->what);
+      return ember__set_errno(EMBER_ESYS, errno, "%s: poll", op_name(o));
     }
     int ready = 0;
     for (int i = 0; i < n; i++) {
@@ -704,12 +743,17 @@ static int wait_io(op_ctx *o, peer_t *to, peer_t *from, peer_t *to_live, peer_t 
         return ember__set_error(EMBER_ECLOSED,
                                 "%s: %s closed its connection (it failed, was killed or "
                                 "left) while this rank still %s it",
-                                o->what, who[i]->desc,
+                                op_name(o), who[i]->desc,
                                 who[i] == to_live ? "had data for" : "waited on");
       }
       if (ev & (POLLIN | POLLOUT)) ready = 1;
     }
+    if (!any_shm && t_spin != 0 && (ready || !spinning)) {
+      adapt_spin(c, t_now - t_spin, ready && t_now < spin_until);
+      t_spin = 0; /* judged once per wait */
+    }
     if (ready) return EMBER_OK;
+    if (spinning && t_now >= spin_until) sched_yield();
   }
 }
 
@@ -759,7 +803,7 @@ static int run_steps_(op_ctx *o, int step_id, peer_t *to, peer_t *from,
       }
       if (hs < OPHDR_LEN || avail > 0) {
         long n = ch_send(c, to, shdr + hs, OPHDR_LEN - hs, p, avail);
-        if (n < 0) return ember__set_error((int)n, "%s: %s", o->what, ember_last_error());
+        if (n < 0) return ember__set_error((int)n, "%s: %s", op_name(o), ember_last_error());
         if (n == 0) {
           want_out = 1;
         } else {
@@ -774,7 +818,7 @@ static int run_steps_(op_ctx *o, int step_id, peer_t *to, peer_t *from,
     if (from != NULL && hr < OPHDR_LEN) {
       int moved = 0;
       long n = ch_recv(c, from, rhdr + hr, OPHDR_LEN - hr, NULL, 1, &moved);
-      if (n < 0) return ember__set_error((int)n, "%s: %s", o->what, ember_last_error());
+      if (n < 0) return ember__set_error((int)n, "%s: %s", op_name(o), ember_last_error());
       if (n == 0) want_in = 1;
       hr += (size_t)n;
       if (n > 0) progressed = 1;
@@ -793,7 +837,7 @@ static int run_steps_(op_ctx *o, int step_id, peer_t *to, peer_t *from,
         uint8_t *dst = rbuf + s->recv_off + rdone;
         long n = ch_recv(c, from, dst, s->recv_len - rdone, s->reduce ? o->fn : NULL, o->esz,
                          &moved);
-        if (n < 0) return ember__set_error((int)n, "%s: %s", o->what, ember_last_error());
+        if (n < 0) return ember__set_error((int)n, "%s: %s", op_name(o), ember_last_error());
         if (n > 0 && s->scale) scale_avg(dst, (size_t)n, o->dtype, c->size);
         rdone += (size_t)n;
         if (moved) progressed = 1;
@@ -816,7 +860,8 @@ static int run_steps_(op_ctx *o, int step_id, peer_t *to, peer_t *from,
     }
     if (progressed) continue;
     if (!want_out && !want_in)
-      return ember__set_error(EMBER_ESTATE, "%s: internal error: no progress possible", o->what);
+      return ember__set_error(EMBER_ESTATE, "%s: internal error: no progress possible",
+                              op_name(o));
     if (recv_open && rs < nsteps)
       snprintf(progress, sizeof progress, "step %d of %d: %zu of %zu bytes received", rs + 1,
                nsteps, rdone, st[rs].recv_len);
@@ -859,7 +904,7 @@ static int ring_allreduce(op_ctx *o, uint8_t *buf, size_t count) {
   uint32_t n = c->size, r = c->rank;
   int nsteps = 2 * (int)(n - 1);
   step_t *st = calloc((size_t)nsteps, sizeof *st);
-  if (st == NULL) return ember__set_error(EMBER_ENOMEM, "%s: out of memory", o->what);
+  if (st == NULL) return ember__set_error(EMBER_ENOMEM, "%s: out of memory", op_name(o));
   for (int s = 0; s < nsteps; s++) {
     uint32_t send_seg, recv_seg;
     if (s < (int)n - 1) { /* reduce-scatter */
@@ -938,18 +983,9 @@ static int begin_op(ember_comm *c, op_ctx *o, int kind, int dtype, int op, uint3
   o->timeout_ms = timeout_ms;
   o->start_ms = ember_now_ms();
   o->deadline_ms = timeout_ms < 0 ? INT64_MAX : ember_deadline_after(timeout_ms);
-  if (kind == K_ALLREDUCE)
-    snprintf(o->what, sizeof o->what, "allreduce #%u (%s %s, %llu bytes)", o->seq,
-             dtype_str(dtype), op_str(op), (unsigned long long)nbytes);
-  else if (kind == K_BROADCAST)
-    snprintf(o->what, sizeof o->what, "broadcast #%u (root %u, %llu bytes)", o->seq, root,
-             (unsigned long long)nbytes);
-  else
-    snprintf(o->what, sizeof o->what, "%s #%u (%llu bytes)", kind_str(kind), o->seq,
-             (unsigned long long)nbytes);
   if (c->broken)
     return ember__set_error(EMBER_ESTATE, "%s: the communicator is broken by an earlier "
-                            "failure: %s", o->what, c->broken_msg);
+                            "failure: %s", op_name(o), c->broken_msg);
   if (atomic_load(&c->abort_req)) return aborted_error(o);
   return EMBER_OK;
 }
@@ -1770,6 +1806,12 @@ int ember_comm_create(ember_comm **out, const ember_comm_config *cfg, int64_t ti
     c->spin_us = v > 100000 ? 100000 : (int)v;
   }
   c->spin_cur_ns = (int64_t)c->spin_us * 1000;
+  c->yield_us = (ncpu > 0 && (long)c->size > ncpu) ? 1000 : 0;
+  const char *yield = getenv("EMBER_COLL_YIELD_US"); /* tuning knob, microseconds */
+  if (yield != NULL && yield[0] >= '0' && yield[0] <= '9') {
+    long v = strtol(yield, NULL, 10);
+    c->yield_us = v > 100000 ? 100000 : (int)v;
+  }
   ember__raise_fd_limit();
 
   if (c->size > 1) {
