@@ -26,12 +26,16 @@ Sides, each in its own documented best configuration:
 
 Open MPI runs with mpirun's default process binding and --oversubscribe (4
 ranks on 2 cores is oversubscribed: Open MPI then yields when idle by itself).
+Ember's ranks are bound alike (pin_like_mpirun): rank r to core r when every
+rank has a core, unbound otherwise; gloo's likewise.
 
 Every allreduce side runs the same loop (allreduce.seconds_per_call, also used
 by bench/cluster.py; Open MPI's in bench/mpi_allreduce.c is its C twin):
 float32 sum, in place; per size warm-up calls, a barrier, `iters` calls
-(about --budget bytes of buffer, 3..200), and the slowest rank's mean time per
-call.  busbw = bytes * 2(n-1)/n / time (nccl-tests' bus bandwidth: what each
+(about --budget bytes of buffer, 3..200; for sizes up to 4 MiB, after a
+warm-up of at least 20 ms, raised to fill --target-seconds, 50 ms, the ranks
+agreeing on the count through the side's own allreduce), and the slowest
+rank's mean time per call.  busbw = bytes * 2(n-1)/n / time (nccl-tests' bus bandwidth: what each
 rank's link carries in a ring allreduce).  Rounds are interleaved: round r
 launches every side once (all sizes, both rank counts; the order rotated from
 round to round) before round r+1.  Every figure is the median [min-max] over
@@ -97,6 +101,12 @@ def human(n: int) -> str:
     return "%dB" % n
 
 
+MAX_CALLS = 100_000
+PROBE_CALLS = 8
+WARM_SECONDS = 0.02
+CALIBRATED_MAX = 4 << 20  # larger sizes take long enough per call: no probe
+
+
 def iters_for(size: int, budget: int, most: int = 200) -> int:
     """Calls per size: about `budget` bytes of buffer, 3..most."""
     return max(3, min(most, budget // size))
@@ -106,12 +116,39 @@ def warmups_for(size: int) -> int:
     return 1 if size >= (64 << 20) else 2
 
 
+def calls_for(per_call: float, iters: int, target: float) -> int:
+    """At least `iters` calls, as many as fill `target` seconds at `per_call`
+    (at most MAX_CALLS): a few hundred calls of a few microseconds are over
+    in a millisecond, where one scheduler tick skews the mean."""
+    if target <= 0:
+        return iters
+    return max(iters, min(MAX_CALLS, int(target / max(per_call, 1e-9))))
+
+
 def seconds_per_call(allreduce: Callable[[], Any], barrier: Callable[[], Any], size: int,
-                     iters: int) -> float:
+                     iters: int, target: float = 0.0,
+                     agree_max: Optional[Callable[[int], int]] = None) -> float:
     """This rank's mean time of `iters` calls of `allreduce` (of `size` bytes),
-    after its warm-up calls and a barrier; every implementation is timed so."""
+    after its warm-up calls and a barrier; every implementation is timed so.
+    With `target` seconds, the warm-up goes on in doubling runs of calls
+    (PROBE_CALLS first) until the ranks have warmed up for WARM_SECONDS
+    (the first milliseconds after start-up run slower), and the last run's
+    time per call raises the number of calls to fill `target`
+    (:func:`calls_for`); the ranks agree on both through `agree_max` (the
+    implementation's own allreduce, max)."""
     for _ in range(warmups_for(size)):
         allreduce()
+    if target > 0 and agree_max is not None:
+        start, run = time.perf_counter(), PROBE_CALLS
+        while True:
+            t0 = time.perf_counter()
+            for _ in range(run):
+                allreduce()
+            now = time.perf_counter()
+            if agree_max(int((now - start) * 1e6)) >= min(WARM_SECONDS, target) * 1e6:
+                break
+            run *= 2
+        iters = agree_max(calls_for((now - t0) / run, iters, target))
     barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -126,6 +163,7 @@ def worker_ember(rank: int, addresses: List[str], fd: int, plan: List[List[int]]
     sys.path.insert(0, os.path.join(REPO, "python"))
     from ember import _ember as E
 
+    pin_like_mpirun(rank, len(addresses))
     comm = E.Communicator(rank, addresses, SECRET, 120.0, listen_fd=fd, tcp_only=tcp_only)
     want = "tcp" if tcp_only else "shm"
     got = [comm.transport(p) for p in range(len(addresses)) if p != rank]
@@ -134,32 +172,58 @@ def worker_ember(rank: int, addresses: List[str], fd: int, plan: List[List[int]]
     time_ember(comm, rank, plan)
 
 
+def pin_like_mpirun(rank: int, ranks: int) -> None:
+    """Binds rank r to core r when every rank has a core, as mpirun binds its
+    ranks by default (--bind-to core for 2 ranks); otherwise leaves them
+    unbound, as mpirun --oversubscribe does.  Unbound, two ranks can start on
+    one core and spin against each other until the scheduler separates them,
+    which can take longer than a small size's whole timing."""
+    cores = sorted(os.sched_getaffinity(0))
+    if ranks <= len(cores):
+        os.sched_setaffinity(0, {cores[rank]})
+
+
 def time_ember(comm: Any, rank: int, plan: List[List[int]]) -> None:
     """Times Ember's allreduce for each (size, calls) of ``plan`` on ``comm``
     (then closed); rank 0 prints the slowest rank's seconds per call, a JSON
     line per size."""
     import numpy as np
 
-    for size, iters in plan:
+    def agree_max(x: int) -> int:
+        return int(comm.allreduce(np.array([x], dtype=np.float64), "max")[0])
+
+    for size, iters, *target in plan:
         a = np.ones(size // 4, dtype=np.float32)
-        dt = np.array([seconds_per_call(lambda: comm.allreduce(a), comm.barrier, size, iters)])
+        dt = np.array([seconds_per_call(lambda: comm.allreduce(a), comm.barrier, size, iters,
+                                        target[0] if target else 0.0, agree_max)])
         comm.allreduce(dt, "max")
         if rank == 0:
             print(json.dumps({"size": size, "sec": float(dt[0])}), flush=True)
     comm.close()
 
 
-def worker_gloo(rank: int, world: int, init_method: str, plan: List[List[int]]) -> None:
-    """gloo's allreduce, timed as :func:`time_ember` times Ember's."""
+def worker_gloo(rank: int, world: int, init_method: str, plan: List[List[int]],
+                pin: bool = False) -> None:
+    """gloo's allreduce, timed as :func:`time_ember` times Ember's (``pin``:
+    bound as :func:`pin_like_mpirun` binds Ember's ranks)."""
     import torch
     import torch.distributed as dist
 
+    if pin:
+        pin_like_mpirun(rank, world)
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    for size, iters in plan:
+    def agree_max(x: int) -> int:
+        most = torch.tensor([float(x)], dtype=torch.float64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most.item())
+
+    for size, iters, *target in plan:
         t = torch.ones(size // 4, dtype=torch.float32)
         dt = torch.tensor([seconds_per_call(lambda: dist.all_reduce(t), dist.barrier, size,
-                                            iters)], dtype=torch.float64)
+                                            iters, target[0] if target else 0.0, agree_max)],
+                          dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if rank == 0:
             print(json.dumps({"size": size, "sec": float(dt[0])}), flush=True)
@@ -195,8 +259,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def plan_arg(sizes: List[int], budget: int) -> str:
-    return json.dumps([[s, iters_for(s, budget)] for s in sizes])
+def plan_arg(sizes: List[int], budget: int, target: float) -> str:
+    """[size, least calls, target seconds (0: no probe)] per size."""
+    return json.dumps([[s, iters_for(s, budget), target if s <= CALIBRATED_MAX else 0.0]
+                       for s in sizes])
 
 
 def collect(procs: List[subprocess.Popen], timeout: float) -> Dict[int, float]:
@@ -252,7 +318,7 @@ def run_mpi(n: int, plan: str, exe: str, tcp_only: bool, timeout: float) -> Dict
         cmd.append("--allow-run-as-root")
     if tcp_only:
         cmd += ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self"]
-    cmd += [exe] + ["%d:%d" % (s, i) for s, i in json.loads(plan)]
+    cmd += [exe] + [":".join(str(v) for v in step) for step in json.loads(plan)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError("mpirun failed: %s" % res.stderr[-2000:])
@@ -313,6 +379,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget", type=parse_size, default=parse_size("8M" if quick else "512M"),
                     help="bytes of buffer per size and launch (calls = budget / size, 3..200)")
+    ap.add_argument("--target-seconds", type=float, default=0.005 if quick else 0.05,
+                    help="sizes up to 4 MiB: at least this long per timing (more calls, "
+                         "agreed by the ranks after a warm-up); 0: budget only")
     ap.add_argument("--loopback-seconds", type=float, default=0.2 if quick else 1.0)
     ap.add_argument("--mpi-exe", default=os.path.join(REPO, "build", "bench", "mpi_allreduce"))
     ap.add_argument("--gloo-python", default="/usr/bin/python3",
@@ -335,7 +404,7 @@ def main() -> int:
         return 0
     if args.worker == "gloo":
         worker_gloo(args.rank, args.world, "tcp://127.0.0.1:%d" % args.port,
-                    json.loads(args.plan))
+                    json.loads(args.plan), pin=True)
         return 0
     if args.worker == "sink":
         worker_sink(args.port)
@@ -362,7 +431,7 @@ def main() -> int:
     sides = [s for s in SIDES if not (s.startswith("mpi") and "mpi" in not_measured)
              and not (s == "gloo" and "gloo" in not_measured)]
 
-    plan = plan_arg(sizes, args.budget)
+    plan = plan_arg(sizes, args.budget, args.target_seconds)
     # bus[side][n][size] -> busbw (GB/s) per round; loop: loopback GB/s per round
     bus = {s: {n: {z: [] for z in sizes} for n in ranks} for s in SIDES}
     loop: List[float] = []
