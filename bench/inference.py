@@ -14,22 +14,28 @@ image -> classes) by
       as Python lists, ``spark.createDataFrame`` of the results),
 
 each materialized completely (``write.format("noop")``) after a warm-up run
-(so every Python worker has loaded its model), in 3 interleaved rounds of
-which each method's best counts.  Each round also times a no-op Arrow UDF
-over the same column (the ceiling of Spark's Arrow UDF path: what Spark's row
--> Arrow export costs any method that takes that path, predict_batch_udf and
-Ember's Arrow UDF path included), and the CPU seconds of the Spark JVM and
-its Python workers are printed per method (less sensitive than wall time to
-other work on a shared machine).  All three produce the same
-classes on the same rows (checked).  Prints a table and
+(so every Python worker has loaded its model), in --rounds (3) interleaved
+rounds, every method once per round; each method is reported as its median
+rows/s and [min-max] over the rounds, and the headline ratios are ratios of
+medians.  Each round also times a no-op Arrow UDF over the same column (the
+ceiling of Spark's Arrow UDF path: what Spark's row -> Arrow export costs any
+method that takes that path, predict_batch_udf and Ember's Arrow UDF path
+included), and the CPU seconds of the Spark JVM and its Python workers are
+printed per method, median [min-max] too (less sensitive than wall time to
+other work on a shared machine).  All three produce the same classes on the
+same rows (checked).  Prints a table and
 
   RESULT inference ember_rps=<x> pbu_rps=<y> tfos_rps=<z> ratio_vs_pbu=<x/y> ratio_vs_tfos=<x/z>
          ember_udf_rps=<Ember's Arrow UDF path> noop_udf_rps=<the no-op UDF> ratio_vs_noop_udf=...
+         ember_rps_min=... ember_rps_max=... pbu_rps_min=... pbu_rps_max=...
+         tfos_rps_min=... tfos_rps_max=... rounds=<n>
+
+(every *_rps without _min/_max a median).
 
 EMBER_BENCH_QUICK=1 (make bench-smoke) only makes the defaults tiny: the
 model trained on 10,000 rows, 1 test set copy (10,000 rows), one
-predict_batch_udf batch size (1024: no sweep), 1 timed round; the same
-methods, checks and code.
+predict_batch_udf batch size (1024: no sweep), 1 timed round (so each
+[min-max] is [x-x]); the same methods, checks and code.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -152,10 +159,13 @@ def main() -> int:
     p.add_argument("--sweep", default="1024" if QUICK else "256,1024,4096,10000",
                    help="predict_batch_udf batch sizes")
     p.add_argument("--rounds", type=int, default=1 if QUICK else 3,
-                   help="timed rounds; each method's best counts")
+                   help="timed interleaved rounds (default 3; 1 with EMBER_BENCH_QUICK=1); "
+                        "each method's median [min-max] is reported")
     p.add_argument("--tfos-batch", type=int, default=0,
                    help="TFoS TFModel BatchSize (default: the best predict_batch_udf batch size)")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
 
     from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
@@ -276,45 +286,60 @@ def main() -> int:
         zero = arrow_udf(_zeros, LongType(), ArrowUDFType.SCALAR)
         ceiling_out = lambda d: d.withColumn("prediction", zero(F.col("image")))  # noqa: E731
 
-        # Rounds interleave the methods, and each keeps its best round: the 2
-        # cores are shared with other work, whose load comes and goes.
+        # Rounds interleave the methods, and each is reported as its median
+        # [min-max] over the rounds: the 2 cores are shared with other work,
+        # whose load comes and goes.
         ember_udf = (EmberModel().setExportDir(export).setInputMapping({"image": "image"})
                      .setOutputMapping({"classes": "prediction"}).setArrowPath("udf"))
         timed("ember Arrow UDF path warm-up", lambda: ember_udf.transform(small_src), len(te_y))
-        e_secs = p_secs = t_secs = z_secs = u_secs = float("inf")
-        e_cpu, p_cpu, t_cpu, z_cpu, u_cpu = [], [], [], [], []
+        # method -> (label, query); timed in this order every round
+        methods = {
+            "noop": ("no-op Arrow UDF (Spark's ceiling)", lambda: ceiling_out(src)),
+            "ember": ("ember EmberModel.transform (direct)", lambda: ember_out(src)),
+            "ember_udf": ("ember EmberModel.transform (Arrow UDF path)",
+                          lambda: ember_udf.transform(src)),
+            "pbu": (f"predict_batch_udf (batch_size={best})", lambda: pbu_out(src, best)),
+            "tfos": (f"TFoS pipeline.TFModel (BatchSize={tfos_bs})",
+                     lambda: tfos_out(src, tfos_bs)),
+        }
+        secs: dict = {k: [] for k in methods}
+        cpu: dict = {k: [] for k in methods}
         for r in range(args.rounds):
             print(f"timed round {r + 1}/{args.rounds} ({rows} rows)", flush=True)
-            z_secs = min(z_secs, timed("no-op Arrow UDF (Spark's ceiling)",
-                                       lambda: ceiling_out(src), rows, z_cpu))
-            e_secs = min(e_secs, timed("ember EmberModel.transform (direct)", lambda: ember_out(src),
-                                       rows, e_cpu))
-            u_secs = min(u_secs, timed("ember EmberModel.transform (Arrow UDF path)",
-                                       lambda: ember_udf.transform(src), rows, u_cpu))
-            p_secs = min(p_secs, timed(f"predict_batch_udf (batch_size={best})",
-                                       lambda: pbu_out(src, best), rows, p_cpu))
-            t_secs = min(t_secs, timed(f"TFoS pipeline.TFModel (BatchSize={tfos_bs})",
-                                       lambda: tfos_out(src, tfos_bs), rows, t_cpu))
+            for k, (what, build) in methods.items():
+                secs[k].append(timed(what, build, rows, cpu[k]))
 
-        e_rps, p_rps, t_rps = rows / e_secs, rows / p_secs, rows / t_secs
-        print(f"\nbest of {args.rounds} rounds, {rows} rows, local[{args.cores}]")
-        print(f"{'method':<48}{'seconds':>10}{'rows/s':>14}{'vs ember':>10}")
-        for name, secs, rps in (("ember EmberModel.transform (direct)", e_secs, e_rps),
-                                ("ember EmberModel.transform (Arrow UDF)", u_secs, rows / u_secs),
-                                (f"predict_batch_udf (batch_size={best})", p_secs, p_rps),
-                                (f"TFoS 2.2.5 pipeline.TFModel (BatchSize={tfos_bs})", t_secs, t_rps)):
-            print(f"{name:<48}{secs:>10.2f}{rps:>14,.0f}{e_rps / rps:>9.2f}x")
-        print(f"{'no-op Arrow UDF (the Arrow UDF path ceiling)':<48}{z_secs:>10.2f}{rows / z_secs:>14,.0f}"
-              f"{e_rps / (rows / z_secs):>9.2f}x")
-        cpus = {"ember": min(e_cpu), "ember Arrow UDF path": min(u_cpu),
-                "predict_batch_udf": min(p_cpu), "tfos": min(t_cpu), "no-op Arrow UDF": min(z_cpu)}
-        print("CPU seconds (Spark JVM + Python workers + driver, least of the rounds): " +
-              ", ".join(f"{k} {v:.1f}" for k, v in cpus.items()) +
-              f"; predict_batch_udf / ember {cpus['predict_batch_udf'] / cpus['ember']:.2f}x")
-        print(f"RESULT inference ember_rps={e_rps:.0f} pbu_rps={p_rps:.0f} tfos_rps={t_rps:.0f} "
-              f"ratio_vs_pbu={e_rps / p_rps:.2f} ratio_vs_tfos={e_rps / t_rps:.2f} "
-              f"ember_udf_rps={rows / u_secs:.0f} noop_udf_rps={rows / z_secs:.0f} "
-              f"ratio_vs_noop_udf={e_rps / (rows / z_secs):.2f}", flush=True)
+        rps = {k: [rows / s for s in v] for k, v in secs.items()}
+        med = {k: statistics.median(v) for k, v in rps.items()}
+        e_rps = med["ember"]
+        print(f"\nmedian [min-max] of {args.rounds} interleaved round"
+              f"{'' if args.rounds == 1 else 's'}, {rows} rows, "
+              f"local[{args.cores}]; ratios are ratios of medians")
+        print(f"{'method':<48}{'median s':>10}{'median rows/s':>15}{'[min-max] rows/s':>22}"
+              f"{'ember vs it':>13}")
+        for k, name in (("ember", "ember EmberModel.transform (direct)"),
+                        ("ember_udf", "ember EmberModel.transform (Arrow UDF)"),
+                        ("pbu", f"predict_batch_udf (batch_size={best})"),
+                        ("tfos", f"TFoS 2.2.5 pipeline.TFModel (BatchSize={tfos_bs})"),
+                        ("noop", "no-op Arrow UDF (the Arrow UDF path ceiling)")):
+            print(f"{name:<48}{statistics.median(secs[k]):>10.2f}{med[k]:>15,.0f}"
+                  f"{f'[{min(rps[k]):,.0f}-{max(rps[k]):,.0f}]':>22}{e_rps / med[k]:>12.2f}x")
+        names = {"ember": "ember", "ember_udf": "ember Arrow UDF path", "pbu": "predict_batch_udf",
+                 "tfos": "tfos", "noop": "no-op Arrow UDF"}
+        cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
+        print("CPU seconds (Spark JVM + Python workers + driver), median [min-max] of the "
+              "rounds: " +
+              ", ".join(f"{names[k]} {cpu_med[k]:.1f} [{min(cpu[k]):.1f}-{max(cpu[k]):.1f}]"
+                        for k in ("ember", "ember_udf", "pbu", "tfos", "noop")) +
+              f"; predict_batch_udf / ember {cpu_med['pbu'] / cpu_med['ember']:.2f}x")
+        print(f"RESULT inference ember_rps={e_rps:.0f} pbu_rps={med['pbu']:.0f} "
+              f"tfos_rps={med['tfos']:.0f} "
+              f"ratio_vs_pbu={e_rps / med['pbu']:.2f} ratio_vs_tfos={e_rps / med['tfos']:.2f} "
+              f"ember_udf_rps={med['ember_udf']:.0f} noop_udf_rps={med['noop']:.0f} "
+              f"ratio_vs_noop_udf={e_rps / med['noop']:.2f} "
+              + " ".join(f"{k}_rps_min={min(rps[k]):.0f} {k}_rps_max={max(rps[k]):.0f}"
+                         for k in ("ember", "pbu", "tfos"))
+              + f" rounds={args.rounds}", flush=True)
         return 0
     finally:
         spark.stop()

@@ -49,7 +49,8 @@ BENCHES: List[Bench] = [
            "tfos_max_s", "trials", "ember_server_s"],
           {"tfos": ("tfos_",)}),
     Bench("bench-tfrecord", "tfrecord",
-          ["ember_gbps", "tfdata_gbps", "ratio_vs_tfdata", "crc_gbps", "crc_limit_gbps"]),
+          ["ember_gbps", "tfdata_gbps", "ratio_vs_tfdata", "crc_gbps", "crc_limit_gbps",
+           "ember_gbps_min", "ember_gbps_max", "tfdata_gbps_min", "tfdata_gbps_max", "rounds"]),
     Bench("bench-allreduce", "allreduce",
           ["shm_vs_ompi_min", "tcp_vs_ompi_tcp_min", "tcp_vs_gloo_min",
            "shm_vs_ompi_max", "tcp_vs_ompi_tcp_max", "tcp_vs_gloo_max",
@@ -70,7 +71,8 @@ BENCHES: List[Bench] = [
           {"tfos": ("tfos",)}),
     Bench("bench-inference", "inference",
           ["ember_rps", "pbu_rps", "tfos_rps", "ratio_vs_pbu", "ratio_vs_tfos",
-           "ember_udf_rps", "noop_udf_rps", "ratio_vs_noop_udf"],
+           "ember_udf_rps", "noop_udf_rps", "ratio_vs_noop_udf", "ember_rps_min", "ember_rps_max",
+           "pbu_rps_min", "pbu_rps_max", "tfos_rps_min", "tfos_rps_max", "rounds"],
           {"tfos": ("tfos",), "pbu": ("pbu",)}),
 ]
 

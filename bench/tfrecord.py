@@ -12,36 +12,46 @@ batches, Ember vs tf.data, plus CRC-32C and Example-decoder microbenchmarks.
 * tf.data: ``TFRecordDataset(files).batch(B).map(tf.io.parse_example,
   AUTOTUNE).prefetch(AUTOTUNE)`` (TensorFlow's recommended form, also CRC
   checked), iterated eagerly to numpy, same batch size B, same process.
-* GB/s are TFRecord file bytes per second; best of TRIALS runs each.
+* ROUNDS (3) interleaved rounds: each round reads the whole set once with
+  Ember and once with tf.data (which one goes first alternates from round to
+  round), and every round's seconds are kept.  Each reader is reported as its
+  median GB/s and [min-max] over the rounds, GB/s = 1e9 bytes/s of TFRecord
+  file bytes; the headline ratio is median Ember / median tf.data.
 * CRC-32C: ``build/bench/crc32c`` -- ember_crc32c against a bare loop of
   three independent crc32 instruction streams (the instruction's limit).
+  That C program reports each loop's best of 5 timed rounds of ~0.2 s.
 * Example decoding: ``build/bench/example_decode`` -- Ember's decoder vs
   protobuf-c's generated one (+ copying into columns), on the same records;
-  the figure behind the choice in csrc/example.c.
+  the figure behind the choice in csrc/example.c.  That C program reports
+  each decoder's best of 3 passes (Ember's 3, then protobuf-c's 3), not
+  interleaved.
 
 EMBER_BENCH_QUICK=1 (make bench-smoke): the first QUICK_ROWS Examples and a
 ~50 MB total instead (CRC-32C rounds shortened likewise); the same readers,
-checks and figures.
+rounds, checks and figures.
 
 Last line: ``RESULT tfrecord ember_gbps=<x> tfdata_gbps=<y>
-ratio_vs_tfdata=<x/y> crc_gbps=<c> crc_limit_gbps=<l>``.
+ratio_vs_tfdata=<x/y> crc_gbps=<c> crc_limit_gbps=<l> ember_gbps_min=...
+ember_gbps_max=... tfdata_gbps_min=... tfdata_gbps_max=... rounds=<n>``
+(ember_gbps and tfdata_gbps the medians).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, List
+from typing import Callable, Dict, List
 
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 BATCH = 1024
-TRIALS = 3
+ROUNDS = 3  # interleaved rounds, each reader once per round
 TARGET_BYTES = 1_000_000_000
 QUICK = os.environ.get("EMBER_BENCH_QUICK", "") not in ("", "0")
 QUICK_ROWS = 8192
@@ -50,13 +60,21 @@ if QUICK:
 WORK = os.path.join(REPO, "build", "bench")
 
 
-def best_of(fn: Callable[[], int], trials: int = TRIALS) -> float:
-    best = math.inf
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def interleaved(runs: Dict[str, Callable[[], int]], total: int,
+                rounds: int = ROUNDS) -> Dict[str, List[float]]:
+    """Times every one of ``runs`` once per round, ``rounds`` times, the order
+    reversed every other round; returns each one's seconds, in round order."""
+    secs: Dict[str, List[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            t0 = time.perf_counter()
+            runs[name]()
+            s = time.perf_counter() - t0
+            secs[name].append(s)
+            print(f"  round {r + 1}/{rounds}: {name}: {s:.2f} s = {total / s / 1e9:.2f} GB/s",
+                  flush=True)
+    return secs
 
 
 def main() -> None:
@@ -94,8 +112,6 @@ def main() -> None:
         assert rows == n * reps, rows
         return rows
 
-    ember_s = best_of(ember_run)
-
     import tensorflow as tf
 
     spec = {"image": tf.io.FixedLenFeature([784], tf.float32),
@@ -111,7 +127,8 @@ def main() -> None:
         assert rows == n * reps, rows
         return rows
 
-    tf_s = best_of(tf_run)
+    print(f"{ROUNDS} interleaved rounds", flush=True)
+    secs = interleaved({"ember": ember_run, "tf.data": tf_run}, total)
 
     crc = dict(kv.split("=") for kv in subprocess.run(
         [os.path.join(WORK, "crc32c")], check=True, capture_output=True,
@@ -120,14 +137,19 @@ def main() -> None:
         [os.path.join(WORK, "example_decode"), path, "image", "label", "784"], check=True,
         capture_output=True, text=True).stdout.split())
 
-    ember_gbps, tf_gbps = total / ember_s / 1e9, total / tf_s / 1e9
+    gbps = {k: [total / s / 1e9 for s in v] for k, v in secs.items()}
+    med = {k: statistics.median(v) for k, v in gbps.items()}
+    ember_gbps, tf_gbps = med["ember"], med["tf.data"]
     print()
-    print(f"{'reader':<44}{'seconds':>10}{'GB/s':>10}{'records/s':>14}")
-    print(f"{'Ember reader (C, CRC checked, 1 thread)':<44}{ember_s:>10.2f}{ember_gbps:>10.2f}"
-          f"{n * reps / ember_s:>14,.0f}")
-    print(f"{'tf.data TFRecordDataset + parse_example':<44}{tf_s:>10.2f}{tf_gbps:>10.2f}"
-          f"{n * reps / tf_s:>14,.0f}")
-    print(f"ratio Ember / tf.data: {ember_gbps / tf_gbps:.2f}x")
+    print(f"{'reader':<44}{'median s':>10}{'median GB/s':>13}{'[min-max] GB/s':>17}"
+          f"{'median records/s':>18}")
+    for name, label in (("ember", "Ember reader (C, CRC checked, 1 thread)"),
+                        ("tf.data", "tf.data TFRecordDataset + parse_example")):
+        print(f"{label:<44}{statistics.median(secs[name]):>10.2f}{med[name]:>13.2f}"
+              f"{f'[{min(gbps[name]):.2f}-{max(gbps[name]):.2f}]':>17}"
+              f"{n * reps / statistics.median(secs[name]):>18,.0f}")
+    print(f"ratio Ember / tf.data (of medians): {ember_gbps / tf_gbps:.2f}x; "
+          f"{ROUNDS} interleaved rounds; GB/s = 1e9 bytes/s of TFRecord file bytes")
     print()
     print(f"CRC-32C: ember_crc32c {crc['crc_gbps']} GB/s, bare 3-stream crc32 loop "
           f"{crc['crc_limit_gbps']} GB/s "
@@ -138,7 +160,10 @@ def main() -> None:
           f"({float(dec['ember_gbps']) / float(dec['protobuf_c_gbps']):.1f}x)")
     print(f"RESULT tfrecord ember_gbps={ember_gbps:.2f} tfdata_gbps={tf_gbps:.2f} "
           f"ratio_vs_tfdata={ember_gbps / tf_gbps:.2f} crc_gbps={float(crc['crc_gbps']):.2f} "
-          f"crc_limit_gbps={float(crc['crc_limit_gbps']):.2f}")
+          f"crc_limit_gbps={float(crc['crc_limit_gbps']):.2f} "
+          f"ember_gbps_min={min(gbps['ember']):.2f} ember_gbps_max={max(gbps['ember']):.2f} "
+          f"tfdata_gbps_min={min(gbps['tf.data']):.2f} "
+          f"tfdata_gbps_max={max(gbps['tf.data']):.2f} rounds={ROUNDS}")
 
 
 if __name__ == "__main__":
