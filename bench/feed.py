@@ -96,6 +96,14 @@ def expected_sum(n: int) -> float:
 
 # ------------------------------------------------------------------ consumers
 
+def checksum(image: Any) -> float:
+    """The sum of every value of a batch of images (records x 784 float32):
+    float32 sums per record (numpy's pairwise SIMD sum), added up in float64.
+    Every byte is still checked, at under half the CPU of one float64 sum
+    over the batch, which on 2 cores competes with the feed it checks."""
+    return float(image.reshape(len(image), -1).sum(axis=1).sum(dtype=np.float64))
+
+
 def ember_consumer(args: Dict[str, Any], ctx: Any) -> None:
     feed = ctx.get_data_feed()
     rows, total, t0 = 0, 0.0, None
@@ -107,7 +115,7 @@ def ember_consumer(args: Dict[str, Any], ctx: Any) -> None:
             t0 = time.monotonic()
         image = batch.columns[batch.names.index("image")] if "image" in batch.names \
             else batch.columns[0]
-        total += float(np.asarray(image, dtype=np.float32).sum(dtype=np.float64))
+        total += checksum(np.asarray(image, dtype=np.float32))
         rows += len(batch)
     with open(args["out"], "w") as f:
         f.write(f"{rows} {total!r} {time.monotonic() - (t0 or time.monotonic())}\n")
@@ -126,7 +134,7 @@ def _tfos_consumer(addr: Any, authkey: bytes, batch: int, out: str) -> None:
         if t0 is None:
             t0 = time.monotonic()
         image = np.asarray([r[0] for r in records], dtype=np.float32)
-        total += float(image.sum(dtype=np.float64))
+        total += checksum(image)
         rows += len(records)
     with open(out, "w") as f:
         f.write(f"{rows} {total!r}\n")
