@@ -35,7 +35,7 @@ APT_PACKAGES += python3-torch libopenblas0-openmp
 .PHONY: shlib install test-c-install
 .PHONY: venv-torch test-torch install-torch-venv
 .PHONY: help setup apt venv build lib ext spark-jar test test-c test-py fuzz fuzz-smoke demo demo-quick \
-        bench-reservation bench-allreduce bench-tfrecord bench-feed clean format-check
+        bench-reservation bench-allreduce bench-tfrecord bench-feed clean
 
 help:
 	@echo "make demo   - set up this machine and run the Fashion-MNIST main job"
@@ -214,7 +214,7 @@ fuzz: apt $(FUZZERS)
 
 # ---------------------------------------------------------------- Python tests and the main job
 test-py: setup hadoop
-	$(PY) -m pytest -q tests/python
+	$(PY) -m pytest -q --durations=15 tests/python
 
 # PyTorch tests and example (in .venv-torch; skipped by the main venv's pytest run)
 test-torch: setup hadoop
@@ -246,7 +246,7 @@ test: setup hadoop
 	$(MAKE) --no-print-directory test-c
 	$(MAKE) --no-print-directory test-c-install
 	$(MAKE) --no-print-directory fuzz
-	$(PY) -m pytest -q tests/python
+	$(PY) -m pytest -q --durations=15 tests/python
 	$(MAKE) --no-print-directory test-torch
 	$(MAKE) --no-print-directory bench-smoke
 	$(MAKE) --no-print-directory demo-quick
