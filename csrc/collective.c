@@ -1797,16 +1797,20 @@ int ember_comm_create(ember_comm **out, const ember_comm_config *cfg, int64_t ti
     if (rc != EMBER_OK) goto fail;
     snprintf(p->desc, sizeof p->desc, "rank %u (%s)", j, cfg->addresses[j]);
   }
-  /* Spinning only pays when every local rank can have a core. */
-  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-  c->spin_us = (ncpu > 0 && (long)c->size <= ncpu) ? 50 : 2;
+  /* Spinning only pays when every rank on this host can have a core; ranks
+   * on other hosts (another address) do not compete for ours. */
+  long ncpu = sysconf(_SC_NPROCESSORS_ONLN), local = 0;
+  for (uint32_t j = 0; j < c->size; j++)
+    local += strcmp(c->peers[j].host, c->peers[c->rank].host) == 0;
+  int oversubscribed = ncpu > 0 && local > ncpu;
+  c->spin_us = oversubscribed ? 2 : 50;
   const char *spin = getenv("EMBER_COLL_SPIN_US"); /* tuning knob, microseconds */
   if (spin != NULL && spin[0] >= '0' && spin[0] <= '9') {
     long v = strtol(spin, NULL, 10);
     c->spin_us = v > 100000 ? 100000 : (int)v;
   }
   c->spin_cur_ns = (int64_t)c->spin_us * 1000;
-  c->yield_us = (ncpu > 0 && (long)c->size > ncpu) ? 1000 : 0;
+  c->yield_us = oversubscribed ? 1000 : 0;
   const char *yield = getenv("EMBER_COLL_YIELD_US"); /* tuning knob, microseconds */
   if (yield != NULL && yield[0] >= '0' && yield[0] <= '9') {
     long v = strtol(yield, NULL, 10);
