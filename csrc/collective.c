@@ -637,6 +637,12 @@ static void adapt_spin(ember_comm *c, int64_t waited_ns, int spun) {
   }
 }
 
+/* This wait's spin budget: the adaptive one, or the full one every 32nd
+ * wait (the probe of adapt_spin). */
+static int64_t spin_budget_ns(ember_comm *c) {
+  return (++c->waits & 31u) == 0 ? (int64_t)c->spin_us * 1000 : c->spin_cur_ns;
+}
+
 /* Blocks until `to` can take more bytes or `from` has more (either may be
  * NULL: not waited for), the deadline passes (EMBER_ETIMEDOUT), or a peer we
  * still depend on is gone: to_live (we still have bytes for it) and from_live
@@ -650,9 +656,7 @@ static int wait_io(op_ctx *o, peer_t *to, peer_t *from, peer_t *to_live, peer_t 
    * would spin (and yield), since a blocking poll's wake-up costs tens of
    * microseconds, more than a small op over loopback or a LAN takes. */
   int64_t t_spin = any_shm ? 0 : mono_ns();
-  int64_t spin_until = any_shm ? 0
-                                : t_spin + ((++c->waits & 31u) == 0 ? (int64_t)c->spin_us * 1000
-                                                                    : c->spin_cur_ns);
+  int64_t spin_until = any_shm ? 0 : t_spin + spin_budget_ns(c);
   int64_t poll_until = any_shm ? 0 : spin_until + (int64_t)c->yield_us * 1000;
   for (;;) {
     if (atomic_load_explicit(&c->abort_req, memory_order_relaxed) ||
@@ -665,7 +669,7 @@ static int wait_io(op_ctx *o, peer_t *to, peer_t *from, peer_t *to_live, peer_t 
     if (any_shm) {
       /* Spin briefly (a peer on another core answers within microseconds),
        * then sleep on our doorbell in short slices. */
-      int64_t budget = (++c->waits & 31u) == 0 ? (int64_t)c->spin_us * 1000 : c->spin_cur_ns;
+      int64_t budget = spin_budget_ns(c);
       int64_t t0 = mono_ns(), until = t0 + budget;
       for (unsigned it = 0;; it++) {
         if (shm_ready(to, from)) {
