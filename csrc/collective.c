@@ -1,11 +1,11 @@
 /* collective.c - allreduce, broadcast, allgather and barrier over a mesh of
- * authenticated TCP connections, with shared-memory pipes between ranks on
- * the same host (see collective.h for the contract).
+ * authenticated TCP connections, with shared-memory rings (shm_ring.h)
+ * between ranks on the same host (see collective.h for the contract).
  *
  * File order:
  *   1. reduction kernels (GCC/clang vector extensions: SSE2-wide, any
  *      alignment, vectorized whatever the -O level);
- *   2. shared-memory pipes and doorbells;
+ *   2. shared memory: rings and doorbells;
  *   3. channels: one non-blocking send and one non-blocking receive primitive
  *      over either transport;
  *   4. the step engine: runs a list of (send region, receive region) steps
@@ -18,11 +18,11 @@
  * Why one thread and no helper: a blocked send and a blocked receive are both
  * waited for in one poll() (or one futex for shared memory), so the process
  * never stops sending while it reduces, and there is no thread handoff on the
- * hot path.  Why pipes in shared memory rather than one shared buffer per
- * rank: a pipe is a bounded SPSC byte stream, so the ring algorithm is the same
- * code on both transports, data passes through the cache-resident pipe
+ * hot path.  Why rings in shared memory rather than one shared buffer per
+ * rank: a ring is a bounded SPSC stream, so the ring algorithm is the same
+ * code on both transports, data passes through the cache-resident ring
  * (one copy in by the sender, the receiver reduces straight out of it) and a
- * segment of a few MiB serves buffers of any size.
+ * ring of a few MiB serves buffers of any size.
  */
 #include "ember/collective.h"
 
@@ -46,6 +46,7 @@
 #include "ember/auth.h"
 #include "ember/error.h"
 #include "ember/net.h"
+#include "ember/shm_ring.h"
 #include "ember/wire.h"
 #include "preauth.h"
 
@@ -65,7 +66,7 @@
 #endif
 #define SIDE_PIPE_CAP (256u * 1024u)
 #ifndef SHM_CHUNK
-#define SHM_CHUNK (256u * 1024u)   /* most bytes copied per pipe operation */
+#define SHM_CHUNK (256u * 1024u)   /* most bytes copied per ring operation */
 #endif
 #ifndef TCP_TMP_CAP
 #define TCP_TMP_CAP (256u * 1024u) /* receive-then-reduce staging for TCP */
@@ -238,23 +239,17 @@ static const char *op_str(int op) {
 }
 
 /* ======================================================================
- * 2. Shared memory: every rank owns one "inbox" segment holding its doorbell
- *    and one pipe from each peer.  A pipe is an SPSC byte ring: the sender
- *    advances head, the receiver tail (free-running u64 positions).  A waiting
- *    rank sleeps on its own doorbell (a futex word); whoever changes a pipe
- *    end that the rank waits on rings it.
+ * 2. Shared memory.  Every rank owns one ring (shm_ring.h) from each peer on
+ *    its host, and one small "inbox" segment holding its doorbell and the
+ *    abort word.  A rank drives its rings with the ring's non-blocking
+ *    stream calls and waits on its own doorbell (a futex word) for all of
+ *    them at once; whoever moves a ring's position that a rank waits on
+ *    rings that rank's doorbell.  The inbox is a named POSIX segment, opened
+ *    by name once and unlinked: a peer that can open it shares this host's
+ *    /dev/shm, which is what makes it a peer on this host (ranks in other
+ *    containers or namespaces on one kernel could still reach the rings
+ *    through /proc).
  * ====================================================================== */
-
-typedef struct {
-  _Atomic uint64_t head;
-  char pad0[56];
-  _Atomic uint64_t tail;
-  char pad1[56];
-  uint64_t cap; /* data bytes, a multiple of 4096 */
-  uint32_t from_rank, to_rank;
-  char pad2[48];
-} pipe_hdr; /* data follows at PIPE_HDR_LEN */
-#define PIPE_HDR_LEN 256u
 
 typedef struct {
   uint64_t magic;
@@ -268,10 +263,9 @@ typedef struct {
 } inbox_hdr;
 #define INBOX_HDR_LEN 4096u
 
-_Static_assert(sizeof(pipe_hdr) <= PIPE_HDR_LEN, "pipe header layout");
 _Static_assert(sizeof(inbox_hdr) <= INBOX_HDR_LEN, "inbox header layout");
 _Static_assert(ATOMIC_LLONG_LOCK_FREE == 2 && ATOMIC_INT_LOCK_FREE == 2,
-               "shared-memory pipes need lock-free atomics");
+               "shared-memory doorbells need lock-free atomics");
 
 static long futex_wait(_Atomic uint32_t *w, uint32_t val, int ms) {
   struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
@@ -283,8 +277,8 @@ static void futex_wake(_Atomic uint32_t *w) {
 }
 
 /* Rings `ib`'s doorbell if its owner may be asleep.  The fence pairs with the
- * one in shm_sleep: either we see waiting == 1, or the sleeper sees our
- * pipe update before it goes to sleep. */
+ * one in wait_io: either we see waiting == 1, or the sleeper sees our ring
+ * update before it goes to sleep. */
 static void ring(inbox_hdr *ib) {
   atomic_thread_fence(memory_order_seq_cst);
   if (atomic_load_explicit(&ib->waiting, memory_order_relaxed)) {
@@ -298,12 +292,6 @@ static void ring_always(inbox_hdr *ib) {
   futex_wake(&ib->bell);
 }
 
-static inline uint64_t used_bytes(uint64_t head, uint64_t tail) {
-  return head >= tail ? head - tail : 0; /* tail > head: receiver aligned first */
-}
-
-static inline uint64_t align8(uint64_t v) { return (v + 7u) & ~(uint64_t)7u; }
-
 /* ======================================================================
  * Communicator
  * ====================================================================== */
@@ -315,14 +303,10 @@ typedef struct {
   uint16_t port;
   char desc[ADDR_CAP + 32]; /* "rank 2 (127.0.0.1:5002)" */
   int shm;
-  pipe_hdr *in;       /* peer -> me, in my inbox */
-  uint8_t *in_data;
-  pipe_hdr *out;      /* me -> peer, in the peer's inbox */
-  uint8_t *out_data;
-  inbox_hdr *peer_ib; /* the peer's inbox (its doorbell) */
-  void *peer_map;
-  size_t peer_map_len;
-  uint64_t in_seen, out_seen; /* pipe ends observed when we last found no progress */
+  ember_shm_ring *in;  /* peer -> me: this rank created it, the consumer */
+  ember_shm_ring *out; /* me -> peer: attached to the peer's, the producer */
+  inbox_hdr *peer_ib;  /* the peer's inbox (its doorbell) */
+  uint64_t in_seen, out_seen; /* the rings' peer positions when we last found no progress */
 } peer_t;
 
 struct ember_comm {
@@ -330,7 +314,6 @@ struct ember_comm {
   peer_t *peers; /* size entries; peers[rank] is this rank (fd -1) */
   int listen_fd;
   inbox_hdr *inbox;
-  size_t inbox_len;
   uint8_t *tmp;
   size_t tmp_cap, tmp_fill;
   size_t small_max;
@@ -360,9 +343,11 @@ static int io_fail(peer_t *p, const char *what, int err) {
 }
 
 /* Sends up to alen bytes of a then blen bytes of b without blocking; returns
- * the bytes taken (0: no room now) or a negative status. */
+ * the bytes taken (0: no room now) or a negative status.  Over shared memory
+ * the bytes of b taken are a multiple of gran (the element size), so the
+ * receiver reduces whole elements out of every record. */
 static long ch_send(ember_comm *c, peer_t *p, const uint8_t *a, size_t alen,
-                    const uint8_t *b, size_t blen) {
+                    const uint8_t *b, size_t blen, size_t gran) {
   if (!p->shm) {
     struct iovec iov[2];
     int cnt = 0;
@@ -381,36 +366,23 @@ static long ch_send(ember_comm *c, peer_t *p, const uint8_t *a, size_t alen,
       return io_fail(p, "send to", errno);
     }
   }
-  pipe_hdr *h = p->out;
-  uint64_t head = atomic_load_explicit(&h->head, memory_order_relaxed);
-  uint64_t tail = atomic_load_explicit(&h->tail, memory_order_acquire);
-  uint64_t used = used_bytes(head, tail);
-  uint64_t space = used >= h->cap ? 0 : h->cap - used;
-  if (space > SHM_CHUNK) space = SHM_CHUNK;
-  if (space == 0) {
-    p->out_seen = tail;
+  void *dst = NULL;
+  size_t room = 0, want = alen + blen;
+  int rc = ember_shm_ring_try_reserve(p->out, want < SHM_CHUNK ? want : SHM_CHUNK, &dst, &room);
+  if (rc != EMBER_OK) return ember__set_error(rc, "send to %s: %s", p->desc, ember_last_error());
+  size_t na = alen < room ? alen : room;
+  size_t nb = blen < room - na ? blen : room - na;
+  nb -= nb % gran; /* a record never ends inside an element */
+  if (na + nb == 0) {
+    p->out_seen = ember_shm_ring_peer_position(p->out);
     return 0;
   }
-  size_t done = 0;
-  const uint8_t *parts[2] = {a, b};
-  size_t lens[2] = {alen, blen};
-  for (int k = 0; k < 2 && space > 0; k++) {
-    size_t n = lens[k] < space ? lens[k] : (size_t)space;
-    size_t off = 0;
-    while (off < n) {
-      uint64_t pos = (head + done + off) % h->cap;
-      size_t run = (size_t)(h->cap - pos);
-      if (run > n - off) run = n - off;
-      memcpy(p->out_data + pos, parts[k] + off, run);
-      off += run;
-    }
-    done += n;
-    space -= n;
-  }
-  if (done == 0) return 0;
-  atomic_store_explicit(&h->head, head + done, memory_order_release);
+  if (na > 0) memcpy(dst, a, na);
+  if (nb > 0) memcpy((uint8_t *)dst + na, b, nb);
+  rc = ember_shm_ring_commit(p->out, na + nb);
+  if (rc != EMBER_OK) return ember__set_error(rc, "send to %s: %s", p->desc, ember_last_error());
   ring(p->peer_ib);
-  return (long)done;
+  return (long)(na + nb);
 }
 
 /* Receives up to len bytes into dst (copy) or reduces them into dst
@@ -450,30 +422,29 @@ static long ch_recv(ember_comm *c, peer_t *p, uint8_t *dst, size_t len, reduce_f
       return io_fail(p, "recv from", errno);
     }
   }
-  pipe_hdr *h = p->in;
-  uint64_t tail = atomic_load_explicit(&h->tail, memory_order_relaxed);
-  uint64_t head = atomic_load_explicit(&h->head, memory_order_acquire);
-  uint64_t avail = used_bytes(head, tail);
-  if (avail > h->cap) avail = h->cap; /* a corrupt peer cannot make us overrun */
-  if (avail > len) avail = len;
-  if (avail > SHM_CHUNK) avail = SHM_CHUNK;
-  if (fn != NULL) avail -= avail % esz; /* elements never straddle the wrap */
+  const void *src = NULL;
+  size_t avail = 0;
+  int rc = ember_shm_ring_peek(p->in, &src, &avail);
+  if (rc != EMBER_OK)
+    return ember__set_error(rc, "recv from %s: %s", p->desc, ember_last_error());
   if (avail == 0) {
-    p->in_seen = head;
+    p->in_seen = ember_shm_ring_peer_position(p->in);
     return 0;
   }
-  size_t off = 0;
-  while (off < avail) {
-    uint64_t pos = (tail + off) % h->cap;
-    size_t run = (size_t)(h->cap - pos);
-    if (run > avail - off) run = (size_t)avail - off;
-    if (fn != NULL)
-      fn(dst + off, p->in_data + pos, run);
-    else
-      memcpy(dst + off, p->in_data + pos, run);
-    off += run;
+  if (avail > len) avail = len;
+  if (avail > SHM_CHUNK) avail = SHM_CHUNK;
+  if (fn != NULL) {
+    avail -= avail % esz;
+    if (avail == 0)
+      return ember__set_error(EMBER_EPROTO, "recv from %s: a record ends inside a %zu-byte "
+                              "element (the peer broke the stream)", p->desc, esz);
+    fn(dst, src, avail);
+  } else {
+    memcpy(dst, src, avail);
   }
-  atomic_store_explicit(&h->tail, tail + avail, memory_order_release);
+  rc = ember_shm_ring_consume(p->in, avail);
+  if (rc != EMBER_OK)
+    return ember__set_error(rc, "recv from %s: %s", p->desc, ember_last_error());
   ring(p->peer_ib);
   *moved = 1;
   return (long)avail;
@@ -605,10 +576,8 @@ static int aborted_error(op_ctx *o) {
 }
 
 static int shm_ready(const peer_t *to, const peer_t *from) {
-  return (to != NULL && to->shm &&
-          atomic_load_explicit(&to->out->tail, memory_order_acquire) != to->out_seen) ||
-         (from != NULL && from->shm &&
-          atomic_load_explicit(&from->in->head, memory_order_acquire) != from->in_seen);
+  return (to != NULL && to->shm && ember_shm_ring_peer_position(to->out) != to->out_seen) ||
+         (from != NULL && from->shm && ember_shm_ring_peer_position(from->in) != from->in_seen);
 }
 
 static int64_t mono_ns(void) {
@@ -772,16 +741,6 @@ static int run_steps_(op_ctx *o, int step_id, peer_t *to, peer_t *from,
   char progress[128];
   encode_ophdr(o, step_id, shdr);
   c->tmp_fill = 0;
-  /* Each run starts its pipe streams on an 8-byte boundary, on both sides,
-   * so reduced elements never straddle the end of a pipe. */
-  if (to != NULL && to->shm) {
-    uint64_t h = atomic_load_explicit(&to->out->head, memory_order_relaxed);
-    atomic_store_explicit(&to->out->head, align8(h), memory_order_release);
-  }
-  if (from != NULL && from->shm) {
-    uint64_t t = atomic_load_explicit(&from->in->tail, memory_order_relaxed);
-    atomic_store_explicit(&from->in->tail, align8(t), memory_order_release);
-  }
   if (to == NULL) hs = OPHDR_LEN, ss = nsteps;
   if (from == NULL) hr = OPHDR_LEN, rs = nsteps;
 
@@ -806,7 +765,7 @@ static int run_steps_(op_ctx *o, int step_id, peer_t *to, peer_t *from,
         if (avail > 0) p = sbuf + s->send_off + sdone;
       }
       if (hs < OPHDR_LEN || avail > 0) {
-        long n = ch_send(c, to, shdr + hs, OPHDR_LEN - hs, p, avail);
+        long n = ch_send(c, to, shdr + hs, OPHDR_LEN - hs, p, avail, o->esz);
         if (n < 0) return ember__set_error((int)n, "%s: %s", op_name(o), ember_last_error());
         if (n == 0) {
           want_out = 1;
@@ -994,7 +953,8 @@ static int begin_op(ember_comm *c, op_ctx *o, int kind, int dtype, int op, uint3
   return EMBER_OK;
 }
 
-/* Shuts every connection and marks our pipes aborted so that the other ranks
+/* Shuts every connection and rings every peer's doorbell with our abort, so
+ * that the other ranks
  * stop waiting on us at once; fds stay open (no reuse race) until destroy. */
 static void break_links(ember_comm *c) {
   for (uint32_t j = 0; j < c->size; j++) {
@@ -1560,132 +1520,133 @@ static int build_mesh(ember_comm *c, const ember_comm_config *cfg, int64_t deadl
   return accept_higher(c, cfg, deadline);
 }
 
-static size_t pipe_cap_for(const ember_comm *c, uint32_t from) {
+/* The ring from `from` to this rank: the ring algorithms stream through the
+ * one from the previous rank; the others carry recursive doubling's small
+ * exchanges. */
+static size_t ring_cap_for(const ember_comm *c, uint32_t from) {
   return from == (c->rank + c->size - 1) % c->size ? RING_PIPE_CAP : SIDE_PIPE_CAP;
 }
 
-/* Offset of the pipe from `from` in this rank's inbox. */
-static size_t pipe_off_for(const ember_comm *c, uint32_t from) {
-  size_t off = INBOX_HDR_LEN;
-  for (uint32_t j = 0; j < from; j++)
-    if (j != c->rank) off += PIPE_HDR_LEN + pipe_cap_for(c, j);
-  return off;
-}
-
-static int send_shm_offer(int fd, const char *name, const uint8_t *token, uint64_t seg_len,
-                          uint64_t off, uint64_t cap, int64_t deadline) {
+/* COLL_SHM: our inbox's name ("" = no shared memory), its token, and the
+ * descriptor of the ring we created for the peer to send into. */
+static int send_shm_offer(int fd, const char *name, const uint8_t *token,
+                          const ember_shm_ring *in, int64_t deadline) {
+  ember_shm_ring_desc d;
+  memset(&d, 0, sizeof d);
+  if (in != NULL) ember_shm_ring_describe(in, &d);
   ember_wire_writer w;
   ember_wire_writer_init(&w);
   ember_wire_write_str(&w, name);
   ember_wire_write_raw(&w, token, 32);
-  ember_wire_write_u64(&w, seg_len);
-  ember_wire_write_u64(&w, off);
-  ember_wire_write_u64(&w, cap);
+  ember_wire_write_u32(&w, (uint32_t)d.pid);
+  ember_wire_write_u32(&w, (uint32_t)d.fd);
+  ember_wire_write_u64(&w, d.size);
+  ember_wire_write_raw(&w, d.token, 32);
   int rc = w.err ? w.err : ember_net_send_frame(fd, EMBER_MSG_COLL_SHM, w.buf, (uint32_t)w.len, deadline);
   ember_wire_writer_free(&w);
   return rc;
 }
 
-/* Maps a peer's inbox from its offer; 1 on success, 0 if it cannot be used
- * here (another host, or no shared memory), negative on a protocol error. */
+/* Maps a peer's inbox and attaches to the ring it made for us from its
+ * offer; 1 on success, 0 if they cannot be used here (another host, or no
+ * shared memory), negative on a protocol error. */
 static int map_peer_inbox(ember_comm *c, peer_t *p, const uint8_t *pl, uint32_t len) {
   ember_wire_reader r;
   char name[SHM_NAME_CAP];
-  const uint8_t *token = NULL;
+  const uint8_t *token = NULL, *ring_token = NULL;
+  ember_shm_ring_desc d;
+  memset(&d, 0, sizeof d);
   ember_wire_reader_init(&r, pl, len);
   ember_wire_read_str(&r, name, sizeof name);
   ember_wire_read_raw(&r, &token, 32);
-  uint64_t seg_len = ember_wire_read_u64(&r);
-  uint64_t off = ember_wire_read_u64(&r);
-  uint64_t cap = ember_wire_read_u64(&r);
+  d.pid = (int32_t)ember_wire_read_u32(&r);
+  d.fd = (int32_t)ember_wire_read_u32(&r);
+  d.size = ember_wire_read_u64(&r);
+  ember_wire_read_raw(&r, &ring_token, 32);
   int rc = ember_wire_reader_finish(&r, 1, "COLL_SHM");
   if (rc != EMBER_OK)
     return ember__set_error(rc, "comm: from %s: %s", p->desc, ember_last_error());
   if (name[0] == '\0') return 0; /* the peer offers no shared memory */
-  if (name[0] != '/' || strchr(name + 1, '/') != NULL || seg_len < INBOX_HDR_LEN ||
-      seg_len > ((uint64_t)1 << 36) || cap == 0 || cap % 4096 != 0 || off % 64 != 0 ||
-      off < INBOX_HDR_LEN || off > seg_len || seg_len - off < PIPE_HDR_LEN + cap)
+  if (name[0] != '/' || strchr(name + 1, '/') != NULL)
     return ember__set_error(EMBER_EPROTO, "comm: %s offered an invalid shared-memory "
-                            "segment ('%s', %llu bytes, pipe at %llu of %llu bytes)",
-                            p->desc, name, (unsigned long long)seg_len,
-                            (unsigned long long)off, (unsigned long long)cap);
+                            "segment name '%s'", p->desc, name);
+  memcpy(d.token, ring_token, sizeof d.token);
   int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) return 0; /* not on this host (or no /dev/shm): TCP */
   struct stat stt;
   void *m = MAP_FAILED;
-  if (fstat(fd, &stt) == 0 && stt.st_uid == geteuid() && (uint64_t)stt.st_size == seg_len)
-    m = mmap(NULL, (size_t)seg_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (fstat(fd, &stt) == 0 && stt.st_uid == geteuid() && (uint64_t)stt.st_size == INBOX_HDR_LEN)
+    m = mmap(NULL, INBOX_HDR_LEN, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
   if (m == MAP_FAILED) return 0;
   inbox_hdr *ib = m;
-  pipe_hdr *ph = (pipe_hdr *)((uint8_t *)m + off);
   if (ib->magic != INBOX_MAGIC || memcmp(ib->token, token, 32) != 0 ||
-      ib->owner_rank != p->rank || ib->size != c->size || ph->cap != cap ||
-      ph->from_rank != c->rank || ph->to_rank != p->rank) {
-    munmap(m, (size_t)seg_len);
+      ib->owner_rank != p->rank || ib->size != c->size) {
+    munmap(m, INBOX_HDR_LEN);
     return 0; /* a same-named segment of someone else: never trust it */
   }
-  p->peer_map = m;
-  p->peer_map_len = (size_t)seg_len;
+  /* The ring checks its own segment (owner, mode, seals, size, token). */
+  if (ember_shm_ring_attach(&p->out, &d, EMBER_SHM_PRODUCER) != EMBER_OK) {
+    munmap(m, INBOX_HDR_LEN);
+    return 0;
+  }
   p->peer_ib = ib;
-  p->out = ph;
-  p->out_data = (uint8_t *)ph + PIPE_HDR_LEN;
   return 1;
+}
+
+/* Creates this rank's inbox and one ring from each peer; on any failure,
+ * none (the communicator then uses TCP only). */
+static int create_shm(ember_comm *c, char name[SHM_NAME_CAP], uint8_t token[32]) {
+  uint8_t rnd[16];
+  int rc = ember_auth_random(rnd, sizeof rnd);
+  if (rc == EMBER_OK) rc = ember_auth_random(token, 32);
+  if (rc != EMBER_OK) return rc;
+  int n = snprintf(name, SHM_NAME_CAP, "/ember-coll-");
+  for (size_t i = 0; i < sizeof rnd; i++)
+    n += snprintf(name + n, SHM_NAME_CAP - (size_t)n, "%02x", rnd[i]);
+  int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    name[0] = '\0'; /* no shared memory here: TCP only */
+    return EMBER_OK;
+  }
+  void *m = MAP_FAILED;
+  if (ftruncate(fd, INBOX_HDR_LEN) == 0)
+    m = mmap(NULL, INBOX_HDR_LEN, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  int ok = m != MAP_FAILED;
+  for (uint32_t j = 0; j < c->size && ok; j++)
+    if (j != c->rank &&
+        ember_shm_ring_create(&c->peers[j].in, ring_cap_for(c, j), EMBER_SHM_CONSUMER) != EMBER_OK)
+      ok = 0;
+  if (!ok) {
+    shm_unlink(name);
+    name[0] = '\0';
+    if (m != MAP_FAILED) munmap(m, INBOX_HDR_LEN);
+    for (uint32_t j = 0; j < c->size; j++) {
+      ember_shm_ring_destroy(c->peers[j].in);
+      c->peers[j].in = NULL;
+    }
+    return EMBER_OK;
+  }
+  c->inbox = m;
+  c->inbox->magic = INBOX_MAGIC;
+  memcpy(c->inbox->token, token, 32);
+  c->inbox->owner_rank = c->rank;
+  c->inbox->size = c->size;
+  return EMBER_OK;
 }
 
 static int setup_shm(ember_comm *c, uint32_t flags, int64_t deadline) {
   char name[SHM_NAME_CAP] = "";
   uint8_t token[32] = {0};
-  int rc = EMBER_OK, unlinked = 1;
+  int rc = EMBER_OK;
   uint8_t *ok = calloc(c->size, 1);
   if (ok == NULL) return ember__set_error(EMBER_ENOMEM, "comm: out of memory");
 
-  if (!(flags & EMBER_COMM_TCP_ONLY)) {
-    uint8_t rnd[16];
-    size_t len = pipe_off_for(c, c->size); /* end of the last pipe */
-    rc = ember_auth_random(rnd, sizeof rnd);
-    if (rc == EMBER_OK) rc = ember_auth_random(token, sizeof token);
-    if (rc != EMBER_OK) goto out;
-    int n = snprintf(name, sizeof name, "/ember-coll-");
-    for (size_t i = 0; i < sizeof rnd; i++)
-      n += snprintf(name + n, sizeof name - (size_t)n, "%02x", rnd[i]);
-    int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd >= 0) {
-      unlinked = 0;
-      void *m = MAP_FAILED;
-      if (ftruncate(fd, (off_t)len) == 0)
-        m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      close(fd);
-      if (m != MAP_FAILED) {
-        c->inbox = m;
-        c->inbox_len = len;
-        c->inbox->magic = INBOX_MAGIC;
-        memcpy(c->inbox->token, token, 32);
-        c->inbox->owner_rank = c->rank;
-        c->inbox->size = c->size;
-        for (uint32_t j = 0; j < c->size; j++) {
-          if (j == c->rank) continue;
-          pipe_hdr *ph = (pipe_hdr *)((uint8_t *)m + pipe_off_for(c, j));
-          ph->cap = pipe_cap_for(c, j);
-          ph->from_rank = j;
-          ph->to_rank = c->rank;
-          c->peers[j].in = ph;
-          c->peers[j].in_data = (uint8_t *)ph + PIPE_HDR_LEN;
-        }
-      } else {
-        shm_unlink(name);
-        unlinked = 1;
-        name[0] = '\0';
-      }
-    } else {
-      name[0] = '\0'; /* no shared memory here: TCP only */
-    }
-  }
+  if (!(flags & EMBER_COMM_TCP_ONLY)) rc = create_shm(c, name, token);
   for (uint32_t j = 0; j < c->size && rc == EMBER_OK; j++) {
     if (j == c->rank) continue;
-    rc = send_shm_offer(c->peers[j].fd, c->inbox ? name : "", token, c->inbox_len,
-                        c->inbox ? pipe_off_for(c, j) : 0, c->inbox ? pipe_cap_for(c, j) : 0,
-                        deadline);
+    rc = send_shm_offer(c->peers[j].fd, c->inbox ? name : "", token, c->peers[j].in, deadline);
   }
   for (uint32_t j = 0; j < c->size && rc == EMBER_OK; j++) {
     if (j == c->rank) continue;
@@ -1724,10 +1685,19 @@ static int setup_shm(ember_comm *c, uint32_t flags, int64_t deadline) {
       c->peers[j].shm = ok[j] && ember_wire_get_u32(pl) == 1 && c->inbox != NULL;
     free(pl);
   }
-out:
-  /* Every peer that will map our segment has mapped it by now (or failed
-   * to): the name goes, the memory stays until the last unmap. */
-  if (!unlinked) shm_unlink(name);
+  /* Every peer that will map our inbox has mapped it by now (or failed to):
+   * the name goes, the memory stays until the last unmap.  Rings of peers
+   * that use TCP are freed now. */
+  if (name[0] != '\0') shm_unlink(name);
+  for (uint32_t j = 0; j < c->size; j++) {
+    peer_t *p = &c->peers[j];
+    if (p->shm) continue;
+    ember_shm_ring_destroy(p->in);
+    ember_shm_ring_destroy(p->out);
+    p->in = p->out = NULL;
+    if (p->peer_ib != NULL) munmap(p->peer_ib, INBOX_HDR_LEN);
+    p->peer_ib = NULL;
+  }
   free(ok);
   return rc;
 }
@@ -1738,10 +1708,12 @@ void ember_comm_destroy(ember_comm *c) {
     for (uint32_t j = 0; j < c->size; j++) {
       peer_t *p = &c->peers[j];
       ember_net_close(p->fd);
-      if (p->peer_map != NULL) munmap(p->peer_map, p->peer_map_len);
+      ember_shm_ring_destroy(p->in);
+      ember_shm_ring_destroy(p->out);
+      if (p->peer_ib != NULL) munmap(p->peer_ib, INBOX_HDR_LEN);
     }
   }
-  if (c->inbox != NULL) munmap(c->inbox, c->inbox_len);
+  if (c->inbox != NULL) munmap(c->inbox, INBOX_HDR_LEN);
   ember_net_close(c->listen_fd);
   free(c->peers);
   free(c->tmp);

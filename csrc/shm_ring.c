@@ -87,6 +87,9 @@ struct ember_shm_ring {
   ember_shm_msg cur;
   uint64_t cur_done;      /* bytes of a split message already consumed */
   int final;              /* END or ERROR consumed: cur is sticky */
+  /* consumer, stream calls: the record at tail, partly consumed */
+  int stream_have;
+  uint32_t stream_len, stream_off;
 };
 
 static const char *role_name(int role) {
@@ -731,4 +734,88 @@ int ember_shm_ring_read(ember_shm_ring *r, void *buf, size_t cap, int64_t timeou
 
 int ember_shm_ring_release(ember_shm_ring *r, int64_t timeout_ms) {
   return consume_message(r, NULL, 0, 0, timeout_ms, "release");
+}
+
+/* ---------------------------------------------------------------- stream */
+
+int ember_shm_ring_try_reserve(ember_shm_ring *r, size_t max, void **out, size_t *room) {
+  int rc = producer_usable(r, "try_reserve");
+  if (rc == EMBER_OK && (out == NULL || room == NULL))
+    rc = ember__set_error(EMBER_EINVAL, "shm ring try_reserve: out and room are required");
+  if (rc != EMBER_OK) return rc;
+  *out = NULL;
+  *room = 0;
+  r->have_reservation = 0;
+  uint64_t tail = atomic_load_explicit(&r->h->tail, memory_order_acquire);
+  if (tail > r->head || r->head - tail > r->cap)
+    return ring_ready(r, 0); /* names the impossible position */
+  /* A record of len bytes takes align16(16 + len): len <= free - 16 once
+   * free is cut to the 16-byte grain. */
+  uint64_t free_bytes = (r->cap - (r->head - tail)) & ~(uint64_t)15u;
+  if (free_bytes < 2u * REC_HDR || max == 0) return EMBER_OK;
+  uint64_t n = free_bytes - REC_HDR;
+  if (n > max) n = max;
+  if (n > UINT32_MAX) n = UINT32_MAX & ~(uint64_t)15u;
+  r->reserved = (size_t)n;
+  r->have_reservation = 1;
+  *out = r->data + r->head % r->cap + REC_HDR;
+  *room = (size_t)n;
+  return EMBER_OK;
+}
+
+int ember_shm_ring_peek(ember_shm_ring *r, const void **data, size_t *len) {
+  int rc = consumer_usable(r, "peek");
+  if (rc == EMBER_OK && (data == NULL || len == NULL))
+    rc = ember__set_error(EMBER_EINVAL, "shm ring peek: data and len are required");
+  if (rc != EMBER_OK) return rc;
+  *data = NULL;
+  *len = 0;
+  while (!r->stream_have) {
+    rec_hdr rh;
+    if (atomic_load_explicit(&r->h->head, memory_order_acquire) == r->tail) return EMBER_OK;
+    rc = ring_ready(r, REC_HDR);
+    if (rc <= 0) return rc;
+    rc = read_record(r, &rh);
+    if (rc != EMBER_OK) return rc;
+    if (rh.type == REC_END)
+      return ember__set_error(EMBER_ECLOSED, "shm ring: the producer ended the stream");
+    if (rh.type == REC_ERROR) {
+      ember_shm_msg m;
+      rc = ember_shm_ring_next(r, &m, 0, 0);
+      if (rc != EMBER_OK) return rc;
+      return ember__set_error(m.code < 0 ? m.code : EMBER_EIO, "shm ring: the producer "
+                              "failed: %s", m.reason);
+    }
+    if (rh.len == 0) {
+      release_record(r, 0);
+      continue;
+    }
+    r->stream_have = 1;
+    r->stream_len = rh.len;
+    r->stream_off = 0;
+  }
+  *data = r->data + r->tail % r->cap + REC_HDR + r->stream_off;
+  *len = r->stream_len - r->stream_off;
+  return EMBER_OK;
+}
+
+int ember_shm_ring_consume(ember_shm_ring *r, size_t n) {
+  int rc = consumer_usable(r, "consume");
+  if (rc != EMBER_OK) return rc;
+  if (n == 0) return EMBER_OK;
+  if (!r->stream_have || n > (size_t)(r->stream_len - r->stream_off))
+    return ember__set_error(EMBER_EINVAL, "shm ring consume: %zu bytes, but peek gave %u",
+                            n, r->stream_have ? r->stream_len - r->stream_off : 0u);
+  r->stream_off += (uint32_t)n;
+  if (r->stream_off == r->stream_len) {
+    release_record(r, r->stream_len);
+    r->stream_have = 0;
+  }
+  return EMBER_OK;
+}
+
+uint64_t ember_shm_ring_peer_position(const ember_shm_ring *r) {
+  if (r == NULL) return 0;
+  return atomic_load_explicit(r->role == EMBER_SHM_PRODUCER ? &r->h->tail : &r->h->head,
+                              memory_order_acquire);
 }

@@ -622,10 +622,113 @@ TEST(hostile_positions_and_records_are_rejected) {
   LEAK_CHECK();
 }
 
+/* The stream calls the collectives use: never block, partial consumption
+ * within a record, room handed back only when a record is fully consumed,
+ * wrap-around, the peer position to wait on, END/ERROR, hostile records. */
+TEST(stream_calls_partial_records_and_wraparound) {
+  ember_shm_ring *c = NULL, *p;
+  void *dst;
+  const void *src;
+  size_t room = 0, got = 0;
+  CHECK_OK(ember_shm_ring_create(&c, 65536, EMBER_SHM_CONSUMER));
+  p = attach_peer(c, EMBER_SHM_PRODUCER);
+  /* empty: no data, no error */
+  CHECK_OK(ember_shm_ring_peek(c, &src, &got));
+  CHECK_EQ_INT(got, 0);
+  CHECK(ember_shm_ring_peer_position(c) == 0);
+  /* a full ring takes capacity - 16 bytes in one record, then nothing */
+  CHECK_OK(ember_shm_ring_try_reserve(p, SIZE_MAX, &dst, &room));
+  CHECK_EQ_INT(room, 65536 - 16);
+  CHECK_OK(ember_shm_ring_try_reserve(p, 1000, &dst, &room));
+  CHECK_EQ_INT(room, 1000);
+  fill(dst, 1, 1000);
+  CHECK_OK(ember_shm_ring_commit(p, 1000));
+  CHECK(ember_shm_ring_peer_position(c) == 16 + 1008);
+  /* taken three bytes at a time, as a reducer takes whole elements */
+  uint8_t back[1000];
+  size_t off = 0;
+  while (off < 1000) {
+    CHECK_OK(ember_shm_ring_peek(c, &src, &got));
+    CHECK_EQ_INT(got, 1000 - off);
+    size_t n = got < 3 ? got : 3;
+    memcpy(back + off, src, n);
+    if (off + n < 1000) CHECK(ember_shm_ring_peer_position(p) == 0); /* not released yet */
+    CHECK_OK(ember_shm_ring_consume(c, n));
+    off += n;
+  }
+  CHECK(check_pattern(back, 1, 1000));
+  CHECK(ember_shm_ring_peer_position(p) == 16 + 1008);
+  CHECK_EQ_INT(ember_shm_ring_consume(c, 1), EMBER_EINVAL); /* more than peek gave */
+  /* fill to the brim across the wrap, 10 KB records */
+  uint64_t sent = 0, recvd = 0;
+  for (int round = 0; round < 40; round++) {
+    for (;;) {
+      CHECK_OK(ember_shm_ring_try_reserve(p, 10000, &dst, &room));
+      if (room == 0) break;
+      fill(dst, sent, room);
+      CHECK_OK(ember_shm_ring_commit(p, room));
+      sent++;
+    }
+    while (recvd < sent) {
+      CHECK_OK(ember_shm_ring_peek(c, &src, &got));
+      CHECK(got > 0);
+      CHECK(check_pattern(src, recvd, got));
+      CHECK_OK(ember_shm_ring_consume(c, got));
+      recvd++;
+      if (recvd % 3 == 0) break; /* leave some in: the next fill wraps */
+    }
+  }
+  CHECK(sent > 100);
+  /* a hostile record length: named, not followed */
+  while (recvd < sent) {
+    CHECK_OK(ember_shm_ring_peek(c, &src, &got));
+    CHECK_OK(ember_shm_ring_consume(c, got));
+    recvd++;
+  }
+  size_t len = 0;
+  uint8_t *raw = ember__shm_ring_raw(p, &len);
+  size_t hdr = len - ember_shm_ring_capacity(p);
+  CHECK_OK(ember_shm_ring_try_reserve(p, 8, &dst, &room));
+  CHECK_OK(ember_shm_ring_commit(p, 8));
+  uint64_t at = (ember_shm_ring_peer_position(c) - 32) % ember_shm_ring_capacity(p);
+  raw[hdr + at + 2] = 0x7f;
+  CHECK_EQ_INT(ember_shm_ring_peek(c, &src, &got), EMBER_ECORRUPT);
+  CHECK(strstr(ember_last_error(), "claims") != NULL);
+  raw[hdr + at + 2] = 0;
+  CHECK_OK(ember_shm_ring_peek(c, &src, &got));
+  CHECK_EQ_INT(got, 8);
+  CHECK_OK(ember_shm_ring_consume(c, 8));
+  /* ERROR and END end the stream with the producer's reason */
+  CHECK_OK(ember_shm_ring_fail(p, EMBER_EIO, "disk on fire", 0));
+  CHECK_EQ_INT(ember_shm_ring_peek(c, &src, &got), EMBER_EIO);
+  CHECK(strstr(ember_last_error(), "disk on fire") != NULL);
+  CHECK_EQ_INT(ember_shm_ring_try_reserve(p, 8, &dst, &room), EMBER_ESTATE);
+  /* a closed consumer: the producer's next try fails at once */
+  ember_shm_ring *c2 = NULL, *p2;
+  CHECK_OK(ember_shm_ring_create(&c2, 65536, EMBER_SHM_CONSUMER));
+  p2 = attach_peer(c2, EMBER_SHM_PRODUCER);
+  CHECK_OK(ember_shm_ring_end(p2, 0));
+  CHECK_EQ_INT(ember_shm_ring_peek(c2, &src, &got), EMBER_ECLOSED);
+  ember_shm_ring_close(p2);
+  ember_shm_ring_destroy(p2);
+  ember_shm_ring *c3 = NULL, *p3;
+  CHECK_OK(ember_shm_ring_create(&c3, 65536, EMBER_SHM_CONSUMER));
+  p3 = attach_peer(c3, EMBER_SHM_PRODUCER);
+  ember_shm_ring_close(c3);
+  CHECK_EQ_INT(ember_shm_ring_try_reserve(p3, 8, &dst, &room), EMBER_ECLOSED);
+  ember_shm_ring_destroy(p3);
+  ember_shm_ring_destroy(c3);
+  ember_shm_ring_destroy(c2);
+  ember_shm_ring_destroy(p);
+  ember_shm_ring_destroy(c);
+  LEAK_CHECK();
+}
+
 RUN_TESTS(T(create_mode_seals_and_limits), T(attach_checks_the_descriptor),
           T(wraparound_odd_sizes_and_split_messages), T(full_ring_blocks_then_times_out),
           T(blocked_producer_wakes_on_release_without_spinning), T(end_and_error_markers),
           T(producer_close_without_end_is_reported_after_the_data),
           T(consumer_closes_early_producer_gets_error), T(close_wakes_our_own_blocked_thread),
           T(consumer_process_exits_early_producer_gets_error),
-          T(killed_peers_leave_nothing_behind), T(hostile_positions_and_records_are_rejected))
+          T(killed_peers_leave_nothing_behind), T(hostile_positions_and_records_are_rejected),
+          T(stream_calls_partial_records_and_wraparound))

@@ -5,7 +5,9 @@
  * Input: u64 head (the producer's published position), u8 script, then the
  * bytes of the data area (from position 0).  The harness plays the hostile
  * producer through ember__shm_ring_raw, then drives the real consumer API
- * (next / read / release, chosen by the script bits) with no waiting, and
+ * with no waiting: the message calls (next / read / release, chosen by the
+ * script bits) or, when the script's top bit is set, the stream calls
+ * (peek / consume, a script-chosen part of each record at a time), and
  * checks what it reports: every DATA message is within the consumer's limit,
  * and a zero-copy view lies inside the ring's mapping.  ASan catches any
  * access outside the mapping or the caller's buffer. */
@@ -43,7 +45,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   memcpy(raw + hdr, data, size);
   /* the shared head word sits at offset 64 of the header */
   memcpy(raw + 64, &head, 8);
-  for (int i = 0; i < 64; i++) {
+  for (int i = 0; (script & 0x80) && i < 256; i++) {
+    const void *v = NULL;
+    size_t got = 0;
+    if (ember_shm_ring_peek(c, &v, &got) != EMBER_OK || got == 0) break;
+    const uint8_t *b = v;
+    if (b < view + hdr || b + got > view + hdr + 2 * cap) abort();
+    size_t take = (script & 1) ? got : (got + 1) / 2;
+    memcpy(buf, b, take < MAX_MESSAGE ? take : MAX_MESSAGE);
+    if (ember_shm_ring_consume(c, take) != EMBER_OK) abort();
+  }
+  for (int i = 0; !(script & 0x80) && i < 64; i++) {
     ember_shm_msg m;
     int rc = ember_shm_ring_next(c, &m, MAX_MESSAGE, 0);
     if (rc != EMBER_OK) break;

@@ -185,6 +185,38 @@ int ember_shm_ring_read(ember_shm_ring *r, void *buf, size_t cap, int64_t timeou
  * waits for and skips every fragment). */
 int ember_shm_ring_release(ember_shm_ring *r, int64_t timeout_ms);
 
+/* ---------------------------------------------------------------- stream
+ *
+ * Non-blocking calls for a caller that moves a byte stream through the ring
+ * and does its own waiting, such as the collectives: a rank drives one ring
+ * to each neighbour from one loop and sleeps on one doorbell for all of
+ * them, so no call here waits, and none writes the last-error message when
+ * it only finds no room or no data.  Each record is one DATA message; a
+ * consumer may take a record's bytes a few at a time.  Do not mix these
+ * calls with the message calls above on one ring. */
+
+/* Producer: reserves one record of as many bytes as fit now, at most max,
+ * and returns where to write them in *out and how many in *room (0 when the
+ * ring is full: nothing is reserved).  Publish with ember_shm_ring_commit
+ * (any length up to *room).  EMBER_ECLOSED if the consumer closed its end;
+ * EMBER_ECORRUPT if its position is impossible. */
+int ember_shm_ring_try_reserve(ember_shm_ring *r, size_t max, void **out, size_t *room);
+
+/* Consumer: the unconsumed bytes of the record at the read position, in
+ * ring memory (*len 0 when nothing is published yet).  The view stays valid
+ * until consume.  EMBER_ECLOSED at the producer's END; the producer's code
+ * at its ERROR; EMBER_ECORRUPT on a malformed record. */
+int ember_shm_ring_peek(ember_shm_ring *r, const void **data, size_t *len);
+
+/* Consumer: marks n of the bytes peek returned as consumed; once a record's
+ * last byte is, its space goes back to the producer. */
+int ember_shm_ring_consume(ember_shm_ring *r, size_t n);
+
+/* The peer's published position (a consumer sees the producer's head, a
+ * producer the consumer's tail).  A caller that found no data or no room
+ * keeps it and waits until it changes. */
+uint64_t ember_shm_ring_peer_position(const ember_shm_ring *r);
+
 /* ---------------------------------------------------------------- both */
 
 /* This end will do no more: the peer's waits fail with EMBER_ECLOSED at once,

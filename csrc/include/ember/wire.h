@@ -71,9 +71,10 @@ typedef enum {
 
   /* collectives, set-up only (see collective.h; data flows unframed) */
   EMBER_MSG_COLL_HELLO = 48,  /* both ways: u32 rank, u32 size */
-  EMBER_MSG_COLL_SHM = 49,    /* both ways: str segment name ("" = none),
-                                 32-byte token, u64 segment bytes, u64 pipe
-                                 offset, u64 pipe capacity */
+  EMBER_MSG_COLL_SHM = 49,    /* both ways: str inbox segment name ("" =
+                                 none), its 32-byte token, then the ring
+                                 for the receiver to send into: u32 pid,
+                                 u32 fd, u64 bytes, 32-byte token */
   EMBER_MSG_COLL_SHM_ACK = 50 /* both ways: u32 1 if the segment was mapped */
 } ember_msg_type;
 
