@@ -64,11 +64,12 @@ import math
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
+
+import rounds  # bench/rounds.py (bench/ is this script's path)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = b"ember-bench-allreduce-secret-32b"
@@ -350,17 +351,21 @@ def loopback_bytes_per_sec(seconds: float) -> float:
 
 # ---------------------------------------------------------------- report
 
+def _finite(xs: List[float]) -> List[float]:
+    """The rounds that gave a figure: a failed launch leaves nan (or None)."""
+    return [x for x in xs if x is not None and math.isfinite(x)]
+
+
 def med(xs: List[float]) -> Optional[float]:
-    ok = [x for x in xs if x is not None and math.isfinite(x)]
-    return statistics.median(ok) if ok else None
+    """The median over the rounds that gave a figure; None if none did."""
+    ok = _finite(xs)
+    return rounds.spread(ok).median if ok else None
 
 
 def cell(xs: List[float], width: int = 19) -> str:
-    """median [min-max] over the rounds."""
-    ok = [x for x in xs if x is not None and math.isfinite(x)]
-    if not ok:
-        return "%-*s" % (width, "n/a")
-    return "%-*s" % (width, "%.3f [%.3f-%.3f]" % (statistics.median(ok), min(ok), max(ok)))
+    """median [min-max] over the rounds that gave a figure, or n/a."""
+    ok = _finite(xs)
+    return "%-*s" % (width, rounds.fmt_spread(ok, ".3f") if ok else "n/a")
 
 
 def kv(x: Optional[float]) -> str:
@@ -442,8 +447,9 @@ def main() -> int:
         "mpi_tcp": lambda n: run_mpi(n, plan, args.mpi_exe, True, args.timeout),
         "gloo": lambda n: run_gloo(n, plan, args.gloo_python, args.timeout),
     }
-    jobs = [("loopback", lambda: loop.append(loopback_bytes_per_sec(args.loopback_seconds)
-                                             / 1e9))]
+    # name -> one launch; each round runs every one (rounds.interleaved)
+    jobs: Dict[str, Callable[[], None]] = {
+        "loopback": lambda: loop.append(loopback_bytes_per_sec(args.loopback_seconds) / 1e9)}
     for n in ranks:
         for side in sides:
             def job(side: str = side, n: int = n) -> None:
@@ -452,24 +458,35 @@ def main() -> int:
                     sec = got.get(z)
                     bus[side][n][z].append(z * 2.0 * (n - 1) / n / sec / 1e9 if sec
                                            else float("nan"))
-            jobs.append(("%s %d ranks" % (side, n), job))
+            jobs["%s %d ranks" % (side, n)] = job
     print("allreduce, one host: %s; ranks %s; sizes %s; %d interleaved rounds; %d CPUs"
           % (", ".join(sides), args.ranks, ",".join(human(z) for z in sizes), args.rounds,
              os.cpu_count() or 0), flush=True)
     t_start = time.monotonic()
-    for r in range(args.rounds):
-        k = r % len(jobs)  # rotated each round so no side always goes first
-        t_round, took = time.monotonic(), []
-        for name, job in jobs[k:] + jobs[:k]:
-            t0 = time.monotonic()
-            try:
-                job()
-            except Exception as e:  # one failed launch is a gap in the table, not the end
-                print("round %d: %s failed: %s" % (r + 1, name, e), flush=True)
-            took.append("%s %.1f" % (name.replace(" ranks", "r"), time.monotonic() - t0))
+    # the round so far: when it started, "<launch> <seconds>" for each launch
+    t_round = t_start
+    took: List[str] = []
+
+    def start(r: int) -> None:
+        nonlocal t_round
+        t_round = time.monotonic()
+        took.clear()
+
+    def report(r: int, name: str, _: None, secs: float) -> None:
+        took.append("%s %.1f" % (name.replace(" ranks", "r"), secs))
+
+    def failed(r: int, name: str, e: Exception, secs: float) -> None:
+        # one failed launch is a gap in the table, not the end
+        print("round %d: %s failed: %s" % (r + 1, name, e), flush=True)
+        report(r, name, None, secs)
+
+    def end(r: int) -> None:
         print("round %d/%d: %.1f s (%s)" % (r + 1, args.rounds,
                                             time.monotonic() - t_round, ", ".join(took)),
               flush=True)
+
+    # rotated each round so no side always goes first
+    rounds.interleaved(args.rounds, jobs, start=start, report=report, failed=failed, end=end)
 
     print("\nfloat32 sum, in place; GB/s = 1e9 bytes/s; busbw = bytes * 2(n-1)/n / time; "
           "median [min-max] over %d rounds (%.0f s)" % (args.rounds, time.monotonic() - t_start))

@@ -66,9 +66,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
-# the single-host benchmark's size syntax and timed loop (bench/ is this script's path)
+# bench/ is this script's path: the shared interleaved rounds, and the
+# single-host benchmark's size syntax and timed loop
+import rounds
 from allreduce import cell, human, iters_for, kv, med, parse_size, time_ember, worker_gloo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -336,11 +338,12 @@ def main() -> int:
     with simcluster.SimCluster(HOSTS[:max(max(ranks), 2)], prefix=PREFIX) as sim:
         bench = Bench(sim, args)
         try:
-            jobs = []  # (name, callable); rotated each round so no side always goes first
+            # name -> one launch; rotated each round so no side always goes first
+            jobs: Dict[str, Callable[[], None]] = {}
             if "stream" in sides:
-                jobs.append(("stream", lambda: stream.append(bench.stream())))
+                jobs["stream"] = lambda: stream.append(bench.stream())
             if "feed" in sides:
-                jobs.append(("feed", lambda: feed.append(bench.feed())))
+                jobs["feed"] = lambda: feed.append(bench.feed())
             for n in ranks:
                 for side in ("ember", "mpi", "gloo"):
                     if side in sides:
@@ -350,17 +353,17 @@ def main() -> int:
                                 sec = got.get(z)
                                 coll[side][n][z].append(z * 2.0 * (n - 1) / n / sec / 1e9
                                                         if sec else float("nan"))
-                        jobs.append(("%s %d ranks" % (side, n), run))
-            for r in range(args.rounds):
-                k = r % len(jobs)
-                for name, job in jobs[k:] + jobs[:k]:
-                    t0 = time.monotonic()
-                    try:
-                        job()
-                    except Exception as e:  # one failed launch is a gap, not the end
-                        print("round %d: %s failed: %s" % (r + 1, name, e))
-                    print("round %d: %-14s %5.1f s" % (r + 1, name, time.monotonic() - t0),
-                          flush=True)
+                        jobs["%s %d ranks" % (side, n)] = run
+
+            def report(r: int, name: str, _: None, secs: float) -> None:
+                print("round %d: %-14s %5.1f s" % (r + 1, name, secs), flush=True)
+
+            def failed(r: int, name: str, e: Exception, secs: float) -> None:
+                # one failed launch is a gap, not the end
+                print("round %d: %s failed: %s" % (r + 1, name, e))
+                report(r, name, None, secs)
+
+            rounds.interleaved(args.rounds, jobs, report=report, failed=failed)
         finally:
             bench.close()
 

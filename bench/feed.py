@@ -23,12 +23,14 @@ peer on the same cached data, the same partitions and the same record count:
                   'local' mode (as TFoS's own nodes start it) and one feeding
                   task per node, consumed by its TFNode.DataFeed
 
-Each comparison runs --rounds interleaved rounds (every side once per round)
-and reports every side's median and [min-max]; records/s and GB/s (1e9
-bytes/s of record payload, 3,144 bytes a record).  Every consumer touches every
-batch (sums the pixels) and the sums are checked against the expected total,
-so nothing is counted that was not delivered.  memcpy of the same bytes and
-the bare C channel (build/bench/feed_channel) are printed as references.
+Each comparison runs --rounds interleaved rounds (every side once per round,
+the order rotated from round to round so that no side always goes first:
+bench/rounds.py) and reports every side's median and [min-max]; records/s
+and GB/s (1e9 bytes/s of record payload, 3,144 bytes a record).  Every
+consumer touches every batch (sums the pixels) and the sums are checked
+against the expected total, so nothing is counted that was not delivered.
+memcpy of the same bytes and the bare C channel (build/bench/feed_channel)
+are printed as references.
 
 The RESULT line's headline ratios are the like-for-like ones:
 rdd_vs_spark_rdd (goal >= 0.8), rdd_vs_tfos (goal >= 50),
@@ -45,7 +47,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,9 @@ import time
 from typing import Any, Dict, List
 
 import numpy as np
+
+# bench/rounds.py (bench/ is this script's path); "rounds" is main()'s count
+import rounds as rnd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "python")]
@@ -301,7 +305,7 @@ def main() -> int:
 
         df = _source(spark, n, a.partitions).cache()
         assert df.count() == n
-        results.update(interleaved(rounds, {
+        results.update(rnd.interleaved(rounds, report=_report, sides={
             "ember_df": lambda: _checked("ember_df", run_ember(spark, df, n, a.batch, workdir),
                                          n, want),
             "spark_arrow": lambda: run_spark_arrow(df, n)}))
@@ -309,7 +313,7 @@ def main() -> int:
 
         df = tensors.pack(_source(spark, n, a.partitions), {"image": (784,)}).cache()
         assert df.count() == n
-        results.update(interleaved(rounds, {
+        results.update(rnd.interleaved(rounds, report=_report, sides={
             "ember_tensor": lambda: _checked("ember_tensor",
                                              run_ember(spark, df, n, a.batch, workdir), n, want),
             "spark_arrow_tensor": lambda: run_spark_arrow(df, n)}))
@@ -324,7 +328,7 @@ def main() -> int:
         rdd = _source(spark, rn, a.partitions).rdd.mapPartitions(records).cache()
         assert rdd.count() == rn
         rwant = expected_sum(rn)
-        results.update(interleaved(rounds, {
+        results.update(rnd.interleaved(rounds, report=_report, sides={
             "ember_rdd": lambda: _checked("ember_rdd", run_ember(spark, rdd, rn, a.batch,
                                                                  workdir), rn, rwant),
             "spark_rdd": lambda: run_spark_rdd(rdd, rn),
@@ -337,12 +341,12 @@ def main() -> int:
     channel = run_channel()
 
     rps = {k: [r["rows"] / r["secs"] for r in rs] for k, rs in results.items()}
-    med = {k: statistics.median(v) for k, v in rps.items()}
+    med = {k: rnd.spread(v).median for k, v in rps.items()}
     print(f"\n{'path':<20}{'records':>10}{'rounds':>7}{'median records/s':>18}"
           f"{'[min - max]':>24}{'median GB/s':>13}")
     for name, v in rps.items():
         print(f"{name:<20}{int(results[name][0]['rows']):>10}{len(v):>7}{med[name]:>18,.0f}"
-              f"{f'[{min(v):,.0f} - {max(v):,.0f}]':>24}{gbps(med[name]):>13.3f}")
+              f"{rnd.fmt_range(v, ',.0f', ' - '):>24}{gbps(med[name]):>13.3f}")
     for k, v in channel.items():
         print(f"{'channel':<20}{k} = {v:.3f}")
     print("GB/s = 1e9 bytes/s of record payload; ratios are ratios of medians")
@@ -363,16 +367,9 @@ def gbps(records_per_s: float) -> float:
     return records_per_s * RECORD_BYTES / 1e9
 
 
-def interleaved(rounds: int, runs: Dict[str, Any]) -> Dict[str, List[Dict[str, float]]]:
-    """Runs every one of ``runs`` once per round, ``rounds`` times; returns each
-    one's results, in round order."""
-    out: Dict[str, List[Dict[str, float]]] = {name: [] for name in runs}
-    for i in range(rounds):
-        for name, fn in runs.items():
-            r = fn()
-            out[name].append(r)
-            print(f"  round {i + 1}: {name}: {r['rows'] / r['secs']:,.0f} records/s", flush=True)
-    return out
+def _report(i: int, name: str, r: Dict[str, float], _secs: float) -> None:
+    """rnd.interleaved's report: each run's records/s as it comes."""
+    print(f"  round {i + 1}: {name}: {r['rows'] / r['secs']:,.0f} records/s", flush=True)
 
 
 def _checked(name: str, r: Dict[str, float], n: int, want: float) -> Dict[str, float]:

@@ -15,9 +15,10 @@ image -> classes) by
 
 each materialized completely (``write.format("noop")``) after a warm-up run
 (so every Python worker has loaded its model), in --rounds (3) interleaved
-rounds, every method once per round; each method is reported as its median
-rows/s and [min-max] over the rounds, and the headline ratios are ratios of
-medians.  Each round also times a no-op Arrow UDF over the same column (the
+rounds, every method once per round, the order rotated from round to round
+(bench/rounds.py); each method is reported as its median rows/s and
+[min-max] over the rounds, and the headline ratios are ratios of medians.
+Each round also times a no-op Arrow UDF over the same column (the
 ceiling of Spark's Arrow UDF path: what Spark's row -> Arrow export costs any
 method that takes that path, predict_batch_udf and Ember's Arrow UDF path
 included), and the CPU seconds of the Spark JVM and its Python workers are
@@ -41,9 +42,9 @@ predict_batch_udf batch size (1024: no sweep), 1 timed round (so each
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -52,6 +53,8 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
+
+import rounds  # noqa: E402  (bench/rounds.py; bench/ is this script's path)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = os.environ.get("EMBER_BENCH_QUICK", "") not in ("", "0")
@@ -292,7 +295,8 @@ def main() -> int:
         ember_udf = (EmberModel().setExportDir(export).setInputMapping({"image": "image"})
                      .setOutputMapping({"classes": "prediction"}).setArrowPath("udf"))
         timed("ember Arrow UDF path warm-up", lambda: ember_udf.transform(small_src), len(te_y))
-        # method -> (label, query); timed in this order every round
+        # method -> (label, query); round r starts at the r-th (rotated, so
+        # that no method always goes first) and goes on in this order
         methods = {
             "noop": ("no-op Arrow UDF (Spark's ceiling)", lambda: ceiling_out(src)),
             "ember": ("ember EmberModel.transform (direct)", lambda: ember_out(src)),
@@ -302,15 +306,16 @@ def main() -> int:
             "tfos": (f"TFoS pipeline.TFModel (BatchSize={tfos_bs})",
                      lambda: tfos_out(src, tfos_bs)),
         }
-        secs: dict = {k: [] for k in methods}
         cpu: dict = {k: [] for k in methods}
-        for r in range(args.rounds):
-            print(f"timed round {r + 1}/{args.rounds} ({rows} rows)", flush=True)
-            for k, (what, build) in methods.items():
-                secs[k].append(timed(what, build, rows, cpu[k]))
+        secs = rounds.interleaved(
+            args.rounds,
+            {k: functools.partial(timed, what, build, rows, cpu[k])
+             for k, (what, build) in methods.items()},
+            start=lambda r: print(f"timed round {r + 1}/{args.rounds} ({rows} rows)",
+                                  flush=True))
 
         rps = {k: [rows / s for s in v] for k, v in secs.items()}
-        med = {k: statistics.median(v) for k, v in rps.items()}
+        med = {k: rounds.spread(v).median for k, v in rps.items()}
         e_rps = med["ember"]
         print(f"\nmedian [min-max] of {args.rounds} interleaved round"
               f"{'' if args.rounds == 1 else 's'}, {rows} rows, "
@@ -322,14 +327,14 @@ def main() -> int:
                         ("pbu", f"predict_batch_udf (batch_size={best})"),
                         ("tfos", f"TFoS 2.2.5 pipeline.TFModel (BatchSize={tfos_bs})"),
                         ("noop", "no-op Arrow UDF (the Arrow UDF path ceiling)")):
-            print(f"{name:<48}{statistics.median(secs[k]):>10.2f}{med[k]:>15,.0f}"
-                  f"{f'[{min(rps[k]):,.0f}-{max(rps[k]):,.0f}]':>22}{e_rps / med[k]:>12.2f}x")
+            print(f"{name:<48}{rounds.spread(secs[k]).median:>10.2f}{med[k]:>15,.0f}"
+                  f"{rounds.fmt_range(rps[k], ',.0f'):>22}{e_rps / med[k]:>12.2f}x")
         names = {"ember": "ember", "ember_udf": "ember Arrow UDF path", "pbu": "predict_batch_udf",
                  "tfos": "tfos", "noop": "no-op Arrow UDF"}
-        cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
+        cpu_med = {k: rounds.spread(v).median for k, v in cpu.items()}
         print("CPU seconds (Spark JVM + Python workers + driver), median [min-max] of the "
               "rounds: " +
-              ", ".join(f"{names[k]} {cpu_med[k]:.1f} [{min(cpu[k]):.1f}-{max(cpu[k]):.1f}]"
+              ", ".join(f"{names[k]} {rounds.fmt_spread(cpu[k], '.1f')}"
                         for k in ("ember", "ember_udf", "pbu", "tfos", "noop")) +
               f"; predict_batch_udf / ember {cpu_med['pbu'] / cpu_med['ember']:.2f}x")
         print(f"RESULT inference ember_rps={e_rps:.0f} pbu_rps={med['pbu']:.0f} "

@@ -40,12 +40,13 @@ fails at the largest N for another reason, tfos_select_probe() registers N
 nodes one at a time to show whether its select() loop (FD_SETSIZE 1024) would
 have survived anyway.
 
-Each system gets the same TRIALS (3) trials per N, interleaved: round k runs
-one Ember and one TFoS trial (which goes first alternates), before round k+1.
-A system that fails at an N is not retried at that N (its figure is "failed"
-whatever later trials would give).  Seconds are reported as median [min-max]
-of the trials.  EMBER_BENCH_QUICK=1 (make bench-smoke) runs N = 8, 16
-instead, with the same harness and trial counts.
+Each system gets the same TRIALS (3) trials per N, interleaved
+(bench/rounds.py): round k runs one Ember and one TFoS trial (which goes
+first alternates), before round k+1.  A system that fails at an N is not
+retried at that N (its figure is "failed" whatever later trials would give).
+Seconds are reported as median [min-max] of the trials.  EMBER_BENCH_QUICK=1
+(make bench-smoke) runs N = 8, 16 instead, with the same harness and trial
+counts.
 
 The last line is machine-readable:
 RESULT reservation n=1024 ratio=<tfos/ember medians|inf> ember_s=<median>
@@ -59,18 +60,20 @@ tfos_select_probe=<died|ok>.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import resource
 import socket
-import statistics
 import sys
 import threading
 import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
+
+import rounds  # bench/rounds.py (bench/ is this script's path)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.join(REPO, "python") not in sys.path:
@@ -809,12 +812,17 @@ def tfos_select_probe(n: int, timeout_s: float = 30.0) -> str:
 
 # ================================================================ the benchmark
 
-def _stats(trials: List[Trial]) -> Optional[Tuple[float, float, float]]:
-    """(median, min, max) of the trials' seconds; None unless every trial completed."""
+def _seconds(trials: List[Trial]) -> Optional[List[float]]:
+    """The trials' seconds; None unless every trial completed."""
     if not trials or not all(t.ok for t in trials):
         return None
-    xs = [t.seconds for t in trials]
-    return statistics.median(xs), min(xs), max(xs)  # type: ignore[type-var]
+    return [t.seconds for t in trials]  # type: ignore[misc]  (set when ok)
+
+
+def _stats(trials: List[Trial]) -> Optional[rounds.Spread]:
+    """(median, min, max) of the trials' seconds; None unless every trial completed."""
+    xs = _seconds(trials)
+    return None if xs is None else rounds.spread(xs)
 
 
 def _fmt(x: Optional[float]) -> str:
@@ -825,33 +833,39 @@ def _kv(x: Optional[float]) -> str:
     return "nan" if x is None else f"{x:.3f}"
 
 
-def _cell(st: Optional[Tuple[float, float, float]]) -> str:
-    return "failed" if st is None else f"{st[0]:.3f} [{st[1]:.3f}-{st[2]:.3f}]"
+def _cell(trials: List[Trial]) -> str:
+    """median [min-max] of the trials' seconds; "failed" unless every trial completed."""
+    xs = _seconds(trials)
+    return "failed" if xs is None else rounds.fmt_spread(xs, ".3f")
 
 
 def _run_all(t_start: float) -> Dict[Tuple[str, int], List[Trial]]:
     results: Dict[Tuple[str, int], List[Trial]] = collections.defaultdict(list)
     pool = NodePool().start()
     print(f"node processes started in {time.monotonic() - t_start:.1f} s (not timed)")
+
+    def trial(kind: str, n: int) -> None:
+        """One trial of ``kind`` at ``n``, kept in results."""
+        nonlocal pool
+        if any(not t.ok for t in results[(kind, n)]):
+            return     # failed at this N: its figure is "failed", not retried
+        tr = run_trial(pool, kind, n)
+        results[(kind, n)].append(tr)
+        print(f"  {kind:5s} n={n:<5d} trial {len(results[(kind, n)])}: {tr.summary()}")
+        if tr.server_notes:
+            print("        server events: " + ", ".join(
+                f"{k}={v}" for k, v in sorted(tr.server_events.items())))
+            for note in tr.server_notes[:4]:
+                print(f"        {note[:300]}")
+        if tr.pool_dirty:   # threads may still hang in a dead server: fresh pool
+            pool.close(kill=True)
+            pool = NodePool().start()
+
     try:
         for n in SIZES:
-            for k in range(TRIALS):
-                # round k: each system once, the first one alternating (E T, T E, ...)
-                for kind in ("ember", "tfos") if k % 2 == 0 else ("tfos", "ember"):
-                    if any(not t.ok for t in results[(kind, n)]):
-                        continue     # failed at this N: its figure is "failed", not retried
-                    tr = run_trial(pool, kind, n)
-                    results[(kind, n)].append(tr)
-                    print(f"  {kind:5s} n={n:<5d} trial {len(results[(kind, n)])}: "
-                          f"{tr.summary()}")
-                    if tr.server_notes:
-                        print("        server events: " + ", ".join(
-                            f"{k}={v}" for k, v in sorted(tr.server_events.items())))
-                        for note in tr.server_notes[:4]:
-                            print(f"        {note[:300]}")
-                    if tr.pool_dirty:   # threads may still hang in a dead server: fresh pool
-                        pool.close(kill=True)
-                        pool = NodePool().start()
+            # round k: each system once, the first one alternating (E T, T E, ...)
+            rounds.interleaved(TRIALS, {kind: functools.partial(trial, kind, n)
+                                        for kind in ("ember", "tfos")})
     finally:
         pool.close()
     return results
@@ -873,8 +887,8 @@ def main() -> int:
 
     big = SIZES[-1]
     st = {(k, n): _stats(results[(k, n)]) for k in ("ember", "tfos") for n in SIZES}
-    srv_ready = {n: (statistics.median([x.server_ready for x in results[("ember", n)]
-                                        if x.server_ready is not None])
+    srv_ready = {n: (rounds.spread([x.server_ready for x in results[("ember", n)]
+                                    if x.server_ready is not None]).median
                      if any(x.server_ready is not None for x in results[("ember", n)])
                      else None) for n in SIZES}
     probe = None
@@ -898,7 +912,7 @@ def main() -> int:
     for n in SIZES:
         r = ratio(n)
         rs = "-" if r is None else ("inf" if math.isinf(r) else f"{r:.1f}x")
-        print(f"{n:>6} | {_cell(st[('ember', n)]):>22} | {_cell(st[('tfos', n)]):>22} | "
+        print(f"{n:>6} | {_cell(results[('ember', n)]):>22} | {_cell(results[('tfos', n)]):>22} | "
               f"{rs:>7} | {_fmt(srv_ready[n]):>16} s")
     print(f"seconds, median [min-max] of {TRIALS} trials each; ratio = tfos median / ember "
           f"median; total run {time.monotonic() - t_start:.0f} s")

@@ -12,11 +12,12 @@ batches, Ember vs tf.data, plus CRC-32C and Example-decoder microbenchmarks.
 * tf.data: ``TFRecordDataset(files).batch(B).map(tf.io.parse_example,
   AUTOTUNE).prefetch(AUTOTUNE)`` (TensorFlow's recommended form, also CRC
   checked), iterated eagerly to numpy, same batch size B, same process.
-* ROUNDS (3) interleaved rounds: each round reads the whole set once with
-  Ember and once with tf.data (which one goes first alternates from round to
-  round), and every round's seconds are kept.  Each reader is reported as its
-  median GB/s and [min-max] over the rounds, GB/s = 1e9 bytes/s of TFRecord
-  file bytes; the headline ratio is median Ember / median tf.data.
+* ROUNDS (3) interleaved rounds (bench/rounds.py): each round reads the
+  whole set once with Ember and once with tf.data (which one goes first
+  alternates from round to round), and every round's seconds are kept.
+  Each reader is reported as its median GB/s and [min-max] over the rounds,
+  GB/s = 1e9 bytes/s of TFRecord file bytes; the headline ratio is median
+  Ember / median tf.data.
 * CRC-32C: ``build/bench/crc32c`` -- ember_crc32c against a bare loop of
   three independent crc32 instruction streams (the instruction's limit).
   That C program reports each loop's best of 5 timed rounds of ~0.2 s.
@@ -40,13 +41,14 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import numpy as np
+
+import rounds  # bench/rounds.py (bench/ is this script's path)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -58,23 +60,6 @@ QUICK_ROWS = 8192
 if QUICK:
     TARGET_BYTES = 50_000_000
 WORK = os.path.join(REPO, "build", "bench")
-
-
-def interleaved(runs: Dict[str, Callable[[], int]], total: int,
-                rounds: int = ROUNDS) -> Dict[str, List[float]]:
-    """Times every one of ``runs`` once per round, ``rounds`` times, the order
-    reversed every other round; returns each one's seconds, in round order."""
-    secs: Dict[str, List[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            t0 = time.perf_counter()
-            runs[name]()
-            s = time.perf_counter() - t0
-            secs[name].append(s)
-            print(f"  round {r + 1}/{rounds}: {name}: {s:.2f} s = {total / s / 1e9:.2f} GB/s",
-                  flush=True)
-    return secs
 
 
 def main() -> None:
@@ -128,7 +113,15 @@ def main() -> None:
         return rows
 
     print(f"{ROUNDS} interleaved rounds", flush=True)
-    secs = interleaved({"ember": ember_run, "tf.data": tf_run}, total)
+    # each reader's seconds per round, kept by report (the readers return rows)
+    secs: Dict[str, List[float]] = {"ember": [], "tf.data": []}
+
+    def report(r: int, name: str, _rows: int, s: float) -> None:
+        secs[name].append(s)
+        print(f"  round {r + 1}/{ROUNDS}: {name}: {s:.2f} s = {total / s / 1e9:.2f} GB/s",
+              flush=True)
+
+    rounds.interleaved(ROUNDS, {"ember": ember_run, "tf.data": tf_run}, report=report)
 
     crc = dict(kv.split("=") for kv in subprocess.run(
         [os.path.join(WORK, "crc32c")], check=True, capture_output=True,
@@ -138,16 +131,16 @@ def main() -> None:
         capture_output=True, text=True).stdout.split())
 
     gbps = {k: [total / s / 1e9 for s in v] for k, v in secs.items()}
-    med = {k: statistics.median(v) for k, v in gbps.items()}
+    med = {k: rounds.spread(v).median for k, v in gbps.items()}
     ember_gbps, tf_gbps = med["ember"], med["tf.data"]
     print()
     print(f"{'reader':<44}{'median s':>10}{'median GB/s':>13}{'[min-max] GB/s':>17}"
           f"{'median records/s':>18}")
     for name, label in (("ember", "Ember reader (C, CRC checked, 1 thread)"),
                         ("tf.data", "tf.data TFRecordDataset + parse_example")):
-        print(f"{label:<44}{statistics.median(secs[name]):>10.2f}{med[name]:>13.2f}"
-              f"{f'[{min(gbps[name]):.2f}-{max(gbps[name]):.2f}]':>17}"
-              f"{n * reps / statistics.median(secs[name]):>18,.0f}")
+        print(f"{label:<44}{rounds.spread(secs[name]).median:>10.2f}{med[name]:>13.2f}"
+              f"{rounds.fmt_range(gbps[name], '.2f'):>17}"
+              f"{n * reps / rounds.spread(secs[name]).median:>18,.0f}")
     print(f"ratio Ember / tf.data (of medians): {ember_gbps / tf_gbps:.2f}x; "
           f"{ROUNDS} interleaved rounds; GB/s = 1e9 bytes/s of TFRecord file bytes")
     print()
