@@ -368,13 +368,17 @@ static long ch_send(ember_comm *c, peer_t *p, const uint8_t *a, size_t alen,
   }
   void *dst = NULL;
   size_t room = 0, want = alen + blen;
+  /* The position to wait on is read before the look for room: one read
+   * after it could already include the room freed meanwhile, and the wait
+   * would then sleep through the only change it needed to see. */
+  uint64_t seen = ember_shm_ring_peer_position(p->out);
   int rc = ember_shm_ring_try_reserve(p->out, want < SHM_CHUNK ? want : SHM_CHUNK, &dst, &room);
   if (rc != EMBER_OK) return ember__set_error(rc, "send to %s: %s", p->desc, ember_last_error());
   size_t na = alen < room ? alen : room;
   size_t nb = blen < room - na ? blen : room - na;
   nb -= nb % gran; /* a record never ends inside an element */
   if (na + nb == 0) {
-    p->out_seen = ember_shm_ring_peer_position(p->out);
+    p->out_seen = seen;
     return 0;
   }
   if (na > 0) memcpy(dst, a, na);
@@ -424,11 +428,12 @@ static long ch_recv(ember_comm *c, peer_t *p, uint8_t *dst, size_t len, reduce_f
   }
   const void *src = NULL;
   size_t avail = 0;
+  uint64_t seen = ember_shm_ring_peer_position(p->in); /* before the look: see ch_send */
   int rc = ember_shm_ring_peek(p->in, &src, &avail);
   if (rc != EMBER_OK)
     return ember__set_error(rc, "recv from %s: %s", p->desc, ember_last_error());
   if (avail == 0) {
-    p->in_seen = ember_shm_ring_peer_position(p->in);
+    p->in_seen = seen;
     return 0;
   }
   if (avail > len) avail = len;

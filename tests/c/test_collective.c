@@ -345,6 +345,35 @@ static int rank_big(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *arg
 
 TEST(big_68mib_2_ranks) { CHECK_EQ_INT(run_world(2, NULL, rank_big, NULL), 0); }
 
+/* ------------------------------------------------------------ many ops */
+
+/* Thousands of back-to-back ops on 4 ranks over shared memory, with more
+ * ranks than CI has cores, so ranks are preempted anywhere, including
+ * between looking at a ring and recording what they saw there.  A wake-up
+ * lost in that window stalls an op until its deadline, which fails here. */
+static int rank_many(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *arg) {
+  ember_comm *c = NULL;
+  RCHECK(ember_comm_create(&c, cfg, RANK_TIMEOUT_MS) == 0);
+  RCHECK(ember_comm_peer_is_shm(c, (rank + 1) % n));
+  enum { SMALL = 1024, LARGE = 64 * 1024 };
+  float *b = malloc(LARGE * sizeof *b);
+  RCHECK(b != NULL);
+  for (int i = 0; i < 12000; i++) {
+    size_t count = i % 8 == 7 ? LARGE : SMALL; /* small: recursive doubling; large: ring */
+    for (size_t k = 0; k < count; k += 61) b[k] = (float)(rank + (uint32_t)i % 7);
+    int rc = ember_comm_allreduce(c, b, count, EMBER_DT_F32, EMBER_RED_SUM, 5000);
+    if (rc != 0) fprintf(stderr, "rank %u, op %d: %s\n", rank, i, ember_last_error());
+    RCHECK(rc == 0);
+    float want = (float)(n * (n - 1) / 2 + n * ((uint32_t)i % 7));
+    for (size_t k = 0; k < count; k += 61) RCHECK(b[k] == want);
+  }
+  free(b);
+  ember_comm_destroy(c);
+  return 0;
+}
+
+TEST(many_ops_4_ranks_shm) { CHECK_EQ_INT(run_world(4, NULL, rank_many, NULL), 0); }
+
 /* ------------------------------------------------------------ failures */
 
 typedef struct {
@@ -572,7 +601,7 @@ TEST(strangers_do_not_delay_the_mesh) {
 
 RUN_TESTS(T(ops_2_shm), T(ops_2_tcp_ring), T(ops_3_shm_ring), T(ops_3_tcp), T(ops_4_shm),
           T(ops_4_tcp_ring), T(ops_4_shm_ring), T(ops_3_tcp_ring), T(single_rank),
-          T(big_68mib_2_ranks), T(peer_killed_mid_allreduce_shm_4),
+          T(big_68mib_2_ranks), T(many_ops_4_ranks_shm), T(peer_killed_mid_allreduce_shm_4),
           T(peer_killed_mid_allreduce_tcp_4), T(peer_killed_mid_allreduce_tcp_3),
           T(silent_peer_times_out_shm), T(silent_peer_times_out_tcp),
           T(wrong_secret_rejected), T(mismatched_calls_detected),

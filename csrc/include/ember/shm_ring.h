@@ -213,8 +213,10 @@ int ember_shm_ring_peek(ember_shm_ring *r, const void **data, size_t *len);
 int ember_shm_ring_consume(ember_shm_ring *r, size_t n);
 
 /* The peer's published position (a consumer sees the producer's head, a
- * producer the consumer's tail).  A caller that found no data or no room
- * keeps it and waits until it changes. */
+ * producer the consumer's tail).  A caller reads it BEFORE peek or
+ * try_reserve; when they find no data or no room, it waits until the
+ * position differs from that value (one read after the look could already
+ * include the change it waits for). */
 uint64_t ember_shm_ring_peer_position(const ember_shm_ring *r);
 
 /* ---------------------------------------------------------------- both */
