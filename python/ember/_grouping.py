@@ -28,6 +28,8 @@ Driver-side functions import pyspark; the splitters run in feeding tasks.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import threading
 from collections import deque
 from typing import Any, Deque, Iterator, List, Optional, Tuple
@@ -195,23 +197,25 @@ def partitions(items: Any, group: List[int]) -> Iterator[Tuple[int, Iterator[Any
     """Splits a grouped RDD's records at its boundaries: ``(p, records)`` for
     each partition ``p`` of ``group`` in turn.  Records a consumer leaves
     unread are skipped before the next partition."""
-    it = iter(items)
+    ended: List[bool] = []
+
+    def end_mark() -> Iterator[Any]:
+        ended.append(True)
+        return
+        yield  # a generator: chain() runs it once the records run out
+
+    it = itertools.chain(items, end_mark())
     head = next(it, _END)
     for p in group:
         if head is not BOUNDARY:
             raise RuntimeError(f"ember: the grouped feed lacks the start of partition {p}")
-        cell = [next(it, _END)]  # the record read ahead
-
-        def records(cell: List[Any] = cell) -> Iterator[Any]:
-            while cell[0] is not BOUNDARY and cell[0] is not _END:
-                yield cell[0]
-                cell[0] = next(it, _END)
-
-        body = records()
+        # Up to the next BOUNDARY (taken with it) or the end: iter(callable,
+        # sentinel) and next() step in C, with no Python frame per record.
+        body = iter(functools.partial(next, it, BOUNDARY), BOUNDARY)
         yield p, body
         for _ in body:  # what the consumer did not read (it stopped early)
             pass
-        head = cell[0]
+        head = _END if ended else BOUNDARY
     if head is not _END:
         raise RuntimeError(f"ember: the grouped feed holds more than partitions {group}")
 
