@@ -148,10 +148,10 @@ def transform(spark: Any, out: str) -> None:
     from ember.ml import EmberModel, TFEstimator
     from examples.fashion_mnist import model as fm
 
-    train = fashion_frame(spark, "train", limit=12000, parts=4).cache()
+    train = fashion_frame(spark, "train", limit=6000, parts=4).cache()
     test = fashion_frame(spark, "test", limit=2000, parts=3).cache()
     est = TFEstimator(fm.train_spark, argparse.Namespace(
-        learning_rate=1e-3, intra_op_threads=1, inter_op_threads=1, train_records=12000))
+        learning_rate=1e-3, intra_op_threads=1, inter_op_threads=1, train_records=6000))
     fitted = fashion_pipeline(est, 3, out).fit(train)
     model = fitted.stages[1]
     assert isinstance(model, EmberModel)
