@@ -13,8 +13,9 @@
  * evicted reconnects), and they are logged rate-limited.  The port stops
  * listening once the mesh is complete.  Ranks that share a host (they can open each
  * other's shared-memory segment: no configuration, it is tried and verified)
- * then move their data through shared-memory pipes; the TCP connection stays
- * as the control and liveness channel (a dead peer closes it).
+ * then move their data through shared-memory rings (shm_ring.h, one from
+ * each peer); the TCP connection stays as the control and liveness channel
+ * (a dead peer closes it).
  *
  * Algorithms:
  *   - allreduce of more than small_max bytes: ring reduce-scatter then ring
@@ -43,8 +44,8 @@
  * no limit).  A peer that dies closes its connection and the ranks next to it
  * fail at once; a silent peer makes the call fail when its timeout passes,
  * with EMBER_ETIMEDOUT and a message naming the rank being waited for.  After
- * any failure the communicator is broken: it closes its connections and marks
- * its shared-memory pipes aborted so that the other ranks fail promptly too
+ * any failure the communicator is broken: it closes its connections and
+ * marks itself aborted in its peers' shared memory so that they fail promptly too
  * (they see EMBER_ECLOSED or EMBER_EABORTED naming this rank), and every
  * later call returns EMBER_ESTATE with the first error.  Recreate the
  * communicator (a new job attempt) to continue.
@@ -77,8 +78,9 @@ typedef enum {
   EMBER_RED_MAX = 4
 } ember_redop;
 
-/* Upper bound on ranks (connections and shared-memory pipes per rank grow
- * with it). */
+/* Upper bound on ranks (connections and shared-memory rings per rank grow
+ * with it; a rank that cannot make or map every ring of its host, e.g. for
+ * want of file descriptors, talks TCP instead). */
 #define EMBER_COMM_MAX_RANKS 1024u
 
 /* Config flags. */
