@@ -16,7 +16,10 @@ the order rotated from round to round), all in GB/s = 1e9 bytes/s:
            only asserts what the hosts' separate /dev/shm already imply), one
            rank per host, rendezvous on the hosts' addresses
   mpi      Open MPI (Debian's openmpi-bin; bench/mpi_allreduce.c) with
-           ``--mca btl tcp,self`` across the hosts: mpirun on the first host,
+           ``--mca pml ob1 --mca btl tcp,self`` across the hosts (pml ob1, as
+           in bench/allreduce.py, so that no UCX pml can bypass the btl
+           choice: the simulated hosts share one kernel, where UCX could use
+           shared memory or CMA between them): mpirun on the first host,
            its daemons started on the others through ``plm_rsh_agent`` (a
            script that enters the host's namespace, in place of ssh)
   gloo     torch.distributed gloo (Debian's python3-torch, run by the system
@@ -228,7 +231,8 @@ class Bench:
         exe = os.path.join(REPO, "build", "bench", "mpi_allreduce")
         cmd = ["mpirun", "-np", str(n), "--host", ",".join(HOSTS[:n]), "--oversubscribe",
                "--bind-to", "none", "--mca", "plm_rsh_agent", self.agent,
-               "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "eth0",
+               "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
+               "--mca", "btl_tcp_if_include", "eth0",
                "--mca", "oob_tcp_if_include", "eth0", "--mca", "mpi_yield_when_idle", "1"]
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
