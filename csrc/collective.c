@@ -61,10 +61,10 @@
 #define ADDR_CAP 300u
 #define SHM_NAME_CAP 64u
 #define SET_UP_FRAME_MAX 512u
-#ifndef RING_PIPE_CAP
-#define RING_PIPE_CAP (2u * 1024u * 1024u)
+#ifndef PREV_RING_CAP
+#define PREV_RING_CAP (2u * 1024u * 1024u) /* the ring from the previous rank */
 #endif
-#define SIDE_PIPE_CAP (256u * 1024u)
+#define SIDE_RING_CAP (256u * 1024u)        /* the rings from the other ranks */
 #ifndef SHM_CHUNK
 #define SHM_CHUNK (256u * 1024u)   /* most bytes copied per ring operation */
 #endif
@@ -959,8 +959,8 @@ static int begin_op(ember_comm *c, op_ctx *o, int kind, int dtype, int op, uint3
 }
 
 /* Shuts every connection and rings every peer's doorbell with our abort, so
- * that the other ranks
- * stop waiting on us at once; fds stay open (no reuse race) until destroy. */
+ * that the other ranks stop waiting on us at once; fds stay open (no reuse
+ * race) until destroy. */
 static void break_links(ember_comm *c) {
   for (uint32_t j = 0; j < c->size; j++) {
     peer_t *p = &c->peers[j];
@@ -1529,7 +1529,7 @@ static int build_mesh(ember_comm *c, const ember_comm_config *cfg, int64_t deadl
  * one from the previous rank; the others carry recursive doubling's small
  * exchanges. */
 static size_t ring_cap_for(const ember_comm *c, uint32_t from) {
-  return from == (c->rank + c->size - 1) % c->size ? RING_PIPE_CAP : SIDE_PIPE_CAP;
+  return from == (c->rank + c->size - 1) % c->size ? PREV_RING_CAP : SIDE_RING_CAP;
 }
 
 /* COLL_SHM: our inbox's name ("" = no shared memory), its token, and the
@@ -1537,16 +1537,15 @@ static size_t ring_cap_for(const ember_comm *c, uint32_t from) {
 static int send_shm_offer(int fd, const char *name, const uint8_t *token,
                           const ember_shm_ring *in, int64_t deadline) {
   ember_shm_ring_desc d;
+  uint8_t desc[EMBER_SHM_RING_DESC_WIRE_LEN];
   memset(&d, 0, sizeof d);
   if (in != NULL) ember_shm_ring_describe(in, &d);
+  ember_shm_ring_desc_encode(&d, desc);
   ember_wire_writer w;
   ember_wire_writer_init(&w);
   ember_wire_write_str(&w, name);
   ember_wire_write_raw(&w, token, 32);
-  ember_wire_write_u32(&w, (uint32_t)d.pid);
-  ember_wire_write_u32(&w, (uint32_t)d.fd);
-  ember_wire_write_u64(&w, d.size);
-  ember_wire_write_raw(&w, d.token, 32);
+  ember_wire_write_raw(&w, desc, sizeof desc);
   int rc = w.err ? w.err : ember_net_send_frame(fd, EMBER_MSG_COLL_SHM, w.buf, (uint32_t)w.len, deadline);
   ember_wire_writer_free(&w);
   return rc;
@@ -1558,16 +1557,12 @@ static int send_shm_offer(int fd, const char *name, const uint8_t *token,
 static int map_peer_inbox(ember_comm *c, peer_t *p, const uint8_t *pl, uint32_t len) {
   ember_wire_reader r;
   char name[SHM_NAME_CAP];
-  const uint8_t *token = NULL, *ring_token = NULL;
+  const uint8_t *token = NULL, *desc = NULL;
   ember_shm_ring_desc d;
-  memset(&d, 0, sizeof d);
   ember_wire_reader_init(&r, pl, len);
   ember_wire_read_str(&r, name, sizeof name);
   ember_wire_read_raw(&r, &token, 32);
-  d.pid = (int32_t)ember_wire_read_u32(&r);
-  d.fd = (int32_t)ember_wire_read_u32(&r);
-  d.size = ember_wire_read_u64(&r);
-  ember_wire_read_raw(&r, &ring_token, 32);
+  ember_wire_read_raw(&r, &desc, EMBER_SHM_RING_DESC_WIRE_LEN);
   int rc = ember_wire_reader_finish(&r, 1, "COLL_SHM");
   if (rc != EMBER_OK)
     return ember__set_error(rc, "comm: from %s: %s", p->desc, ember_last_error());
@@ -1575,7 +1570,7 @@ static int map_peer_inbox(ember_comm *c, peer_t *p, const uint8_t *pl, uint32_t 
   if (name[0] != '/' || strchr(name + 1, '/') != NULL)
     return ember__set_error(EMBER_EPROTO, "comm: %s offered an invalid shared-memory "
                             "segment name '%s'", p->desc, name);
-  memcpy(d.token, ring_token, sizeof d.token);
+  ember_shm_ring_desc_decode(desc, &d);
   int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) return 0; /* not on this host (or no /dev/shm): TCP */
   struct stat stt;

@@ -346,10 +346,7 @@ static int client_offer_shm(ember_feed_client *c, int64_t deadline) {
     goto cleanup; /* no memfd here: TCP */
   ember_shm_ring_describe(ring, &d);
   ember__feed_host_id(req);
-  ember_wire_put_u32(req + 16, (uint32_t)d.pid);
-  ember_wire_put_u32(req + 20, (uint32_t)d.fd);
-  ember_wire_put_u64(req + 24, d.size);
-  memcpy(req + 32, d.token, 32);
+  ember_shm_ring_desc_encode(&d, req + 16);
   rc = ember_net_send_frame(c->fd, EMBER_MSG_FEED_SHM, req, sizeof req, deadline);
   if (rc != EMBER_OK) {
     c->broken = 1;

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "ember/batch.h"
+#include "ember/shm_ring.h"
 
 #define FEED_DEFAULT_QUEUE (64u * 1024u * 1024u)
 #define FEED_DEFAULT_MAX_FRAME (256u * 1024u * 1024u)
@@ -17,7 +18,7 @@
 
 #define FEED_DEFAULT_RING (4u * 1024u * 1024u)
 /* FEED_SHM payload: host id, pid, fd, segment bytes, token */
-#define FEED_SHM_REQ_LEN (16u + 4u + 4u + 8u + 32u)
+#define FEED_SHM_REQ_LEN (16u + EMBER_SHM_RING_DESC_WIRE_LEN) /* host id, ring */
 
 /* ---- batch codec pieces (batch.c) ---- */
 

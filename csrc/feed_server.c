@@ -826,7 +826,7 @@ static void *ring_reader(void *arg) {
 static void handle_shm_request(ember_feed_server *s, feed_conn *c) {
   char why[FEED_REASON_MAX];
   ember_wire_reader r;
-  const uint8_t *host = NULL, *token = NULL;
+  const uint8_t *host = NULL, *desc = NULL;
   ember_shm_ring_desc d;
   ember_shm_ring *ring = NULL;
   static const uint8_t zero[16] = {0};
@@ -842,16 +842,13 @@ static void handle_shm_request(ember_feed_server *s, feed_conn *c) {
   memset(&d, 0, sizeof d);
   ember_wire_reader_init(&r, c->body, c->fh.length);
   ember_wire_read_raw(&r, &host, 16);
-  d.pid = (int32_t)ember_wire_read_u32(&r);
-  d.fd = (int32_t)ember_wire_read_u32(&r);
-  d.size = ember_wire_read_u64(&r);
-  ember_wire_read_raw(&r, &token, 32);
+  ember_wire_read_raw(&r, &desc, EMBER_SHM_RING_DESC_WIRE_LEN);
   if (ember_wire_reader_finish(&r, 1, "FEED_SHM") != EMBER_OK) {
     snprintf(why, sizeof why, "feed: %s", ember_last_error());
     conn_refuse(s, c, EMBER_EPROTO, why);
     return;
   }
-  memcpy(d.token, token, sizeof d.token);
+  ember_shm_ring_desc_decode(desc, &d);
   if (!s->shm_enabled) {
     st = EMBER_ENOTFOUND;
     snprintf(why, sizeof why, "shared memory is disabled on this node");

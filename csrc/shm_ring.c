@@ -32,6 +32,7 @@
 #include "ember/auth.h"
 #include "ember/error.h"
 #include "ember/net.h"
+#include "ember/wire.h"
 
 #define RING_MAGIC 0x474E495252424D45ull /* "EMBRRING" */
 #define RING_VERSION 1u
@@ -245,6 +246,22 @@ void ember_shm_ring_describe(const ember_shm_ring *r, ember_shm_ring_desc *out) 
   out->fd = r->fd;
   out->size = r->hdr_len + r->cap;
   memcpy(out->token, r->token, sizeof out->token);
+}
+
+void ember_shm_ring_desc_encode(const ember_shm_ring_desc *d,
+                                uint8_t out[EMBER_SHM_RING_DESC_WIRE_LEN]) {
+  ember_wire_put_u32(out, (uint32_t)d->pid);
+  ember_wire_put_u32(out + 4, (uint32_t)d->fd);
+  ember_wire_put_u64(out + 8, d->size);
+  memcpy(out + 16, d->token, sizeof d->token);
+}
+
+void ember_shm_ring_desc_decode(const uint8_t in[EMBER_SHM_RING_DESC_WIRE_LEN],
+                                ember_shm_ring_desc *d) {
+  d->pid = (int32_t)ember_wire_get_u32(in);
+  d->fd = (int32_t)ember_wire_get_u32(in + 4);
+  d->size = ember_wire_get_u64(in + 8);
+  memcpy(d->token, in + 16, sizeof d->token);
 }
 
 int ember_shm_ring_attach(ember_shm_ring **out, const ember_shm_ring_desc *d,
@@ -755,7 +772,6 @@ int ember_shm_ring_try_reserve(ember_shm_ring *r, size_t max, void **out, size_t
   if (free_bytes < 2u * REC_HDR || max == 0) return EMBER_OK;
   uint64_t n = free_bytes - REC_HDR;
   if (n > max) n = max;
-  if (n > UINT32_MAX) n = UINT32_MAX & ~(uint64_t)15u;
   r->reserved = (size_t)n;
   r->have_reservation = 1;
   *out = r->data + r->head % r->cap + REC_HDR;

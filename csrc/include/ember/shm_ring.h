@@ -108,6 +108,15 @@ int ember_shm_ring_create(ember_shm_ring **out, size_t capacity, ember_shm_role 
 /* The descriptor the peer passes to ember_shm_ring_attach. */
 void ember_shm_ring_describe(const ember_shm_ring *r, ember_shm_ring_desc *out);
 
+/* A descriptor as the feed (FEED_SHM) and the collectives (COLL_SHM) carry
+ * it: u32 pid, u32 fd, u64 size, then the token, little-endian.  Decoding
+ * only copies: ember_shm_ring_attach checks every field. */
+#define EMBER_SHM_RING_DESC_WIRE_LEN 48u
+void ember_shm_ring_desc_encode(const ember_shm_ring_desc *d,
+                                uint8_t out[EMBER_SHM_RING_DESC_WIRE_LEN]);
+void ember_shm_ring_desc_decode(const uint8_t in[EMBER_SHM_RING_DESC_WIRE_LEN],
+                                ember_shm_ring_desc *d);
+
 /* Attaches to a ring described by d, as the other end than its creator
  * (role must differ from the creator's).  EMBER_ENOTFOUND when the segment
  * cannot be opened or is not the one described (another host, another pid
