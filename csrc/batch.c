@@ -83,10 +83,47 @@ static int column_body_size(uint8_t dtype, uint32_t width, uint32_t nrows,
   return 0;
 }
 
-/* Validates the caller's columns and computes the layout: *desc_end is the
- * offset just past the last descriptor, *total the encoded size. */
-int ember__batch_layout(const ember_column *cols, uint32_t ncols, uint32_t nrows,
-                        size_t *desc_end, size_t *total) {
+/* The checks of one column that read its data: BYTES offsets that start at 0,
+ * never decrease and end at data_len; BOOL elements that are 0 or 1. */
+static int column_content_ok(const ember_column *c, uint32_t i, uint32_t nrows) {
+  char nm[80];
+  printable_name(c->name, c->name_len, nm, sizeof nm);
+  if (c->dtype == EMBER_DT_BYTES) {
+    uint64_t prev = 0, cur = 0;
+    /* memcpy: the caller's offsets may sit at any address (e.g. a decoded
+     * batch in an unaligned buffer). */
+    for (uint64_t r = 0; r <= nrows; r++) {
+      memcpy(&cur, (const uint8_t *)c->offsets + r * 8u, 8);
+      if ((r == 0 && cur != 0) || cur < prev)
+        return ember__set_error(EMBER_EINVAL,
+                                "batch column %u ('%s'): offset[%llu] = %llu (offsets must "
+                                "start at 0 and never decrease)",
+                                i, nm, (unsigned long long)r, (unsigned long long)cur);
+      prev = cur;
+    }
+    if (cur != c->data_len)
+      return ember__set_error(EMBER_EINVAL,
+                              "batch column %u ('%s'): last offset %llu != data_len %llu", i, nm,
+                              (unsigned long long)cur, (unsigned long long)c->data_len);
+  } else if (c->dtype == EMBER_DT_BOOL) {
+    const uint8_t *b = c->data;
+    for (uint64_t k = 0; k < c->data_len; k++)
+      if (b[k] > 1)
+        return ember__set_error(EMBER_EINVAL, "batch column %u ('%s'): BOOL element %llu is %u",
+                                i, nm, (unsigned long long)k, b[k]);
+  }
+  return EMBER_OK;
+}
+
+int ember__batch_check_content(const ember_column *cols, uint32_t ncols, uint32_t nrows) {
+  int rc = EMBER_OK;
+  for (uint32_t i = 0; i < ncols && rc == EMBER_OK; i++)
+    rc = column_content_ok(&cols[i], i, nrows);
+  return rc;
+}
+
+int ember__batch_shape_layout(const ember_column *cols, uint32_t ncols, uint32_t nrows,
+                              int with_pointers, size_t *desc_end, size_t *total) {
   char nm[80];
   uint64_t pos = BATCH_HDR_LEN, body = 0;
   int rc = EMBER_OK;
@@ -113,40 +150,20 @@ int ember__batch_layout(const ember_column *cols, uint32_t ncols, uint32_t nrows
                             nm, c->dtype);
       goto cleanup;
     }
-    if (c->data_len > 0 && c->data == NULL) {
+    if (with_pointers && c->data_len > 0 && c->data == NULL) {
       rc = ember__set_error(EMBER_EINVAL, "batch column %u ('%s'): data_len %llu but data is NULL",
                             i, nm, (unsigned long long)c->data_len);
       goto cleanup;
     }
     if (c->dtype == EMBER_DT_BYTES) {
-      uint64_t prev = 0, cur = 0;
       if (c->width != 0) {
         rc = ember__set_error(EMBER_EINVAL, "batch column %u ('%s'): BYTES width must be 0, not %u",
                               i, nm, c->width);
         goto cleanup;
       }
-      if (c->offsets == NULL) {
+      if (with_pointers && c->offsets == NULL) {
         rc = ember__set_error(EMBER_EINVAL, "batch column %u ('%s'): BYTES column without offsets",
                               i, nm);
-        goto cleanup;
-      }
-      /* memcpy: the caller's offsets may sit at any address (e.g. a decoded
-       * batch in an unaligned buffer). */
-      for (uint64_t r = 0; r <= nrows; r++) {
-        memcpy(&cur, (const uint8_t *)c->offsets + r * 8u, 8);
-        if ((r == 0 && cur != 0) || cur < prev) {
-          rc = ember__set_error(EMBER_EINVAL,
-                                "batch column %u ('%s'): offset[%llu] = %llu (offsets must "
-                                "start at 0 and never decrease)",
-                                i, nm, (unsigned long long)r, (unsigned long long)cur);
-          goto cleanup;
-        }
-        prev = cur;
-      }
-      if (cur != c->data_len) {
-        rc = ember__set_error(EMBER_EINVAL,
-                              "batch column %u ('%s'): last offset %llu != data_len %llu", i,
-                              nm, (unsigned long long)cur, (unsigned long long)c->data_len);
         goto cleanup;
       }
     } else {
@@ -163,15 +180,6 @@ int ember__batch_layout(const ember_column *cols, uint32_t ncols, uint32_t nrows
                               i, nm, (unsigned long long)c->data_len, nrows, c->width,
                               ember_dtype_size(c->dtype), (unsigned long long)want);
         goto cleanup;
-      }
-      if (c->dtype == EMBER_DT_BOOL && want > 0) {
-        const uint8_t *b = c->data;
-        for (uint64_t k = 0; k < want; k++)
-          if (b[k] > 1) {
-            rc = ember__set_error(EMBER_EINVAL, "batch column %u ('%s'): BOOL element %llu is %u",
-                                  i, nm, (unsigned long long)k, b[k]);
-            goto cleanup;
-          }
       }
     }
     pos += BATCH_DESC_LEN + c->name_len; /* <= 8 + 1024 * 271: no overflow */
@@ -191,6 +199,12 @@ overflow:
   rc = ember__set_error(EMBER_ETOOBIG, "batch: encoded size overflows");
 cleanup:
   return rc;
+}
+
+int ember__batch_layout(const ember_column *cols, uint32_t ncols, uint32_t nrows,
+                        size_t *desc_end, size_t *total) {
+  int rc = ember__batch_shape_layout(cols, ncols, nrows, 1, desc_end, total);
+  return rc == EMBER_OK ? ember__batch_check_content(cols, ncols, nrows) : rc;
 }
 
 int ember_batch_encoded_size(const ember_column *cols, uint32_t ncols, uint32_t nrows,

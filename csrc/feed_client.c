@@ -61,9 +61,22 @@ struct ember_feed_client {
   int shm_decided;
   size_t shm_bytes;
   ember_shm_ring *ring; /* non-NULL: batches go through it */
+  /* a batch between begin_batch and commit_batch */
+  int pending;           /* PENDING_* */
+  uint8_t *pending_buf;  /* its first byte: ring memory or scratch + BATCH_IN_SCRATCH */
+  size_t pending_total;
+  uint32_t pending_ncols, pending_nrows;
+  ember_column *pending_cols; /* the caller's, data and offsets set to their places */
+  size_t pending_cols_cap;
 };
 
+enum { PENDING_NONE, PENDING_RING, PENDING_SCRATCH };
+/* A batch built in the scratch buffer starts 16-aligned, its frame header
+ * just before it. */
+#define BATCH_IN_SCRATCH 16u
+
 void ember_feed_client_destroy(ember_feed_client *c) {
+  if (c != NULL) free(c->pending_cols);
   pending_result *p, *nx;
   if (c == NULL) return;
   /* The ring first: a server still reading it sees the producer close
@@ -255,6 +268,16 @@ static int64_t ms_left(int64_t deadline) {
   return left > 0 ? left : 0;
 }
 
+/* Grows the scratch buffer to at least cap bytes. */
+static int client_scratch(ember_feed_client *c, size_t cap, const char *what) {
+  if (cap <= c->scratch_cap) return EMBER_OK;
+  uint8_t *nb = realloc(c->scratch, cap);
+  if (nb == NULL) return ember__set_error(EMBER_ENOMEM, "feed %s: out of memory", what);
+  c->scratch = nb;
+  c->scratch_cap = cap;
+  return EMBER_OK;
+}
+
 /* How long a producer whose ring was closed waits for the node's reason. */
 #define FEED_REASON_WAIT_MS 2000
 
@@ -404,6 +427,7 @@ int ember_feed_client_send(ember_feed_client *c, const ember_column *cols, uint3
   size_t desc_end = 0, total = 0, hlen, pos, niov = 0;
   int rc = client_usable(c, "send");
   if (rc != EMBER_OK) goto cleanup;
+  c->pending = PENDING_NONE; /* a begun batch is dropped */
   if (c->ended) {
     rc = ember__set_error(EMBER_ESTATE, "feed send: partition %u already ended", c->partition);
     goto cleanup;
@@ -439,15 +463,8 @@ int ember_feed_client_send(ember_feed_client *c, const ember_column *cols, uint3
   /* Frame header, batch header, descriptors and the padding after them go
    * in one small buffer; column bodies are sent from the caller's memory. */
   hlen = EMBER_WIRE_HEADER_LEN + ((desc_end + 7u) & ~(size_t)7u);
-  if (hlen > c->scratch_cap) {
-    uint8_t *nb = realloc(c->scratch, hlen);
-    if (nb == NULL) {
-      rc = ember__set_error(EMBER_ENOMEM, "feed send: out of memory");
-      goto cleanup;
-    }
-    c->scratch = nb;
-    c->scratch_cap = hlen;
-  }
+  rc = client_scratch(c, hlen, "send");
+  if (rc != EMBER_OK) goto cleanup;
   if ((size_t)ncols * 3u + 1u > c->iov_cap) {
     struct iovec *ni = realloc(c->iov, ((size_t)ncols * 3u + 1u) * sizeof *ni);
     if (ni == NULL) {
@@ -501,6 +518,132 @@ int ember_feed_client_send(ember_feed_client *c, const ember_column *cols, uint3
     }
   }
   c->rows_sent += nrows;
+cleanup:
+  return rc;
+}
+
+int ember_feed_client_begin_batch(ember_feed_client *c, const ember_column *cols,
+                                  uint32_t ncols, uint32_t nrows, ember_batch_place *places,
+                                  int64_t timeout_ms) {
+  int64_t deadline = ember__feed_deadline(timeout_ms);
+  size_t desc_end = 0, total = 0, end;
+  uint8_t *buf = NULL;
+  int rc = client_usable(c, "begin_batch");
+  if (rc != EMBER_OK) goto cleanup;
+  c->pending = PENDING_NONE; /* a second begin replaces the first */
+  if (c->ended) {
+    rc = ember__set_error(EMBER_ESTATE, "feed begin_batch: partition %u already ended",
+                          c->partition);
+    goto cleanup;
+  }
+  if (places == NULL && ncols > 0) {
+    rc = ember__set_error(EMBER_EINVAL, "feed begin_batch: places is NULL");
+    goto cleanup;
+  }
+  rc = client_check_refused(c, deadline);
+  if (rc != EMBER_OK) goto cleanup;
+  rc = ember__batch_shape_layout(cols, ncols, nrows, 0, &desc_end, &total);
+  if (rc != EMBER_OK) goto cleanup;
+  if (total > EMBER_WIRE_ABSOLUTE_MAX) {
+    rc = ember__set_error(EMBER_ETOOBIG, "feed begin_batch: batch of %zu bytes exceeds the "
+                          "%u-byte frame limit", total, EMBER_WIRE_ABSOLUTE_MAX);
+    goto cleanup;
+  }
+  if (!c->shm_decided) {
+    rc = client_offer_shm(c, deadline);
+    if (rc != EMBER_OK) goto cleanup;
+  }
+  if (ncols > c->pending_cols_cap) {
+    ember_column *nc = realloc(c->pending_cols, (size_t)ncols * sizeof *nc);
+    if (nc == NULL) {
+      rc = ember__set_error(EMBER_ENOMEM, "feed begin_batch: out of memory");
+      goto cleanup;
+    }
+    c->pending_cols = nc;
+    c->pending_cols_cap = ncols;
+  }
+  if (c->ring && total + EMBER_SHM_RING_RECORD_HDR <= ember_shm_ring_capacity(c->ring) / 2) {
+    void *w = NULL;
+    rc = ember_shm_ring_reserve(c->ring, total, &w, ms_left(deadline));
+    if (rc != EMBER_OK) {
+      rc = client_ring_failed(c, rc, deadline, "begin_batch");
+      goto cleanup;
+    }
+    buf = w;
+    c->pending = PENDING_RING;
+  } else {
+    /* over half the ring, or TCP: built here, sent whole by commit */
+    rc = client_scratch(c, BATCH_IN_SCRATCH + (total ? total : 1), "begin_batch");
+    if (rc != EMBER_OK) goto cleanup;
+    buf = c->scratch + BATCH_IN_SCRATCH;
+    c->pending = PENDING_SCRATCH;
+  }
+  ember__batch_write_descriptors(cols, ncols, nrows, buf);
+  end = desc_end;
+  for (uint32_t i = 0; i < ncols; i++) {
+    ember_column *pc = &c->pending_cols[i];
+    size_t at = (end + 7u) & ~(size_t)7u; /* the layout fit, so no overflow */
+    memset(buf + end, 0, at - end);
+    *pc = cols[i];
+    pc->offsets = NULL;
+    if (pc->dtype == EMBER_DT_BYTES) {
+      pc->offsets = (const uint64_t *)(const void *)(buf + at);
+      at += ((size_t)nrows + 1u) * 8u;
+    }
+    pc->data = buf + at;
+    places[i].data = buf + at;
+    places[i].offsets = (uint64_t *)(uintptr_t)pc->offsets;
+    end = at + (size_t)pc->data_len;
+  }
+  c->pending_buf = buf;
+  c->pending_total = total;
+  c->pending_ncols = ncols;
+  c->pending_nrows = nrows;
+cleanup:
+  return rc;
+}
+
+size_t ember_feed_client_in_place_max(const ember_feed_client *c) {
+  if (c == NULL || c->ring == NULL) return 0;
+  return ember_shm_ring_capacity(c->ring) / 2 - EMBER_SHM_RING_RECORD_HDR;
+}
+
+void ember_feed_client_cancel_batch(ember_feed_client *c) {
+  if (c != NULL) c->pending = PENDING_NONE;
+}
+
+int ember_feed_client_commit_batch(ember_feed_client *c, int64_t timeout_ms) {
+  int64_t deadline = ember__feed_deadline(timeout_ms);
+  int pending, rc = client_usable(c, "commit_batch");
+  if (rc != EMBER_OK) goto cleanup;
+  pending = c->pending;
+  c->pending = PENDING_NONE;
+  if (pending == PENDING_NONE) {
+    rc = ember__set_error(EMBER_ESTATE, "feed commit_batch: no batch begun");
+    goto cleanup;
+  }
+  /* the caller filled the places: offsets and BOOL values are checked here,
+   * as send checks them before sending */
+  rc = ember__batch_check_content(c->pending_cols, c->pending_ncols, c->pending_nrows);
+  if (rc != EMBER_OK) goto cleanup;
+  if (pending == PENDING_RING) {
+    rc = ember_shm_ring_commit(c->ring, c->pending_total);
+  } else if (c->ring) {
+    rc = ember_shm_ring_send(c->ring, c->pending_buf, c->pending_total, ms_left(deadline));
+  } else {
+    uint8_t *frame = c->pending_buf - EMBER_WIRE_HEADER_LEN;
+    ember_wire_encode_header(frame, EMBER_MSG_BATCH, (uint32_t)c->pending_total);
+    rc = ember_net_send_all(c->fd, frame, EMBER_WIRE_HEADER_LEN + c->pending_total, deadline);
+    if (rc != EMBER_OK) {
+      c->broken = 1; /* part of a frame may be out: the stream cannot be resumed */
+      goto cleanup;
+    }
+  }
+  if (rc != EMBER_OK) {
+    rc = client_ring_failed(c, rc, deadline, "commit_batch");
+    goto cleanup;
+  }
+  c->rows_sent += c->pending_nrows;
 cleanup:
   return rc;
 }
@@ -611,6 +754,7 @@ int ember_feed_client_end_partition(ember_feed_client *c, int64_t timeout_ms) {
   uint8_t cnt[8];
   int rc = client_usable(c, "end_partition");
   if (rc != EMBER_OK) goto cleanup;
+  c->pending = PENDING_NONE; /* a begun batch is dropped */
   if (c->ended) {
     rc = ember__set_error(EMBER_ESTATE, "feed end_partition: partition %u already ended",
                           c->partition);
@@ -629,6 +773,7 @@ cleanup:
 int ember_feed_client_end_feed(ember_feed_client *c, int64_t timeout_ms) {
   int rc = client_usable(c, "end_feed");
   if (rc != EMBER_OK) goto cleanup;
+  c->pending = PENDING_NONE; /* a begun batch is dropped */
   if (c->ended) {
     rc = ember__set_error(EMBER_ESTATE, "feed end_feed: this connection already ended");
     goto cleanup;
@@ -645,6 +790,7 @@ int ember_feed_client_fail(ember_feed_client *c, const char *reason, int64_t tim
   int64_t deadline = ember__feed_deadline(timeout_ms);
   int rc = client_usable(c, "fail");
   if (rc != EMBER_OK) goto cleanup;
+  c->pending = PENDING_NONE; /* a begun batch is dropped */
   if (c->ended) {
     rc = ember__set_error(EMBER_ESTATE, "feed fail: partition %u already ended", c->partition);
     goto cleanup;

@@ -23,9 +23,17 @@
 /* ---- batch codec pieces (batch.c) ---- */
 
 /* Validates the caller's columns and computes the layout: *desc_end is the
- * offset just past the last descriptor, *total the encoded size. */
+ * offset just past the last descriptor, *total the encoded size.  It is
+ * ember__batch_shape_layout with pointers, then ember__batch_check_content. */
 int ember__batch_layout(const ember_column *cols, uint32_t ncols, uint32_t nrows,
                         size_t *desc_end, size_t *total);
+/* The layout from the columns' shapes alone (dtype, width, name, data_len):
+ * what an in-place writer needs before the data exists.  with_pointers: also
+ * require data (and BYTES offsets) to be set. */
+int ember__batch_shape_layout(const ember_column *cols, uint32_t ncols, uint32_t nrows,
+                              int with_pointers, size_t *desc_end, size_t *total);
+/* The checks that read the data: BYTES offsets and BOOL values. */
+int ember__batch_check_content(const ember_column *cols, uint32_t ncols, uint32_t nrows);
 /* Writes the 8-byte header and the descriptors (not the padding) to out. */
 void ember__batch_write_descriptors(const ember_column *cols, uint32_t ncols, uint32_t nrows,
                                     uint8_t *out);

@@ -326,6 +326,40 @@ def records_to_columns(records: Any, where: str = "batch", first: int = 0,
     return _records_to_columns_py(records, where, first, layout)
 
 
+def send_records(client: Any, records: List[Any], where: str, first: int,
+                 layout: Dict[str, Any], timeout: float) -> Tuple[int, int]:
+    """Sends a chunk of records (a list) as one batch on a feed client; returns
+    (records sent, bytes of their columns, 0 when unknown).  When the C path
+    takes the chunk, its columns are written straight into the batch's place
+    in the ring (``FeedClient.send_records``: no copy of them in between);
+    otherwise :func:`records_to_columns`'s Python path converts it, or raises
+    its error, and ``client.send`` sends it.  ``where``, ``first`` and
+    ``layout`` are records_to_columns'."""
+    if records:
+        if "fields" not in layout:
+            layout["fields"] = _record_fields(records[0])
+        done = client.send_records(records, layout["fields"], layout.get("refs"), timeout)
+        if done is not None:
+            layout["refs"], nbytes = done
+            return len(records), nbytes
+    cols, n = _records_to_columns_py(records, where, first, layout)
+    client.send(cols, n, timeout)
+    return n, 0
+
+
+def rows_in_place(room: int, rows: int, n: int, nbytes: int) -> int:
+    """Records for a partition's next chunk: at most ``rows``, and few enough
+    that their batch (``nbytes`` for the ``n`` records of the last one) takes
+    at most 3/4 of ``room``, the largest batch written in place in the ring
+    (``FeedClient.in_place_max``; 0: not a ring).  So each batch is written
+    straight into the ring, and the node reads one while the next is written.
+    """
+    target = room * 3 // 4
+    if room <= 0 or n <= 0 or nbytes <= target:
+        return rows
+    return max(1, min(rows, n * target // nbytes))
+
+
 def _records_to_columns_py(records: Any, where: str = "batch", first: int = 0,
                            layout: Optional[Dict[str, Any]] = None
                            ) -> Tuple[List[ColumnSpec], int]:

@@ -199,4 +199,27 @@ int embpy_tfrecord_exec(PyObject *m, ember_state *st);
 int embpy_hdfs_exec(PyObject *m, ember_state *st);
 int embpy_records_exec(PyObject *m, ember_state *st);
 
+/* A chunk of records planned for conversion to feed columns
+ * (_ember_records.c): plan, lay out the batch from the columns, write into
+ * its places, keep the refs for the next chunk. */
+typedef struct embpy_records embpy_records;
+/* 0 (*out set; free it), 1 (not the fast path: the Python path converts the
+ * chunk), or -1 with an exception.  records: a list; fields and refs: lists
+ * or None, as records_to_columns() takes them. */
+int embpy_records_plan(ember_state *st, PyObject *records, PyObject *fields, PyObject *refs,
+                       embpy_records **out);
+Py_ssize_t embpy_records_nrows(const embpy_records *r);
+Py_ssize_t embpy_records_ncols(const embpy_records *r);
+/* The bytes of the planned columns' data and offsets. */
+Py_ssize_t embpy_records_bytes(const embpy_records *r);
+/* The planned columns' shapes (names point into r; data and offsets unset);
+ * 0, or 1 when a column exceeds a batch's limits. */
+int embpy_records_columns(const embpy_records *r, ember_column *out);
+/* Writes each column into places[j] (GIL held).  0, 1 (a value disagrees
+ * with the plan: nothing usable was written), or -1 with an exception. */
+int embpy_records_write(embpy_records *r, const ember_batch_place *places);
+/* The refs for the partition's next chunk (a new list), or NULL. */
+PyObject *embpy_records_refs(const embpy_records *r);
+void embpy_records_free(embpy_records *r); /* accepts NULL */
+
 #endif /* EMBER_PY_EMBER_H */

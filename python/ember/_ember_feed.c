@@ -770,6 +770,87 @@ static PyObject *FeedClient_send(PyObject *op, PyObject *args, PyObject *kwargs)
   Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(FeedClient_send_records_doc,
+             "send_records(records, fields, refs, timeout_s) -> (refs, nbytes) or None\n\n"
+             "Converts a chunk of records to columns and sends them as one BATCH,\n"
+             "written straight into the shared-memory ring (or the client's buffer\n"
+             "for TCP): records_to_columns() and send() without the copy between\n"
+             "them.  The arguments and the refs returned (for the partition's next\n"
+             "chunk) are records_to_columns()'s; nbytes: the bytes of its columns (see\n"
+             "in_place_max).  Returns None, having sent nothing,\n"
+             "when the chunk is not for the fast path: the caller then converts it\n"
+             "with ember._columns and sends it with send().");
+
+static PyObject *FeedClient_send_records(PyObject *op, PyObject *args, PyObject *kwargs) {
+  static char *kwlist[] = {"records", "fields", "refs", "timeout_s", NULL};
+  FeedClientObject *self = (FeedClientObject *)op;
+  PyObject *records, *fields, *refs, *result = NULL;
+  int64_t ms;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO&:send_records", kwlist, &records,
+                                   &fields, &refs, embpy_timeout_conv, &ms))
+    return NULL;
+  ember_state *st = embpy_state_of_type(Py_TYPE(op));
+  if (st == NULL || embpy_handle_enter(&self->h) < 0)
+    return NULL;
+  embpy_records *r = NULL;
+  ember_column *cols = NULL;
+  ember_batch_place *places = NULL;
+  int rc = embpy_records_plan(st, records, fields, refs, &r);
+  if (rc != 0) {
+    if (rc > 0) result = Py_NewRef(Py_None);
+    goto done;
+  }
+  Py_ssize_t ncols = embpy_records_ncols(r);
+  cols = PyMem_Calloc((size_t)(ncols ? ncols : 1), sizeof *cols);
+  places = PyMem_Calloc((size_t)(ncols ? ncols : 1), sizeof *places);
+  if (cols == NULL || places == NULL) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  if (embpy_records_columns(r, cols) != 0) {
+    result = Py_NewRef(Py_None);
+    goto done;
+  }
+  ember_feed_client *c = self->h.ptr;
+  uint32_t nrows = (uint32_t)embpy_records_nrows(r); /* the plan bounds it */
+  embpy_err e;
+  /* the lock is held from begin to commit: no other call may come between */
+  Py_BEGIN_ALLOW_THREADS
+  embpy_lock(self->h.lock);
+  EMBPY_CALL(rc, &e, ember_feed_client_begin_batch(c, cols, (uint32_t)ncols, nrows, places, ms));
+  if (rc != EMBER_OK) embpy_unlock(self->h.lock);
+  Py_END_ALLOW_THREADS
+  if (rc != EMBER_OK) {
+    embpy_raise(st, &e);
+    goto done;
+  }
+  int wrc = embpy_records_write(r, places);
+  if (wrc != 0) {
+    ember_feed_client_cancel_batch(c);
+    embpy_unlock(self->h.lock);
+    if (wrc > 0) result = Py_NewRef(Py_None);
+    goto done;
+  }
+  Py_BEGIN_ALLOW_THREADS
+  EMBPY_CALL(rc, &e, ember_feed_client_commit_batch(c, ms));
+  embpy_unlock(self->h.lock);
+  Py_END_ALLOW_THREADS
+  if (rc != EMBER_OK) {
+    embpy_raise(st, &e);
+    goto done;
+  }
+  PyObject *refs_out = embpy_records_refs(r);
+  if (refs_out != NULL) {
+    result = Py_BuildValue("(Nn)", refs_out, embpy_records_bytes(r));
+  }
+done:
+  PyMem_Free(cols);
+  PyMem_Free(places);
+  embpy_records_free(r);
+  embpy_handle_leave(&self->h);
+  return result;
+}
+
 PyDoc_STRVAR(FeedClient_recv_results_doc,
              "recv_results(timeout_s) -> FeedItem\n\n"
              "Receives the next RESULTS batch (a FeedItem of kind 'results').\n"
@@ -912,6 +993,21 @@ static PyObject *FeedClient_uses_shm(PyObject *op, void *closure) {
   return PyBool_FromLong(v);
 }
 
+static PyObject *FeedClient_in_place_max(PyObject *op, void *closure) {
+  FeedClientObject *self = (FeedClientObject *)op;
+  size_t v;
+  if (embpy_handle_enter(&self->h) < 0)
+    return NULL;
+  ember_feed_client *c = self->h.ptr;
+  Py_BEGIN_ALLOW_THREADS
+  embpy_lock(self->h.lock);
+  v = ember_feed_client_in_place_max(c);
+  embpy_unlock(self->h.lock);
+  Py_END_ALLOW_THREADS
+  embpy_handle_leave(&self->h);
+  return PyLong_FromSize_t(v);
+}
+
 static PyObject *FeedClient_resume_point(PyObject *op, void *closure) {
   FeedClientObject *self = (FeedClientObject *)op;
   uint64_t records = 0;
@@ -929,6 +1025,11 @@ static PyGetSetDef FeedClient_getset[] = {
      "of this partition the node already holds from an earlier attempt (skip\n"
      "them and send the rest), and whether it was delivered whole already.\n"
      "(0, False) without resume.",
+     NULL},
+    {"in_place_max", FeedClient_in_place_max, NULL,
+     "The largest batch (bytes) send_records writes straight into the ring\n"
+     "(half the ring less a record header); 0 over TCP, or before the first\n"
+     "send decided the transport.",
      NULL},
     {"uses_shm", FeedClient_uses_shm, NULL,
      "True once this client's batches go through a shared-memory ring (decided\n"
@@ -950,6 +1051,8 @@ static PyObject *FeedClient_exit(PyObject *op, PyObject *args) {
 static PyMethodDef FeedClient_methods[] = {
     {"send", (PyCFunction)(void (*)(void))FeedClient_send, METH_VARARGS | METH_KEYWORDS,
      FeedClient_send_doc},
+    {"send_records", (PyCFunction)(void (*)(void))FeedClient_send_records,
+     METH_VARARGS | METH_KEYWORDS, FeedClient_send_records_doc},
     {"recv_results", FeedClient_recv_results, METH_O, FeedClient_recv_results_doc},
     {"end_partition", FeedClient_end_partition, METH_O, FeedClient_end_partition_doc},
     {"end_feed", FeedClient_end_feed, METH_O, FeedClient_end_feed_doc},

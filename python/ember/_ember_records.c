@@ -20,11 +20,23 @@
  * Python bool < int < float, int64 and float64 scalars), the same names,
  * byte-identical data.
  *
+ * A conversion is planned, then written (embpy_records_plan, _write): the
+ * plan reads the first value of each column (and the types or lengths of the
+ * rest where the dtype or size depends on them) and fixes every column's
+ * dtype and byte size, so the write can go straight into memory of exactly
+ * that size -- bytearrays here, or a batch's place in a feed ring
+ * (FeedClient.send_records, which saves the copy of the columns into the
+ * ring).  The write pass checks every value against the plan again and
+ * answers SLOW for one that disagrees.
+ *
  * Thread-safety: runs with the GIL held and calls no Python-level code while
  * it reads the records (numpy's scalar and buffer slots are C), and it
- * allocates no object tracked by the cyclic GC until every value is read, so
- * no finalizer can change the records under it.  Every access to a record is
- * still bounds-checked.
+ * allocates no object tracked by the cyclic GC between plan and write, so no
+ * finalizer can change the records under it.  send_records releases the GIL
+ * between them while it waits for room in the ring: records another thread
+ * changes meanwhile meet the write pass's checks (sizes included), so they
+ * are never read or written out of bounds.  Every access to a record is
+ * bounds-checked.
  */
 #include "_ember.h"
 
@@ -188,10 +200,6 @@ static int mul_size(Py_ssize_t a, Py_ssize_t b, Py_ssize_t *out) {
   return 0;
 }
 
-static unsigned char *bytearray_data(PyObject *ba) {
-  return (unsigned char *)PyByteArray_AS_STRING(ba);
-}
-
 /* The raw bytes of a numpy scalar (its dtype's itemsize) into out; 0 or SLOW. */
 static int np_scalar_bytes(PyObject *v, void *out, Py_ssize_t size) {
   Py_buffer b;
@@ -215,13 +223,28 @@ typedef struct {
   Py_ssize_t dims[MAX_DIMS];
 } colref;
 
+/* How a column is written, chosen by the plan. */
+typedef enum {
+  W_SCALARS,  /* numpy int32/uint8/float32 scalars, their own bytes */
+  W_NUMBERS,  /* Python and numpy bool/int64/float64, one per record */
+  W_BYTES,    /* str (UTF-8) or bytes values and n + 1 offsets */
+  W_NDARRAYS, /* numpy arrays of one dtype and shape, a memcpy each */
+  W_SEQS,     /* lists or tuples of Python numbers, all of one length */
+} writer;
+
 typedef struct {
-  PyObject *field;   /* the field name (strong) */
-  PyObject *ref;     /* the partition's reference for it (strong), or NULL: a new one */
-  colref want;       /* what ref says, or this chunk's first value */
-  char dtype;        /* numpy type character of data, 0 for a str/bytes column */
-  PyObject *data;    /* bytearray (numbers, arrays) or bytes (str/bytes), strong */
-  PyObject *offsets; /* bytearray of n + 1 uint64 (str/bytes columns), strong, or NULL */
+  PyObject *field; /* the field name (strong) */
+  PyObject *ref;   /* the partition's reference for it (strong), or NULL: a new one */
+  PyObject *name;  /* the encoded column name (strong), once planned */
+  colref want;     /* what ref says, or this chunk's first value */
+  writer how;
+  vclass c0;       /* the class of the chunk's first value */
+  char dtype;      /* numpy type character of the data, 0 for a str/bytes column */
+  char format;     /* W_NDARRAYS: the first array's buffer format character */
+  Py_ssize_t item; /* bytes a value (W_SCALARS, W_NUMBERS, W_SEQS) or a row (W_NDARRAYS) */
+  Py_ssize_t size; /* bytes of data */
+  unsigned char *out; /* where the data goes */
+  unsigned char *offs; /* where the n + 1 offsets go (W_BYTES) */
 } column;
 
 /* Reads a layout reference (kind, shape or None) kept by the Python path.
@@ -250,23 +273,41 @@ static int parse_ref(PyObject *ref, colref *out) {
   return 0;
 }
 
+/* The conversion is planned from the chunk's first value of each column
+ * (and, where the dtype or size depends on all of them, a pass over their
+ * types or lengths) before a byte is written, so the columns can be written
+ * straight into memory of that exact size: a bytearray, or a batch's place in
+ * a feed ring.  The write pass then checks every value against the plan and
+ * answers SLOW for one that disagrees. */
+
 /* --- numbers: one value per record, or the elements of list rows */
 
-/* Numbers written as they come, 8 bytes each: int64 while all are bools or
- * ints, float64 from the first float on (the values before it converted in
- * place), as numpy promotes a list of Python bool < int < float; one byte
- * each in the end when all are bools. */
+/* Numbers promote as numpy promotes a list of Python bool < int < float: the
+ * dtype of a column of them, from their classes alone.  A class outside
+ * bool/int/float is left for the write pass to refuse. */
 enum { NUM_BOOL, NUM_INT, NUM_FLOAT };
-typedef struct {
-  unsigned char *buf; /* room for 8 bytes per value */
-  Py_ssize_t n;       /* values written */
-  int mode;
-} numsink;
+static char numbers_dtype(int mode, Py_ssize_t count) {
+  if (count == 0 || mode == NUM_FLOAT) return 'd'; /* numpy makes float64 of empty rows */
+  return mode == NUM_INT ? 'l' : '?';
+}
 
-/* Appends v of class cl (Python bool/int/float, numpy bool/int64/float64).
- * 0, or SLOW for an int beyond int64 or another class. */
-static int sink_put(numsink *s, PyObject *v, vclass cl) {
-  unsigned char *slot = s->buf + 8 * s->n;
+static int class_mode(vclass cl) {
+  switch (cl) {
+  case V_FLOAT:
+  case V_NP_F64:
+    return NUM_FLOAT;
+  case V_INT:
+  case V_NP_I64:
+    return NUM_INT;
+  default:
+    return NUM_BOOL;
+  }
+}
+
+/* Writes v of class cl (Python bool/int/float, numpy bool/int64/float64) as
+ * the column's dtype into slot.  0, or SLOW for an int beyond int64 or a
+ * class that does not fit the dtype. */
+static int number_put(char dtype, PyObject *v, vclass cl, unsigned char *slot) {
   int64_t iv;
   switch (cl) {
   case V_BOOL:
@@ -283,6 +324,7 @@ static int sink_put(numsink *s, PyObject *v, vclass cl) {
   }
   case V_INT:
   case V_NP_I64: { /* numpy's int64 converts through __index__ */
+    if (dtype == '?') return SLOW;
     int overflow = 0;
     long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
     if (overflow || (x == -1 && PyErr_Occurred())) {
@@ -290,95 +332,70 @@ static int sink_put(numsink *s, PyObject *v, vclass cl) {
       return SLOW; /* numpy makes uint64 or object of it: the Python path decides */
     }
     iv = (int64_t)x;
-    if (s->mode == NUM_BOOL) s->mode = NUM_INT;
     break;
   }
   case V_FLOAT:
   case V_NP_F64: { /* numpy's float64 is a float subclass */
+    if (dtype != 'd') return SLOW;
     double d = PyFloat_AS_DOUBLE(v);
-    if (s->mode != NUM_FLOAT) {
-      for (Py_ssize_t k = 0; k < s->n; k++) {
-        int64_t x;
-        memcpy(&x, s->buf + 8 * k, 8);
-        double y = (double)x; /* round to nearest, as numpy's int -> float */
-        memcpy(s->buf + 8 * k, &y, 8);
-      }
-      s->mode = NUM_FLOAT;
-    }
     memcpy(slot, &d, 8);
-    s->n++;
     return 0;
   }
   default:
     return SLOW;
   }
-  if (s->mode == NUM_FLOAT) {
-    double d = (double)iv;
+  if (dtype == '?') {
+    *slot = iv != 0;
+  } else if (dtype == 'd') {
+    double d = (double)iv; /* round to nearest, as numpy's int -> float */
     memcpy(slot, &d, 8);
   } else {
     memcpy(slot, &iv, 8);
   }
-  s->n++;
-  return 0;
-}
-
-/* The sink's data (col->data, 8 bytes a value) in its final dtype: bool (a
- * new bytearray, one byte a value), int64 or float64 (float64 when empty, as
- * numpy makes of empty rows).  0 or -1. */
-static int sink_finish(numsink *s, column *col) {
-  if (s->n == 0 || s->mode == NUM_FLOAT) {
-    col->dtype = 'd';
-    return 0;
-  }
-  if (s->mode == NUM_INT) {
-    col->dtype = 'l';
-    return 0;
-  }
-  PyObject *bools = PyByteArray_FromStringAndSize(NULL, s->n);
-  if (bools == NULL) return -1;
-  unsigned char *out = bytearray_data(bools);
-  for (Py_ssize_t k = 0; k < s->n; k++) {
-    int64_t x;
-    memcpy(&x, s->buf + 8 * k, 8);
-    out[k] = x != 0;
-  }
-  Py_SETREF(col->data, bools);
-  col->dtype = '?';
   return 0;
 }
 
 /* A column of numbers: Python and numpy bool/int64/float64 promoted as numpy
  * does, or numpy int32/uint8/float32 scalars all of one type. */
-static int numbers_column(const chunk *c, Py_ssize_t j, vclass c0, column *col) {
-  Py_ssize_t n = c->n, size;
+static int numbers_plan(const chunk *c, Py_ssize_t j, column *col) {
+  vclass c0 = col->c0;
   if (c0 == V_NP_I32 || c0 == V_NP_U8 || c0 == V_NP_F32) {
-    Py_ssize_t item = c0 == V_NP_U8 ? 1 : 4;
-    if (!kind_agrees(col->want.k, kind_of(c0)) || mul_size(n, item, &size)) return SLOW;
-    col->data = PyByteArray_FromStringAndSize(NULL, size);
-    if (col->data == NULL) return -1;
-    unsigned char *out = bytearray_data(col->data);
-    for (Py_ssize_t i = 0; i < n; i++) {
-      PyObject *v = value_at(c, i, j);
-      if (v == NULL || classify(c, v) != c0 || np_scalar_bytes(v, out + item * i, item))
-        return SLOW;
-    }
+    if (!kind_agrees(col->want.k, kind_of(c0))) return SLOW;
+    col->how = W_SCALARS;
+    col->item = c0 == V_NP_U8 ? 1 : 4;
     col->dtype = c0 == V_NP_I32 ? 'i' : c0 == V_NP_U8 ? 'B' : 'f';
-    return 0;
+    return mul_size(c->n, col->item, &col->size);
   }
-  if (mul_size(n, 8, &size)) return SLOW;
-  col->data = PyByteArray_FromStringAndSize(NULL, size);
-  if (col->data == NULL) return -1;
-  numsink s = {bytearray_data(col->data), 0, NUM_BOOL};
+  int mode = NUM_BOOL;
+  if (col->want.k != K_BOOL) { /* a bool column takes only bools */
+    mode = NUM_INT;
+    for (Py_ssize_t i = 0; i < c->n && mode != NUM_FLOAT; i++) {
+      PyObject *v = value_at(c, i, j);
+      if (v == NULL) return SLOW;
+      if (class_mode(classify(c, v)) == NUM_FLOAT) mode = NUM_FLOAT;
+    }
+  }
+  col->how = W_NUMBERS;
+  col->dtype = numbers_dtype(mode, c->n);
+  col->item = col->dtype == '?' ? 1 : 8;
+  return mul_size(c->n, col->item, &col->size);
+}
+
+static int numbers_write(const chunk *c, Py_ssize_t j, column *col) {
   int bools = col->want.k == K_BOOL;
-  for (Py_ssize_t i = 0; i < n; i++) {
+  for (Py_ssize_t i = 0; i < c->n; i++) {
     PyObject *v = value_at(c, i, j);
     if (v == NULL) return SLOW;
     vclass cl = classify(c, v);
+    if (col->how == W_SCALARS) {
+      if (cl != col->c0 || np_scalar_bytes(v, col->out + col->item * i, col->item)) return SLOW;
+      continue;
+    }
     int ok = bools ? (cl == V_BOOL || cl == V_NP_BOOL)
                    : (cl == V_INT || cl == V_FLOAT || cl == V_NP_I64 || cl == V_NP_F64);
-    if (!ok || sink_put(&s, v, cl)) return SLOW;
+    if (!ok || number_put(col->dtype, v, cl, col->out + col->item * i)) return SLOW;
   }
-  return sink_finish(&s, col);
+  return 0;
 }
 
 /* --- str and bytes */
@@ -416,43 +433,45 @@ static int bytes_of(PyObject *v, vclass cl, Py_buffer *view, const char **p, Py_
   return 0;
 }
 
-/* A str or bytes column: the values joined (a bytes object) and n + 1 uint64
- * offsets.  Two passes: the lengths, then the copies. */
-static int bytes_column(const chunk *c, Py_ssize_t j, column *col) {
+/* A str or bytes column: the values joined and n + 1 uint64 offsets.  The
+ * plan adds up the lengths; the write copies. */
+static int bytes_plan(const chunk *c, Py_ssize_t j, column *col) {
   vclass want = col->want.k == K_STR ? V_STR : V_BYTES;
-  Py_ssize_t n = c->n, total = 0, size;
+  Py_ssize_t total = 0, osize;
   Py_buffer view;
   const char *p;
   Py_ssize_t len;
-  for (Py_ssize_t i = 0; i < n; i++) {
+  for (Py_ssize_t i = 0; i < c->n; i++) {
     PyObject *v = value_at(c, i, j);
     if (v == NULL || classify(c, v) != want || bytes_of(v, want, &view, &p, &len)) return SLOW;
     if (view.obj) PyBuffer_Release(&view);
     if (len > PY_SSIZE_T_MAX - total) return SLOW;
     total += len;
   }
-  if (mul_size(n + 1, 8, &size)) return SLOW;
-  col->data = PyBytes_FromStringAndSize(NULL, total);
-  if (col->data == NULL) return -1;
-  col->offsets = PyByteArray_FromStringAndSize(NULL, size);
-  if (col->offsets == NULL) return -1;
-  char *out = PyBytes_AS_STRING(col->data);
-  unsigned char *offs = bytearray_data(col->offsets);
+  col->how = W_BYTES;
+  col->dtype = 0;
+  col->size = total;
+  return mul_size(c->n + 1, 8, &osize);
+}
+
+static int bytes_write(const chunk *c, Py_ssize_t j, column *col) {
+  vclass want = col->want.k == K_STR ? V_STR : V_BYTES;
+  Py_buffer view;
+  const char *p;
+  Py_ssize_t len;
   uint64_t at = 0;
-  memcpy(offs, &at, 8);
-  for (Py_ssize_t i = 0; i < n; i++) {
+  memcpy(col->offs, &at, 8);
+  for (Py_ssize_t i = 0; i < c->n; i++) {
     PyObject *v = value_at(c, i, j);
     if (v == NULL || classify(c, v) != want || bytes_of(v, want, &view, &p, &len)) return SLOW;
-    int fits = len <= total - (Py_ssize_t)at; /* the first pass's sizes still hold */
-    if (fits) memcpy(out + at, p, (size_t)len);
+    int fits = len <= col->size - (Py_ssize_t)at; /* the plan's sizes still hold */
+    if (fits) memcpy(col->out + at, p, (size_t)len);
     if (view.obj) PyBuffer_Release(&view);
     if (!fits) return SLOW;
     at += (uint64_t)len;
-    memcpy(offs + 8 * (i + 1), &at, 8);
+    memcpy(col->offs + 8 * (i + 1), &at, 8);
   }
-  if ((Py_ssize_t)at != total) return SLOW;
-  col->dtype = 0;
-  return 0;
+  return (Py_ssize_t)at == col->size ? 0 : SLOW;
 }
 
 /* --- arrays */
@@ -482,53 +501,52 @@ static char array_dtype(const Py_buffer *b) {
 }
 
 /* An array column of numpy arrays: all of one dtype and shape, C-contiguous;
- * one memcpy a record (np.stack). */
-static int ndarray_column(const chunk *c, Py_ssize_t j, column *col) {
-  Py_ssize_t n = c->n, row = 0, size;
-  char format = 0;
-  unsigned char *out = NULL;
-  for (Py_ssize_t i = 0; i < n; i++) {
+ * one memcpy a record (np.stack).  Planned from the first array. */
+static int ndarray_plan(const chunk *c, Py_ssize_t j, column *col) {
+  PyObject *v = value_at(c, 0, j);
+  Py_buffer b;
+  if (PyObject_GetBuffer(v, &b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    PyErr_Clear(); /* not C-contiguous, or no buffer (object arrays) */
+    return SLOW;
+  }
+  int rc = 0;
+  col->format = b.format ? b.format[0] : 0;
+  col->dtype = array_dtype(&b);
+  if (col->dtype == 0 || b.ndim < 1 || b.ndim > MAX_DIMS) {
+    rc = SLOW;
+  } else if (col->ref != NULL) { /* the partition's earlier chunks set the shape */
+    rc = col->want.ndim == b.ndim ? 0 : SLOW;
+    for (int d = 0; rc == 0 && d < b.ndim; d++)
+      if (col->want.dims[d] != b.shape[d]) rc = SLOW;
+  } else {
+    col->want.ndim = b.ndim;
+    for (int d = 0; d < b.ndim; d++) col->want.dims[d] = b.shape[d];
+  }
+  col->item = b.itemsize;
+  for (int d = 0; rc == 0 && d < b.ndim; d++) rc = mul_size(col->item, b.shape[d], &col->item);
+  if (rc == 0) rc = mul_size(c->n, col->item, &col->size);
+  PyBuffer_Release(&b);
+  col->how = W_NDARRAYS;
+  return rc;
+}
+
+static int ndarray_write(const chunk *c, Py_ssize_t j, column *col) {
+  Py_ssize_t row = col->item;
+  for (Py_ssize_t i = 0; i < c->n; i++) {
     PyObject *v = value_at(c, i, j);
     if (v == NULL || Py_TYPE(v) != c->np[NP_NDARRAY]) return SLOW;
     Py_buffer b;
     if (PyObject_GetBuffer(v, &b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-      PyErr_Clear(); /* not C-contiguous, or no buffer (object arrays) */
+      PyErr_Clear();
       return SLOW;
     }
-    int rc = 0;
-    if (i == 0) {
-      format = b.format ? b.format[0] : 0;
-      col->dtype = array_dtype(&b);
-      if (col->dtype == 0 || b.ndim < 1 || b.ndim > MAX_DIMS) {
-        rc = SLOW;
-      } else if (col->ref != NULL) { /* the partition's earlier chunks set the shape */
-        rc = col->want.ndim == b.ndim ? 0 : SLOW;
-        for (int d = 0; rc == 0 && d < b.ndim; d++)
-          if (col->want.dims[d] != b.shape[d]) rc = SLOW;
-      } else {
-        col->want.ndim = b.ndim;
-        for (int d = 0; d < b.ndim; d++) col->want.dims[d] = b.shape[d];
-      }
-      row = b.itemsize;
-      for (int d = 0; rc == 0 && d < b.ndim; d++) rc = mul_size(row, b.shape[d], &row);
-      if (rc == 0) rc = mul_size(n, row, &size);
-      if (rc == 0) {
-        col->data = PyByteArray_FromStringAndSize(NULL, size);
-        if (col->data == NULL)
-          rc = -1;
-        else
-          out = bytearray_data(col->data);
-      }
-    } else {
-      rc = b.format != NULL && b.format[0] == format && b.format[1] == '\0' &&
-                   b.ndim == col->want.ndim
-               ? 0
-               : SLOW;
-      for (int d = 0; rc == 0 && d < b.ndim; d++)
-        if (b.shape[d] != col->want.dims[d]) rc = SLOW;
-    }
-    if (rc == 0 && b.len != row) rc = SLOW;
-    if (rc == 0) memcpy(out + row * i, b.buf, (size_t)row);
+    int rc = b.format != NULL && b.format[0] == col->format && b.format[1] == '\0' &&
+                     b.ndim == col->want.ndim && b.len == row
+                 ? 0
+                 : SLOW;
+    for (int d = 0; rc == 0 && d < b.ndim; d++)
+      if (b.shape[d] != col->want.dims[d]) rc = SLOW;
+    if (rc == 0) memcpy(col->out + row * i, b.buf, (size_t)row);
     PyBuffer_Release(&b);
     if (rc) return rc;
   }
@@ -537,59 +555,48 @@ static int ndarray_column(const chunk *c, Py_ssize_t j, column *col) {
 
 /* An array column of lists (or tuples) of Python numbers, all of one length:
  * rows of np.asarray(values), promoted over the whole chunk. */
-static int seq_column(const chunk *c, Py_ssize_t j, column *col) {
+static int seq_plan(const chunk *c, Py_ssize_t j, column *col) {
   PyObject *v0 = value_at(c, 0, j);
-  Py_ssize_t n = c->n, width = PySequence_Fast_GET_SIZE(v0), count, size;
+  Py_ssize_t width = PySequence_Fast_GET_SIZE(v0), count;
   if (col->ref != NULL) {
     if (col->want.ndim != 1 || col->want.dims[0] != width) return SLOW;
   } else {
     col->want.ndim = 1;
     col->want.dims[0] = width;
   }
-  if (mul_size(n, width, &count) || mul_size(count, 8, &size)) return SLOW;
-  col->data = PyByteArray_FromStringAndSize(NULL, size);
-  if (col->data == NULL) return -1;
-  numsink s = {bytearray_data(col->data), 0, NUM_BOOL};
-  for (Py_ssize_t i = 0; i < n; i++) {
+  if (mul_size(c->n, width, &count)) return SLOW;
+  int mode = NUM_BOOL;
+  for (Py_ssize_t i = 0; i < c->n && mode != NUM_FLOAT; i++) {
     PyObject *v = value_at(c, i, j);
     if (v == NULL || classify(c, v) != V_SEQ || PySequence_Fast_GET_SIZE(v) != width) return SLOW;
     PyObject **items = PySequence_Fast_ITEMS(v);
-    for (Py_ssize_t k = 0; k < width; k++) {
+    for (Py_ssize_t k = 0; k < width && mode != NUM_FLOAT; k++) {
       vclass cl = classify(c, items[k]);
-      if ((cl != V_BOOL && cl != V_INT && cl != V_FLOAT) || sink_put(&s, items[k], cl))
+      if (cl != V_BOOL && cl != V_INT && cl != V_FLOAT)
         return SLOW; /* numpy scalars, nested lists, None...: the Python path */
+      if (class_mode(cl) > mode) mode = class_mode(cl);
     }
   }
-  return sink_finish(&s, col);
+  col->how = W_SEQS;
+  col->dtype = numbers_dtype(mode, count);
+  col->item = col->dtype == '?' ? 1 : 8;
+  return mul_size(count, col->item, &col->size);
 }
 
-/* Converts column j into col (whose field, ref and want are set).  0, SLOW,
- * or -1 with an exception. */
-static int convert_column(const chunk *c, Py_ssize_t j, column *col) {
-  PyObject *v0 = value_at(c, 0, j);
-  if (v0 == NULL) return SLOW;
-  vclass c0 = classify(c, v0);
-  if (c0 == V_OTHER) return SLOW;
-  if (col->ref == NULL) {
-    col->want.k = kind_of(c0);
-    col->want.ndim = 0;
-  } else if (!kind_agrees(col->want.k, kind_of(c0))) {
-    return SLOW;
+static int seq_write(const chunk *c, Py_ssize_t j, column *col) {
+  Py_ssize_t width = col->want.dims[0], at = 0;
+  for (Py_ssize_t i = 0; i < c->n; i++) {
+    PyObject *v = value_at(c, i, j);
+    if (v == NULL || classify(c, v) != V_SEQ || PySequence_Fast_GET_SIZE(v) != width) return SLOW;
+    PyObject **items = PySequence_Fast_ITEMS(v);
+    for (Py_ssize_t k = 0; k < width; k++, at++) {
+      vclass cl = classify(c, items[k]);
+      if ((cl != V_BOOL && cl != V_INT && cl != V_FLOAT) ||
+          number_put(col->dtype, items[k], cl, col->out + col->item * at))
+        return SLOW;
+    }
   }
-  switch (col->want.k) {
-  case K_BOOL:
-  case K_INT:
-  case K_FLOAT:
-    return numbers_column(c, j, c0, col);
-  case K_STR:
-  case K_BYTES:
-    return bytes_column(c, j, col);
-  case K_ARRAY:
-    return c0 == V_NDARRAY ? ndarray_column(c, j, col) : c0 == V_SEQ ? seq_column(c, j, col) : SLOW;
-  case K_NKINDS:
-    break;
-  }
-  return SLOW;
+  return 0;
 }
 
 /* ------------------------------------------------------------ results */
@@ -622,6 +629,58 @@ static PyObject *column_name(const column *col, int *slow) {
   return name;
 }
 
+/* Plans column j (whose field, ref and want are set).  0, SLOW, or -1 with
+ * an exception. */
+static int plan_column(const chunk *c, Py_ssize_t j, column *col) {
+  PyObject *v0 = value_at(c, 0, j);
+  if (v0 == NULL) return SLOW;
+  vclass c0 = classify(c, v0);
+  if (c0 == V_OTHER) return SLOW;
+  col->c0 = c0;
+  if (col->ref == NULL) {
+    col->want.k = kind_of(c0);
+    col->want.ndim = 0;
+  } else if (!kind_agrees(col->want.k, kind_of(c0))) {
+    return SLOW;
+  }
+  int rc = SLOW;
+  switch (col->want.k) {
+  case K_BOOL:
+  case K_INT:
+  case K_FLOAT:
+    rc = numbers_plan(c, j, col);
+    break;
+  case K_STR:
+  case K_BYTES:
+    rc = bytes_plan(c, j, col);
+    break;
+  case K_ARRAY:
+    rc = c0 == V_NDARRAY ? ndarray_plan(c, j, col) : c0 == V_SEQ ? seq_plan(c, j, col) : SLOW;
+    break;
+  case K_NKINDS:
+    break;
+  }
+  if (rc) return rc;
+  int slow = 0;
+  col->name = column_name(col, &slow);
+  return col->name != NULL ? 0 : slow ? SLOW : -1;
+}
+
+static int write_column(const chunk *c, Py_ssize_t j, column *col) {
+  switch (col->how) {
+  case W_SCALARS:
+  case W_NUMBERS:
+    return numbers_write(c, j, col);
+  case W_BYTES:
+    return bytes_write(c, j, col);
+  case W_NDARRAYS:
+    return ndarray_write(c, j, col);
+  case W_SEQS:
+    return seq_write(c, j, col);
+  }
+  return SLOW;
+}
+
 /* (n,) + the row shape, or the row shape alone (a reference) when n < 0. */
 static PyObject *shape_tuple(Py_ssize_t n, const colref *want) {
   Py_ssize_t lead = n >= 0, ndim = want->k == K_ARRAY ? want->ndim : 0;
@@ -638,24 +697,13 @@ static PyObject *shape_tuple(Py_ssize_t n, const colref *want) {
   return t;
 }
 
-/* (name, dtype character or None, width, data, offsets or None, shape or
- * None) for the caller to wrap as a column spec.  NULL with an exception, or
- * NULL and *slow set. */
-static PyObject *column_tuple(const column *col, Py_ssize_t n, int *slow) {
-  PyObject *name = column_name(col, slow);
-  if (name == NULL) return NULL;
-  if (col->dtype == 0) /* str/bytes */
-    return Py_BuildValue("(NOiOOO)", name, Py_None, 0, col->data, col->offsets, Py_None);
+/* Elements a row of the column: the product of its row shape (1 for scalars;
+ * it divides the column's byte size, so it fits). */
+static Py_ssize_t row_width(const column *col) {
   Py_ssize_t width = 1;
   if (col->want.k == K_ARRAY)
-    for (Py_ssize_t d = 0; d < col->want.ndim; d++) width *= col->want.dims[d]; /* <= bytes */
-  PyObject *shape = shape_tuple(n, &col->want);
-  if (shape == NULL) {
-    Py_DECREF(name);
-    return NULL;
-  }
-  return Py_BuildValue("(Ns#nOON)", name, &col->dtype, (Py_ssize_t)1, width, col->data, Py_None,
-                       shape);
+    for (Py_ssize_t d = 0; d < col->want.ndim; d++) width *= col->want.dims[d];
+  return width;
 }
 
 /* The reference the Python path keeps for the next chunk: the partition's,
@@ -666,6 +714,151 @@ static PyObject *column_ref(const column *col) {
   PyObject *shape = shape_tuple(-1, &col->want);
   if (shape == NULL) return NULL;
   return Py_BuildValue("(sN)", kind_names[K_ARRAY], shape);
+}
+
+/* ------------------------------------------------------------ plans */
+
+struct embpy_records {
+  chunk c;
+  Py_ssize_t ncols;
+  column *cols;
+};
+
+void embpy_records_free(embpy_records *r) {
+  if (r == NULL) return;
+  for (Py_ssize_t j = 0; j < r->ncols; j++) {
+    Py_XDECREF(r->cols[j].field);
+    Py_XDECREF(r->cols[j].ref);
+    Py_XDECREF(r->cols[j].name);
+  }
+  PyMem_Free(r->cols);
+  PyMem_Free(r);
+}
+
+int embpy_records_plan(ember_state *st, PyObject *records, PyObject *fields, PyObject *refs,
+                       embpy_records **out) {
+  *out = NULL;
+  if (!PyList_Check(records) || (fields != Py_None && !PyList_Check(fields)) ||
+      (refs != Py_None && !PyList_Check(refs))) {
+    PyErr_SetString(PyExc_TypeError,
+                    "records_to_columns: records is a list, fields and refs are lists or None");
+    return -1;
+  }
+  PyObject *types = st ? records_np_types(st) : NULL;
+  if (types == NULL) return -1;
+  Py_ssize_t ncols = fields == Py_None ? 1 : PyList_GET_SIZE(fields);
+  chunk c = {records, PyList_GET_SIZE(records), fields == Py_None ? -1 : ncols, {NULL}};
+  for (int i = 0; i < NP_NTYPES; i++) c.np[i] = (PyTypeObject *)PyTuple_GET_ITEM(types, i);
+  if (c.n == 0 || (refs != Py_None && PyList_GET_SIZE(refs) != ncols)) return SLOW;
+  if (!PyList_CheckExact(records)) return SLOW; /* r[j] over a subclass: Python's */
+  if (ncols > EMBER_BATCH_MAX_COLS || c.n > UINT32_MAX) return SLOW; /* a batch's limits */
+  /* every record has the fields (or the Python path names the first that has not) */
+  for (Py_ssize_t i = 0; c.width >= 0 && i < c.n; i++)
+    if (!record_has_fields(&c, i)) return SLOW;
+
+  embpy_records *r = PyMem_Calloc(1, sizeof *r);
+  if (r == NULL) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  r->c = c;
+  r->cols = PyMem_Calloc((size_t)(ncols ? ncols : 1), sizeof(column));
+  if (r->cols == NULL) {
+    PyMem_Free(r);
+    PyErr_NoMemory();
+    return -1;
+  }
+  r->ncols = ncols;
+  for (Py_ssize_t j = 0; j < ncols; j++) {
+    column *col = &r->cols[j];
+    int rc;
+    col->field = fields == Py_None ? PyUnicode_FromStringAndSize("", 0)
+                                   : Py_NewRef(PyList_GET_ITEM(fields, j));
+    if (col->field == NULL) {
+      rc = -1;
+    } else if (!PyUnicode_CheckExact(col->field)) {
+      rc = SLOW;
+    } else {
+      PyObject *ref = refs == Py_None ? Py_None : PyList_GET_ITEM(refs, j);
+      rc = 0;
+      if (ref != Py_None) {
+        rc = parse_ref(ref, &col->want);
+        if (rc == 0) col->ref = Py_NewRef(ref);
+      }
+      if (rc == 0) rc = plan_column(&r->c, j, col);
+    }
+    if (rc) {
+      embpy_records_free(r);
+      return rc;
+    }
+  }
+  *out = r;
+  return 0;
+}
+
+Py_ssize_t embpy_records_nrows(const embpy_records *r) { return r->c.n; }
+Py_ssize_t embpy_records_ncols(const embpy_records *r) { return r->ncols; }
+
+Py_ssize_t embpy_records_bytes(const embpy_records *r) {
+  Py_ssize_t total = 0;
+  for (Py_ssize_t j = 0; j < r->ncols; j++) /* each fit a batch, which fits a size_t */
+    total += r->cols[j].size + (r->cols[j].dtype == 0 ? 8 * (r->c.n + 1) : 0);
+  return total;
+}
+
+/* ember's dtype of a numpy type character the plan chose (0: str/bytes). */
+static uint8_t ember_dtype_of(char dtype) {
+  switch (dtype) {
+  case 'f': return EMBER_DT_F32;
+  case 'd': return EMBER_DT_F64;
+  case 'i': return EMBER_DT_I32;
+  case 'l': return EMBER_DT_I64;
+  case 'B': return EMBER_DT_U8;
+  case '?': return EMBER_DT_BOOL;
+  default: return EMBER_DT_BYTES;
+  }
+}
+
+int embpy_records_columns(const embpy_records *r, ember_column *out) {
+  for (Py_ssize_t j = 0; j < r->ncols; j++) {
+    const column *col = &r->cols[j];
+    Py_ssize_t len = 0;
+    if (col->dtype != 0 && row_width(col) > (Py_ssize_t)UINT32_MAX) return SLOW; /* a batch's limit */
+    const char *name = PyUnicode_AsUTF8AndSize(col->name, &len); /* checked by the plan */
+    memset(&out[j], 0, sizeof out[j]);
+    out[j].dtype = ember_dtype_of(col->dtype);
+    out[j].name = name;
+    out[j].name_len = (uint8_t)len;
+    out[j].width = col->dtype == 0 ? 0 : (uint32_t)row_width(col);
+    out[j].data_len = (uint64_t)col->size;
+  }
+  return 0;
+}
+
+int embpy_records_write(embpy_records *r, const ember_batch_place *places) {
+  for (Py_ssize_t j = 0; j < r->ncols; j++) {
+    r->cols[j].out = places[j].data;
+    r->cols[j].offs = (unsigned char *)places[j].offsets;
+  }
+  for (Py_ssize_t j = 0; j < r->ncols; j++) {
+    int rc = write_column(&r->c, j, &r->cols[j]);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+PyObject *embpy_records_refs(const embpy_records *r) {
+  PyObject *refs = PyList_New(r->ncols);
+  if (refs == NULL) return NULL;
+  for (Py_ssize_t j = 0; j < r->ncols; j++) {
+    PyObject *ref = column_ref(&r->cols[j]);
+    if (ref == NULL) {
+      Py_DECREF(refs);
+      return NULL;
+    }
+    PyList_SET_ITEM(refs, j, ref);
+  }
+  return refs;
 }
 
 /* ------------------------------------------------------------ the function */
@@ -686,81 +879,74 @@ PyDoc_STRVAR(records_to_columns_doc,
              "Python path (which then converts it, or raises the error naming the\n"
              "record).");
 
-static void columns_free(column *cols, Py_ssize_t ncols) {
-  if (cols == NULL) return;
-  for (Py_ssize_t j = 0; j < ncols; j++) {
-    Py_XDECREF(cols[j].field);
-    Py_XDECREF(cols[j].ref);
-    Py_XDECREF(cols[j].data);
-    Py_XDECREF(cols[j].offsets);
-  }
-  PyMem_Free(cols);
+/* (name, dtype character or None, width, data, offsets or None, shape or
+ * None) of a written column, for the caller to wrap as a column spec. */
+static PyObject *column_tuple(const column *col, Py_ssize_t n, PyObject *data, PyObject *offsets) {
+  if (col->dtype == 0) /* str/bytes */
+    return Py_BuildValue("(OOiOOO)", col->name, Py_None, 0, data, offsets, Py_None);
+  PyObject *shape = shape_tuple(n, &col->want);
+  if (shape == NULL) return NULL;
+  return Py_BuildValue("(Os#nOON)", col->name, &col->dtype, (Py_ssize_t)1, row_width(col), data,
+                       Py_None, shape);
 }
 
 static PyObject *py_records_to_columns(PyObject *m, PyObject *args) {
   PyObject *records, *fields, *refs;
   if (!PyArg_ParseTuple(args, "O!OO:records_to_columns", &PyList_Type, &records, &fields, &refs))
     return NULL;
-  if ((fields != Py_None && !PyList_Check(fields)) || (refs != Py_None && !PyList_Check(refs))) {
-    PyErr_SetString(PyExc_TypeError, "records_to_columns: fields and refs are lists or None");
-    return NULL;
-  }
-  ember_state *st = (ember_state *)PyModule_GetState(m);
-  PyObject *types = st ? records_np_types(st) : NULL;
-  if (types == NULL) return NULL;
-
-  chunk c = {records, PyList_GET_SIZE(records), -1, {NULL}};
-  for (int i = 0; i < NP_NTYPES; i++) c.np[i] = (PyTypeObject *)PyTuple_GET_ITEM(types, i);
-  Py_ssize_t ncols = fields == Py_None ? 1 : PyList_GET_SIZE(fields);
-  if (fields != Py_None) c.width = ncols;
-  if (c.n == 0 || (refs != Py_None && PyList_GET_SIZE(refs) != ncols)) Py_RETURN_NONE;
-  if (!PyList_CheckExact(records)) Py_RETURN_NONE; /* r[j] over a subclass: Python's */
-  /* every record has the fields (or the Python path names the first that has not) */
-  for (Py_ssize_t i = 0; c.width >= 0 && i < c.n; i++)
-    if (!record_has_fields(&c, i)) Py_RETURN_NONE;
+  embpy_records *r = NULL;
+  int rc = embpy_records_plan((ember_state *)PyModule_GetState(m), records, fields, refs, &r);
+  if (rc < 0) return NULL;
+  if (rc) Py_RETURN_NONE;
 
   PyObject *result = NULL, *out_cols = NULL, *out_refs = NULL;
-  int slow = 0;
-  column *cols = PyMem_Calloc((size_t)(ncols ? ncols : 1), sizeof(column));
-  if (cols == NULL) return PyErr_NoMemory();
-  /* read every value first: nothing GC-tracked is allocated until they are */
-  for (Py_ssize_t j = 0; j < ncols; j++) {
-    column *col = &cols[j];
-    col->field = fields == Py_None ? PyUnicode_FromStringAndSize("", 0)
-                                   : Py_NewRef(PyList_GET_ITEM(fields, j));
-    if (col->field == NULL) goto done;
-    if (!PyUnicode_CheckExact(col->field)) goto slow;
-    PyObject *ref = refs == Py_None ? Py_None : PyList_GET_ITEM(refs, j);
-    if (ref != Py_None) {
-      if (parse_ref(ref, &col->want)) goto slow;
-      col->ref = Py_NewRef(ref);
-    }
-    int rc = convert_column(&c, j, col);
-    if (rc < 0) goto done;
-    if (rc) goto slow;
+  /* each column's data and offsets (or NULL): no list, because nothing
+   * allocated before the write pass may be tracked by the cyclic GC */
+  PyObject **buffers = PyMem_Calloc((size_t)(2 * r->ncols + 1), sizeof *buffers);
+  ember_batch_place *places = PyMem_Calloc((size_t)(r->ncols ? r->ncols : 1), sizeof *places);
+  if (buffers == NULL || places == NULL) {
+    PyErr_NoMemory();
+    goto done;
   }
-  out_cols = PyList_New(ncols);
-  out_refs = PyList_New(ncols);
-  if (out_cols == NULL || out_refs == NULL) goto done;
-  for (Py_ssize_t j = 0; j < ncols; j++) {
-    PyObject *t = column_tuple(&cols[j], c.n, &slow);
-    if (t == NULL) {
-      if (slow) goto slow;
-      goto done;
+  for (Py_ssize_t j = 0; j < r->ncols; j++) {
+    const column *col = &r->cols[j];
+    if (col->dtype == 0) {
+      Py_ssize_t osize = 0;
+      buffers[2 * j] = PyBytes_FromStringAndSize(NULL, col->size);
+      if (buffers[2 * j] == NULL) goto done;
+      places[j].data = PyBytes_AS_STRING(buffers[2 * j]);
+      (void)mul_size(r->c.n + 1, 8, &osize); /* checked by the plan */
+      buffers[2 * j + 1] = PyByteArray_FromStringAndSize(NULL, osize);
+      if (buffers[2 * j + 1] == NULL) goto done;
+      places[j].offsets = (uint64_t *)(void *)PyByteArray_AS_STRING(buffers[2 * j + 1]);
+    } else {
+      buffers[2 * j] = PyByteArray_FromStringAndSize(NULL, col->size);
+      if (buffers[2 * j] == NULL) goto done;
+      places[j].data = PyByteArray_AS_STRING(buffers[2 * j]);
     }
+  }
+  rc = embpy_records_write(r, places);
+  if (rc) {
+    result = Py_NewRef(Py_None);
+    goto done;
+  }
+  out_cols = PyList_New(r->ncols);
+  out_refs = embpy_records_refs(r);
+  if (out_cols == NULL || out_refs == NULL) goto done;
+  for (Py_ssize_t j = 0; j < r->ncols; j++) {
+    PyObject *t = column_tuple(&r->cols[j], r->c.n, buffers[2 * j],
+                               buffers[2 * j + 1] ? buffers[2 * j + 1] : Py_None);
+    if (t == NULL) goto done;
     PyList_SET_ITEM(out_cols, j, t);
-    PyObject *r = column_ref(&cols[j]);
-    if (r == NULL) goto done;
-    PyList_SET_ITEM(out_refs, j, r);
   }
   result = PyTuple_Pack(2, out_cols, out_refs);
-  goto done;
-slow:
-  result = Py_NewRef(Py_None);
 done:
   Py_XDECREF(out_cols);
   Py_XDECREF(out_refs);
-  columns_free(cols, ncols);
+  for (Py_ssize_t k = 0; buffers != NULL && k < 2 * r->ncols; k++) Py_XDECREF(buffers[k]);
+  PyMem_Free(buffers);
+  PyMem_Free(places);
+  embpy_records_free(r);
   return result;
 }
 

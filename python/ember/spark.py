@@ -210,7 +210,7 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
     def feed_partition(p: int, iterator: Any) -> Any:
         """Feeds partition ``p`` (yields its results in inference); returns
         (records fed or skipped as delivered, whether the node terminated its feed)."""
-        from ember import _grouping
+        from ember import _columns, _grouping
 
         host, port, name = targets[p % len(targets)]
         client = _partition_client(targets, secret, seq, p, feed_timeout, want_results, first,
@@ -227,12 +227,15 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
                 sent = sum(1 for _ in records)
             elif skip:
                 sent = sum(1 for _ in itertools.islice(records, skip))
+            rows = chunk_rows
             while not delivered:
-                chunk = list(itertools.islice(records, chunk_rows))
+                chunk = list(itertools.islice(records, rows))
                 if not chunk:
                     break
-                yield from _send(client, chunk, p, sent, want_results, feed_timeout, layout)
+                nbytes = yield from _send(client, chunk, p, sent, want_results, feed_timeout,
+                                          layout)
                 sent += len(chunk)
+                rows = _columns.rows_in_place(client.in_place_max, rows, len(chunk), nbytes)
             client.end_partition(feed_timeout)
         except _ember.EmberAborted:
             return sent, True
@@ -250,12 +253,12 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
 
     def _send(client: Any, chunk: List[Any], p: int, at: int, want_results: bool,
               timeout: float, layout: Dict[str, Any]) -> Any:
-        """Sends records ``at..`` of partition ``p`` (their index names a bad one)."""
+        """Sends records ``at..`` of partition ``p`` (their index names a bad one);
+        returns the bytes of their columns (0: unknown)."""
         from ember import _columns
 
-        cols, n = _columns.records_to_columns(chunk, where=f"feeding partition {p}",
-                                              first=at, layout=layout)
-        client.send(cols, n, timeout)
+        n, nbytes = _columns.send_records(client, chunk, f"feeding partition {p}", at, layout,
+                                          timeout)
         if want_results:
             got = 0
             while got < n:
@@ -265,6 +268,7 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
                 got += item.nrows
             if got != n:
                 raise RuntimeError(f"partition {p}: node returned {got} results for {n} records")
+        return nbytes
     return feed
 
 

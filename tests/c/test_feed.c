@@ -1817,6 +1817,372 @@ TEST(named_call_bad_hellos_refused) {
   LEAK_CHECK();
 }
 
+/* ------------------------------------------------------------ in-place batches */
+
+/* A batch for begin_batch/commit_batch: an F32 column of width 4, a BYTES
+ * column whose row r holds (r * 7 + seed) % slen_mod bytes (so values differ
+ * in length, empty ones included) and a BOOL column; kept in the test's own
+ * memory too, to compare with what the node receives. */
+typedef struct {
+  float *f32;
+  uint64_t *off;
+  char *str;
+  uint8_t *flag;
+  ember_column cols[3];
+  uint32_t nrows;
+} placed_batch;
+
+static void placed_make(placed_batch *b, uint32_t seed, uint32_t nrows, uint32_t slen_mod) {
+  uint64_t o = 0;
+  b->nrows = nrows;
+  b->f32 = malloc(16 * (size_t)nrows + 1);
+  b->off = malloc(8 * ((size_t)nrows + 1));
+  b->str = malloc((size_t)nrows * slen_mod + 1);
+  b->flag = malloc((size_t)nrows + 1);
+  CHECK(b->f32 && b->off && b->str && b->flag);
+  for (uint32_t r = 0; r < nrows; r++) {
+    uint32_t len = (r * 7u + seed) % slen_mod;
+    for (int k = 0; k < 4; k++) b->f32[4 * r + k] = (float)seed * 1000.0f + (float)r + 0.25f * k;
+    b->off[r] = o;
+    for (uint32_t j = 0; j < len; j++) b->str[o + j] = (char)('a' + (r + j + seed) % 26);
+    o += len;
+    b->flag[r] = (uint8_t)((r + seed) % 3 == 0);
+  }
+  b->off[nrows] = o;
+  b->cols[0] = (ember_column){EMBER_DT_F32, 3, "f32", 4, b->f32, 16ull * nrows, NULL};
+  b->cols[1] = (ember_column){EMBER_DT_BYTES, 3, "str", 0, b->str, o, b->off};
+  b->cols[2] = (ember_column){EMBER_DT_BOOL, 4, "flag", 1, b->flag, nrows, NULL};
+}
+
+static void placed_free(placed_batch *b) {
+  free(b->f32);
+  free(b->off);
+  free(b->str);
+  free(b->flag);
+}
+
+static size_t placed_size(const placed_batch *b) {
+  size_t n = 0;
+  CHECK_OK(ember_batch_encoded_size(b->cols, 3, b->nrows, &n));
+  return n;
+}
+
+/* 1 if p lies in a mapping of an ember ring memfd (this process maps both
+ * ends: the server runs here too). */
+static int in_ring_memory(const void *p) {
+  char line[512];
+  unsigned long lo, hi, a = (unsigned long)(uintptr_t)p;
+  int found = 0;
+  FILE *f = fopen("/proc/self/maps", "r");
+  CHECK(f != NULL);
+  while (fgets(line, sizeof line, f))
+    if (strstr(line, "memfd:ember-ring") && sscanf(line, "%lx-%lx", &lo, &hi) == 2 && a >= lo &&
+        a < hi)
+      found = 1;
+  fclose(f);
+  return found;
+}
+
+/* Begins b's batch from its shapes alone (data and offsets NULL: begin must
+ * not look at them) and fills the places from b. */
+static int placed_begin(ember_feed_client *c, const placed_batch *b, ember_batch_place *pl) {
+  ember_column shape[3];
+  int rc;
+  memcpy(shape, b->cols, sizeof shape);
+  for (int i = 0; i < 3; i++) {
+    shape[i].data = NULL;
+    shape[i].offsets = NULL;
+  }
+  memset(pl, 0, 3 * sizeof *pl);
+  rc = ember_feed_client_begin_batch(c, shape, 3, b->nrows, pl, 5000);
+  if (rc != EMBER_OK) return rc;
+  CHECK(pl[0].data != NULL && pl[1].data != NULL && pl[2].data != NULL);
+  CHECK(pl[0].offsets == NULL && pl[1].offsets != NULL && pl[2].offsets == NULL);
+  CHECK(((uintptr_t)pl[1].offsets % 8) == 0);
+  for (int i = 0; i < 3; i++) CHECK(((uintptr_t)pl[i].data % 8) == 0);
+  memcpy(pl[0].data, b->f32, (size_t)b->cols[0].data_len);
+  memcpy(pl[1].offsets, b->off, 8 * ((size_t)b->nrows + 1));
+  memcpy(pl[1].data, b->str, (size_t)b->cols[1].data_len);
+  memcpy(pl[2].data, b->flag, (size_t)b->cols[2].data_len);
+  return EMBER_OK;
+}
+
+/* Pops one item: b's batch from partition p, its decoded columns equal to
+ * b's and its bytes those ember_batch_encode makes of b. */
+static void placed_pop(ember_feed_server *s, uint32_t p, const placed_batch *b) {
+  ember_feed_item *it = NULL;
+  size_t need = placed_size(b), wrote = 0;
+  uint8_t *want = malloc(need);
+  CHECK(want != NULL);
+  CHECK_OK(ember_batch_encode(b->cols, 3, b->nrows, want, need, &wrote));
+  CHECK_OK(ember_feed_server_next(s, &it, 10000));
+  CHECK_EQ_INT(it->kind, EMBER_FEED_ITEM_BATCH);
+  CHECK_EQ_INT(it->partition, p);
+  CHECK_EQ_INT(it->ncols, 3);
+  CHECK_EQ_INT(it->nrows, b->nrows);
+  check_cols_equal(b->cols, it->cols, 3, b->nrows);
+  CHECK_EQ_INT(it->len, wrote);
+  CHECK(memcmp(it->data, want, wrote) == 0);
+  ember_feed_item_free(it);
+  free(want);
+}
+
+/* One batch through begin, fill, commit; checks where its places were (1:
+ * ring memory, 0: not) and that it arrives as written. */
+static void placed_deliver(ember_feed_server *s, ember_feed_client *c, uint32_t p,
+                           uint32_t seed, uint32_t nrows, uint32_t slen_mod, int in_ring) {
+  placed_batch b;
+  ember_batch_place pl[3];
+  placed_make(&b, seed, nrows, slen_mod);
+  CHECK_OK(placed_begin(c, &b, pl));
+  for (int i = 0; i < 3; i++) CHECK_EQ_INT(in_ring_memory(pl[i].data), in_ring);
+  CHECK_OK(ember_feed_client_commit_batch(c, 5000));
+  placed_pop(s, p, &b);
+  placed_free(&b);
+}
+
+/* A batch of rows and no columns (cols and places may be NULL). */
+static void placed_no_columns(ember_feed_server *s, ember_feed_client *c, uint32_t p) {
+  ember_feed_item *it = NULL;
+  CHECK_OK(ember_feed_client_begin_batch(c, NULL, 0, 3, NULL, 5000));
+  CHECK_OK(ember_feed_client_commit_batch(c, 5000));
+  CHECK_OK(ember_feed_server_next(s, &it, 10000));
+  CHECK_EQ_INT(it->kind, EMBER_FEED_ITEM_BATCH);
+  CHECK_EQ_INT(it->partition, p);
+  CHECK_EQ_INT(it->ncols, 0);
+  CHECK_EQ_INT(it->nrows, 3);
+  CHECK_EQ_INT(it->len, 8);
+  ember_feed_item_free(it);
+}
+
+TEST(place_batch_over_shm) {
+  ember_feed_server *s = start_server(0, 0);
+  ember_feed_client *c = connect_opts(ember_feed_server_port(s), 1, EMBER_FEED_SHM_ON, 1u << 20);
+  ember_feed_stats st;
+  ember_feed_item *it = NULL;
+  /* all fit half the 1 MiB ring: written in ring memory */
+  CHECK_EQ_INT(ember_feed_client_in_place_max(c), 0); /* the transport is not chosen yet */
+  placed_deliver(s, c, 1, 1, 5, 9, 1);
+  CHECK_EQ_INT(ember_feed_client_uses_shm(c), 1);
+  CHECK_EQ_INT(ember_feed_client_in_place_max(c), (1u << 20) / 2 - EMBER_SHM_RING_RECORD_HDR);
+  placed_deliver(s, c, 1, 2, 300, 40, 1);
+  placed_deliver(s, c, 1, 3, 0, 1, 1); /* no rows: one offset */
+  placed_no_columns(s, c, 1);
+  CHECK_OK(ember_feed_client_end_partition(c, 5000));
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 100), EMBER_ETIMEDOUT);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.shm_producers, 1);
+  CHECK_EQ_INT(st.batches_received, 4);
+  CHECK_EQ_INT(st.records_received, 5 + 300 + 0 + 3);
+  CHECK_EQ_INT(st.partitions_acked, 1);
+  ember_feed_client_destroy(c);
+  ember_feed_server_destroy(s);
+  CHECK(!ring_mapped_here());
+  LEAK_CHECK();
+}
+
+TEST(place_batch_over_tcp) {
+  ember_feed_server *s = start_server(0, 0);
+  ember_feed_client *c = connect_opts(ember_feed_server_port(s), 2, EMBER_FEED_SHM_OFF, 0);
+  ember_feed_stats st;
+  ember_feed_item *it = NULL;
+  placed_deliver(s, c, 2, 1, 5, 9, 0);
+  CHECK_EQ_INT(ember_feed_client_uses_shm(c), 0);
+  CHECK_EQ_INT(ember_feed_client_in_place_max(c), 0);
+  placed_deliver(s, c, 2, 2, 300, 40, 0);
+  placed_deliver(s, c, 2, 3, 0, 1, 0);
+  placed_deliver(s, c, 2, 4, 3000, 100, 0); /* ~200 KB */
+  placed_no_columns(s, c, 2);
+  CHECK_OK(ember_feed_client_end_partition(c, 5000));
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 100), EMBER_ETIMEDOUT);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.shm_producers, 0);
+  CHECK_EQ_INT(st.batches_received, 5);
+  CHECK_EQ_INT(st.records_received, 5 + 300 + 0 + 3000 + 3);
+  CHECK_EQ_INT(st.partitions_acked, 1);
+  ember_feed_client_destroy(c);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+/* The smallest ring: batches over half of it are built in the client's own
+ * buffer and split through the ring by commit; small ones still go in place. */
+TEST(place_batch_over_half_the_ring) {
+  ember_feed_server *s = start_server(0, 0);
+  ember_feed_client *c = connect_opts(ember_feed_server_port(s), 3, EMBER_FEED_SHM_ON,
+                                      EMBER_SHM_RING_MIN_BYTES);
+  ember_feed_stats st;
+  ember_feed_item *it = NULL;
+  ember_batch_place pl[3];
+  placed_batch mid, big, bad;
+  placed_make(&mid, 5, 1000, 40); /* over half the ring, under all of it */
+  placed_make(&big, 6, 3000, 100); /* a few times the ring */
+  CHECK(placed_size(&mid) + EMBER_SHM_RING_RECORD_HDR > EMBER_SHM_RING_MIN_BYTES / 2);
+  CHECK(placed_size(&mid) < EMBER_SHM_RING_MIN_BYTES);
+  CHECK(placed_size(&big) > 3u * EMBER_SHM_RING_MIN_BYTES);
+  placed_free(&mid);
+  placed_free(&big);
+  placed_deliver(s, c, 3, 1, 10, 9, 1);
+  CHECK_EQ_INT(ember_feed_client_uses_shm(c), 1);
+  placed_deliver(s, c, 3, 5, 1000, 40, 0);
+  placed_deliver(s, c, 3, 6, 3000, 100, 0);
+  placed_deliver(s, c, 3, 7, 3000, 100, 0);
+  /* content is checked on the scratch path too: nothing goes into the ring */
+  placed_make(&bad, 8, 3000, 100);
+  CHECK_OK(placed_begin(c, &bad, pl));
+  ((uint8_t *)pl[2].data)[2999] = 2;
+  CHECK_EQ_INT(ember_feed_client_commit_batch(c, 5000), EMBER_EINVAL);
+  CHECK(strstr(ember_last_error(), "column 2 ('flag'): BOOL element 2999 is 2") != NULL);
+  placed_free(&bad);
+  placed_deliver(s, c, 3, 9, 10, 9, 1);
+  placed_deliver(s, c, 3, 10, 3000, 100, 0);
+  CHECK_OK(ember_feed_client_end_partition(c, 5000));
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 100), EMBER_ETIMEDOUT);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.shm_producers, 1);
+  CHECK_EQ_INT(st.batches_received, 6);
+  CHECK_EQ_INT(st.records_received, 10 + 1000 + 3000 + 3000 + 10 + 3000);
+  CHECK_EQ_INT(st.partitions_acked, 1);
+  ember_feed_client_destroy(c);
+  ember_feed_server_destroy(s);
+  CHECK(!ring_mapped_here());
+  LEAK_CHECK();
+}
+
+/* A begun batch is dropped by cancel_batch, by a send and by end_partition:
+ * the node sees only what was committed or sent, and END_PARTITION counts
+ * only those records. */
+TEST(place_batch_cancel_and_other_calls_drop_it) {
+  ember_feed_server *s = start_server(0, 0);
+  ember_feed_client *c = connect_opts(ember_feed_server_port(s), 4, EMBER_FEED_SHM_AUTO, 0);
+  ember_feed_stats st;
+  ember_feed_item *it = NULL;
+  ember_batch_place pl[3];
+  placed_batch a, b, pend, sent, last;
+  placed_make(&a, 1, 50, 30);
+  placed_make(&b, 2, 7, 9);
+  placed_make(&pend, 3, 20, 9);
+  placed_make(&sent, 4, 11, 9);
+  placed_make(&last, 5, 13, 9);
+  /* begin, fill, cancel; then another batch: only it arrives */
+  CHECK_OK(placed_begin(c, &a, pl));
+  CHECK_EQ_INT(ember_feed_client_uses_shm(c), expect_shm());
+  ember_feed_client_cancel_batch(c);
+  ember_feed_client_cancel_batch(NULL);
+  CHECK_EQ_INT(ember_feed_client_commit_batch(c, 1000), EMBER_ESTATE);
+  CHECK_OK(placed_begin(c, &b, pl));
+  CHECK_OK(ember_feed_client_commit_batch(c, 5000));
+  placed_pop(s, 4, &b);
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 100), EMBER_ETIMEDOUT);
+  /* begin, then send: only the send's batch arrives, and nothing is left to commit */
+  CHECK_OK(placed_begin(c, &pend, pl));
+  CHECK_OK(ember_feed_client_send(c, sent.cols, 3, sent.nrows, 5000));
+  placed_pop(s, 4, &sent);
+  CHECK_EQ_INT(ember_feed_client_commit_batch(c, 1000), EMBER_ESTATE);
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 100), EMBER_ETIMEDOUT);
+  /* begin, then end_partition: not delivered; the count is b's and sent's rows */
+  CHECK_OK(placed_begin(c, &last, pl));
+  CHECK_OK(ember_feed_client_end_partition(c, 5000));
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 100), EMBER_ETIMEDOUT);
+  CHECK_EQ_INT(ember_feed_client_commit_batch(c, 1000), EMBER_ESTATE);
+  CHECK_EQ_INT(placed_begin(c, &last, pl), EMBER_ESTATE); /* the partition ended */
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.batches_received, 2);
+  CHECK_EQ_INT(st.records_received, 7 + 11);
+  CHECK_EQ_INT(st.partitions_acked, 1);
+  CHECK_EQ_INT(st.shm_producers, expect_shm() ? 1 : 0);
+  placed_free(&a);
+  placed_free(&b);
+  placed_free(&pend);
+  placed_free(&sent);
+  placed_free(&last);
+  ember_feed_client_destroy(c);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+/* commit checks what the caller wrote: bad BYTES offsets or BOOL values are
+ * EMBER_EINVAL naming the column, nothing is sent, and the client goes on. */
+TEST(place_batch_bad_content_sends_nothing) {
+  ember_feed_server *s = start_server(0, 0);
+  ember_feed_client *c = connect_opts(ember_feed_server_port(s), 5, EMBER_FEED_SHM_AUTO, 0);
+  ember_feed_stats st;
+  ember_feed_item *it = NULL;
+  ember_batch_place pl[3];
+  placed_batch g, h;
+  placed_make(&g, 6, 6, 9);
+  placed_make(&h, 7, 6, 9);
+  /* offsets that decrease */
+  CHECK_OK(placed_begin(c, &g, pl));
+  pl[1].offsets[2] = pl[1].offsets[3] + 1;
+  CHECK_EQ_INT(ember_feed_client_commit_batch(c, 5000), EMBER_EINVAL);
+  CHECK(strstr(ember_last_error(), "column 1 ('str'): offset[3]") != NULL);
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 100), EMBER_ETIMEDOUT);
+  CHECK_EQ_INT(ember_feed_client_uses_shm(c), expect_shm());
+  /* offsets that do not start at 0, or do not end at data_len */
+  CHECK_OK(placed_begin(c, &g, pl));
+  pl[1].offsets[0] = 1;
+  CHECK_EQ_INT(ember_feed_client_commit_batch(c, 5000), EMBER_EINVAL);
+  CHECK(strstr(ember_last_error(), "column 1 ('str'): offset[0] = 1") != NULL);
+  CHECK_OK(placed_begin(c, &g, pl));
+  pl[1].offsets[6] = g.cols[1].data_len + 1;
+  CHECK_EQ_INT(ember_feed_client_commit_batch(c, 5000), EMBER_EINVAL);
+  CHECK(strstr(ember_last_error(), "column 1 ('str'): last offset") != NULL);
+  /* the client is still usable */
+  CHECK_OK(placed_begin(c, &g, pl));
+  CHECK_OK(ember_feed_client_commit_batch(c, 5000));
+  placed_pop(s, 5, &g);
+  /* a BOOL element of 2 */
+  CHECK_OK(placed_begin(c, &h, pl));
+  ((uint8_t *)pl[2].data)[4] = 2;
+  CHECK_EQ_INT(ember_feed_client_commit_batch(c, 5000), EMBER_EINVAL);
+  CHECK(strstr(ember_last_error(), "column 2 ('flag'): BOOL element 4 is 2") != NULL);
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 100), EMBER_ETIMEDOUT);
+  CHECK_OK(placed_begin(c, &h, pl));
+  CHECK_OK(ember_feed_client_commit_batch(c, 5000));
+  placed_pop(s, 5, &h);
+  CHECK_OK(ember_feed_client_end_partition(c, 5000));
+  CHECK_EQ_INT(ember_feed_server_next(s, &it, 100), EMBER_ETIMEDOUT);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.batches_received, 2);
+  CHECK_EQ_INT(st.records_received, 12);
+  CHECK_EQ_INT(st.partitions_acked, 1);
+  CHECK_EQ_INT(st.producers_rejected, 0);
+  placed_free(&g);
+  placed_free(&h);
+  ember_feed_client_destroy(c);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
+TEST(place_batch_commit_without_begin) {
+  ember_feed_server *s = start_server(0, 0);
+  ember_feed_client *c = connect_opts(ember_feed_server_port(s), 6, EMBER_FEED_SHM_AUTO, 0);
+  ember_feed_stats st;
+  ember_batch_place pl[3];
+  placed_batch g;
+  placed_make(&g, 8, 4, 5);
+  CHECK_EQ_INT(ember_feed_client_commit_batch(c, 1000), EMBER_ESTATE);
+  CHECK(strstr(ember_last_error(), "no batch begun") != NULL);
+  CHECK_EQ_INT(ember_feed_client_commit_batch(NULL, 1000), EMBER_EINVAL);
+  CHECK_EQ_INT(ember_feed_client_begin_batch(c, g.cols, 3, g.nrows, NULL, 1000), EMBER_EINVAL);
+  CHECK_EQ_INT(ember_feed_client_commit_batch(c, 1000), EMBER_ESTATE);
+  /* once committed, the batch is gone: a second commit has nothing */
+  CHECK_OK(placed_begin(c, &g, pl));
+  CHECK_OK(ember_feed_client_commit_batch(c, 5000));
+  placed_pop(s, 6, &g);
+  CHECK_EQ_INT(ember_feed_client_commit_batch(c, 1000), EMBER_ESTATE);
+  CHECK_OK(ember_feed_client_end_partition(c, 5000));
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.batches_received, 1);
+  CHECK_EQ_INT(st.records_received, 4);
+  CHECK_EQ_INT(st.partitions_acked, 1);
+  placed_free(&g);
+  ember_feed_client_destroy(c);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
 TCP_VARIANT(one_producer_in_order)
 TCP_VARIANT(four_concurrent_producers)
 TCP_VARIANT(backpressure_blocks_until_pop)
@@ -1833,6 +2199,9 @@ TCP_VARIANT(client_fail_marker)
 TCP_VARIANT(resumed_partition_delivered_exactly_once)
 TCP_VARIANT(named_calls_mark_partition_and_call_ends)
 TCP_VARIANT(named_call_resumed_partition_starts_and_ends_once)
+TCP_VARIANT(place_batch_cancel_and_other_calls_drop_it)
+TCP_VARIANT(place_batch_bad_content_sends_nothing)
+TCP_VARIANT(place_batch_commit_without_begin)
 
 RUN_TESTS(T(dtype_sizes), T(codec_roundtrip_every_dtype), T(codec_zero_columns_and_bytes_only),
           T(codec_encode_rejects_inconsistent_columns), T(decode_rejects_every_truncation),
@@ -1862,4 +2231,8 @@ RUN_TESTS(T(dtype_sizes), T(codec_roundtrip_every_dtype), T(codec_zero_columns_a
           T(named_calls_mark_partition_and_call_ends),
           T(named_call_resumed_partition_starts_and_ends_once), T(named_call_bad_hellos_refused),
           T(tcp_named_calls_mark_partition_and_call_ends),
-          T(tcp_named_call_resumed_partition_starts_and_ends_once))
+          T(tcp_named_call_resumed_partition_starts_and_ends_once), T(place_batch_over_shm),
+          T(place_batch_over_tcp), T(place_batch_over_half_the_ring),
+          T(place_batch_cancel_and_other_calls_drop_it), T(place_batch_bad_content_sends_nothing),
+          T(place_batch_commit_without_begin), T(tcp_place_batch_cancel_and_other_calls_drop_it),
+          T(tcp_place_batch_bad_content_sends_nothing), T(tcp_place_batch_commit_without_begin))

@@ -249,6 +249,37 @@ void ember_feed_client_resume_point(const ember_feed_client *c, uint64_t *record
 int ember_feed_client_send(ember_feed_client *c, const ember_column *cols,
                            uint32_t ncols, uint32_t nrows, int64_t timeout_ms);
 
+/* Where begin_batch puts one column: its data, and for a BYTES column its
+ * nrows + 1 offsets (little-endian uint64, 8-aligned; NULL for the others). */
+typedef struct {
+  void *data;
+  uint64_t *offsets;
+} ember_batch_place;
+
+/* Sends one BATCH written in place, for a producer that builds the columns
+ * itself and would otherwise build them once in its own memory and then
+ * copy them here.  begin_batch lays the batch out from cols' shapes alone
+ * (dtype, width, name, data_len; their data and offsets are ignored) and sets
+ * places[i] to where column i goes: ring memory when the batch fits half the
+ * connection's ring (waiting up to timeout_ms for room), else the client's
+ * own buffer (TCP, or a larger batch, which commit splits through the ring).
+ * The caller fills every byte of each place, then commit_batch checks the
+ * offsets and BOOL values as send does and sends the batch; or cancel_batch
+ * (or send, end_partition, end_feed, fail) drops it and nothing is sent.  A failed commit sends
+ * nothing either, unless it failed sending (the client is broken then, as
+ * after a failed send).  No other call may run between begin and commit. */
+int ember_feed_client_begin_batch(ember_feed_client *c, const ember_column *cols,
+                                  uint32_t ncols, uint32_t nrows, ember_batch_place *places,
+                                  int64_t timeout_ms);
+int ember_feed_client_commit_batch(ember_feed_client *c, int64_t timeout_ms);
+void ember_feed_client_cancel_batch(ember_feed_client *c); /* accepts NULL */
+/* The largest batch begin_batch writes in place, straight into the ring
+ * (half the ring less a record header); 0 over TCP, or before the first
+ * batch decided the transport.  A producer that cuts its own batches keeps
+ * them under it so that each is written once and the node reads one while
+ * the next is written. */
+size_t ember_feed_client_in_place_max(const ember_feed_client *c);
+
 /* 1 once batches of this connection go through a shared-memory ring, 0 for
  * TCP (or before the first send decided). */
 int ember_feed_client_uses_shm(const ember_feed_client *c);
