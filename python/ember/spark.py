@@ -188,6 +188,7 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
         else:
             work = [(first + task, iterator)]
         total = 0
+        cut = {"rows": chunk_rows}
         # A feeding task holds a chunk of records while it converts them, so
         # with Python's gen-0 threshold (700 allocations) the cyclic GC ran
         # every few hundred records and walked the chunk each time: about 7%
@@ -198,7 +199,7 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
             for p, records in work:
                 if upstream is not None:
                     records = upstream(p - first, records)
-                sent, aborted = yield from feed_partition(p, records)
+                sent, aborted = yield from feed_partition(p, records, cut)
                 total += sent
                 if aborted:
                     break  # the node terminated its feed: TensorFlowOnSpark drops the rest
@@ -207,9 +208,11 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
         if not want_results:
             yield total
 
-    def feed_partition(p: int, iterator: Any) -> Any:
+    def feed_partition(p: int, iterator: Any, cut: Dict[str, int]) -> Any:
         """Feeds partition ``p`` (yields its results in inference); returns
-        (records fed or skipped as delivered, whether the node terminated its feed)."""
+        (records fed or skipped as delivered, whether the node terminated its feed).
+        ``cut["rows"]``: records per chunk, cut down to what a batch written in
+        place takes (kept for the task's next partition)."""
         from ember import _columns, _grouping
 
         host, port, name = targets[p % len(targets)]
@@ -227,15 +230,15 @@ def _feeder(targets: List[Any], secret: bytes, seq: int, feed_timeout: float,
                 sent = sum(1 for _ in records)
             elif skip:
                 sent = sum(1 for _ in itertools.islice(records, skip))
-            rows = chunk_rows
             while not delivered:
-                chunk = list(itertools.islice(records, rows))
+                chunk = list(itertools.islice(records, cut["rows"]))
                 if not chunk:
                     break
                 nbytes = yield from _send(client, chunk, p, sent, want_results, feed_timeout,
                                           layout)
                 sent += len(chunk)
-                rows = _columns.rows_in_place(client.in_place_max, rows, len(chunk), nbytes)
+                cut["rows"] = _columns.rows_in_place(client.in_place_max, cut["rows"],
+                                                     len(chunk), nbytes)
             client.end_partition(feed_timeout)
         except _ember.EmberAborted:
             return sent, True
