@@ -36,6 +36,11 @@ The RESULT line's headline ratios are the like-for-like ones:
 rdd_vs_spark_rdd (goal >= 0.8), rdd_vs_tfos (goal >= 50),
 tensor_vs_spark_arrow_tensor and df_vs_spark_arrow, each a ratio of medians.
 
+Sizes: 1,000,000 DataFrame records and 200,000 RDD records by default.  The
+RDD comparison needs about a second of Ember's feed per round: a Spark job
+costs about 0.15 s to start and finish on local[2] whatever it does, on both
+sides, and at 100,000 records that alone is a quarter of a round.
+
 EMBER_BENCH_QUICK=1 (make bench-smoke) only makes the defaults tiny: 20,000
 DataFrame records and 2,000 RDD records, 4 partitions; the
 build/bench/feed_channel run it starts gets the same variable and moves 32,768
@@ -268,9 +273,11 @@ def main() -> int:
     p.add_argument("--records", type=int, default=20_000 if QUICK else 1_000_000,
                    help="records of the DataFrame comparisons")
     p.add_argument("--rdd-records", dest="rdd_records", type=int,
-                   default=2_000 if QUICK else 100_000,
-                   help="records of the RDD comparison (TensorFlowOnSpark's feed moves a few "
-                        "thousand records/s)")
+                   default=2_000 if QUICK else 200_000,
+                   help="records of the RDD comparison: about 1 s of Ember's feed, so that "
+                        "a Spark job's own start and end (about 0.15 s on either side) do not "
+                        "drown the throughput compared (TensorFlowOnSpark's feed moves a few "
+                        "thousand records/s: about 70 s a round)")
     p.add_argument("--partitions", type=int, default=4 if QUICK else 16)
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=1 if QUICK else 3,
