@@ -10,8 +10,18 @@ Measured in the same run, in interleaved rounds (every side once per round,
 the order rotated from round to round), all in GB/s = 1e9 bytes/s:
 
   stream   one TCP stream between two hosts: build/bench/tcp_stream (C,
-           blocking 4 MiB send()/recv(), the kernel's buffer autotuning), the
-           ceiling for anything that moves bytes from one host to another
+           blocking send()/recv(), the kernel's buffer autotuning), the best
+           of 256 KiB, 512 KiB and 1 MiB writes and reads (4 MiB buffers,
+           which no longer fit the cache, gave 1.9 GB/s where 512 KiB gave
+           3.0-3.4): the ceiling for anything that moves bytes from one host
+           to another
+  streams  a ring of such streams over n hosts: each host's one process
+           writes to the next host while it reads from the previous (for 2:
+           both ways between h0 and h1) in a poll() loop, as a rank of a ring
+           allreduce does; the mean per link.  What each link carries when
+           all n are busy here, where the simulated hosts share two cores (on
+           real hosts, with CPUs of their own, it is the single stream): the
+           like-for-like ceiling of an n-rank allreduce; same buffer sizes
   ember    Ember's allreduce (ember._ember.Communicator, tcp_only=True, which
            only asserts what the hosts' separate /dev/shm already imply), one
            rank per host, rendezvous on the hosts' addresses
@@ -49,13 +59,15 @@ Allreduce: float32 sum, in place; per size, warm-up calls, a barrier, then
 
 The last line is
 RESULT bench-cluster vs_best_min=<x> vs_best_min_2r=<x> vs_best_min_4r=<x>
-  vs_stream_2r_max=<x> stream_gbs=<x> feed_tcp_gbs=<x> feed_vs_stream=<x>
+  vs_stream_2r_max=<x> vs_stream_4r_max=<x> vs_streams_2r_max=<x> vs_streams_4r_max=<x>
+  stream_gbs=<x> streams_2r_gbs=<x> streams_4r_gbs=<x> feed_tcp_gbs=<x> feed_vs_stream=<x>
   allreduce_<n>r_<size>_gbs=<x> mpi_<n>r_<size>_gbs=<x> gloo_<n>r_<size>_gbs=<x> ...
   [not_measured=mpi,gloo]  (a peer not installed here; its keys are nan)
 where vs_best_min_<n>r is the smallest, over sizes, of Ember's median busbw
 over the better of Open MPI's and gloo's medians (the like-for-like ratio;
 vs_best_min is the smaller over rank counts) and vs_stream_2r_max the
-largest of Ember's 2-rank median busbw over the stream's median.  Where
+largest of Ember's 2-rank median busbw over the stream's median
+(vs_streams_<n>r_max: over the n-host ring of streams' median).  Where
 network namespaces cannot be made (not root, no iproute2), it prints why and
 ends with RESULT bench-cluster skipped=netns_unavailable (exit status 0).
 """
@@ -84,6 +96,7 @@ EMBER_PORT = 29400
 GLOO_PORT = 29500
 FEED_PORT = 29600
 STREAM_PORT = 29700
+STREAM_WRITES = (256 << 10, 512 << 10, 1 << 20)  # tcp_stream write sizes tried each round
 CHUNK = 4 << 20  # feed chunk: one float32 column, 1024 rows of 1024
 DEFAULT_SIZES = "1M,4M,16M,64M,256M"
 GLOO_PYTHON = "/usr/bin/python3"
@@ -193,18 +206,84 @@ class Bench:
     def _plan(self, sizes: Sequence[int]) -> str:
         return json.dumps([[s, iters_for(s, self.args.budget, 100)] for s in sizes])
 
-    def stream(self) -> float:
+    def _streams(self, pairs: Sequence[Sequence[str]], write: int) -> List[float]:
+        """Concurrent TCP streams (src, dst), each from its own tcp_stream
+        sender; each stream's GB/s."""
         exe = os.path.join(REPO, "build", "bench", "tcp_stream")
-        rx = self.sim.popen("h1", [exe, "recv", str(STREAM_PORT)], stdout=subprocess.PIPE,
-                            text=True)
-        assert rx.stdout is not None
-        if rx.stdout.readline().strip() != "ready":
-            raise RuntimeError("tcp_stream receiver did not start")
-        self.sim.run("h0", [exe, "send", self.sim.addr("h1"), str(STREAM_PORT),
-                            str(self.args.stream_seconds)], check=True, timeout=120)
-        out = self._collect([rx], 60)
-        _, nbytes, sec = out.split()[-3:]
-        return int(nbytes) / float(sec) / 1e9
+        rxs = []
+        try:
+            for i, (_, dst) in enumerate(pairs):
+                rx = self.sim.popen(dst, [exe, "recv", str(STREAM_PORT + i), "0", str(write)],
+                                    stdout=subprocess.PIPE, text=True)
+                rxs.append(rx)
+                assert rx.stdout is not None
+                if rx.stdout.readline().strip() != "ready":
+                    raise RuntimeError("tcp_stream receiver did not start")
+            txs = [self.sim.popen(src, [exe, "send", self.sim.addr(to), str(STREAM_PORT + i),
+                                        str(self.args.stream_seconds), str(write)])
+                   for i, (src, to) in enumerate(pairs)]
+            for tx in txs:
+                if tx.wait(timeout=120) != 0:
+                    raise RuntimeError("tcp_stream sender failed")
+            got = []
+            for rx in rxs:
+                out, _ = rx.communicate(timeout=60)
+                _, nbytes, sec = out.split()[-3:]
+                got.append(int(nbytes) / float(sec) / 1e9)
+            return got
+        finally:
+            for rx in rxs:
+                if rx.poll() is None:
+                    rx.kill()
+                    rx.wait()
+
+    def _ring(self, n: int, write: int) -> List[float]:
+        """One tcp_stream ring process per host h0..h(n-1), each writing to
+        the next host while it reads from the previous one in one poll()
+        loop; each host's received GB/s."""
+        exe = os.path.join(REPO, "build", "bench", "tcp_stream")
+        procs = []
+        try:
+            for i in range(n):
+                nxt = HOSTS[(i + 1) % n]
+                p = self.sim.popen(HOSTS[i], [exe, "ring", str(STREAM_PORT), self.sim.addr(nxt),
+                                              str(STREAM_PORT), str(self.args.stream_seconds),
+                                              str(write)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                procs.append(p)
+                assert p.stdout is not None
+                if p.stdout.readline().strip() != "ready":
+                    raise RuntimeError("tcp_stream ring did not start on %s" % HOSTS[i])
+            for p in procs:  # every host listens: connect
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            got = []
+            for p in procs:
+                out, _ = p.communicate(timeout=120)
+                if p.returncode != 0:
+                    raise RuntimeError("tcp_stream ring failed")
+                _, nbytes, sec = out.split()[-3:]
+                got.append(int(nbytes) / float(sec) / 1e9)
+            return got
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+    def stream(self, n: int = 1) -> float:
+        """n = 1: one stream h0 -> h1.  n >= 2: a ring of streams, each host
+        writing to the next while it reads from the previous (for 2: both
+        ways between h0 and h1) in one process, as a rank of a ring allreduce
+        does: the mean per link, what each link carries when all n are busy
+        here, where the simulated hosts share two cores (on real hosts, with
+        CPUs of their own, it is the single stream).  The best over
+        STREAM_WRITES (reads of the same size): a stream's buffer size is the
+        setting that matters here, 4 MiB buffers no longer fit the cache."""
+        return max(sum(got) / len(got) for got in
+                   ((self._streams([("h0", "h1")], w) if n == 1 else self._ring(n, w))
+                    for w in STREAM_WRITES))
 
     def ember(self, n: int, sizes: Sequence[int]) -> Dict[int, float]:
         addrs = ",".join("%s:%d" % (self.sim.addr(h), EMBER_PORT) for h in HOSTS[:n])
@@ -337,6 +416,7 @@ def main() -> int:
     # results[side][n][size] -> list over rounds; stream and feed: list over rounds
     coll = {s: {n: {z: [] for z in sizes} for n in ranks} for s in ("ember", "mpi", "gloo")}
     stream: List[float] = []
+    ring_streams: Dict[int, List[float]] = {n: [] for n in ranks}
     feed: List[float] = []
     t_start = time.monotonic()
     with simcluster.SimCluster(HOSTS[:max(max(ranks), 2)], prefix=PREFIX) as sim:
@@ -346,6 +426,8 @@ def main() -> int:
             jobs: Dict[str, Callable[[], None]] = {}
             if "stream" in sides:
                 jobs["stream"] = lambda: stream.append(bench.stream())
+                for n in ranks:
+                    jobs["%d streams" % n] = lambda n=n: ring_streams[n].append(bench.stream(n))
             if "feed" in sides:
                 jobs["feed"] = lambda: feed.append(bench.feed())
             for n in ranks:
@@ -375,25 +457,32 @@ def main() -> int:
           "busbw = bytes * 2(n-1)/n / time" % (args.rounds, time.monotonic() - t_start))
     s_med = med(stream)
     print("one TCP stream h0 -> h1: %s" % cell(stream, 20))
+    for n in ranks:
+        print("a ring of TCP streams over %d hosts, per link: %s" % (n, cell(ring_streams[n], 20)))
     if feed:
         print("Ember feed h0 -> h1 (TCP, 4 MiB chunks): %s" % cell(feed, 20))
     result = {}
     best_min: Dict[int, Optional[float]] = {}
     stream_max: Dict[int, Optional[float]] = {}
+    ring_max: Dict[int, Optional[float]] = {}
+    ring_gbs: Dict[int, Optional[float]] = {}
     for n in ranks:
         print("\n== allreduce, %d ranks on %d hosts: busbw GB/s" % (n, n))
-        print("%8s  %-20s %-20s %-20s %9s %9s %10s" % ("size", "ember", "mpi (tcp)", "gloo",
-                                                       "e/mpi", "e/gloo", "e/stream"))
-        ratios, vs_stream = [], []
+        print("%8s  %-20s %-20s %-20s %9s %9s %10s %10s" % ("size", "ember", "mpi (tcp)", "gloo",
+                                                            "e/mpi", "e/gloo", "e/stream",
+                                                            "e/streams"))
+        ratios, vs_stream, vs_ring = [], [], []
+        r_med = med(ring_streams[n])
         for z in sizes:
             e, m, g = (med(coll[s][n][z]) for s in ("ember", "mpi", "gloo"))
 
             def rt(a: Optional[float], b: Optional[float]) -> str:
                 return "%8.2fx" % (a / b) if a is not None and b else "      n/a"
-            print("%8s  %s %s %s %s %s %s" % (human(z), cell(coll["ember"][n][z], 20),
-                                             cell(coll["mpi"][n][z], 20),
-                                             cell(coll["gloo"][n][z], 20),
-                                             rt(e, m), rt(e, g), " " + rt(e, s_med)))
+            print("%8s  %s %s %s %s %s %s %s" % (human(z), cell(coll["ember"][n][z], 20),
+                                                cell(coll["mpi"][n][z], 20),
+                                                cell(coll["gloo"][n][z], 20),
+                                                rt(e, m), rt(e, g), " " + rt(e, s_med),
+                                                " " + rt(e, r_med)))
             tag = "%dr_%s" % (n, human(z))
             result["allreduce_%s_gbs" % tag] = e
             result["mpi_%s_gbs" % tag] = m
@@ -403,15 +492,22 @@ def main() -> int:
                 ratios.append(e / max(peers))
             if e is not None and s_med:
                 vs_stream.append(e / s_med)
+            if e is not None and r_med:
+                vs_ring.append(e / r_med)
         best_min[n] = min(ratios) if ratios else None
         stream_max[n] = max(vs_stream) if vs_stream else None
+        ring_max[n] = max(vs_ring) if vs_ring else None
+        ring_gbs[n] = r_med
     print()
     mins = [x for x in best_min.values() if x is not None]
     head = ["vs_best_min=%s" % kv(min(mins) if mins else None)]
     head += ["vs_best_min_%dr=%s" % (n, kv(best_min[n])) for n in ranks]
     head += ["vs_stream_%dr_max=%s" % (n, kv(stream_max[n])) for n in ranks]
+    head += ["vs_streams_%dr_max=%s" % (n, kv(ring_max[n])) for n in ranks]
     f_med = med(feed)
-    head += ["stream_gbs=%s" % kv(s_med), "feed_tcp_gbs=%s" % kv(f_med),
+    head += ["stream_gbs=%s" % kv(s_med)]
+    head += ["streams_%dr_gbs=%s" % (n, kv(ring_gbs[n])) for n in ranks]
+    head += ["feed_tcp_gbs=%s" % kv(f_med),
              "feed_vs_stream=%s" % kv(f_med / s_med if f_med is not None and s_med else None)]
     tail = ["%s=%s" % (k, kv(v)) for k, v in result.items()]
     if not_measured:
