@@ -206,36 +206,21 @@ class Bench:
     def _plan(self, sizes: Sequence[int]) -> str:
         return json.dumps([[s, iters_for(s, self.args.budget, 100)] for s in sizes])
 
-    def _streams(self, pairs: Sequence[Sequence[str]], write: int) -> List[float]:
-        """Concurrent TCP streams (src, dst), each from its own tcp_stream
-        sender; each stream's GB/s."""
+    def _stream(self, write: int) -> float:
+        """One TCP stream h0 -> h1 of write-byte writes and reads; GB/s."""
         exe = os.path.join(REPO, "build", "bench", "tcp_stream")
-        rxs = []
-        try:
-            for i, (_, dst) in enumerate(pairs):
-                rx = self.sim.popen(dst, [exe, "recv", str(STREAM_PORT + i), "0", str(write)],
-                                    stdout=subprocess.PIPE, text=True)
-                rxs.append(rx)
-                assert rx.stdout is not None
-                if rx.stdout.readline().strip() != "ready":
-                    raise RuntimeError("tcp_stream receiver did not start")
-            txs = [self.sim.popen(src, [exe, "send", self.sim.addr(to), str(STREAM_PORT + i),
-                                        str(self.args.stream_seconds), str(write)])
-                   for i, (src, to) in enumerate(pairs)]
-            for tx in txs:
-                if tx.wait(timeout=120) != 0:
-                    raise RuntimeError("tcp_stream sender failed")
-            got = []
-            for rx in rxs:
-                out, _ = rx.communicate(timeout=60)
-                _, nbytes, sec = out.split()[-3:]
-                got.append(int(nbytes) / float(sec) / 1e9)
-            return got
-        finally:
-            for rx in rxs:
-                if rx.poll() is None:
-                    rx.kill()
-                    rx.wait()
+        rx = self.sim.popen("h1", [exe, "recv", str(STREAM_PORT), "0", str(write)],
+                            stdout=subprocess.PIPE, text=True)
+        assert rx.stdout is not None
+        if rx.stdout.readline().strip() != "ready":
+            rx.kill()
+            rx.wait()
+            raise RuntimeError("tcp_stream receiver did not start")
+        self.sim.run("h0", [exe, "send", self.sim.addr("h1"), str(STREAM_PORT),
+                            str(self.args.stream_seconds), str(write)], check=True, timeout=120)
+        out = self._collect([rx], 60)
+        _, nbytes, sec = out.split()[-3:]
+        return int(nbytes) / float(sec) / 1e9
 
     def _ring(self, n: int, write: int) -> List[float]:
         """One tcp_stream ring process per host h0..h(n-1), each writing to
@@ -281,9 +266,9 @@ class Bench:
         CPUs of their own, it is the single stream).  The best over
         STREAM_WRITES (reads of the same size): a stream's buffer size is the
         setting that matters here, 4 MiB buffers no longer fit the cache."""
-        return max(sum(got) / len(got) for got in
-                   ((self._streams([("h0", "h1")], w) if n == 1 else self._ring(n, w))
-                    for w in STREAM_WRITES))
+        if n == 1:
+            return max(self._stream(w) for w in STREAM_WRITES)
+        return max(sum(got) / len(got) for got in (self._ring(n, w) for w in STREAM_WRITES))
 
     def ember(self, n: int, sizes: Sequence[int]) -> Dict[int, float]:
         addrs = ",".join("%s:%d" % (self.sim.addr(h), EMBER_PORT) for h in HOSTS[:n])

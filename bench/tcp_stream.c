@@ -54,7 +54,7 @@ static void set_buf(int fd, int bytes) {
   (void)setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof bytes);
 }
 
-static int do_recv(int port, int sockbuf, size_t cap) {
+static int listen_on(int port, int sockbuf) {
   int srv = socket(AF_INET, SOCK_STREAM, 0), one = 1;
   struct sockaddr_in a;
   memset(&a, 0, sizeof a);
@@ -62,11 +62,37 @@ static int do_recv(int port, int sockbuf, size_t cap) {
   a.sin_port = htons((uint16_t)port);
   a.sin_addr.s_addr = htonl(INADDR_ANY);
   setsockopt(srv, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  set_buf(srv, sockbuf); /* inherited by the accepted socket (window scale) */
+  set_buf(srv, sockbuf);
   if (srv < 0 || bind(srv, (struct sockaddr *)&a, sizeof a) != 0 || listen(srv, 1) != 0) {
     perror("tcp_stream: listen");
-    return 1;
+    return -1;
   }
+  return srv;
+}
+
+static int connect_to(const char *host, const char *port, int sockbuf) {
+  struct addrinfo hints, *res = NULL;
+  memset(&hints, 0, sizeof hints);
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  if (getaddrinfo(host, port, &hints, &res) != 0 || res == NULL) {
+    fprintf(stderr, "tcp_stream: cannot resolve %s\n", host);
+    return -1;
+  }
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  set_buf(fd, sockbuf);
+  if (fd < 0 || connect(fd, res->ai_addr, res->ai_addrlen) != 0) {
+    perror("tcp_stream: connect");
+    freeaddrinfo(res);
+    return -1;
+  }
+  freeaddrinfo(res);
+  return fd;
+}
+
+static int do_recv(int port, int sockbuf, size_t cap) {
+  int srv = listen_on(port, sockbuf); /* the buffer size is inherited (window scale) */
+  if (srv < 0) return 1;
   printf("ready\n");
   fflush(stdout);
   int fd = accept(srv, NULL, NULL);
@@ -99,21 +125,8 @@ static int do_recv(int port, int sockbuf, size_t cap) {
 
 static int do_send(const char *host, const char *port, double seconds, size_t wbytes,
                    int sockbuf) {
-  struct addrinfo hints, *res = NULL;
-  memset(&hints, 0, sizeof hints);
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  if (getaddrinfo(host, port, &hints, &res) != 0 || res == NULL) {
-    fprintf(stderr, "tcp_stream: cannot resolve %s\n", host);
-    return 1;
-  }
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  set_buf(fd, sockbuf);
-  if (fd < 0 || connect(fd, res->ai_addr, res->ai_addrlen) != 0) {
-    perror("tcp_stream: connect");
-    return 1;
-  }
-  freeaddrinfo(res);
+  int fd = connect_to(host, port, sockbuf);
+  if (fd < 0) return 1;
   char *buf = malloc(wbytes);
   if (buf == NULL) return 1;
   memset(buf, 0x5a, wbytes);
@@ -134,49 +147,15 @@ static int do_send(const char *host, const char *port, double seconds, size_t wb
   return 0;
 }
 
-static int listen_on(int port) {
-  int srv = socket(AF_INET, SOCK_STREAM, 0), one = 1;
-  struct sockaddr_in a;
-  memset(&a, 0, sizeof a);
-  a.sin_family = AF_INET;
-  a.sin_port = htons((uint16_t)port);
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  setsockopt(srv, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  if (srv < 0 || bind(srv, (struct sockaddr *)&a, sizeof a) != 0 || listen(srv, 1) != 0) {
-    perror("tcp_stream: listen");
-    return -1;
-  }
-  return srv;
-}
-
-static int connect_to(const char *host, const char *port) {
-  struct addrinfo hints, *res = NULL;
-  memset(&hints, 0, sizeof hints);
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  if (getaddrinfo(host, port, &hints, &res) != 0 || res == NULL) {
-    fprintf(stderr, "tcp_stream: cannot resolve %s\n", host);
-    return -1;
-  }
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0 || connect(fd, res->ai_addr, res->ai_addrlen) != 0) {
-    perror("tcp_stream: connect");
-    freeaddrinfo(res);
-    return -1;
-  }
-  freeaddrinfo(res);
-  return fd;
-}
-
 static int do_ring(int port, const char *next_host, const char *next_port, double seconds,
                    size_t wbytes) {
   char line[16];
-  int srv = listen_on(port);
+  int srv = listen_on(port, 0);
   if (srv < 0) return 1;
   printf("ready\n");
   fflush(stdout);
   if (fgets(line, sizeof line, stdin) == NULL) return 1; /* every host listens: go */
-  int out = connect_to(next_host, next_port);
+  int out = connect_to(next_host, next_port, 0);
   int in = accept(srv, NULL, NULL);
   char *wbuf = malloc(wbytes), *rbuf = malloc(wbytes);
   if (out < 0 || in < 0 || wbuf == NULL || rbuf == NULL) {

@@ -238,24 +238,31 @@ void ember__batch_write_descriptors(const ember_column *cols, uint32_t ncols, ui
   }
 }
 
+size_t ember__batch_place_column(const ember_column *c, uint32_t nrows, uint8_t *out,
+                                 size_t end, ember_batch_place *place) {
+  size_t at = (end + 7u) & ~(size_t)7u; /* the layout fit, so no overflow */
+  memset(out + end, 0, at - end);
+  place->offsets = NULL;
+  if (c->dtype == EMBER_DT_BYTES) {
+    place->offsets = (uint64_t *)(void *)(out + at);
+    at += ((size_t)nrows + 1u) * 8u;
+  }
+  place->data = out + at;
+  return at + (size_t)c->data_len;
+}
+
 /* Writes a batch whose layout ember__batch_layout has checked; returns its size. */
 size_t ember__batch_encode_checked(const ember_column *cols, uint32_t ncols, uint32_t nrows,
                              size_t desc_end, uint8_t *out) {
-  size_t pos;
+  size_t pos = desc_end;
   ember__batch_write_descriptors(cols, ncols, nrows, out);
-  pos = desc_end;
   for (uint32_t i = 0; i < ncols; i++) {
     const ember_column *c = &cols[i];
-    size_t start = (pos + 7u) & ~(size_t)7u; /* total fit, so no overflow */
-    memset(out + pos, 0, start - pos);
-    pos = start;
-    if (c->dtype == EMBER_DT_BYTES) {
-      size_t olen = ((size_t)nrows + 1u) * 8u;
-      memcpy(out + pos, c->offsets, olen); /* host order == little-endian */
-      pos += olen;
-    }
-    if (c->data_len) memcpy(out + pos, c->data, (size_t)c->data_len);
-    pos += (size_t)c->data_len;
+    ember_batch_place place;
+    pos = ember__batch_place_column(c, nrows, out, pos, &place);
+    if (place.offsets) /* host order == little-endian */
+      memcpy(place.offsets, c->offsets, ((size_t)nrows + 1u) * 8u);
+    if (c->data_len) memcpy(place.data, c->data, (size_t)c->data_len);
   }
   return pos;
 }

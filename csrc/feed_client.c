@@ -76,9 +76,9 @@ enum { PENDING_NONE, PENDING_RING, PENDING_SCRATCH };
 #define BATCH_IN_SCRATCH 16u
 
 void ember_feed_client_destroy(ember_feed_client *c) {
-  if (c != NULL) free(c->pending_cols);
   pending_result *p, *nx;
   if (c == NULL) return;
+  free(c->pending_cols);
   /* The ring first: a server still reading it sees the producer close
    * (after any END already written), then the socket close. */
   ember_shm_ring_destroy(c->ring);
@@ -420,32 +420,43 @@ cleanup:
 
 int ember_feed_client_uses_shm(const ember_feed_client *c) { return c != NULL && c->ring != NULL; }
 
+size_t ember_feed_client_in_place_max(const ember_feed_client *c) {
+  if (c == NULL || c->ring == NULL) return 0;
+  return ember_shm_ring_capacity(c->ring) / 2 - EMBER_SHM_RING_RECORD_HDR;
+}
+
+/* What send and begin_batch do first: drop a begun batch; check that the
+ * client is usable, its partition open and not refused by the node, and the
+ * batch laid out (with_data: its offsets and BOOL values checked too) and
+ * within a frame; choose the transport on the first batch. */
+static int client_prepare(ember_feed_client *c, const char *what, const ember_column *cols,
+                          uint32_t ncols, uint32_t nrows, int with_data, int64_t deadline,
+                          size_t *desc_end, size_t *total) {
+  int rc = client_usable(c, what);
+  if (rc != EMBER_OK) return rc;
+  c->pending = PENDING_NONE;
+  if (c->ended)
+    return ember__set_error(EMBER_ESTATE, "feed %s: partition %u already ended", what,
+                            c->partition);
+  rc = client_check_refused(c, deadline);
+  if (rc != EMBER_OK) return rc;
+  rc = with_data ? ember__batch_layout(cols, ncols, nrows, desc_end, total)
+                 : ember__batch_shape_layout(cols, ncols, nrows, 0, desc_end, total);
+  if (rc != EMBER_OK) return rc;
+  if (*total > EMBER_WIRE_ABSOLUTE_MAX)
+    return ember__set_error(EMBER_ETOOBIG, "feed %s: batch of %zu bytes exceeds the %u-byte "
+                            "frame limit", what, *total, EMBER_WIRE_ABSOLUTE_MAX);
+  return c->shm_decided ? EMBER_OK : client_offer_shm(c, deadline);
+}
+
 int ember_feed_client_send(ember_feed_client *c, const ember_column *cols, uint32_t ncols,
                            uint32_t nrows, int64_t timeout_ms) {
   int64_t deadline = ember__feed_deadline(timeout_ms);
   static const uint8_t zeros[8] = {0};
   size_t desc_end = 0, total = 0, hlen, pos, niov = 0;
-  int rc = client_usable(c, "send");
+  int rc = client_prepare(c, "send", cols, ncols, nrows, 1, deadline, &desc_end, &total);
   if (rc != EMBER_OK) goto cleanup;
-  c->pending = PENDING_NONE; /* a begun batch is dropped */
-  if (c->ended) {
-    rc = ember__set_error(EMBER_ESTATE, "feed send: partition %u already ended", c->partition);
-    goto cleanup;
-  }
-  rc = client_check_refused(c, deadline);
-  if (rc != EMBER_OK) goto cleanup;
-  rc = ember__batch_layout(cols, ncols, nrows, &desc_end, &total);
-  if (rc != EMBER_OK) goto cleanup;
-  if (total > EMBER_WIRE_ABSOLUTE_MAX) {
-    rc = ember__set_error(EMBER_ETOOBIG, "feed send: batch of %zu bytes exceeds the %u-byte "
-                          "frame limit", total, EMBER_WIRE_ABSOLUTE_MAX);
-    goto cleanup;
-  }
-  if (!c->shm_decided) {
-    rc = client_offer_shm(c, deadline);
-    if (rc != EMBER_OK) goto cleanup;
-  }
-  if (c->ring && total + EMBER_SHM_RING_RECORD_HDR <= ember_shm_ring_capacity(c->ring) / 2) {
+  if (c->ring && total <= ember_feed_client_in_place_max(c)) {
     /* Encoded straight into ring memory: the only copy of the columns. */
     void *w = NULL;
     rc = ember_shm_ring_reserve(c->ring, total, &w, ms_left(deadline));
@@ -528,31 +539,14 @@ int ember_feed_client_begin_batch(ember_feed_client *c, const ember_column *cols
   int64_t deadline = ember__feed_deadline(timeout_ms);
   size_t desc_end = 0, total = 0, end;
   uint8_t *buf = NULL;
-  int rc = client_usable(c, "begin_batch");
-  if (rc != EMBER_OK) goto cleanup;
-  c->pending = PENDING_NONE; /* a second begin replaces the first */
-  if (c->ended) {
-    rc = ember__set_error(EMBER_ESTATE, "feed begin_batch: partition %u already ended",
-                          c->partition);
-    goto cleanup;
-  }
+  int rc;
   if (places == NULL && ncols > 0) {
     rc = ember__set_error(EMBER_EINVAL, "feed begin_batch: places is NULL");
     goto cleanup;
   }
-  rc = client_check_refused(c, deadline);
+  /* a second begin replaces the first */
+  rc = client_prepare(c, "begin_batch", cols, ncols, nrows, 0, deadline, &desc_end, &total);
   if (rc != EMBER_OK) goto cleanup;
-  rc = ember__batch_shape_layout(cols, ncols, nrows, 0, &desc_end, &total);
-  if (rc != EMBER_OK) goto cleanup;
-  if (total > EMBER_WIRE_ABSOLUTE_MAX) {
-    rc = ember__set_error(EMBER_ETOOBIG, "feed begin_batch: batch of %zu bytes exceeds the "
-                          "%u-byte frame limit", total, EMBER_WIRE_ABSOLUTE_MAX);
-    goto cleanup;
-  }
-  if (!c->shm_decided) {
-    rc = client_offer_shm(c, deadline);
-    if (rc != EMBER_OK) goto cleanup;
-  }
   if (ncols > c->pending_cols_cap) {
     ember_column *nc = realloc(c->pending_cols, (size_t)ncols * sizeof *nc);
     if (nc == NULL) {
@@ -562,7 +556,7 @@ int ember_feed_client_begin_batch(ember_feed_client *c, const ember_column *cols
     c->pending_cols = nc;
     c->pending_cols_cap = ncols;
   }
-  if (c->ring && total + EMBER_SHM_RING_RECORD_HDR <= ember_shm_ring_capacity(c->ring) / 2) {
+  if (c->ring && total <= ember_feed_client_in_place_max(c)) {
     void *w = NULL;
     rc = ember_shm_ring_reserve(c->ring, total, &w, ms_left(deadline));
     if (rc != EMBER_OK) {
@@ -582,18 +576,10 @@ int ember_feed_client_begin_batch(ember_feed_client *c, const ember_column *cols
   end = desc_end;
   for (uint32_t i = 0; i < ncols; i++) {
     ember_column *pc = &c->pending_cols[i];
-    size_t at = (end + 7u) & ~(size_t)7u; /* the layout fit, so no overflow */
-    memset(buf + end, 0, at - end);
+    end = ember__batch_place_column(&cols[i], nrows, buf, end, &places[i]);
     *pc = cols[i];
-    pc->offsets = NULL;
-    if (pc->dtype == EMBER_DT_BYTES) {
-      pc->offsets = (const uint64_t *)(const void *)(buf + at);
-      at += ((size_t)nrows + 1u) * 8u;
-    }
-    pc->data = buf + at;
-    places[i].data = buf + at;
-    places[i].offsets = (uint64_t *)(uintptr_t)pc->offsets;
-    end = at + (size_t)pc->data_len;
+    pc->data = places[i].data;
+    pc->offsets = places[i].offsets;
   }
   c->pending_buf = buf;
   c->pending_total = total;
@@ -601,11 +587,6 @@ int ember_feed_client_begin_batch(ember_feed_client *c, const ember_column *cols
   c->pending_nrows = nrows;
 cleanup:
   return rc;
-}
-
-size_t ember_feed_client_in_place_max(const ember_feed_client *c) {
-  if (c == NULL || c->ring == NULL) return 0;
-  return ember_shm_ring_capacity(c->ring) / 2 - EMBER_SHM_RING_RECORD_HDR;
 }
 
 void ember_feed_client_cancel_batch(ember_feed_client *c) {

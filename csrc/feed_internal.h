@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "ember/batch.h"
+#include "ember/feed.h"
 #include "ember/shm_ring.h"
 
 #define FEED_DEFAULT_QUEUE (64u * 1024u * 1024u)
@@ -37,6 +38,11 @@ int ember__batch_check_content(const ember_column *cols, uint32_t ncols, uint32_
 /* Writes the 8-byte header and the descriptors (not the padding) to out. */
 void ember__batch_write_descriptors(const ember_column *cols, uint32_t ncols, uint32_t nrows,
                                     uint8_t *out);
+/* Zeroes the padding from end (the previous column's end, or the end of the
+ * descriptors) and sets where column c's offsets (BYTES) and data go in
+ * out; returns the column's end. */
+size_t ember__batch_place_column(const ember_column *c, uint32_t nrows, uint8_t *out,
+                                 size_t end, ember_batch_place *place);
 /* Writes a batch whose layout ember__batch_layout has checked; returns its size. */
 size_t ember__batch_encode_checked(const ember_column *cols, uint32_t ncols, uint32_t nrows,
                                    size_t desc_end, uint8_t *out);
