@@ -2,6 +2,9 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
 #include <sys/socket.h>
 
 #include "ember/net.h"
@@ -88,6 +91,52 @@ TEST(frame_round_trip) {
   CHECK_EQ_INT(ember_net_recv_frame(b, 100, &h, &p, ember_deadline_after(1000)),
                EMBER_ECLOSED);
   CHECK(strstr(ember_last_error(), "closed") != NULL);
+  ember_net_close(b);
+}
+
+/* A reader thread for sendv_pieces: drains `len` bytes into `buf`. */
+struct drain {
+  int fd;
+  uint8_t *buf;
+  size_t len;
+  int rc;
+};
+
+static void *drain_thread(void *arg) {
+  struct drain *d = arg;
+  d->rc = ember_net_recv_all(d->fd, d->buf, d->len, ember_deadline_after(10000));
+  return NULL;
+}
+
+/* sendv_all hands the kernel at most 512 KiB a call: iovecs longer than that,
+ * and ones whose boundaries fall on either side of a piece's end, still
+ * arrive whole and in order. */
+TEST(sendv_pieces) {
+  int a, b;
+  tcp_pair(&a, &b);
+  static const size_t lens[] = {7, 524281, 1, 3 << 20, 524288, 0, 1000003};
+  enum { N = sizeof lens / sizeof lens[0] };
+  size_t total = 0;
+  for (int i = 0; i < N; i++) total += lens[i];
+  uint8_t *src = malloc(total), *dst = malloc(total);
+  CHECK(src != NULL && dst != NULL);
+  for (size_t i = 0; i < total; i++) src[i] = (uint8_t)(i * 131u + (i >> 16));
+  struct iovec iov[N];
+  size_t at = 0;
+  for (int i = 0; i < N; i++) {
+    iov[i] = (struct iovec){.iov_base = src + at, .iov_len = lens[i]};
+    at += lens[i];
+  }
+  struct drain d = {.fd = b, .buf = dst, .len = total, .rc = -1};
+  pthread_t t;
+  CHECK(pthread_create(&t, NULL, drain_thread, &d) == 0);
+  CHECK_OK(ember_net_sendv_all(a, iov, N, ember_deadline_after(10000)));
+  pthread_join(t, NULL);
+  CHECK_OK(d.rc);
+  CHECK(memcmp(src, dst, total) == 0);
+  free(src);
+  free(dst);
+  ember_net_close(a);
   ember_net_close(b);
 }
 
@@ -196,7 +245,7 @@ TEST(reuseport_handoff) {
 }
 
 RUN_TESTS(T(clock_and_deadlines), T(recv_deadline_on_silent_peer),
-          T(send_deadline_when_peer_does_not_read), T(frame_round_trip),
+          T(send_deadline_when_peer_does_not_read), T(sendv_pieces), T(frame_round_trip),
           T(recv_frame_rejects_oversize_before_payload),
           T(connect_refused_until_deadline), T(connect_retries_until_server_listens),
           T(connect_by_name_and_errors), T(reuseport_handoff))
