@@ -51,12 +51,14 @@ int ember_net_connect(const char *host, uint16_t port, int64_t deadline_ms,
 int ember_net_accept(int listen_fd, int64_t deadline_ms, int *out_fd);
 
 /* Writes/reads exactly len bytes, or fails (EMBER_ETIMEDOUT, EMBER_ECLOSED,
- * EMBER_EIO). */
+ * EMBER_EIO).  The sends give the kernel at most 512 KiB a call (larger
+ * writes are slower between hosts); sendv_all advances the caller's iov
+ * past what it wrote. */
 int ember_net_send_all(int fd, const void *buf, size_t len, int64_t deadline_ms);
 int ember_net_sendv_all(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms);
 int ember_net_recv_all(int fd, void *buf, size_t len, int64_t deadline_ms);
 
-/* Sends one frame (header + payload, one writev). */
+/* Sends one frame (header + payload, gathered from both: no copy). */
 int ember_net_send_frame(int fd, uint16_t type, const void *payload,
                          uint32_t len, int64_t deadline_ms);
 
