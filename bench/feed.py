@@ -23,7 +23,10 @@ peer on the same cached data, the same partitions and the same record count:
                   'local' mode (as TFoS's own nodes start it) and one feeding
                   task per node, consumed by its TFNode.DataFeed
 
-Each comparison runs --rounds interleaved rounds (every side once per round,
+Each comparison first runs each side once, not counted (a warm-up: the JVM
+compiles each side's path over its first runs; TensorFlowOnSpark, whose
+rounds are long and whose JVM path is spark_rdd's, excepted), then runs
+--rounds interleaved rounds (every side once per round,
 the order rotated from round to round so that no side always goes first:
 bench/rounds.py) and reports every side's median and [min-max]; records/s
 and GB/s (1e9 bytes/s of record payload, 3,144 bytes a record).  Every
@@ -56,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import numpy as np
 
@@ -312,18 +315,20 @@ def main() -> int:
 
         df = _source(spark, n, a.partitions).cache()
         assert df.count() == n
-        results.update(rnd.interleaved(rounds, report=_report, sides={
-            "ember_df": lambda: _checked("ember_df", run_ember(spark, df, n, a.batch, workdir),
-                                         n, want),
-            "spark_arrow": lambda: run_spark_arrow(df, n)}))
+        sides = {"ember_df": lambda: _checked("ember_df", run_ember(spark, df, n, a.batch,
+                                                                     workdir), n, want),
+                 "spark_arrow": lambda: run_spark_arrow(df, n)}
+        _warm_up(sides)
+        results.update(rnd.interleaved(rounds, report=_report, sides=sides))
         df.unpersist(blocking=True)
 
         df = tensors.pack(_source(spark, n, a.partitions), {"image": (784,)}).cache()
         assert df.count() == n
-        results.update(rnd.interleaved(rounds, report=_report, sides={
-            "ember_tensor": lambda: _checked("ember_tensor",
-                                             run_ember(spark, df, n, a.batch, workdir), n, want),
-            "spark_arrow_tensor": lambda: run_spark_arrow(df, n)}))
+        sides = {"ember_tensor": lambda: _checked("ember_tensor", run_ember(spark, df, n, a.batch,
+                                                                             workdir), n, want),
+                 "spark_arrow_tensor": lambda: run_spark_arrow(df, n)}
+        _warm_up(sides)
+        results.update(rnd.interleaved(rounds, report=_report, sides=sides))
         df.unpersist(blocking=True)
 
         def records(it: Any) -> Any:
@@ -335,12 +340,16 @@ def main() -> int:
         rdd = _source(spark, rn, a.partitions).rdd.mapPartitions(records).cache()
         assert rdd.count() == rn
         rwant = expected_sum(rn)
-        results.update(rnd.interleaved(rounds, report=_report, sides={
-            "ember_rdd": lambda: _checked("ember_rdd", run_ember(spark, rdd, rn, a.batch,
-                                                                 workdir), rn, rwant),
-            "spark_rdd": lambda: run_spark_rdd(rdd, rn),
-            "tfos": lambda: _checked("tfos", run_tfos(spark, rdd.coalesce(1), a.batch, workdir),
-                                     rn, rwant)}))
+        sides = {"ember_rdd": lambda: _checked("ember_rdd", run_ember(spark, rdd, rn, a.batch,
+                                                                      workdir), rn, rwant),
+                 "spark_rdd": lambda: run_spark_rdd(rdd, rn)}
+        _warm_up(sides)
+        # TensorFlowOnSpark gets no warm-up run: one of its rounds is about 70
+        # s of a Python loop per record, and its JVM path (coalesce(1)) is
+        # the one spark_rdd's warm-up has just warmed
+        sides["tfos"] = lambda: _checked("tfos", run_tfos(spark, rdd.coalesce(1), a.batch,
+                                                          workdir), rn, rwant)
+        results.update(rnd.interleaved(rounds, report=_report, sides=sides))
         rdd.unpersist()
     finally:
         spark.stop()
@@ -372,6 +381,21 @@ def main() -> int:
 
 def gbps(records_per_s: float) -> float:
     return records_per_s * RECORD_BYTES / 1e9
+
+
+def _warm_up(sides: Dict[str, Callable[[], Dict[str, float]]]) -> None:
+    """One run of each side before the rounds, not counted: each side's path
+    through the JVM is compiled by its JIT over the first runs (Ember's RDD
+    feed ran 150,000-180,000 records/s in its first two runs on a fresh
+    session, 200,000-215,000 after), and without it whichever side another
+    comparison's runs had already warmed would be measured warm and the
+    other cold."""
+    if QUICK:
+        return  # the smoke run only checks that every side runs
+    for name, run in sides.items():
+        r = run()
+        print(f"  warm-up: {name}: {r['rows'] / r['secs']:,.0f} records/s (not counted)",
+              flush=True)
 
 
 def _report(i: int, name: str, r: Dict[str, float], _secs: float) -> None:

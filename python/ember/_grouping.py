@@ -162,6 +162,12 @@ class BoundaryDeserializer(FramedSerializer):
         self._inner = inner
 
     def load_stream(self, stream: Any) -> Iterator[Any]:
+        # Flattened in C, as PySpark's own batched reader is: a generator
+        # that yielded each record would resume a Python frame per record.
+        return itertools.chain.from_iterable(self._frames(stream))
+
+    def _frames(self, stream: Any) -> Iterator[Any]:
+        """The stream's frames, each as the list of what it holds."""
         while True:
             try:
                 length = read_int(stream)
@@ -171,18 +177,18 @@ class BoundaryDeserializer(FramedSerializer):
             if length == SpecialLengths.END_OF_DATA_SECTION:
                 return
             if length == SpecialLengths.NULL:
-                yield BOUNDARY
+                yield [BOUNDARY]
                 continue
             data = stream.read(length)
             if len(data) < length:
                 raise InputBroken("ember: Spark's input to the feeding task broke off "
                                   "within a record")
             if self._text:
-                yield data.decode("utf-8") if self._unicode else data
+                yield [data.decode("utf-8") if self._unicode else data]
             elif self._batched:
-                yield from self._inner.loads(data)
+                yield self._inner.loads(data)  # a pickled list of records
             else:
-                yield self._inner.loads(data)
+                yield [self._inner.loads(data)]
 
     def dumps(self, obj: Any) -> bytes:
         raise NotImplementedError("BoundaryDeserializer only reads")
