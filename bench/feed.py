@@ -280,7 +280,7 @@ def main() -> int:
                    help="records of the RDD comparison: about 1 s of Ember's feed, so that "
                         "a Spark job's own start and end (about 0.15 s on either side) do not "
                         "drown the throughput compared (TensorFlowOnSpark's feed moves a few "
-                        "thousand records/s: about 70 s a round)")
+                        "thousand records/s: about 50-70 s a round)")
     p.add_argument("--partitions", type=int, default=4 if QUICK else 16)
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=1 if QUICK else 3,
@@ -344,7 +344,7 @@ def main() -> int:
                                                                       workdir), rn, rwant),
                  "spark_rdd": lambda: run_spark_rdd(rdd, rn)}
         _warm_up(sides)
-        # TensorFlowOnSpark gets no warm-up run: one of its rounds is about 70
+        # TensorFlowOnSpark gets no warm-up run: one of its rounds is about 50
         # s of a Python loop per record, and its JVM path (coalesce(1)) is
         # the one spark_rdd's warm-up has just warmed
         sides["tfos"] = lambda: _checked("tfos", run_tfos(spark, rdd.coalesce(1), a.batch,
@@ -386,8 +386,8 @@ def gbps(records_per_s: float) -> float:
 def _warm_up(sides: Dict[str, Callable[[], Dict[str, float]]]) -> None:
     """One run of each side before the rounds, not counted: each side's path
     through the JVM is compiled by its JIT over the first runs (Ember's RDD
-    feed ran 150,000-180,000 records/s in its first two runs on a fresh
-    session, 200,000-215,000 after), and without it whichever side another
+    feed ran 155,000-186,000 records/s in its first three runs on a fresh
+    session, 199,000-217,000 after), and without it whichever side another
     comparison's runs had already warmed would be measured warm and the
     other cold."""
     if QUICK:
