@@ -16,8 +16,10 @@
  *                                            previous one, and for SECONDS
  *                                            writes to the next while it
  *                                            reads from the previous, in one
- *                                            poll() loop (as a rank of a ring
- *                                            allreduce does); then reads to
+ *                                            non-blocking loop that polls
+ *                                            only when neither moved (as a
+ *                                            rank of a ring allreduce
+ *                                            does); then reads to
  *                                            EOF and prints "stream BYTES
  *                                            SECONDS" of what it received
  *
@@ -170,34 +172,41 @@ static int do_ring(int port, const char *next_host, const char *next_port, doubl
   double t0 = 0, start = now_s();
   int sending = 1, receiving = 1;
   while (receiving) {
-    struct pollfd p[2] = {{.fd = in, .events = POLLIN}, {.fd = out, .events = POLLOUT}};
-    if (poll(p, sending ? 2 : 1, 1000) < 0) {
-      perror("tcp_stream: poll");
+    /* Both ways without waiting, and poll() only when neither moved, as a
+     * rank's loop does: a poll() before every call holds both back. */
+    int moved = 0;
+    ssize_t n = recv(in, rbuf, wbytes, 0);
+    if (n < 0 && errno != EAGAIN) {
+      perror("tcp_stream: recv");
       return 1;
     }
-    if (p[0].revents) {
-      ssize_t n = recv(in, rbuf, wbytes, 0);
-      if (n < 0 && errno != EAGAIN) {
-        perror("tcp_stream: recv");
-        return 1;
-      }
-      if (n == 0) receiving = 0;
-      if (n > 0) {
-        if (total == 0) t0 = now_s();
-        total += n;
-      }
+    if (n == 0) receiving = 0;
+    if (n > 0) {
+      if (total == 0) t0 = now_s();
+      total += n;
+      moved = 1;
     }
-    if (sending && p[1].revents) {
-      ssize_t n = send(out, wbuf + off, wbytes - off, MSG_NOSIGNAL);
+    if (sending) {
+      n = send(out, wbuf + off, wbytes - off, MSG_NOSIGNAL);
       if (n < 0 && errno != EAGAIN) {
         perror("tcp_stream: send");
         return 1;
       }
-      if (n > 0) off = (off + (size_t)n) % wbytes;
+      if (n > 0) {
+        off = (off + (size_t)n) % wbytes;
+        moved = 1;
+      }
+      if (now_s() - start >= seconds) {
+        shutdown(out, SHUT_WR); /* the next host reads to EOF */
+        sending = 0;
+      }
     }
-    if (sending && now_s() - start >= seconds) {
-      shutdown(out, SHUT_WR); /* the next host reads to EOF */
-      sending = 0;
+    if (!moved && receiving) {
+      struct pollfd p[2] = {{.fd = in, .events = POLLIN}, {.fd = out, .events = POLLOUT}};
+      if (poll(p, sending ? 2 : 1, 1000) < 0) {
+        perror("tcp_stream: poll");
+        return 1;
+      }
     }
   }
   printf("stream %lld %.9f\n", total, now_s() - t0);
