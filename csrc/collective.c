@@ -73,7 +73,7 @@
  * while it receives from another; a large send keeps it in the kernel while
  * its receive buffer fills and the peer behind it stalls.  32 KiB pieces
  * keep both moving: between two simulated hosts (bench-cluster) 2 ranks go
- * from 1.1-1.9 GB/s to 2.3-3.1 at 1-256 MiB (64 KiB: 1.6-2.6, 16 KiB:
+ * from 1.1-1.9 GB/s to 2.3-3.2 at 1-256 MiB (64 KiB: 1.6-2.6, 16 KiB:
  * 1.7-2.1), on loopback 1.5-1.8x at 4-64 MiB, 0.83x at 1 MiB. */
 #define TCP_SEND_PIECE (32u * 1024u)
 #endif
