@@ -11,17 +11,19 @@ the order rotated from round to round), all in GB/s = 1e9 bytes/s:
 
   stream   one TCP stream between two hosts: build/bench/tcp_stream (C,
            blocking send()/recv(), the kernel's buffer autotuning), the best
-           of 256 KiB, 512 KiB and 1 MiB writes and reads (4 MiB buffers,
+           of 32 KiB-1 MiB writes and reads (STREAM_WRITES; 4 MiB buffers,
            which no longer fit the cache, gave 1.9 GB/s where 512 KiB gave
            3.0-3.4): the ceiling for anything that moves bytes from one host
            to another
   streams  a ring of such streams over n hosts: each host's one process
            writes to the next host while it reads from the previous (for 2:
-           both ways between h0 and h1) in a poll() loop, as a rank of a ring
-           allreduce does; the mean per link.  What each link carries when
-           all n are busy here, where the simulated hosts share two cores (on
-           real hosts, with CPUs of their own, it is the single stream): the
-           like-for-like ceiling of an n-rank allreduce; same buffer sizes
+           both ways between h0 and h1) in one non-blocking loop, as a rank of
+           a ring allreduce does; the mean per link.  What each link carries
+           when all n are busy for seconds here, where the simulated hosts
+           share two cores (on real hosts, with CPUs of their own, it is the
+           single stream); same buffer sizes.  Not a ceiling for an
+           allreduce's bursts of a few MiB: Ember's 2-rank allreduce carries
+           more
   ember    Ember's allreduce (ember._ember.Communicator, tcp_only=True, which
            only asserts what the hosts' separate /dev/shm already imply), one
            rank per host, rendezvous on the hosts' addresses
@@ -224,8 +226,8 @@ class Bench:
 
     def _ring(self, n: int, write: int) -> List[float]:
         """One tcp_stream ring process per host h0..h(n-1), each writing to
-        the next host while it reads from the previous one in one poll()
-        loop; each host's received GB/s."""
+        the next host while it reads from the previous one in one
+        non-blocking loop; each host's received GB/s."""
         exe = os.path.join(REPO, "build", "bench", "tcp_stream")
         procs = []
         try:

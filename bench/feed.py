@@ -59,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -315,20 +315,18 @@ def main() -> int:
 
         df = _source(spark, n, a.partitions).cache()
         assert df.count() == n
-        sides = {"ember_df": lambda: _checked("ember_df", run_ember(spark, df, n, a.batch,
-                                                                     workdir), n, want),
-                 "spark_arrow": lambda: run_spark_arrow(df, n)}
-        _warm_up(sides)
-        results.update(rnd.interleaved(rounds, report=_report, sides=sides))
+        results.update(_compare(rounds, {
+            "ember_df": lambda: _checked("ember_df", run_ember(spark, df, n, a.batch, workdir),
+                                         n, want),
+            "spark_arrow": lambda: run_spark_arrow(df, n)}))
         df.unpersist(blocking=True)
 
         df = tensors.pack(_source(spark, n, a.partitions), {"image": (784,)}).cache()
         assert df.count() == n
-        sides = {"ember_tensor": lambda: _checked("ember_tensor", run_ember(spark, df, n, a.batch,
-                                                                             workdir), n, want),
-                 "spark_arrow_tensor": lambda: run_spark_arrow(df, n)}
-        _warm_up(sides)
-        results.update(rnd.interleaved(rounds, report=_report, sides=sides))
+        results.update(_compare(rounds, {
+            "ember_tensor": lambda: _checked("ember_tensor",
+                                             run_ember(spark, df, n, a.batch, workdir), n, want),
+            "spark_arrow_tensor": lambda: run_spark_arrow(df, n)}))
         df.unpersist(blocking=True)
 
         def records(it: Any) -> Any:
@@ -343,13 +341,12 @@ def main() -> int:
         sides = {"ember_rdd": lambda: _checked("ember_rdd", run_ember(spark, rdd, rn, a.batch,
                                                                       workdir), rn, rwant),
                  "spark_rdd": lambda: run_spark_rdd(rdd, rn)}
-        _warm_up(sides)
         # TensorFlowOnSpark gets no warm-up run: one of its rounds is about 50
         # s of a Python loop per record, and its JVM path (coalesce(1)) is
-        # the one spark_rdd's warm-up has just warmed
-        sides["tfos"] = lambda: _checked("tfos", run_tfos(spark, rdd.coalesce(1), a.batch,
-                                                          workdir), rn, rwant)
-        results.update(rnd.interleaved(rounds, report=_report, sides=sides))
+        # the one spark_rdd's warm-up warms
+        results.update(_compare(rounds, sides, unwarmed={
+            "tfos": lambda: _checked("tfos", run_tfos(spark, rdd.coalesce(1), a.batch, workdir),
+                                     rn, rwant)}))
         rdd.unpersist()
     finally:
         spark.stop()
@@ -383,7 +380,18 @@ def gbps(records_per_s: float) -> float:
     return records_per_s * RECORD_BYTES / 1e9
 
 
-def _warm_up(sides: Dict[str, Callable[[], Dict[str, float]]]) -> None:
+Run = Callable[[], Dict[str, float]]
+
+
+def _compare(rounds: int, sides: Dict[str, Run],
+             unwarmed: Optional[Dict[str, Run]] = None) -> Dict[str, List[Dict[str, float]]]:
+    """One comparison: a warm-up run of each of ``sides`` (:func:`_warm_up`),
+    then ``rounds`` interleaved rounds of them and of ``unwarmed``."""
+    _warm_up(sides)
+    return rnd.interleaved(rounds, report=_report, sides={**sides, **(unwarmed or {})})
+
+
+def _warm_up(sides: Dict[str, Run]) -> None:
     """One run of each side before the rounds, not counted: each side's path
     through the JVM is compiled by its JIT over the first runs (Ember's RDD
     feed ran 155,000-186,000 records/s in its first three runs on a fresh

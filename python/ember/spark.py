@@ -557,13 +557,13 @@ class Cluster:
         """Starts a rendezvous server, launches the nodes and waits for all of them."""
         sc, n = self.sc, self._num_nodes
         conf = sc.getConf()  # a copy of the whole conf through py4j: once
-        # where the driver's servers listen, and the host the nodes reach it at
-        self._driver_addr = (_driver_bind(conf),
-                             conf.get("spark.driver.host", socket.gethostname()))
+        # where the driver's servers listen, and the host nodes connect to
+        self._driver_bind_host = _driver_bind(conf)
+        self._driver_host = conf.get("spark.driver.host", socket.gethostname())
         self._secret = _ember.random_secret()
         self._server = server = _ember.RendezvousServer(
             self._secret, n, heartbeat_timeout_ms=int(self._heartbeat_timeout * 1000),
-            host=self._driver_addr[0], **self._roles)
+            host=self._driver_bind_host, **self._roles)
         self._state: Dict[int, str] = {}  # node -> running|done|failed|lost|stopping
         self._failures: List[EmberNodeError] = []
         # fed node -> the epoch its main_fun resumes from (ctx.resume_from), 0
@@ -574,7 +574,7 @@ class Cluster:
         self._monitor = threading.Thread(target=self._watch, args=(server,),
                                          name="ember-monitor", daemon=True)
         self._monitor.start()
-        driver_host = self._driver_addr[1]
+        driver_host = self._driver_host
         boot = dict(driver_host=driver_host, driver_port=server.port, secret=self._secret,
                     main_fun=self._main_fun, args=self._args, input_mode=int(self.input_mode),
                     reservation_timeout=float(self._reservation_timeout),
@@ -782,10 +782,10 @@ class Cluster:
         milliseconds, not when Spark gives up retrying."""
         if self._reports is None:
             secret = _ember.random_secret()
-            bind, host = self._driver_addr
             # a report is one FEED_ERROR of at most 1 KiB: small limits
             self._reports = (_ember.FeedServer(secret, shm=False, queue_bytes=1 << 20,
-                                               max_frame=1 << 16, host=bind), secret, host)
+                                               max_frame=1 << 16, host=self._driver_bind_host),
+                             secret, self._driver_host)
         server, secret, host = self._reports
         return host, server.port, secret
 
