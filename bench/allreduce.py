@@ -199,7 +199,8 @@ def time_ember(comm: Any, rank: int, plan: List[List[int]]) -> None:
                                         target[0] if target else 0.0, agree_max)])
         comm.allreduce(dt, "max")
         if rank == 0:
-            print(json.dumps({"size": size, "sec": float(dt[0])}), flush=True)
+            print(json.dumps({"size": size, "sec": float(dt[0]),
+                              "algorithm": comm.algorithm(a)}), flush=True)
     comm.close()
 
 

@@ -52,7 +52,9 @@ its defaults (a ring, TCP only).  TCP congestion control is the machine's
 default in every namespace (bbr here) for all sides.
 
 Allreduce: float32 sum, in place; per size, warm-up calls, a barrier, then
-`iters` calls; the slowest rank's mean time per call.  busbw = bytes *
+budget / size calls (at most 1000: about a second of calls per size and
+side); the slowest rank's mean time per call.  The table names the algorithm
+Ember's allreduce took at each size (collective.h).  busbw = bytes *
 2(n-1)/n / time (nccl-tests' bus bandwidth: what each rank's link carries).
 
     make bench-cluster                            # 2 and 4 ranks, 1..256 MiB, 3 rounds
@@ -83,7 +85,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 # bench/ is this script's path: the shared interleaved rounds, and the
 # single-host benchmark's size syntax and timed loop
@@ -101,6 +103,10 @@ STREAM_PORT = 29700
 STREAM_WRITES = (32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20)  # tried each round
 CHUNK = 4 << 20  # feed chunk: one float32 column, 1024 rows of 1024
 DEFAULT_SIZES = "1M,4M,16M,64M,256M"
+# Calls per size and launch: budget / size, at most this.  About a second of
+# each side's calls per size: 100 calls of 1 MiB (0.1 s) left every side's
+# rounds spread over 2x here.
+CALLS_MOST = 1000
 GLOO_PYTHON = "/usr/bin/python3"
 
 
@@ -161,6 +167,7 @@ class Bench:
         self.sim = sim
         self.args = args
         self.tmp = tempfile.mkdtemp(prefix="ember-bench-cluster-")
+        self.ember_algorithm: Dict[Tuple[int, int], str] = {}  # (ranks, size) -> name
         self.agent = os.path.join(self.tmp, "netns-rsh")
         # ssh's contract for Open MPI: "agent HOST CMD..." runs CMD (a shell
         # command line) on HOST.  Here HOST is entered exactly as
@@ -206,7 +213,7 @@ class Bench:
         return res
 
     def _plan(self, sizes: Sequence[int]) -> str:
-        return json.dumps([[s, iters_for(s, self.args.budget, 100)] for s in sizes])
+        return json.dumps([[s, iters_for(s, self.args.budget, CALLS_MOST)] for s in sizes])
 
     def _stream(self, write: int) -> float:
         """One TCP stream h0 -> h1 of write-byte writes and reads; GB/s."""
@@ -279,7 +286,12 @@ class Bench:
                                            "--addresses", addrs, "--plan", self._plan(sizes)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(n)]
-        return self._by_size(self._collect(procs, self.args.timeout))
+        out = self._collect(procs, self.args.timeout)
+        for line in out.splitlines():
+            if line.startswith("{"):
+                d = json.loads(line)
+                self.ember_algorithm[(n, d["size"])] = d["algorithm"]
+        return self._by_size(out)
 
     def gloo(self, n: int, sizes: Sequence[int]) -> Dict[int, float]:
         env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0")
@@ -339,8 +351,9 @@ def main() -> int:
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--sizes", default="1M" if quick else DEFAULT_SIZES)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--budget", type=parse_size, default=parse_size("16M" if quick else "256M"),
-                    help="bytes of buffer per size and launch (calls = budget / size, 3..100)")
+    ap.add_argument("--budget", type=parse_size, default=parse_size("16M" if quick else "1G"),
+                    help="bytes of buffer per size and launch (calls = budget / size, "
+                         "3..%d)" % CALLS_MOST)
     ap.add_argument("--stream-seconds", type=float, default=0.5 if quick else 2.0)
     ap.add_argument("--feed-chunks", type=int, default=64 if quick else 512)
     ap.add_argument("--mpi-extra", default="", help="more mpirun options, e.g. '--mca btl_tcp_links 2'")
@@ -455,9 +468,9 @@ def main() -> int:
     ring_gbs: Dict[int, Optional[float]] = {}
     for n in ranks:
         print("\n== allreduce, %d ranks on %d hosts: busbw GB/s" % (n, n))
-        print("%8s  %-20s %-20s %-20s %9s %9s %10s %10s" % ("size", "ember", "mpi (tcp)", "gloo",
-                                                            "e/mpi", "e/gloo", "e/stream",
-                                                            "e/streams"))
+        print("%8s  %-20s %-20s %-20s %9s %9s %10s %10s  %s" % (
+            "size", "ember", "mpi (tcp)", "gloo", "e/mpi", "e/gloo", "e/stream", "e/streams",
+            "ember's algorithm"))
         ratios, vs_stream, vs_ring = [], [], []
         r_med = med(ring_streams[n])
         for z in sizes:
@@ -465,11 +478,12 @@ def main() -> int:
 
             def rt(a: Optional[float], b: Optional[float]) -> str:
                 return "%8.2fx" % (a / b) if a is not None and b else "      n/a"
-            print("%8s  %s %s %s %s %s %s %s" % (human(z), cell(coll["ember"][n][z], 20),
-                                                cell(coll["mpi"][n][z], 20),
-                                                cell(coll["gloo"][n][z], 20),
-                                                rt(e, m), rt(e, g), " " + rt(e, s_med),
-                                                " " + rt(e, r_med)))
+            print("%8s  %s %s %s %s %s %s %s  %s" % (human(z), cell(coll["ember"][n][z], 20),
+                                                    cell(coll["mpi"][n][z], 20),
+                                                    cell(coll["gloo"][n][z], 20),
+                                                    rt(e, m), rt(e, g), " " + rt(e, s_med),
+                                                    " " + rt(e, r_med),
+                                                    bench.ember_algorithm.get((n, z), "")))
             tag = "%dr_%s" % (n, human(z))
             result["allreduce_%s_gbs" % tag] = e
             result["mpi_%s_gbs" % tag] = m

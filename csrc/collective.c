@@ -68,19 +68,31 @@
 #ifndef SHM_CHUNK
 #define SHM_CHUNK (256u * 1024u)   /* most bytes copied per ring operation */
 #endif
+/* The most a TCP send takes at a time: EMBER_NET_SEND_PIECE (net.h), as
+ * for the feed.  A rank's loop sends to one peer while it receives from
+ * another, so a send must not keep it in the kernel for long; smaller pieces
+ * pay a system call per few microseconds of copying.  Between simulated
+ * hosts (bench-cluster's ring, 2026-11-26) 512 KiB pieces against 32 KiB
+ * ones gave 1.0x at 1 MiB, 1.23x at 16 MiB and 1.15x at 256 MiB with 2
+ * ranks, 1.17-1.28x at 1-16 MiB with 4; on the machine of the day before,
+ * 32 KiB had been ahead of whole-segment sends (2.3-3.2 GB/s against
+ * 1.1-1.9), 512 KiB was not tried. */
 #ifndef TCP_SEND_PIECE
-/* The most a TCP send takes at a time.  A rank's loop sends to one peer
- * while it receives from another; a large send keeps it in the kernel while
- * its receive buffer fills and the peer behind it stalls.  32 KiB pieces
- * keep both moving: between two simulated hosts (bench-cluster) 2 ranks go
- * from 1.1-1.9 GB/s to 2.3-3.2 at 1-256 MiB (64 KiB: 1.6-2.6, 16 KiB:
- * 1.7-2.1), on loopback 1.5-1.8x at 4-64 MiB, 0.83x at 1 MiB. */
-#define TCP_SEND_PIECE (32u * 1024u)
+#define TCP_SEND_PIECE EMBER_NET_SEND_PIECE
 #endif
 #ifndef TCP_TMP_CAP
 #define TCP_TMP_CAP (256u * 1024u) /* receive-then-reduce staging for TCP */
 #endif
 #define SMALL_MAX_DEFAULT (64u * 1024u)
+/* Auto choice: recursive halving up to this many bytes (collective.h). */
+#define HALVING_MAX (64u * 1024u * 1024u)
+/* How long a wait on a socket polls, yielding its core between polls, before
+ * it sleeps in poll(): a TCP peer's next bytes mostly arrive within a
+ * millisecond in the middle of an op, and each sleep costs a context switch
+ * and a wake-up (2 ranks between two simulated hosts, 1 MiB: 5 context
+ * switches a call, where Open MPI, which polls and yields, has none). */
+#define TCP_YIELD_US 1000
+enum { ALGO_AUTO = 0, ALGO_RING = 1, ALGO_HALVING = 2, ALGO_DOUBLING = 3 };
 #ifndef SOCK_BUF_BYTES
 #define SOCK_BUF_BYTES (4 * 1024 * 1024)
 #endif
@@ -327,8 +339,11 @@ struct ember_comm {
   size_t tmp_cap, tmp_fill;
   size_t small_max;
   uint32_t seq;
+  int algo;           /* ALGO_AUTO, or the large allreduce's forced one */
+  int own_hosts;      /* every rank's address names a host of its own */
   int spin_us;        /* most a wait spins before it sleeps */
   int yield_us;       /* then how long it yields its core before it sleeps */
+  int tcp_yield_us;   /* the same for a wait on sockets only */
   int64_t spin_cur_ns; /* adaptive spin budget, 0..spin_us */
   unsigned waits;
   _Atomic int abort_req;
@@ -637,11 +652,12 @@ static int wait_io(op_ctx *o, peer_t *to, peer_t *from, peer_t *to_live, peer_t 
   int any_shm = (to != NULL && to->shm) || (from != NULL && from->shm);
   int any_tcp = (to != NULL && !to->shm) || (from != NULL && !from->shm);
   /* Sockets only: poll without blocking for as long as a shared-memory wait
-   * would spin (and yield), since a blocking poll's wake-up costs tens of
-   * microseconds, more than a small op over loopback or a LAN takes. */
+   * would spin, then for TCP_YIELD_US more with the core yielded between
+   * polls, since a blocking poll's wake-up costs tens of microseconds, more
+   * than a small op over loopback or a LAN takes. */
   int64_t t_spin = any_shm ? 0 : mono_ns();
   int64_t spin_until = any_shm ? 0 : t_spin + spin_budget_ns(c);
-  int64_t poll_until = any_shm ? 0 : spin_until + (int64_t)c->yield_us * 1000;
+  int64_t poll_until = any_shm ? 0 : spin_until + (int64_t)c->tcp_yield_us * 1000;
   for (;;) {
     if (atomic_load_explicit(&c->abort_req, memory_order_relaxed) ||
         (c->inbox != NULL && atomic_load_explicit(&c->inbox->aborted_by, memory_order_relaxed)))
@@ -946,6 +962,73 @@ static int rd_allreduce(op_ctx *o, uint8_t *buf, size_t len) {
   return EMBER_OK;
 }
 
+/* Rabenseifner's allreduce: a reduce-scatter by recursive halving, then an
+ * allgather by recursive doubling, over the largest power of two of ranks
+ * (the others fold in first and get the result last, as in rd_allreduce).
+ * Each rank sends what the ring sends, 2(p-1)/p of the buffer, but in
+ * 2 log2(p) exchanges with one partner at a time instead of the ring's
+ * 2(p-1) steps through every rank: with 4 ranks the ring's chain of 6
+ * dependent steps is 4 exchanges.  Block b of the p blocks is reduced on
+ * virtual rank b alone, so every rank still ends with the same bits. */
+static int rh_allreduce(op_ctx *o, uint8_t *buf, size_t count) {
+  ember_comm *c = o->c;
+  uint32_t n = c->size, r = c->rank, p2 = 1;
+  int logp = 0, rc;
+  while (p2 * 2 <= n) p2 *= 2, logp++;
+  uint32_t extra = n - p2;
+  size_t esz = o->esz, len = count * esz;
+  if (r >= p2) { /* folded in: hand over the whole buffer, get the result */
+    peer_t *partner = &c->peers[r - p2];
+    rc = exchange(o, 0, partner, NULL, buf, NULL, len);
+    if (rc == EMBER_OK) rc = exchange(o, 1 + 2 * logp, NULL, partner, NULL, buf, len);
+    return rc;
+  }
+  if (r < extra) {
+    step_t fold = {.recv_len = len, .gate = -1, .reduce = 1};
+    rc = run_steps(o, 0, NULL, &c->peers[r + p2], NULL, buf, &fold, 1);
+    if (rc != EMBER_OK) return rc;
+  }
+  /* [lo, hi): the blocks of the p2 this rank is responsible for. */
+  uint32_t lo = 0, hi = p2;
+  int step = 1;
+  for (uint32_t mask = p2 / 2; mask >= 1; mask /= 2, step++) {
+    uint32_t mid = lo + (hi - lo) / 2;
+    int upper = (r & mask) != 0; /* keeps [mid, hi), gives [lo, mid) */
+    uint32_t klo = upper ? mid : lo, khi = upper ? hi : mid;
+    uint32_t glo = upper ? lo : mid, ghi = upper ? mid : hi;
+    step_t st = {.send_off = seg_off(count, p2, glo, esz),
+                 .send_len = seg_off(count, p2, ghi, esz) - seg_off(count, p2, glo, esz),
+                 .recv_off = seg_off(count, p2, klo, esz),
+                 .recv_len = seg_off(count, p2, khi, esz) - seg_off(count, p2, klo, esz),
+                 .gate = -1, .reduce = 1};
+    peer_t *partner = &c->peers[r ^ mask];
+    rc = run_steps(o, step, partner, partner, buf, buf, &st, 1);
+    if (rc != EMBER_OK) return rc;
+    lo = klo, hi = khi;
+  }
+  if (o->op == EMBER_RED_AVG) {
+    size_t off = seg_off(count, p2, lo, esz);
+    if (seg_off(count, p2, hi, esz) > off)
+      scale_avg(buf + off, seg_off(count, p2, hi, esz) - off, o->dtype, n);
+  }
+  for (uint32_t mask = 1; mask < p2; mask *= 2, step++) {
+    uint32_t width = hi - lo;
+    uint32_t plo = (r & mask) ? lo - width : hi; /* the partner's blocks, beside ours */
+    step_t st = {.send_off = seg_off(count, p2, lo, esz),
+                 .send_len = seg_off(count, p2, hi, esz) - seg_off(count, p2, lo, esz),
+                 .recv_off = seg_off(count, p2, plo, esz),
+                 .recv_len = seg_off(count, p2, plo + width, esz) - seg_off(count, p2, plo, esz),
+                 .gate = -1};
+    peer_t *partner = &c->peers[r ^ mask];
+    rc = run_steps(o, step, partner, partner, buf, buf, &st, 1);
+    if (rc != EMBER_OK) return rc;
+    if (plo < lo) lo = plo;
+    else hi = plo + width;
+  }
+  if (r < extra) return exchange(o, step, &c->peers[r + p2], NULL, buf, NULL, len);
+  return EMBER_OK;
+}
+
 static int begin_op(ember_comm *c, op_ctx *o, int kind, int dtype, int op, uint32_t root,
                     uint64_t nbytes, int64_t timeout_ms) {
   memset(o, 0, sizeof *o);
@@ -997,6 +1080,27 @@ static int check_comm(const ember_comm *c, const char *what) {
   return EMBER_OK;
 }
 
+/* An allreduce's algorithm (collective.h): the same answer on every rank,
+ * from the sizes, flags and addresses they all share. */
+static int pick_algo(const ember_comm *c, size_t nbytes, size_t count) {
+  if (nbytes <= c->small_max || count < c->size) return ALGO_DOUBLING;
+  if (c->algo != ALGO_AUTO) return c->algo;
+  int pow2 = c->size >= 4 && (c->size & (c->size - 1)) == 0;
+  return pow2 && c->own_hosts && nbytes <= HALVING_MAX ? ALGO_HALVING : ALGO_RING;
+}
+
+const char *ember_comm_allreduce_algorithm(const ember_comm *c, size_t count, int dtype) {
+  size_t nbytes = 0;
+  if (c == NULL || c->size == 1 || pick_kernel(dtype, EMBER_RED_SUM) == NULL ||
+      __builtin_mul_overflow(count, ember_dtype_size((uint8_t)dtype), &nbytes))
+    return "none";
+  switch (pick_algo(c, nbytes, count)) {
+  case ALGO_DOUBLING: return "recursive doubling";
+  case ALGO_HALVING: return "halving";
+  default: return "ring";
+  }
+}
+
 int ember_comm_allreduce(ember_comm *c, void *buf, size_t count, int dtype, int op,
                          int64_t timeout_ms) {
   op_ctx o;
@@ -1015,10 +1119,11 @@ int ember_comm_allreduce(ember_comm *c, void *buf, size_t count, int dtype, int 
   rc = begin_op(c, &o, K_ALLREDUCE, dtype, op, 0, nbytes, timeout_ms);
   if (rc != EMBER_OK) return rc;
   if (c->size == 1) return EMBER_OK; /* avg over one rank is the identity */
-  if (nbytes <= c->small_max || count < c->size)
-    rc = rd_allreduce(&o, buf, nbytes);
-  else
-    rc = ring_allreduce(&o, buf, count);
+  switch (pick_algo(c, nbytes, count)) {
+  case ALGO_DOUBLING: rc = rd_allreduce(&o, buf, nbytes); break;
+  case ALGO_HALVING: rc = rh_allreduce(&o, buf, count); break;
+  default: rc = ring_allreduce(&o, buf, count); break;
+  }
   return end_op(c, rc);
 }
 
@@ -1797,11 +1902,27 @@ int ember_comm_create(ember_comm **out, const ember_comm_config *cfg, int64_t ti
   }
   c->spin_cur_ns = (int64_t)c->spin_us * 1000;
   c->yield_us = oversubscribed ? 1000 : 0;
+  c->tcp_yield_us = TCP_YIELD_US;
   const char *yield = getenv("EMBER_COLL_YIELD_US"); /* tuning knob, microseconds */
   if (yield != NULL && yield[0] >= '0' && yield[0] <= '9') {
     long v = strtol(yield, NULL, 10);
-    c->yield_us = v > 100000 ? 100000 : (int)v;
+    c->yield_us = c->tcp_yield_us = v > 100000 ? 100000 : (int)v;
   }
+  if ((cfg->flags & EMBER_COMM_RING) && (cfg->flags & EMBER_COMM_HALVING)) {
+    rc = ember__set_error(EMBER_EINVAL, "comm_create: EMBER_COMM_RING and "
+                          "EMBER_COMM_HALVING exclude each other");
+    goto fail;
+  }
+  c->algo = (cfg->flags & EMBER_COMM_RING)      ? ALGO_RING
+            : (cfg->flags & EMBER_COMM_HALVING) ? ALGO_HALVING
+                                                : ALGO_AUTO;
+  c->own_hosts = 1;
+  for (uint32_t i = 0; i < c->size && c->own_hosts; i++)
+    for (uint32_t j = i + 1; j < c->size; j++)
+      if (strcmp(c->peers[i].host, c->peers[j].host) == 0) {
+        c->own_hosts = 0;
+        break;
+      }
   ember__raise_fd_limit();
 
   if (c->size > 1) {

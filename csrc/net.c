@@ -27,8 +27,6 @@
 
 /* Peer names are "[v6addr]:port" at most ~56 bytes. */
 #define EMBER__PEER_CAP 96
-/* The most one sendmsg() in ember_net_sendv_all is given. */
-#define SEND_PIECE (512u * 1024u)
 
 int64_t ember_now_ms(void) {
   struct timespec ts;
@@ -396,16 +394,15 @@ int ember_net_sendv_all(int fd, struct iovec *iov, int iovcnt, int64_t deadline_
   while (iovcnt > 0) {
     struct msghdr mh;
     memset(&mh, 0, sizeof mh);
-    /* At most SEND_PIECE bytes a call: one 4 MiB sendmsg() carries 1.9 GB/s
-     * between two hosts where 512 KiB ones carry 3.2 (bench-cluster's
-     * stream), so the tail of a long iovec waits for the next call. */
+    /* At most EMBER_NET_SEND_PIECE bytes a call (net.h), so the tail of a
+     * long iovec waits for the next call. */
     size_t piece = 0, cut_len = 0;
     int cnt = 0, cut = -1;
-    while (cnt < iovcnt && cnt < IOV_MAX && piece < SEND_PIECE) {
-      if (iov[cnt].iov_len > SEND_PIECE - piece) {
+    while (cnt < iovcnt && cnt < IOV_MAX && piece < EMBER_NET_SEND_PIECE) {
+      if (iov[cnt].iov_len > EMBER_NET_SEND_PIECE - piece) {
         cut = cnt;
         cut_len = iov[cnt].iov_len;
-        iov[cnt].iov_len = SEND_PIECE - piece;
+        iov[cnt].iov_len = EMBER_NET_SEND_PIECE - piece;
       }
       piece += iov[cnt].iov_len;
       cnt++;

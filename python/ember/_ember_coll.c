@@ -461,6 +461,32 @@ static PyObject *Comm_transport(PyObject *op, PyObject *arg) {
   return PyUnicode_FromString(shm ? "shm" : "tcp");
 }
 
+PyDoc_STRVAR(Comm_algorithm_doc,
+             "algorithm(buf) -> str\n\n"
+             "The algorithm allreduce(buf) takes: 'recursive doubling', 'ring' or\n"
+             "'halving' (recursive halving and doubling: power-of-two ranks of at\n"
+             "least 4, each on a host of its own, up to 64 MiB), the same on every\n"
+             "rank; 'none' for one rank.");
+
+static PyObject *Comm_algorithm(PyObject *op, PyObject *arg) {
+  CommObject *self = (CommObject *)op;
+  Py_buffer v;
+  int dtype;
+  if (PyObject_GetBuffer(arg, &v, PyBUF_FORMAT | PyBUF_ANY_CONTIGUOUS) < 0)
+    return NULL;
+  if (buffer_dtype(&v, &dtype) < 0) {
+    PyBuffer_Release(&v);
+    return NULL;
+  }
+  size_t count = (size_t)v.len / (size_t)v.itemsize;
+  PyBuffer_Release(&v);
+  if (embpy_handle_enter(&self->h) < 0)
+    return NULL;
+  const char *name = ember_comm_allreduce_algorithm(self->h.ptr, count, dtype); /* static */
+  embpy_handle_leave(&self->h);
+  return PyUnicode_FromString(name);
+}
+
 static PyObject *Comm_get_rank(PyObject *op, void *c) {
   return PyLong_FromUnsignedLong(((CommObject *)op)->rank);
 }
@@ -493,6 +519,7 @@ static PyMethodDef Comm_methods[] = {
     {"barrier", (PyCFunction)(void (*)(void))Comm_barrier, METH_VARARGS | METH_KEYWORDS,
      Comm_barrier_doc},
     {"transport", Comm_transport, METH_O, Comm_transport_doc},
+    {"algorithm", Comm_algorithm, METH_O, Comm_algorithm_doc},
     {"abort", Comm_abort, METH_NOARGS, Comm_abort_doc},
     {"close", Comm_close, METH_NOARGS,
      "close() -> None\n\nCloses the connections (aborting a call in flight in another\n"

@@ -32,6 +32,8 @@ typedef struct {
   size_t small_max;
   const uint8_t *secret_of[MAX_RANKS]; /* NULL: SECRET */
   int strangers, slow; /* hostile connections held on every rank's port */
+  int own_hosts;       /* rank i on 127.0.0.<i+1>: a host of its own to the
+                          algorithm choice (one machine to shared memory) */
 } world_opts;
 
 typedef int (*rank_fn)(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *arg);
@@ -50,8 +52,10 @@ static int run_world(uint32_t n, const world_opts *wo, rank_fn fn, void *arg) {
     uint16_t port = 0;
     /* As a node reserves its collective port: listening from the start, so
      * strangers can queue there before the communicator exists. */
-    CHECK_OK(ember_net_bind("127.0.0.1", 0, hostile ? 4096 : 16, 0, &fds[i], &port));
-    snprintf(g_addr[i], sizeof g_addr[i], "127.0.0.1:%u", (unsigned)port);
+    char host[24] = "127.0.0.1";
+    if (wo != NULL && wo->own_hosts) snprintf(host, sizeof host, "127.0.0.%u", i + 1);
+    CHECK_OK(ember_net_bind(host, 0, hostile ? 4096 : 16, 0, &fds[i], &port));
+    snprintf(g_addr[i], sizeof g_addr[i], "%s:%u", host, (unsigned)port);
     g_addrs[i] = g_addr[i];
     if (hostile) strangers_open(&st[i], port, wo->strangers, wo->slow);
   }
@@ -309,6 +313,53 @@ TEST(ops_4_shm) { all_ops(4, 0, 0); }
 TEST(ops_4_tcp_ring) { all_ops(4, EMBER_COMM_TCP_ONLY, 1); }
 TEST(ops_4_shm_ring) { all_ops(4, 0, 1); }
 TEST(ops_3_tcp_ring) { all_ops(3, EMBER_COMM_TCP_ONLY, 1); }
+/* Recursive halving and doubling, forced: 2 and 4 ranks, and 3, where the
+ * third rank folds into the first. */
+TEST(ops_2_tcp_halving) { all_ops(2, EMBER_COMM_TCP_ONLY | EMBER_COMM_HALVING, 1); }
+TEST(ops_3_tcp_halving) { all_ops(3, EMBER_COMM_TCP_ONLY | EMBER_COMM_HALVING, 1); }
+TEST(ops_4_tcp_halving) { all_ops(4, EMBER_COMM_TCP_ONLY | EMBER_COMM_HALVING, 1); }
+TEST(ops_4_shm_halving) { all_ops(4, EMBER_COMM_HALVING, 1); }
+
+/* Which algorithm each size takes, the same on every rank; and the choice
+ * computes the right sums. */
+typedef struct {
+  const char *mid; /* the algorithm of a 4 MiB float32 allreduce */
+} algo_arg;
+
+static int rank_algo_choice(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *argp) {
+  algo_arg *a = argp;
+  ember_comm *c = NULL;
+  RCHECK(ember_comm_create(&c, cfg, RANK_TIMEOUT_MS) == 0);
+  const char *got = ember_comm_allreduce_algorithm(c, 1u << 20, EMBER_DT_F32);
+  if (strcmp(got, a->mid) != 0) {
+    fprintf(stderr, "rank %u: 4 MiB allreduce takes %s, want %s\n", rank, got, a->mid);
+    return 1;
+  }
+  RCHECK(strcmp(ember_comm_allreduce_algorithm(c, 1000, EMBER_DT_F32),
+                "recursive doubling") == 0);
+  RCHECK(strcmp(ember_comm_allreduce_algorithm(c, n - 1, EMBER_DT_F64),
+                "recursive doubling") == 0);
+  /* Above 64 MiB the ring carries more (collective.h). */
+  RCHECK(strcmp(ember_comm_allreduce_algorithm(c, (64u << 20) / 8 + 1, EMBER_DT_F64),
+                "ring") == 0);
+  RCHECK(strcmp(ember_comm_allreduce_algorithm(c, 1u << 20, EMBER_DT_U8), "none") == 0);
+  RCHECK(strcmp(ember_comm_allreduce_algorithm(NULL, 1u << 20, EMBER_DT_F32), "none") == 0);
+  for (int d = 0; d < 4; d++)
+    if (check_allreduce(rank, n, c, DTYPES[d], EMBER_RED_AVG, 300007, 1) != 0) return 1;
+  ember_comm_destroy(c);
+  return 0;
+}
+
+static void algo_choice(uint32_t n, int own_hosts, const char *mid) {
+  world_opts wo = {.flags = EMBER_COMM_TCP_ONLY, .own_hosts = own_hosts};
+  algo_arg a = {.mid = mid};
+  CHECK_EQ_INT(run_world(n, &wo, rank_algo_choice, &a), 0);
+}
+
+TEST(algo_4_own_hosts_halving) { algo_choice(4, 1, "halving"); }
+TEST(algo_4_one_host_ring) { algo_choice(4, 0, "ring"); }
+TEST(algo_3_own_hosts_ring) { algo_choice(3, 1, "ring"); }
+TEST(algo_2_own_hosts_ring) { algo_choice(2, 1, "ring"); }
 
 static int rank_single(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *arg) {
   ember_comm *c = NULL;
@@ -431,6 +482,9 @@ static void killed(uint32_t n, uint32_t flags) {
 TEST(peer_killed_mid_allreduce_shm_4) { killed(4, 0); }
 TEST(peer_killed_mid_allreduce_tcp_4) { killed(4, EMBER_COMM_TCP_ONLY); }
 TEST(peer_killed_mid_allreduce_tcp_3) { killed(3, EMBER_COMM_TCP_ONLY); }
+TEST(peer_killed_mid_allreduce_tcp_4_halving) {
+  killed(4, EMBER_COMM_TCP_ONLY | EMBER_COMM_HALVING);
+}
 
 /* A silent rank: the others time out within the bound, naming a rank. */
 static int rank_silent(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *arg) {
@@ -552,6 +606,11 @@ static int rank_bad_config(uint32_t rank, uint32_t n, ember_comm_config *cfg, vo
   k.rank = 0;
   k.secret_len = 8;
   RCHECK(ember_comm_create(&c, &k, 100) == EMBER_EINVAL);
+  k = *cfg;
+  k.listen_fd = -1;
+  k.flags = EMBER_COMM_RING | EMBER_COMM_HALVING;
+  RCHECK(ember_comm_create(&c, &k, 100) == EMBER_EINVAL && c == NULL);
+  RCHECK(strstr(ember_last_error(), "exclude each other") != NULL);
   RCHECK(ember_comm_create(NULL, cfg, 100) == EMBER_EINVAL); /* closes listen_fd */
   ember_comm_destroy(NULL);
   return 0;
@@ -600,9 +659,13 @@ TEST(strangers_do_not_delay_the_mesh) {
 }
 
 RUN_TESTS(T(ops_2_shm), T(ops_2_tcp_ring), T(ops_3_shm_ring), T(ops_3_tcp), T(ops_4_shm),
-          T(ops_4_tcp_ring), T(ops_4_shm_ring), T(ops_3_tcp_ring), T(single_rank),
+          T(ops_4_tcp_ring), T(ops_4_shm_ring), T(ops_3_tcp_ring), T(ops_2_tcp_halving),
+          T(ops_3_tcp_halving), T(ops_4_tcp_halving), T(ops_4_shm_halving),
+          T(algo_4_own_hosts_halving), T(algo_4_one_host_ring), T(algo_3_own_hosts_ring),
+          T(algo_2_own_hosts_ring), T(single_rank),
           T(big_68mib_2_ranks), T(many_ops_4_ranks_shm), T(peer_killed_mid_allreduce_shm_4),
           T(peer_killed_mid_allreduce_tcp_4), T(peer_killed_mid_allreduce_tcp_3),
+          T(peer_killed_mid_allreduce_tcp_4_halving),
           T(silent_peer_times_out_shm), T(silent_peer_times_out_tcp),
           T(wrong_secret_rejected), T(mismatched_calls_detected),
           T(abort_from_another_thread), T(bad_config), T(strangers_do_not_delay_the_mesh))

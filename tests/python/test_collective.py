@@ -32,10 +32,16 @@ SIZES = [0, 1, 7, 4099, 100003]  # 4099 x 8 bytes > the 64 KiB small-message pat
 
 # ---------------------------------------------------------------- worlds
 
+def _host(rank: int, own_hosts: bool) -> str:
+    """127.0.0.<rank+1> with own_hosts: one machine, but a host of its own
+    to the collective's choice of algorithm."""
+    return "127.0.0.%d" % (rank + 1) if own_hosts else "127.0.0.1"
+
+
 def _rank_main(rank: int, n: int, to_parent: Any, from_parent: Any, fn_name: str,
-               kwargs: Dict[str, Any]) -> None:
+               own_hosts: bool, kwargs: Dict[str, Any]) -> None:
     try:
-        fd, port = E.reserve_port("127.0.0.1")
+        fd, port = E.reserve_port(_host(rank, own_hosts))
         to_parent.put((rank, port))
         addresses = from_parent.get(timeout=60)
         result = globals()[fn_name](rank, n, addresses, fd, **kwargs)
@@ -45,14 +51,16 @@ def _rank_main(rank: int, n: int, to_parent: Any, from_parent: Any, fn_name: str
 
 
 def run_world(n: int, fn: Callable[..., Any], timeout: float = 120.0,
-              expect_dead: Optional[List[int]] = None, **kwargs: Any) -> List[Any]:
+              expect_dead: Optional[List[int]] = None, own_hosts: bool = False,
+              **kwargs: Any) -> List[Any]:
     """Runs fn(rank, n, addresses, listen_fd, **kwargs) in n spawned processes;
     returns the ranks' results in rank order (None for expect_dead ranks)."""
     ctx = mp.get_context("spawn")
     to_parent = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(n)]
     procs = [ctx.Process(target=_rank_main,
-                         args=(r, n, to_parent, inboxes[r], fn.__name__, kwargs),
+                         args=(r, n, to_parent, inboxes[r], fn.__name__, own_hosts,
+                               kwargs),
                          daemon=True) for r in range(n)]
     for p in procs:
         p.start()
@@ -62,7 +70,7 @@ def run_world(n: int, fn: Callable[..., Any], timeout: float = 120.0,
         while len(ports) < n:
             rank, port = to_parent.get(timeout=max(1.0, deadline - time.monotonic()))
             ports[rank] = port
-        addresses = ["127.0.0.1:%d" % ports[r] for r in range(n)]
+        addresses = ["%s:%d" % (_host(r, own_hosts), ports[r]) for r in range(n)]
         for q in inboxes:
             q.put(addresses)
         results: Dict[int, Any] = {}
@@ -107,11 +115,13 @@ def _reference(n: int, dtype: Any, size: int, op: str, seed: int) -> np.ndarray:
 
 # ---------------------------------------------------------------- rank programs
 
-def rank_every_op(rank: int, n: int, addresses: List[str], fd: int,
-                  tcp_only: bool) -> Dict[str, Any]:
+def rank_every_op(rank: int, n: int, addresses: List[str], fd: int, tcp_only: bool,
+                  algorithm: str = "ring") -> Dict[str, Any]:
     comm = E.Communicator(rank, addresses, SECRET, 60.0, listen_fd=fd, tcp_only=tcp_only)
     with comm:
         assert comm.rank == rank and comm.size == n
+        assert comm.algorithm(np.zeros(SIZES[-1], np.float32)) == algorithm
+        assert comm.algorithm(np.zeros(SIZES[-2], np.int32)) == "recursive doubling"
         kinds = {comm.transport(p) for p in range(n) if p != rank}
         assert kinds == {"tcp" if tcp_only else "shm"}, kinds
         assert comm.transport(rank) == "self"
@@ -227,6 +237,13 @@ def test_every_op_matches_numpy(n: int, tcp_only: bool) -> None:
     assert len({r["digest"] for r in results}) == 1  # bit-identical on every rank
 
 
+@pytest.mark.timeout(300)
+def test_halving_between_own_hosts_matches_numpy() -> None:
+    """4 ranks, each on an address of its own: recursive halving and doubling."""
+    results = run_world(4, rank_every_op, own_hosts=True, tcp_only=True, algorithm="halving")
+    assert len({r["digest"] for r in results}) == 1
+
+
 @pytest.mark.timeout(120)
 def test_gil_released_and_close_aborts_call_in_flight() -> None:
     r0, _ = run_world(2, rank_gil_and_close)
@@ -265,6 +282,9 @@ def test_single_rank_and_argument_errors() -> None:
             c.allreduce(a, "prod")
         with pytest.raises(TypeError, match="float32, float64, int32 and int64"):
             c.allreduce(np.zeros(4, np.float16))
+        assert c.algorithm(a) == "none"
+        with pytest.raises(TypeError, match="float32, float64, int32 and int64"):
+            c.algorithm(np.zeros(4, np.float16))
         with pytest.raises(TypeError, match="writable contiguous"):
             c.allreduce(np.zeros((4, 4), np.float32)[:, 1])
         ro = np.zeros(4, np.float32)
