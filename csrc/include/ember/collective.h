@@ -45,9 +45,13 @@
  *
  * Data on the wire: each message of a collective starts with a 24-byte header
  * (magic "ECOL", u32 sequence number, u8 kind, u8 dtype, u8 op, u8 step,
- * u32 root, u64 total bytes), all little-endian; a rank that receives a header
- * that does not match its own call fails with EMBER_EPROTO naming the peer
- * and both calls, instead of reducing garbage.  Element data is in host byte
+ * u32 root, u64 total bytes), all little-endian, then zeros up to the next
+ * 64-byte boundary of the connection's collective bytes, so that payloads
+ * start on 64-byte lines of the kernel's socket buffers (both ends count
+ * the bytes; the kernel copies misaligned data up to 5x slower on some
+ * CPUs); a rank that receives a header that does not match its own call
+ * fails with EMBER_EPROTO naming the peer and both calls, instead of
+ * reducing garbage.  Element data is in host byte
  * order (libember requires a little-endian host).
  *
  * Timeouts and failures: every call takes a timeout in milliseconds (negative:
