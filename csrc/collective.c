@@ -89,8 +89,6 @@
 #define TCP_TMP_CAP (256u * 1024u) /* receive-then-reduce staging for TCP */
 #endif
 #define SMALL_MAX_DEFAULT (64u * 1024u)
-/* Auto choice: recursive halving up to this many bytes (collective.h). */
-#define HALVING_MAX (64u * 1024u * 1024u)
 /* How long a wait on a socket polls, yielding its core between polls, before
  * it sleeps in poll(): a TCP peer's next bytes mostly arrive within a
  * millisecond in the middle of an op, and each sleep costs a context switch
@@ -531,7 +529,8 @@ typedef struct {
  * them, which are most of a TCP allreduce's time, ran up to 5x slower at
  * some of those offsets (AMD EPYC, rep movsb): between simulated hosts
  * (bench-cluster) payloads on 64-byte lines took 2 ranks at 1 MiB from 1.18
- * to 1.87 GB/s and 4 ranks from 0.54 to 0.88, and 1.03-1.6x at 4-256 MiB. */
+ * to 1.87 GB/s and 4 ranks from 0.54 to 0.88, and gave 1.03-1.4x at
+ * 4-256 MiB. */
 static size_t hdr_len(uint64_t pos) {
   uint64_t end = (pos + OPHDR_LEN + STREAM_ALIGN - 1) / STREAM_ALIGN * STREAM_ALIGN;
   return (size_t)(end - pos);
@@ -1128,7 +1127,7 @@ static int pick_algo(const ember_comm *c, size_t nbytes, size_t count) {
   if (nbytes <= c->small_max || count < c->size) return ALGO_DOUBLING;
   if (c->algo != ALGO_AUTO) return c->algo;
   int pow2 = c->size >= 4 && (c->size & (c->size - 1)) == 0;
-  return pow2 && c->own_hosts && nbytes <= HALVING_MAX ? ALGO_HALVING : ALGO_RING;
+  return pow2 && c->own_hosts ? ALGO_HALVING : ALGO_RING;
 }
 
 const char *ember_comm_allreduce_algorithm(const ember_comm *c, size_t count, int dtype) {

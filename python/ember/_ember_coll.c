@@ -465,8 +465,8 @@ PyDoc_STRVAR(Comm_algorithm_doc,
              "algorithm(buf) -> str\n\n"
              "The algorithm allreduce(buf) takes: 'recursive doubling', 'ring' or\n"
              "'halving' (recursive halving and doubling: power-of-two ranks of at\n"
-             "least 4, each on a host of its own, up to 64 MiB), the same on every\n"
-             "rank; 'none' for one rank.");
+             "least 4, each on a host of its own), the same on every rank; 'none'\n"
+             "for one rank.");
 
 static PyObject *Comm_algorithm(PyObject *op, PyObject *arg) {
   CommObject *self = (CommObject *)op;

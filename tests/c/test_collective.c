@@ -339,9 +339,7 @@ static int rank_algo_choice(uint32_t rank, uint32_t n, ember_comm_config *cfg, v
                 "recursive doubling") == 0);
   RCHECK(strcmp(ember_comm_allreduce_algorithm(c, n - 1, EMBER_DT_F64),
                 "recursive doubling") == 0);
-  /* Above 64 MiB the ring carries more (collective.h). */
-  RCHECK(strcmp(ember_comm_allreduce_algorithm(c, (64u << 20) / 8 + 1, EMBER_DT_F64),
-                "ring") == 0);
+  RCHECK(strcmp(ember_comm_allreduce_algorithm(c, (256u << 20) / 8, EMBER_DT_F64), a->mid) == 0);
   RCHECK(strcmp(ember_comm_allreduce_algorithm(c, 1u << 20, EMBER_DT_U8), "none") == 0);
   RCHECK(strcmp(ember_comm_allreduce_algorithm(NULL, 1u << 20, EMBER_DT_F32), "none") == 0);
   for (int d = 0; d < 4; d++)

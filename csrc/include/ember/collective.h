@@ -23,12 +23,11 @@
  *     either around a ring, pipelined (a chunk is forwarded as soon as it has
  *     been reduced), or by recursive halving and doubling (Rabenseifner:
  *     2 log2(n) exchanges with one partner each instead of the ring's 2(n-1)
- *     steps).  Halving is chosen when n is a power of two of at least 4,
- *     every rank has a host of its own (no two addresses share a host) and
- *     the buffer is at most 64 MiB: between simulated hosts that share two
- *     cores (bench-cluster) it was 1.03-1.42x the ring's bus bandwidth at
- *     1-64 MiB with 4 ranks, the ring 1.14x ahead at 256 MiB; for 2 ranks
- *     the two are the same exchanges and the ring pipelines them.  Every rank
+ *     steps).  Halving is chosen when n is a power of two of at least 4 and
+ *     every rank has a host of its own (no two addresses share a host):
+ *     between 4 simulated hosts that share two cores (bench-cluster) it
+ *     carried 1.03-1.42x the ring's bus bandwidth at 1-256 MiB; for 2
+ *     ranks the two are the same exchanges and the ring pipelines them.  Every rank
  *     makes the same choice from the same addresses; EMBER_COMM_RING or
  *     EMBER_COMM_HALVING forces one (then on every rank);
  *   - allreduce up to small_max bytes, and barrier: recursive doubling
