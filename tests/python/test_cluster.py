@@ -12,6 +12,7 @@ on the remaining hosts.  `make cluster-test` runs this file alone.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -286,4 +287,5 @@ def test_tfos_keras_example_trains_3_epochs_on_hosts(hosts, tmp_path):
     ready = re.findall(r"cluster ready: (.*)", text)
     assert ready and set(re.findall(r"@([\d.]+):", ready[0])) <= {
         hosts.sim.addr(w) for w in WORKERS}, ready
-    assert os.listdir(tmp_path / "export"), text[-3000:]
+    assert glob.glob(str(tmp_path / "export" / "*" / "saved_model.pb")), text[-3000:]
+    assert glob.glob(str(tmp_path / "model" / "weights-*")), text[-3000:]

@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 
+import simcluster
 from conftest import read_json_files
 from ember.compat.tfos import TFCluster, TFNode, dfutil
 from ember.compat.tfos._node import TFNodeContext, cluster_spec_of, tf_config_of
@@ -449,6 +450,9 @@ def test_standalone_keras_mnist_input_mode_spark(cluster_spark, tmp_path, fmnist
     _keras_mnist_spark(cluster_spark, tmp_path, fmnist)
 
 
+@pytest.mark.skipif(simcluster.available() is None,
+                    reason="test_cluster.py runs this example on a standalone cluster of "
+                           "simulated hosts (this loopback one is for machines without them)")
 def test_tfos_mnist_spark_example_standalone(tmp_path, fmnist):
     """The same on its own standalone cluster of 2 one-slot executors."""
     from conftest import Standalone
