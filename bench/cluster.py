@@ -58,7 +58,7 @@ Ember's allreduce took at each size (collective.h).  busbw = bytes *
 2(n-1)/n / time (nccl-tests' bus bandwidth: what each rank's link carries).
 
     make bench-cluster                            # 2 and 4 ranks, 1..256 MiB, 3 rounds
-    EMBER_BENCH_QUICK=1 make bench-cluster        # smoke run (< 1 minute)
+    EMBER_BENCH_QUICK=1 make bench-cluster        # smoke run: 1 MiB, 1 round (< 1 minute)
     python bench/cluster.py --ranks 2 --sizes 1M,64M --rounds 5
 
 The last line is
@@ -350,7 +350,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--sizes", default="1M" if quick else DEFAULT_SIZES)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1 if quick else 3)
     ap.add_argument("--budget", type=parse_size, default=parse_size("16M" if quick else "1G"),
                     help="bytes of buffer per size and launch (calls = budget / size, "
                          "3..%d)" % CALLS_MOST)
