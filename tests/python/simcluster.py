@@ -19,6 +19,7 @@ before a new one is made.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -35,8 +36,10 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
 
 
+@functools.lru_cache(maxsize=None)
 def available() -> Optional[str]:
-    """None when namespaces can be made here, else why not (for a skip reason)."""
+    """None when namespaces can be made here, else why not (for a skip reason).
+    Probed once per process: several test modules ask at collection."""
     if os.geteuid() != 0:
         return "network namespaces need root (CI runs as root)"
     if shutil.which("ip") is None or shutil.which("unshare") is None:
