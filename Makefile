@@ -39,7 +39,8 @@ APT_PACKAGES += python3-torch libopenblas0-openmp
 
 help:
 	@echo "make demo   - set up this machine and run the Fashion-MNIST main job"
-	@echo "make test   - set up this machine and run every test (C under ASan/UBSan, fuzz, pytest, main job)"
+	@echo "make test   - set up this machine and run every test (C under ASan/UBSan, fuzz, pytest, main job), stages timed"
+	@echo "make test-profile - where the Python suite's time goes, per module (build/test-profile.txt)"
 	@echo "make cluster-test - Ember on a simulated multi-host cluster (network namespaces; root)"
 	@echo "make test-torch - the PyTorch path: ember.torch and examples/fashion_mnist_torch (in .venv-torch)"
 	@echo "make wheel  - sdist + wheel (python -m build), auditwheel show, and a manylinux wheel in dist/"
@@ -167,7 +168,10 @@ M2_REPO   ?= $(abspath $(BUILD)/m2)
 HADOOP_MVN = $(MVN) -B -q -f hadoop/minicluster/pom.xml -Dmaven.repo.local=$(M2_REPO) -Drevision=$(VERSION) \
              -Dember.out=$(abspath $(BUILD)/hadoop) package
 hadoop: apt $(BUILD)/hadoop/classpath.txt ext
-$(BUILD)/hadoop/classpath.txt: hadoop/minicluster/pom.xml $(shell find hadoop/minicluster/src -type f 2>/dev/null)
+# (after the extension: its jars are Maven's too, and two Mavens must not
+# fill one local repository at once under make -j)
+$(BUILD)/hadoop/classpath.txt: hadoop/minicluster/pom.xml $(shell find hadoop/minicluster/src -type f 2>/dev/null) \
+                               | $(VENV)/.ember-installed
 	@java -version >/dev/null 2>&1 || { echo "Java 17 is required (java not found)"; exit 1; }
 	@command -v $(MVN) >/dev/null || { echo "Maven is required ($(MVN) not found; apt-get install maven)"; exit 1; }
 	@nice -n 10 $(HADOOP_MVN) -o >/dev/null 2>&1 || nice -n 10 $(HADOOP_MVN)
@@ -222,7 +226,7 @@ fuzz: apt $(FUZZERS)
 
 # ---------------------------------------------------------------- Python tests and the main job
 test-py: setup hadoop
-	$(PY) -m pytest -q --durations=15 tests/python
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests/python
 
 # PyTorch tests and example (in .venv-torch; skipped by the main venv's pytest run)
 test-torch: setup hadoop
@@ -250,20 +254,23 @@ cluster-test: setup
 test-long: setup
 	EMBER_LONG_TESTS=1 $(PY) -m pytest -q -s tests/python/test_feed_spark.py -k ten_thousand
 
-# The main job runs in tests/python/test_cluster.py, both modes on simulated
-# hosts with the same accuracy bar as demo-quick; where those hosts cannot be
-# made (not root), demo-quick runs it on this host instead.  Each fuzzer runs
-# 15 s here (make fuzz: FUZZ_SECONDS, 30 s).
-test: setup hadoop
-	$(MAKE) --no-print-directory test-c
-	$(MAKE) --no-print-directory test-c-install
-	$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=15
-	$(PY) -m pytest -q --durations=15 tests/python
-	$(MAKE) --no-print-directory test-torch
-	$(MAKE) --no-print-directory bench-smoke
-	@PYTHONPATH=tests/python $(PY) -c "import simcluster, sys; sys.exit(3 if simcluster.available() is None else 0)"; \
-	if [ $$? -eq 3 ]; then echo "demo-quick: the main job ran on simulated hosts (test_cluster.py)"; \
-	else $(MAKE) --no-print-directory demo-quick; fi
+# Every stage of the suite, timed, the independent ones at once
+# (tests/stages.py: set-up beside the C tests and fuzzers, the Python suite in
+# two xdist workers, then the PyTorch suite beside bench-smoke); it ends with
+# each stage's duration.  The main job runs in tests/python/test_cluster.py,
+# both modes on simulated hosts with the same accuracy bar as demo-quick;
+# where those hosts cannot be made (not root), demo-quick runs it on this host
+# instead.  Each fuzzer runs 15 s here (make fuzz: FUZZ_SECONDS, 30 s).
+# docs/testing.md: where the time goes, and which fixture a new test uses.
+test:
+	python3 tests/stages.py
+
+# Where the Python suite's time goes, module by module (tests/python/timing_plugin.py),
+# one worker so that each module's CPU share is its own: build/test-profile.txt
+.PHONY: test-profile
+test-profile: setup hadoop
+	EMBER_TEST_PROFILE=$(BUILD)/test-profile.txt PYTHONPATH=tests/python \
+	  $(PY) -m pytest -q -p timing_plugin -p no:xdist --durations=0 tests/python
 
 # ---------------------------------------------------------------- benchmarks
 # Every bench-* below takes EMBER_BENCH_QUICK=1: tiny sizes, record counts or

@@ -4,8 +4,16 @@
 real Spark standalone cluster on loopback (one Master and two Workers started
 with ``spark-class``, each Worker running its own executor JVM) with a session
 connected to it.  Only one SparkContext can live in a process, so asking for
-the other kind stops the current one; test files are ordered so that this
-happens once.
+the other kind stops the current one; tests are ordered (below) so that each
+kind starts once per process.
+
+``make test`` runs the suite in two pytest-xdist workers, one per core
+(``-n 2 --dist loadgroup``).  Each test module belongs to one of two lanes
+(:data:`LANES`), and each lane runs in one worker: the modules that need the
+mini Hadoop or the simulated hosts, which mostly wait on YARN, daemons and
+heartbeats, run beside the ones that keep the cores busy, and each session
+fixture (Spark, Hadoop, hosts) starts in one worker only.  docs/testing.md
+has the costs behind the split and how to place a new module.
 """
 
 from __future__ import annotations
@@ -24,6 +32,47 @@ import pytest
 from hadoop_fixture import hadoop_cluster, yarn  # noqa: F401  (HDFS + YARN mini clusters)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: JVM options for every JVM the tests start (Spark drivers, executors and
+#: standalone daemons, the mini Hadoop and its YARN containers, which inherit
+#: its environment, and Maven in the packaging tests).  They live seconds to
+#: minutes, where the C2 compiler and parallel GC threads cost more CPU than
+#: they win back: test_compat_tfos.py took 299 CPU s without them, 209 with.
+#: Benchmarks never get them.  A JAVA_TOOL_OPTIONS of the caller's wins.
+TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+os.environ.setdefault("JAVA_TOOL_OPTIONS", TEST_JVM_OPTIONS)
+
+#: The xdist lane of each test module that does not run in the default lane
+#: ("spark": local and standalone Spark sessions, the C engine's tests).
+#: "hadoop": the mini HDFS + YARN, and the simulated hosts (test_cluster.py).
+LANES = {m: "hadoop" for m in (
+    "test_hadoop", "test_hdfs_paths", "test_hdfs_fmnist", "test_spark_yarn", "test_yarn_run",
+    "test_yarn_experiments", "test_yarn_experiment_local", "test_packaging", "test_mlflow",
+    "test_cluster")}
+#: Modules that use the standalone cluster (``cluster_spark``) run last in
+#: their lane, so that each process starts the local session once and the
+#: standalone one once.
+STANDALONE_LAST = ("test_compat_tfos", "test_standalone")
+
+
+def _module_name(item: Any) -> str:
+    return os.path.splitext(os.path.basename(str(item.fspath)))[0]
+
+
+def pytest_configure(config: Any) -> None:
+    # known without pytest-xdist too (the PyTorch venv runs the suite serially)
+    config.addinivalue_line("markers", "xdist_group(name): the pytest-xdist lane of a test")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: Any, items: List[Any]) -> None:
+    def rank(item: Any) -> int:
+        name = _module_name(item)
+        return STANDALONE_LAST.index(name) + 1 if name in STANDALONE_LAST else 0
+
+    items.sort(key=rank)  # stable: file order otherwise
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(LANES.get(_module_name(item), "spark")))
 
 
 def free_port() -> int:
