@@ -14,11 +14,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "acceptor.h"
 #include "ember/auth.h"
 #include "ember/error.h"
 #include "ember/net.h"
 #include "ember/wire.h"
-#include "preauth.h"
 
 #define SHM_NAME_CAP 64u
 #define SET_UP_FRAME_MAX 512u
@@ -26,17 +26,10 @@
 #define PREV_RING_CAP (2u * 1024u * 1024u) /* the ring from the previous rank */
 #endif
 #define SIDE_RING_CAP (256u * 1024u)        /* the rings from the other ranks */
-/* Accepts per turn of the mesh's poll loop: between batches the pending
- * peers' AUTH frames are read, so strangers cannot push a real rank out of
- * the pending pool by arriving in a burst. */
-#define MESH_ACCEPT_BATCH 64
-#define MESH_ACCEPT_PAUSE_MS 100
-#define AUTH_FRAME_LEN (EMBER_WIRE_HEADER_LEN + 2u * EMBER_NONCE_LEN)
 #define HELLO_FRAME_LEN (EMBER_WIRE_HEADER_LEN + 8u)
 
-
-/* "host:port" or "[v6]:port" -> host, port (1..65535). */
-int ember__coll_parse_address(const char *s, uint32_t idx, char *host, size_t cap, uint16_t *port) {
+int ember__coll_parse_address(const char *s, uint32_t idx, char *host, size_t cap,
+                              uint16_t *port) {
   if (s == NULL) return ember__set_error(EMBER_EINVAL, "comm: address of rank %u is NULL", idx);
   size_t len = strnlen(s, COLL_ADDR_CAP);
   if (len >= COLL_ADDR_CAP)
@@ -116,42 +109,61 @@ out:
   return rc;
 }
 
-/* ---- accepting the higher ranks: every pending connection at once ----
- *
- * Strangers may connect to a rank's port too.  Each accepted connection is
- * handshaken without blocking, in one poll loop over the listener and every
- * pending connection: CHALLENGE out at accept, then AUTH in, AUTH_OK out,
- * COLL_HELLO in, ours out.  A connection has preauth_ms from accept for all
- * of it; at most max_pending unauthenticated ones are kept (a new one evicts
- * the oldest); so neither idle nor slow strangers delay the real ranks.
- * Exactly the bytes of the current frame are read, so nothing past the
- * peer's COLL_HELLO (the shared-memory offer) is consumed here. */
+/* ---- the mesh ---- */
 
-typedef struct {
-  int fd;
-  int authed;       /* proved the secret; waiting for COLL_HELLO; never evicted */
-  int64_t deadline; /* accept + preauth_ms */
-  size_t have;      /* bytes of the current frame in buf */
-  ember_auth_pending auth;
-  uint8_t buf[AUTH_FRAME_LEN];
-  char peer[96];
-} mesh_pending;
+/* Connects to every lower rank: authenticated, then COLL_HELLO both ways. */
+static int connect_lower(ember_comm *c, const ember_comm_config *cfg, int64_t deadline) {
+  for (uint32_t j = 0; j < c->rank; j++) {
+    ember__coll_peer *p = &c->peers[j];
+    uint32_t got = 0;
+    /* Retries a connection the peer evicted from its pending pool (a flood
+     * of strangers there); a refusal of our proof is final. */
+    int rc = ember__connect_auth(p->host, p->port, cfg->secret, cfg->secret_len, deadline,
+                                 &p->fd);
+    if (rc != EMBER_OK)
+      return ember__set_error(rc, "comm: connecting to %s: %s", p->desc, ember_last_error());
+    rc = send_hello(p->fd, c, deadline);
+    if (rc == EMBER_OK) rc = recv_hello(p->fd, c, p->desc, &got, deadline);
+    if (rc == EMBER_OK && got != j)
+      rc = ember__set_error(EMBER_EPROTO, "comm: the address of rank %u (%s:%u) is served "
+                            "by rank %u", j, p->host, (unsigned)p->port, (unsigned)got);
+    if (rc != EMBER_OK)
+      return ember__set_error(rc, "comm: with %s: %s", p->desc, ember_last_error());
+    tune_socket(p->fd);
+  }
+  return EMBER_OK;
+}
 
+/* Accepting the higher ranks.  Strangers may connect to a rank's port too:
+ * the acceptor (acceptor.h) handshakes every connection at once and hands
+ * over the ones that authenticated and sent COLL_HELLO, read exactly (the
+ * shared-memory offer after it is not consumed here), so neither idle nor
+ * slow strangers delay the real ranks. */
 typedef struct {
   ember_comm *c;
-  const uint8_t *secret;
-  size_t secret_len;
-  mesh_pending *p; /* oldest first */
-  size_t n, cap, nunauth;
-  struct pollfd *pfds;
-  uint32_t pre_ms, max_pending;
-  int64_t paused_until;
-  ember__reject_log rejects;
+  uint32_t missing; /* higher ranks not connected yet */
   ember_log_fn log_fn;
   void *log_arg;
   uint64_t nrejected;
   char rejected[512]; /* the latest, for the timeout message */
 } mesh_accept;
+
+/* Any rejected connection, stranger or rank, is named in the message a mesh
+ * timeout will carry. */
+static void note_rejected(mesh_accept *m, const char *peer, const char *reason) {
+  m->nrejected++;
+  snprintf(m->rejected, sizeof m->rejected, "from %s was rejected: %s", peer, reason);
+}
+
+static void on_rejected(void *arg, const char *peer, int authed, const char *reason) {
+  note_rejected(arg, peer, reason);
+}
+
+/* Strangers, rate-limited, to the config's log. */
+static void on_log(void *arg, const char *line, uint64_t count) {
+  mesh_accept *m = arg;
+  m->log_fn(m->log_arg, line);
+}
 
 /* One non-blocking send of a small frame: a connection's first few dozen
  * bytes always fit its socket buffer, so anything short of all is a failure. */
@@ -163,34 +175,19 @@ static int send_small(int fd, const uint8_t *b, size_t len) {
   return w == (ssize_t)len ? EMBER_OK : EMBER_EIO;
 }
 
-/* Ends pending connection i: sends `reply` (a REFUSED) if given, closes it,
- * and reports it: a stranger rate-limited in the log, any peer in the
- * message a mesh timeout will carry. */
-static void mesh_reject(mesh_accept *m, size_t i, const char *reason, const uint8_t *reply,
-                        size_t reply_len) {
-  mesh_pending *q = &m->p[i];
-  char line[768];
-  if (reply != NULL && reply_len > 0) (void)send_small(q->fd, reply, reply_len);
-  ember_net_close(q->fd);
-  m->nrejected++;
-  snprintf(m->rejected, sizeof m->rejected, "from %s was rejected: %s", q->peer, reason);
-  if (!q->authed &&
-      ember__reject_note(&m->rejects, ember_now_ms(), q->peer, reason, line, sizeof line) > 0)
-    m->log_fn(m->log_arg, line);
-  if (!q->authed) m->nunauth--;
-  memmove(q, q + 1, (m->n - i - 1) * sizeof *q);
-  m->n--;
-}
-
-/* COLL_HELLO has arrived whole: checks it, answers with ours, and hands the
- * connection to its rank.  Returns 1 when the rank is now connected. */
-static int mesh_hello(mesh_accept *m, size_t i) {
-  mesh_pending *q = &m->p[i];
+/* An authenticated connection with its COLL_HELLO: checked, answered with
+ * ours, and given to its rank. */
+static void on_hello(void *arg, ember__accepted *a) {
+  mesh_accept *m = arg;
   ember_comm *c = m->c;
   char why[256];
-  uint32_t got = ember_wire_get_u32(q->buf + EMBER_WIRE_HEADER_LEN);
-  uint32_t size = ember_wire_get_u32(q->buf + EMBER_WIRE_HEADER_LEN + 4);
-  if (size != c->size) {
+  uint32_t got = a->first.length == 8 ? ember_wire_get_u32(a->payload) : 0;
+  uint32_t size = a->first.length == 8 ? ember_wire_get_u32(a->payload + 4) : 0;
+  free(a->payload);
+  if (a->first.length != 8) {
+    snprintf(why, sizeof why, "sent a COLL_HELLO of %u bytes (expected 8)",
+             (unsigned)a->first.length);
+  } else if (size != c->size) {
     snprintf(why, sizeof why, "rank %u has size %u, this rank has %u", (unsigned)got,
              (unsigned)size, (unsigned)c->size);
   } else if (got >= c->size) {
@@ -203,171 +200,26 @@ static int mesh_hello(mesh_accept *m, size_t i) {
     ember_wire_encode_header(f, EMBER_MSG_COLL_HELLO, 8);
     ember_wire_put_u32(f + EMBER_WIRE_HEADER_LEN, c->rank);
     ember_wire_put_u32(f + EMBER_WIRE_HEADER_LEN + 4, c->size);
-    if (send_small(q->fd, f, sizeof f) != EMBER_OK) {
-      snprintf(why, sizeof why, "sending COLL_HELLO failed: %s", strerror(errno));
-    } else {
-      tune_socket(q->fd);
-      c->peers[got].fd = q->fd;
-      memmove(q, q + 1, (m->n - i - 1) * sizeof *q);
-      m->n--;
-      return 1;
-    }
-  }
-  mesh_reject(m, i, why, NULL, 0);
-  return 0;
-}
-
-/* Reads what pending connection i has of its current frame and acts on a
- * whole one.  Returns 1 when a rank got connected. */
-static int mesh_read(mesh_accept *m, size_t i) {
-  mesh_pending *q = &m->p[i];
-  ember_frame_header h;
-  uint8_t reply[EMBER_WIRE_HEADER_LEN + 8 + 256];
-  size_t reply_len = 0, want;
-  char why[384];
-  const size_t frame = q->authed ? HELLO_FRAME_LEN : AUTH_FRAME_LEN;
-  want = q->have < EMBER_WIRE_HEADER_LEN ? EMBER_WIRE_HEADER_LEN : frame;
-  ssize_t n;
-  do {
-    n = recv(q->fd, q->buf + q->have, want - q->have, MSG_DONTWAIT);
-  } while (n < 0 && errno == EINTR);
-  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
-  if (n <= 0) {
-    snprintf(why, sizeof why, "%s%s", n == 0 ? "closed the connection" : strerror(errno),
-             q->authed ? " before COLL_HELLO" : " before authenticating");
-    mesh_reject(m, i, why, NULL, 0);
-    return 0;
-  }
-  q->have += (size_t)n;
-  if (q->have < EMBER_WIRE_HEADER_LEN) return 0;
-  if (ember_wire_decode_header(q->buf, EMBER_WIRE_HEADER_LEN,
-                               q->authed ? SET_UP_FRAME_MAX : EMBER_WIRE_ABSOLUTE_MAX,
-                               &h) != EMBER_OK) {
-    snprintf(why, sizeof why, "expected %s: %s", q->authed ? "COLL_HELLO" : "AUTH frame",
-             ember_last_error());
-    mesh_reject(m, i, why, NULL, 0);
-    return 0;
-  }
-  if (q->authed) {
-    if (h.type != EMBER_MSG_COLL_HELLO || h.length != 8) {
-      snprintf(why, sizeof why, "sent %s of %u bytes, expected COLL_HELLO",
-               ember_wire_type_name(h.type), (unsigned)h.length);
-      mesh_reject(m, i, why, NULL, 0);
-      return 0;
-    }
-    return q->have == HELLO_FRAME_LEN ? mesh_hello(m, i) : 0;
-  }
-  /* A wrong type or length is refused on the header alone, before any of
-   * the payload it claims is read. */
-  int well_formed = h.type == EMBER_MSG_AUTH && h.length == 2u * EMBER_NONCE_LEN;
-  if (well_formed && q->have < AUTH_FRAME_LEN) return 0;
-  int rc = ember_auth_server_check(&q->auth, m->secret, m->secret_len, h.type,
-                                   well_formed ? q->buf + EMBER_WIRE_HEADER_LEN : NULL,
-                                   h.length, reply, sizeof reply, &reply_len);
-  if (rc == EMBER_OK && send_small(q->fd, reply, reply_len) == EMBER_OK) {
-    q->authed = 1;
-    q->have = 0;
-    m->nunauth--;
-    return 0;
-  }
-  snprintf(why, sizeof why, "%s", rc == EMBER_OK ? "sending AUTH_OK failed"
-                                                 : ember_last_error());
-  mesh_reject(m, i, why, rc == EMBER_EAUTH ? reply : NULL, reply_len);
-  return 0;
-}
-
-/* Ends the oldest unauthenticated pending connection.  0 if there is none. */
-static int mesh_evict(mesh_accept *m, const char *why) {
-  for (size_t i = 0; i < m->n; i++) {
-    if (m->p[i].authed) continue;
-    char reason[192];
-    snprintf(reason, sizeof reason, "evicted before authenticating: %s", why);
-    mesh_reject(m, i, reason, NULL, 0);
-    return 1;
-  }
-  return 0;
-}
-
-static void mesh_accept_some(mesh_accept *m) {
-  for (int k = 0; k < MESH_ACCEPT_BATCH; k++) {
-    int fd = accept4(m->c->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) {
-      int err = errno;
-      if (err == EINTR || err == ECONNABORTED) continue;
-      if (err == EAGAIN || err == EWOULDBLOCK) return;
-      if ((err == EMFILE || err == ENFILE) &&
-          mesh_evict(m, "this rank is out of file descriptors"))
-        continue;
-      m->paused_until = ember_now_ms() + MESH_ACCEPT_PAUSE_MS;
+    if (send_small(a->fd, f, sizeof f) == EMBER_OK) {
+      c->peers[got].fd = a->fd;
+      m->missing--;
       return;
     }
-    if (m->nunauth >= m->max_pending) {
-      char why[96];
-      snprintf(why, sizeof why, "%zu connections were waiting to authenticate (limit %u)",
-               m->nunauth, (unsigned)m->max_pending);
-      mesh_evict(m, why);
-    }
-    if (m->n == m->cap) { /* authenticated ones fill the rest: unlikely */
-      ember_net_close(fd);
-      continue;
-    }
-    mesh_pending *q = &m->p[m->n];
-    size_t chl = 0;
-    memset(q, 0, sizeof *q);
-    q->fd = fd;
-    q->deadline = ember_now_ms() + m->pre_ms;
-    ember_net_peer_name(fd, q->peer, sizeof q->peer);
-    if (ember_auth_server_begin(&q->auth, q->buf, sizeof q->buf, &chl) != EMBER_OK ||
-        send_small(fd, q->buf, chl) != EMBER_OK) {
-      ember_net_close(fd);
-      continue;
-    }
-    m->n++;
-    m->nunauth++;
+    snprintf(why, sizeof why, "sending COLL_HELLO failed: %s", strerror(errno));
   }
+  ember_net_close(a->fd);
+  note_rejected(m, a->peer, why);
 }
 
-/* Accepts until every higher rank is connected or the deadline passes. */
-static int accept_higher(ember_comm *c, const ember_comm_config *cfg, int64_t deadline) {
-  uint32_t missing = c->size - 1 - c->rank;
-  mesh_accept m;
+/* Runs the acceptor until every higher rank is connected or the deadline
+ * passes. */
+static int accept_higher(mesh_accept *m, ember__acceptor *acc, int64_t deadline) {
+  ember_comm *c = m->c;
+  struct pollfd *pfds = NULL;
+  size_t cap = 0;
   int rc = EMBER_OK;
-  char line[768];
-  if (missing == 0) return EMBER_OK;
-  memset(&m, 0, sizeof m);
-  m.c = c;
-  m.secret = cfg->secret;
-  m.secret_len = cfg->secret_len;
-  m.pre_ms = ember__preauth_timeout_ms(cfg->preauth_timeout_ms);
-  m.max_pending = ember__preauth_max_pending(cfg->max_pending);
-  if (cfg->max_pending == 0 && m.max_pending < missing + 64u) /* a big world at once */
-    m.max_pending = ember__preauth_max_pending(missing + 64u);
-  m.log_fn = cfg->log_fn ? cfg->log_fn : ember__log_stderr;
-  m.log_arg = cfg->log_fn ? cfg->log_arg : NULL;
-  m.cap = (size_t)m.max_pending + missing;
-  m.p = calloc(m.cap, sizeof *m.p);
-  m.pfds = calloc(m.cap + 1, sizeof *m.pfds);
-  if (m.p == NULL || m.pfds == NULL) {
-    rc = ember__set_error(EMBER_ENOMEM, "comm: out of memory for %zu pending connections",
-                          m.cap);
-    goto out;
-  }
-  {
-    uint16_t port = 0;
-    ember_net_local_addr(c->listen_fd, NULL, 0, &port);
-    ember__reject_log_init(&m.rejects, "collective rank %u on :%u", (unsigned)c->rank,
-                           (unsigned)port);
-  }
-  while (missing > 0) {
+  while (m->missing > 0) {
     int64_t now = ember_now_ms();
-    for (size_t i = m.n; i-- > 0;)
-      if (now >= m.p[i].deadline) {
-        char why[96];
-        snprintf(why, sizeof why, "handshake not completed within %u ms (%s)",
-                 (unsigned)m.pre_ms, m.p[i].authed ? "no COLL_HELLO" : "no valid AUTH frame");
-        mesh_reject(&m, i, why, NULL, 0);
-      }
-    if (ember__reject_take(&m.rejects, now, line, sizeof line) > 0) m.log_fn(m.log_arg, line);
     if (now >= deadline) {
       char list[256] = "";
       size_t used = 0;
@@ -375,69 +227,63 @@ static int accept_higher(ember_comm *c, const ember_comm_config *cfg, int64_t de
         if (c->peers[j].fd < 0)
           used += (size_t)snprintf(list + used, sizeof list - used, "%s%u", used ? ", " : "", j);
       char extra[700] = "";
-      if (m.nrejected == 1)
-        snprintf(extra, sizeof extra, "; a connection %s", m.rejected);
-      else if (m.nrejected > 1)
+      if (m->nrejected == 1)
+        snprintf(extra, sizeof extra, "; a connection %s", m->rejected);
+      else if (m->nrejected > 1)
         snprintf(extra, sizeof extra, "; %llu connections were rejected (the last one %s)",
-                 (unsigned long long)m.nrejected, m.rejected);
+                 (unsigned long long)m->nrejected, m->rejected);
       rc = ember__set_error(EMBER_ETIMEDOUT, "comm: rank %u timed out waiting for rank(s) "
                             "%s to connect%s", c->rank, list, extra);
-      goto out;
+      break;
     }
-    int64_t wake = deadline;
-    if (m.n > 0 && m.p[0].deadline < wake) wake = m.p[0].deadline; /* the oldest's is first */
-    if (ember__reject_due(&m.rejects) < wake) wake = ember__reject_due(&m.rejects);
-    int paused = now < m.paused_until;
-    if (paused && m.paused_until < wake) wake = m.paused_until;
-    m.pfds[0] = (struct pollfd){.fd = paused ? -1 : c->listen_fd, .events = POLLIN};
-    for (size_t i = 0; i < m.n; i++)
-      m.pfds[1 + i] = (struct pollfd){.fd = m.p[i].fd, .events = POLLIN};
+    size_t n = ember__acceptor_npoll(acc);
+    if (n > cap) {
+      struct pollfd *np = realloc(pfds, n * sizeof *np);
+      if (np == NULL) {
+        rc = ember__set_error(EMBER_ENOMEM, "comm: out of memory for %zu connections", n);
+        break;
+      }
+      pfds = np;
+      cap = n;
+    }
+    ember__acceptor_poll_fill(acc, pfds);
+    int64_t wake = ember__acceptor_due(acc);
+    if (wake > deadline) wake = deadline;
     int64_t left = wake - now;
-    int pr = poll(m.pfds, (nfds_t)(m.n + 1),
-                  left <= 0 ? 0 : left > COLL_POLL_SLICE_MS * 10 ? COLL_POLL_SLICE_MS * 10 : (int)left);
+    int pr = poll(pfds, (nfds_t)n,
+                  left <= 0 ? 0 : left > COLL_POLL_SLICE_MS * 10 ? COLL_POLL_SLICE_MS * 10
+                                                                 : (int)left);
     if (pr < 0 && errno != EINTR) {
       rc = ember__set_errno(EMBER_ESYS, errno, "comm: poll while accepting ranks");
-      goto out;
+      break;
     }
-    if (pr <= 0) continue;
-    /* Pending connections first (backwards: a removal only moves entries
-     * already visited), then new ones. */
-    for (size_t i = m.n; i-- > 0;)
-      if (m.pfds[1 + i].revents != 0 && mesh_read(&m, i)) missing--;
-    if (m.pfds[0].revents & POLLIN) mesh_accept_some(&m);
+    ember__acceptor_run(acc, pfds);
   }
-out:
-  for (size_t i = 0; i < m.n; i++) ember_net_close(m.p[i].fd);
-  if (m.log_fn != NULL && ember__reject_flush(&m.rejects, ember_now_ms(), line, sizeof line) > 0)
-    m.log_fn(m.log_arg, line);
-  free(m.p);
-  free(m.pfds);
+  free(pfds);
   return rc;
 }
 
-/* Connects to every lower rank and accepts every higher one.  Waits only go
- * to lower ranks, and rank 0 only accepts, so there is no cycle. */
-int ember__coll_build_mesh(ember_comm *c, const ember_comm_config *cfg, int64_t deadline) {
-  int rc;
-  for (uint32_t j = 0; j < c->rank; j++) {
-    ember__coll_peer *p = &c->peers[j];
-    uint32_t got = 0;
-    /* Retries a connection the peer evicted from its pending pool (a flood
-     * of strangers there); a refusal of our proof is final. */
-    rc = ember__connect_auth(p->host, p->port, cfg->secret, cfg->secret_len, deadline,
-                             &p->fd);
-    if (rc != EMBER_OK)
-      return ember__set_error(rc, "comm: connecting to %s: %s", p->desc, ember_last_error());
-    rc = send_hello(p->fd, c, deadline);
-    if (rc == EMBER_OK) rc = recv_hello(p->fd, c, p->desc, &got, deadline);
-    if (rc == EMBER_OK && got != j)
-      rc = ember__set_error(EMBER_EPROTO, "comm: the address of rank %u (%s:%u) is served "
-                            "by rank %u", j, p->host, (unsigned)p->port, (unsigned)got);
-    if (rc != EMBER_OK)
-      return ember__set_error(rc, "comm: with %s: %s", p->desc, ember_last_error());
-    tune_socket(p->fd);
-  }
-  return accept_higher(c, cfg, deadline);
+int ember__coll_build_mesh(ember_comm *c, const ember_comm_config *cfg, int listen_fd,
+                           int64_t deadline) {
+  mesh_accept m = {.c = c, .missing = c->size - 1 - c->rank,
+                   .log_fn = cfg->log_fn ? cfg->log_fn : ember__log_stderr,
+                   .log_arg = cfg->log_fn ? cfg->log_arg : NULL};
+  char name[48];
+  snprintf(name, sizeof name, "collective rank %u", (unsigned)c->rank);
+  /* Listening before connecting anywhere: higher ranks may connect first. */
+  ember__acceptor_config acfg = {
+      .listen_fd = listen_fd, .bind_host = cfg->bind_host, .port = c->peers[c->rank].port,
+      .expected = m.missing, .secret = cfg->secret, .secret_len = cfg->secret_len,
+      .preauth_timeout_ms = cfg->preauth_timeout_ms, .max_pending = cfg->max_pending,
+      .first_type = EMBER_MSG_COLL_HELLO, .first_max = SET_UP_FRAME_MAX, .name = name,
+      .arg = &m, .ready = on_hello, .rejected = on_rejected, .log = on_log};
+  ember__acceptor *acc = NULL;
+  int rc = ember__acceptor_create(&acc, &acfg);
+  if (rc != EMBER_OK) return rc;
+  rc = connect_lower(c, cfg, deadline);
+  if (rc == EMBER_OK) rc = accept_higher(&m, acc, deadline);
+  ember__acceptor_destroy(acc); /* the mesh is complete: no one else may join */
+  return rc;
 }
 
 /* The ring from `from` to this rank: the ring algorithms stream through the

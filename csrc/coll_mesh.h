@@ -33,9 +33,12 @@
 int ember__coll_parse_address(const char *s, uint32_t idx, char *host, size_t cap,
                               uint16_t *port);
 
-/* Connects every lower rank and accepts every higher one on c->listen_fd
- * (listening); fills c->peers[j].fd. */
-int ember__coll_build_mesh(ember_comm *c, const ember_comm_config *cfg, int64_t deadline);
+/* Listens on this rank's port (listen_fd >= 0: that bound socket, taken over
+ * even on failure; else binds cfg->bind_host and the port of
+ * cfg->addresses[rank]), connects every lower rank, accepts every higher one
+ * and stops listening; fills c->peers[j].fd. */
+int ember__coll_build_mesh(ember_comm *c, const ember_comm_config *cfg, int listen_fd,
+                           int64_t deadline);
 
 /* Offers and takes shared memory with every peer (none with
  * EMBER_COMM_TCP_ONLY in flags); sets c->peers[j].shm where both sides can. */

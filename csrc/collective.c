@@ -20,7 +20,6 @@
 #include "ember/auth.h"
 #include "ember/error.h"
 #include "ember/net.h"
-#include "preauth.h"
 
 #ifndef TCP_TMP_CAP
 #define TCP_TMP_CAP (256u * 1024u) /* receive-then-reduce staging for TCP */
@@ -32,10 +31,6 @@
  * and a wake-up (2 ranks between two simulated hosts, 1 MiB: 5 context
  * switches a call, where Open MPI, which polls and yields, has none). */
 #define TCP_YIELD_US 1000
-/* Strangers' connections queued before the communicator existed must not fill
- * the accept queue: the kernel would drop the real ranks' SYNs for seconds.
- * (The kernel caps it at net.core.somaxconn.) */
-#define MESH_BACKLOG 4096
 
 static int check_comm(const ember_comm *c, const char *what) {
   if (c == NULL) return ember__set_error(EMBER_EINVAL, "%s: communicator is NULL", what);
@@ -169,7 +164,6 @@ void ember_comm_destroy(ember_comm *c) {
     }
   }
   if (c->inbox != NULL) munmap(c->inbox, COLL_INBOX_LEN);
-  ember_net_close(c->listen_fd);
   free(c->peers);
   free(c->tmp);
   free(c);
@@ -211,7 +205,6 @@ int ember_comm_create(ember_comm **out, const ember_comm_config *cfg, int64_t ti
   }
   c->rank = cfg->rank;
   c->size = cfg->size;
-  c->listen_fd = -1;
   c->small_max = cfg->small_max ? cfg->small_max : SMALL_MAX_DEFAULT;
   c->peers = calloc(c->size, sizeof *c->peers);
   c->tmp_cap = c->small_max > TCP_TMP_CAP ? c->small_max : TCP_TMP_CAP;
@@ -263,24 +256,13 @@ int ember_comm_create(ember_comm **out, const ember_comm_config *cfg, int64_t ti
         c->own_hosts = 0;
         break;
       }
-  ember__raise_fd_limit();
 
   if (c->size > 1) {
-    if (listen_fd >= 0) {
-      c->listen_fd = listen_fd;
-      listen_fd = -1;
-      rc = ember_net_listen_fd(c->listen_fd, MESH_BACKLOG);
-    } else {
-      rc = ember_net_bind(cfg->bind_host, c->peers[c->rank].port, MESH_BACKLOG, 0,
-                          &c->listen_fd, NULL);
-    }
-    if (rc != EMBER_OK) goto fail;
-    rc = ember__coll_build_mesh(c, cfg, deadline);
+    rc = ember__coll_build_mesh(c, cfg, listen_fd, deadline);
+    listen_fd = -1; /* taken over */
     if (rc != EMBER_OK) goto fail;
     rc = ember__coll_setup_shm(c, cfg->flags, deadline);
     if (rc != EMBER_OK) goto fail;
-    ember_net_close(c->listen_fd); /* the mesh is complete: no one else may join */
-    c->listen_fd = -1;
   }
   ember_net_close(listen_fd);
   *out = c;

@@ -17,10 +17,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "acceptor.h"
 #include "ember/error.h"
 #include "ember/net.h"
 #include "ember/wire.h"
-#include "preauth.h"
 #include "rendezvous_codec.h"
 #include "rendezvous_internal.h"
 
