@@ -252,12 +252,22 @@ static int pend_flush(ember__acceptor *a, pending *p) {
   return 0;
 }
 
+/* The first out_len bytes of p->out are a REFUSED: p lingers to deliver it. */
+static void pend_linger(ember__acceptor *a, pending *p, size_t out_len) {
+  p->out_len = out_len;
+  p->out_off = 0;
+  p->state = P_LINGER;
+  p->deadline = ember_now_ms() + LINGER_MS;
+  (void)pend_flush(a, p);
+}
+
 /* Ends p's handshake with a REFUSED(status, reason) when `answer`, else with
  * a close.  Reported as rejected either way. */
 static void pend_refuse(ember__acceptor *a, pending *p, int answer, int status,
                         const char *reason) {
   report(a, p, p->state == P_FIRST, reason);
-  if (!answer) {
+  /* A peer that has not even read what we sent before cannot be told. */
+  if (!answer || p->out_len > 0) {
     pend_close(a, p);
     return;
   }
@@ -267,11 +277,7 @@ static void pend_refuse(ember__acceptor *a, pending *p, int answer, int status,
   ember_wire_put_u32(p->out + EMBER_WIRE_HEADER_LEN, (uint32_t)(int32_t)status);
   ember_wire_put_u32(p->out + EMBER_WIRE_HEADER_LEN + 4, (uint32_t)rlen);
   memcpy(p->out + EMBER_WIRE_HEADER_LEN + 8, reason, rlen);
-  p->out_len = EMBER_WIRE_HEADER_LEN + 8 + rlen;
-  p->out_off = 0;
-  p->state = P_LINGER;
-  p->deadline = ember_now_ms() + LINGER_MS;
-  (void)pend_flush(a, p);
+  pend_linger(a, p, EMBER_WIRE_HEADER_LEN + 8 + rlen);
 }
 
 /* The authenticated peer's first frame failed (bad, late or not of the
@@ -308,15 +314,10 @@ static void on_auth(ember__acceptor *a, pending *p) {
   char reason[REASON_MAX];
   snprintf(reason, sizeof reason, "%s", ember_last_error());
   report(a, p, 0, reason);
-  if (reply_len == 0) { /* no REFUSED to deliver (out of memory, ...) */
+  if (reply_len == 0) /* no REFUSED to deliver (out of memory, ...) */
     pend_close(a, p);
-    return;
-  }
-  p->out_len = reply_len; /* the REFUSED ember_auth_server_check wrote */
-  p->out_off = 0;
-  p->state = P_LINGER;
-  p->deadline = ember_now_ms() + LINGER_MS;
-  (void)pend_flush(a, p);
+  else
+    pend_linger(a, p, reply_len); /* the REFUSED ember_auth_server_check wrote */
 }
 
 /* A frame header is in: checked before anything is read (or allocated) for

@@ -307,7 +307,8 @@ static int send_shm_offer(int fd, const char *name, const uint8_t *token,
   ember_wire_write_str(&w, name);
   ember_wire_write_raw(&w, token, 32);
   ember_wire_write_raw(&w, desc, sizeof desc);
-  int rc = w.err ? w.err : ember_net_send_frame(fd, EMBER_MSG_COLL_SHM, w.buf, (uint32_t)w.len, deadline);
+  int rc = w.err ? w.err
+                 : ember_net_send_frame(fd, EMBER_MSG_COLL_SHM, w.buf, (uint32_t)w.len, deadline);
   ember_wire_writer_free(&w);
   return rc;
 }
@@ -397,6 +398,17 @@ static int create_shm(ember_comm *c, char name[SHM_NAME_CAP], uint8_t token[32])
   return EMBER_OK;
 }
 
+/* Receives peer j's next set-up frame, which must be of type `type`; *pl
+ * (malloc'd, NULL when empty) is the caller's to free. */
+static int recv_setup(ember_comm *c, uint32_t j, uint16_t type, ember_frame_header *hdr,
+                      uint8_t **pl, int64_t deadline) {
+  int rc = ember_net_recv_frame(c->peers[j].fd, SET_UP_FRAME_MAX, hdr, pl, deadline);
+  if (rc == EMBER_OK && hdr->type != type)
+    rc = ember__set_error(EMBER_EPROTO, "comm: %s sent %s, expected %s", c->peers[j].desc,
+                          ember_wire_type_name(hdr->type), ember_wire_type_name(type));
+  return rc;
+}
+
 int ember__coll_setup_shm(ember_comm *c, uint32_t flags, int64_t deadline) {
   char name[SHM_NAME_CAP] = "";
   uint8_t token[32] = {0};
@@ -413,14 +425,8 @@ int ember__coll_setup_shm(ember_comm *c, uint32_t flags, int64_t deadline) {
     if (j == c->rank) continue;
     ember_frame_header hdr;
     uint8_t *pl = NULL;
-    rc = ember_net_recv_frame(c->peers[j].fd, SET_UP_FRAME_MAX, &hdr, &pl, deadline);
-    if (rc != EMBER_OK) break;
-    if (hdr.type != EMBER_MSG_COLL_SHM)
-      rc = ember__set_error(EMBER_EPROTO, "comm: %s sent %s, expected COLL_SHM",
-                            c->peers[j].desc, ember_wire_type_name(hdr.type));
-    else if (flags & EMBER_COMM_TCP_ONLY)
-      ok[j] = 0;
-    else {
+    rc = recv_setup(c, j, EMBER_MSG_COLL_SHM, &hdr, &pl, deadline);
+    if (rc == EMBER_OK && !(flags & EMBER_COMM_TCP_ONLY)) {
       int m = map_peer_inbox(c, &c->peers[j], pl, hdr.length);
       if (m < 0) rc = m;
       ok[j] = m > 0;
@@ -437,12 +443,11 @@ int ember__coll_setup_shm(ember_comm *c, uint32_t flags, int64_t deadline) {
     if (j == c->rank) continue;
     ember_frame_header hdr;
     uint8_t *pl = NULL;
-    rc = ember_net_recv_frame(c->peers[j].fd, SET_UP_FRAME_MAX, &hdr, &pl, deadline);
-    if (rc != EMBER_OK) break;
-    if (hdr.type != EMBER_MSG_COLL_SHM_ACK || hdr.length != 4)
-      rc = ember__set_error(EMBER_EPROTO, "comm: %s sent %s, expected COLL_SHM_ACK",
-                            c->peers[j].desc, ember_wire_type_name(hdr.type));
-    else
+    rc = recv_setup(c, j, EMBER_MSG_COLL_SHM_ACK, &hdr, &pl, deadline);
+    if (rc == EMBER_OK && hdr.length != 4)
+      rc = ember__set_error(EMBER_EPROTO, "comm: %s sent a COLL_SHM_ACK of %u bytes (expected 4)",
+                            c->peers[j].desc, (unsigned)hdr.length);
+    if (rc == EMBER_OK)
       c->peers[j].shm = ok[j] && ember_wire_get_u32(pl) == 1 && c->inbox != NULL;
     free(pl);
   }

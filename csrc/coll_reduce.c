@@ -68,61 +68,37 @@ ember__reduce_fn ember__coll_kernel(int dtype, int op) {
   }
 }
 
-/* avg: divides n bytes of elements by the number of ranks (integers truncate
+/* d[i] = d[i] / k over n bytes, as DEF_KERNEL loops (integers truncate
  * toward zero, as C division does). */
+#define DEF_SCALE(NAME, T, VT)                               \
+  static void NAME(uint8_t *d, size_t n, T k) {              \
+    size_t i = 0;                                            \
+    for (; i + 16 <= n; i += 16) {                           \
+      VT a;                                                  \
+      memcpy(&a, d + i, 16);                                 \
+      a = a / k;                                             \
+      memcpy(d + i, &a, 16);                                 \
+    }                                                        \
+    for (; i + sizeof(T) <= n; i += sizeof(T)) {             \
+      T x;                                                   \
+      memcpy(&x, d + i, sizeof x);                           \
+      x = x / k;                                             \
+      memcpy(d + i, &x, sizeof x);                           \
+    }                                                        \
+  }
+
+DEF_SCALE(scale_f32, float, v4f)
+DEF_SCALE(scale_f64, double, v2d)
+DEF_SCALE(scale_i32, int32_t, v4i)
+DEF_SCALE(scale_i64, int64_t, v2l)
+
 void ember__coll_scale_avg(uint8_t *d, size_t n, int dtype, uint32_t ranks) {
-  size_t i = 0;
   switch (dtype) {
-  case EMBER_DT_F32: {
-    float k = (float)ranks;
-    for (; i + 16 <= n; i += 16) {
-      v4f a;
-      memcpy(&a, d + i, 16);
-      a = a / k;
-      memcpy(d + i, &a, 16);
-    }
-    for (; i + 4 <= n; i += 4) {
-      float x;
-      memcpy(&x, d + i, 4);
-      x /= k;
-      memcpy(d + i, &x, 4);
-    }
-    break;
-  }
-  case EMBER_DT_F64: {
-    double k = (double)ranks;
-    for (; i + 16 <= n; i += 16) {
-      v2d a;
-      memcpy(&a, d + i, 16);
-      a = a / k;
-      memcpy(d + i, &a, 16);
-    }
-    for (; i + 8 <= n; i += 8) {
-      double x;
-      memcpy(&x, d + i, 8);
-      x /= k;
-      memcpy(d + i, &x, 8);
-    }
-    break;
-  }
-  case EMBER_DT_I32:
-    for (; i + 4 <= n; i += 4) {
-      int32_t x;
-      memcpy(&x, d + i, 4);
-      x = (int32_t)((int64_t)x / (int64_t)ranks);
-      memcpy(d + i, &x, 4);
-    }
-    break;
-  case EMBER_DT_I64:
-    for (; i + 8 <= n; i += 8) {
-      int64_t x;
-      memcpy(&x, d + i, 8);
-      x = x / (int64_t)ranks;
-      memcpy(d + i, &x, 8);
-    }
-    break;
-  default:
-    break;
+  case EMBER_DT_F32: scale_f32(d, n, (float)ranks); break;
+  case EMBER_DT_F64: scale_f64(d, n, (double)ranks); break;
+  case EMBER_DT_I32: scale_i32(d, n, (int32_t)ranks); break;
+  case EMBER_DT_I64: scale_i64(d, n, (int64_t)ranks); break;
+  default: break;
   }
 }
 
