@@ -16,7 +16,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -71,7 +70,7 @@ typedef struct {
 } reject_log;
 
 struct ember__acceptor {
-  ember__acceptor_config cfg; /* secret and name point at our copies */
+  ember__acceptor_config cfg; /* its secret and name are NULL: ours follow */
   uint8_t *secret;
   char name[96];          /* "feed server on :41234" */
   int listen_fd;

@@ -841,21 +841,27 @@ static PyObject *FeedClient_recv_results(PyObject *op, PyObject *arg) {
   return res;
 }
 
+/* end_partition / end_feed share this shape: fn(client, timeout). */
+static PyObject *client_timed_call(PyObject *op, PyObject *arg,
+                                   int (*fn)(ember_feed_client *, int64_t)) {
+  FeedClientObject *self = (FeedClientObject *)op;
+  int64_t ms;
+  if (!embpy_timeout_conv(arg, &ms))
+    return NULL;
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), fn(self->h.ptr, ms));
+  if (ok < 0)
+    return NULL;
+  Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(FeedClient_end_partition_doc,
              "end_partition(timeout_s) -> None\n\n"
              "Sends END_PARTITION and waits until the trainer has consumed every\n"
              "batch.  Raises EmberAborted if the trainer terminated the feed.");
 
 static PyObject *FeedClient_end_partition(PyObject *op, PyObject *arg) {
-  FeedClientObject *self = (FeedClientObject *)op;
-  int64_t ms;
-  if (!embpy_timeout_conv(arg, &ms))
-    return NULL;
-  int ok;
-  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), ember_feed_client_end_partition(self->h.ptr, ms));
-  if (ok < 0)
-    return NULL;
-  Py_RETURN_NONE;
+  return client_timed_call(op, arg, ember_feed_client_end_partition);
 }
 
 PyDoc_STRVAR(FeedClient_end_feed_doc,
@@ -864,15 +870,7 @@ PyDoc_STRVAR(FeedClient_end_feed_doc,
              "item after everything already queued.");
 
 static PyObject *FeedClient_end_feed(PyObject *op, PyObject *arg) {
-  FeedClientObject *self = (FeedClientObject *)op;
-  int64_t ms;
-  if (!embpy_timeout_conv(arg, &ms))
-    return NULL;
-  int ok;
-  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), ember_feed_client_end_feed(self->h.ptr, ms));
-  if (ok < 0)
-    return NULL;
-  Py_RETURN_NONE;
+  return client_timed_call(op, arg, ember_feed_client_end_feed);
 }
 
 PyDoc_STRVAR(FeedClient_fail_doc,
