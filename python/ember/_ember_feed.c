@@ -859,16 +859,14 @@ PyDoc_STRVAR(FeedClient_end_partition_doc,
              "end_partition(timeout_s) -> None\n\n"
              "Sends END_PARTITION and waits until the trainer has consumed every\n"
              "batch.  Raises EmberAborted if the trainer terminated the feed.");
-
-static PyObject *FeedClient_end_partition(PyObject *op, PyObject *arg) {
-  return client_timed_call(op, arg, ember_feed_client_end_partition);
-}
-
 PyDoc_STRVAR(FeedClient_end_feed_doc,
              "end_feed(timeout_s) -> None\n\n"
              "Sends END_FEED (driver only): the trainer's next() yields an 'end'\n"
              "item after everything already queued.");
 
+static PyObject *FeedClient_end_partition(PyObject *op, PyObject *arg) {
+  return client_timed_call(op, arg, ember_feed_client_end_partition);
+}
 static PyObject *FeedClient_end_feed(PyObject *op, PyObject *arg) {
   return client_timed_call(op, arg, ember_feed_client_end_feed);
 }
