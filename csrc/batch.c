@@ -13,7 +13,6 @@
 #include "ember/wire.h"
 #include "feed_internal.h"
 
-#include "preauth.h"
 
 /* Decoded batches point straight into the received buffer (no copy), so
  * fixed-width columns and BYTES offsets are used in host byte order.  The wire

@@ -20,13 +20,13 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "acceptor.h"
 #include "ember/auth.h"
 #include "ember/error.h"
 #include "ember/net.h"
 #include "ember/shm_ring.h"
 #include "ember/wire.h"
 #include "feed_internal.h"
-#include "preauth.h"
 
 /* RESULTS frames the client accepts; results are trainer output, usually far
  * smaller than input, but bounded all the same. */

@@ -1,7 +1,9 @@
-/* feed_server.c - the feed server: a poll() loop over the listen socket, an
- * eventfd for wake-ups and every producer connection; the consumer pops
- * items from a byte-bounded queue under one mutex (protocol: ember/feed.h).
- * The codec is batch.c, the client feed_client.c.
+/* feed_server.c - the feed server: a poll() loop over an eventfd for
+ * wake-ups, the acceptor's descriptors (acceptor.h: the listener and every
+ * connection that has not yet authenticated and sent FEED_HELLO) and every
+ * producer connection; the consumer pops items from a byte-bounded queue
+ * under one mutex (protocol: ember/feed.h).  The codec is batch.c, the
+ * client feed_client.c.
  *
  * Contract details beyond feed.h:
  *   - a negative timeout_ms means "no limit" (every call still takes one);
@@ -29,15 +31,16 @@
  * the connection list and each connection's out-queue and shared flags.  Only
  * the loop thread changes a connection's state, reads its socket, closes or
  * frees it; other threads set abort_req and wake the loop instead.  The loop
- * drops the lock around poll() and recv() only (recv writes into buffers that
- * belong to the loop), and writes with non-blocking sendmsg() under the lock,
- * because a queued RESULTS frame points at the consumer's buffer, which is
- * only guaranteed alive while that consumer waits under the same lock.
+ * drops the lock around poll() and a producer's recv() only (recv writes into
+ * buffers that belong to the loop), and writes with non-blocking sendmsg()
+ * under the lock, because a queued RESULTS frame points at the consumer's
+ * buffer, which is only guaranteed alive while that consumer waits under the
+ * same lock.  The acceptor runs under the lock too (its reads are a few
+ * dozen bytes), so its callbacks may touch the server's state.
  */
 #include "ember/feed.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
 #include <pthread.h>
@@ -51,13 +54,13 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "acceptor.h"
 #include "ember/auth.h"
 #include "ember/error.h"
 #include "ember/net.h"
 #include "ember/shm_ring.h"
 #include "ember/wire.h"
 #include "feed_internal.h"
-#include "preauth.h"
 
 #define FEED_STAGE_LEN 65536u
 /* A body read with at least this much left goes straight into the batch
@@ -66,23 +69,18 @@
 /* Bytes read from one connection per loop turn, so one fast producer cannot
  * starve the others (poll is level-triggered: the rest is read next turn). */
 #define FEED_READ_BUDGET (4u * 1024u * 1024u)
-/* Authenticated producers at once.  Unauthenticated connections have a pool
- * of their own (max_pending, see preauth.h), so strangers cannot use these up. */
+/* Producers at once.  Connections still in the handshake are the acceptor's,
+ * with a pool of their own (max_pending), so strangers cannot use these up. */
 #define FEED_MAX_CONNS 1024u
-/* Accepts per loop turn: between batches the loop reads pending peers' AUTH,
- * so a burst of strangers cannot evict a real producer before it answered. */
-#define FEED_ACCEPT_BATCH 64
-/* Accepting pauses this long when the process is out of descriptors and no
- * stranger's connection can be given up (poll would report the listener
- * readable forever). */
-#define FEED_ACCEPT_PAUSE_MS 100
 /* After a REFUSED, keep reading (and discarding) this long before closing,
  * so the peer reads our reason instead of a connection reset. */
 #define FEED_LINGER_MS 2000
 /* Shared-memory producers at once (one reader thread each); more get TCP. */
 #define FEED_MAX_RINGS 64u
 
-enum { C_AUTH, C_HELLO, C_STREAM, C_ENDING, C_DONE, C_LINGER, C_DEAD };
+/* A connection comes from the acceptor with its FEED_HELLO (C_HELLO only
+ * while that is looked at). */
+enum { C_HELLO, C_STREAM, C_ENDING, C_DONE, C_LINGER, C_DEAD };
 enum { RX_HDR, RX_BODY };
 
 /* One frame waiting to be written.  Frames the loop makes (challenge, ACK,
@@ -107,9 +105,8 @@ typedef struct feed_conn {
   uint64_t id;
   int fd;
   int state;
-  char peer[64];
-  int64_t deadline; /* handshake / flush / linger deadline; 0 = none */
-  ember_auth_pending auth;
+  char peer[96];
+  int64_t deadline; /* flush / linger deadline; 0 = none */
   /* receive state: loop thread only */
   int rx;
   uint8_t hdr[EMBER_WIRE_HEADER_LEN];
@@ -130,8 +127,6 @@ typedef struct feed_conn {
   uint64_t end_count;
   size_t outstanding; /* queued items not yet popped */
   int shm_asked;      /* FEED_SHM seen (once per connection) */
-  int authed;         /* proved the secret: counted in nauthed, never evicted */
-  ember__pool_link pool; /* in s->pool while unauthenticated (preauth.h) */
   int tcp_batch_seen; /* a BATCH came over TCP: too late for a ring */
   /* under s->mu, shared with other threads */
   out_req *outq, *outq_tail;
@@ -163,15 +158,11 @@ struct ember_feed_server {
   pthread_cond_t space_cond; /* ring readers: queue space, terminate, or stop */
   pthread_t thread;
   int thread_started;
-  int listen_fd, wake_fd;
+  int wake_fd;
   uint16_t port;
-  uint8_t *secret;
-  size_t secret_len;
   size_t queue_limit;
   uint32_t max_frame;
   int64_t io_ms;
-  int64_t pre_ms;         /* from accept to AUTH + FEED_HELLO */
-  uint32_t max_pending;   /* unauthenticated connections kept at once */
   ember_log_fn log_fn;
   void *log_arg;
   int shm_enabled;
@@ -195,12 +186,10 @@ struct ember_feed_server {
   size_t nparts, parts_cap;
   ember_feed_stats stats;
   size_t nrings;
-  ember__pool pool; /* unauthenticated connections, oldest first */
-  size_t nauthed;
-  int64_t accept_paused_until;
-  ember__reject_log rejects;
+  size_t nproducers; /* connections not C_DEAD, at most FEED_MAX_CONNS */
 
   /* loop thread only */
+  ember__acceptor *acc;
   struct pollfd *pfds;
   feed_conn **pconns;
   size_t pcap;
@@ -344,14 +333,6 @@ static int queue_status_frame(feed_conn *c, uint16_t type, int status, const cha
   return queue_owned_frame(c, buf, EMBER_WIRE_HEADER_LEN + 8 + rlen);
 }
 
-/* Counts a stranger's rejected connection; the log gets a line at most once
- * per interval.  Under s->mu (the callback must not call the server). */
-static void note_rejected(ember_feed_server *s, const feed_conn *c, const char *reason) {
-  char line[768];
-  if (ember__reject_note(&s->rejects, ember_now_ms(), c->peer, reason, line, sizeof line) > 0)
-    s->log_fn(s->log_arg, line);
-}
-
 /* Writes as much of c's out-queue as the socket takes, without blocking.
  * Returns EMBER_OK (maybe with frames left) or an error (caller kills c). */
 static int conn_flush(ember_feed_server *s, feed_conn *c) {
@@ -401,11 +382,7 @@ static void conn_kill(ember_feed_server *s, feed_conn *c) {
   out_req *r = c->outq, *nx;
   if (c->state == C_DEAD) return;
   c->state = C_DEAD;
-  ember__pool_unlink(&s->pool, &c->pool);
-  if (c->authed) {
-    c->authed = 0;
-    s->nauthed--;
-  }
+  s->nproducers--;
   for (; r; r = nx) {
     nx = r->next;
     if (r->owned) {
@@ -432,7 +409,6 @@ static void conn_kill(ember_feed_server *s, feed_conn *c) {
  * closes it once the reason is flushed and read (lingering close). */
 static void conn_refuse(ember_feed_server *s, feed_conn *c, int code, const char *reason) {
   s->stats.producers_rejected++;
-  if (!c->authed) note_rejected(s, c, reason);
   if (queue_status_frame(c, EMBER_MSG_REFUSED, code, reason) != EMBER_OK) {
     conn_kill(s, c);
     return;
@@ -441,9 +417,7 @@ static void conn_refuse(ember_feed_server *s, feed_conn *c, int code, const char
   c->body = NULL;
   c->state = C_LINGER;
   c->shut_after_flush = 1;
-  /* A stranger that does not read its REFUSED keeps its place no longer
-   * than it could have kept it silently (it stays in the pool). */
-  c->deadline = ember_now_ms() + (c->authed ? s->io_ms : s->pre_ms);
+  c->deadline = ember_now_ms() + s->io_ms;
   if (c->ring) {
     /* The producer's ring wait fails at once; it then reads our reason. */
     ember_shm_ring_close(c->ring);
@@ -474,7 +448,7 @@ static int conn_wants_read(const ember_feed_server *s, const feed_conn *c) {
        * ring; its small FEED_SHM frame is read (frame by frame, see
        * conn_read_limit), a BATCH header stops the reading. */
       return conn_probing(s, c);
-    default: return 1; /* handshake frames are small; EOF must be seen */
+    default: return 1; /* EOF must be seen */
   }
 }
 
@@ -484,41 +458,6 @@ static void queue_push(ember_feed_server *s, qnode *n) {
   else s->qhead = n;
   s->qtail = n;
   pthread_cond_signal(&s->item_cond);
-}
-
-static void handle_auth_frame(ember_feed_server *s, feed_conn *c) {
-  uint8_t reply[EMBER_WIRE_HEADER_LEN + 8 + FEED_REASON_MAX];
-  size_t rlen = 0;
-  int rc = ember_auth_server_check(&c->auth, s->secret, s->secret_len, c->fh.type, c->body,
-                                   c->fh.length, reply, sizeof reply, &rlen);
-  if (rlen > 0 && queue_owned_frame(c, reply, rlen) != EMBER_OK) {
-    conn_kill(s, c);
-    return;
-  }
-  if (rc == EMBER_OK) {
-    /* Authenticated: out of the pool, never evicted.  The pre-auth deadline
-     * still covers FEED_HELLO, which a producer sends at once. */
-    ember__pool_unlink(&s->pool, &c->pool);
-    c->authed = 1;
-    s->nauthed++;
-    c->state = C_HELLO;
-    if (s->nauthed > FEED_MAX_CONNS) {
-      char why[128];
-      snprintf(why, sizeof why, "feed: %u producers are connected already (the limit)",
-               FEED_MAX_CONNS);
-      conn_refuse(s, c, EMBER_ESTATE, why);
-    }
-    return;
-  }
-  s->stats.producers_rejected++;
-  note_rejected(s, c, ember_last_error());
-  if (rlen == 0) {
-    conn_kill(s, c);
-    return;
-  }
-  c->state = C_LINGER;
-  c->shut_after_flush = 1;
-  c->deadline = ember_now_ms() + s->pre_ms; /* still in the pool: evictable */
 }
 
 /* "partition 3", or "partition 3 of call 17" for a named call. */
@@ -906,8 +845,6 @@ static void conn_frame(ember_feed_server *s, feed_conn *c) {
   c->hdr_have = 0;
   c->body_have = 0;
   switch (c->state) {
-    case C_AUTH: handle_auth_frame(s, c); break;
-    case C_HELLO: handle_hello(s, c); break;
     case C_STREAM:
       switch (c->fh.type) {
         case EMBER_MSG_BATCH: handle_batch(s, c); break;
@@ -953,11 +890,7 @@ static void conn_frame(ember_feed_server *s, feed_conn *c) {
  * before allocating anything for the payload. */
 static void conn_header(ember_feed_server *s, feed_conn *c) {
   char why[FEED_REASON_MAX];
-  /* In C_AUTH any header is accepted here: ember_auth_server_check refuses a
-   * wrong type or length itself, without the payload being read. */
-  uint32_t max = c->state == C_STREAM ? s->max_frame
-                 : c->state == C_AUTH ? EMBER_WIRE_ABSOLUTE_MAX
-                                      : FEED_CTL_MAX;
+  uint32_t max = c->state == C_STREAM ? s->max_frame : FEED_CTL_MAX;
   int rc = ember_wire_decode_header(c->hdr, EMBER_WIRE_HEADER_LEN, max, &c->fh);
   if (rc != EMBER_OK) {
     snprintf(why, sizeof why, "feed: bad frame from %s: %s", c->peer, ember_last_error());
@@ -965,21 +898,6 @@ static void conn_header(ember_feed_server *s, feed_conn *c) {
     return;
   }
   switch (c->state) {
-    case C_AUTH:
-      if (c->fh.type != EMBER_MSG_AUTH || c->fh.length != 2u * EMBER_NONCE_LEN) {
-        c->body = NULL;
-        handle_auth_frame(s, c); /* refuses on type/length alone */
-        return;
-      }
-      break;
-    case C_HELLO:
-      if (c->fh.type != EMBER_MSG_FEED_HELLO) {
-        snprintf(why, sizeof why, "feed: expected FEED_HELLO, got %s",
-                 ember_wire_type_name(c->fh.type));
-        conn_refuse(s, c, EMBER_EPROTO, why);
-        return;
-      }
-      break;
     case C_STREAM:
       if (c->fh.type != EMBER_MSG_BATCH && c->fh.type != EMBER_MSG_END_PARTITION &&
           c->fh.type != EMBER_MSG_END_FEED && c->fh.type != EMBER_MSG_FEED_ERROR &&
@@ -1065,8 +983,6 @@ static void conn_eof(ember_feed_server *s, feed_conn *c) {
    * twice; the per-partition dedupe here only covers partitions that were
    * acknowledged whole.  Retries of half-sent partitions are handled a level
    * up (the driver decides what to re-feed). */
-  if (c->state == C_AUTH || c->state == C_HELLO) s->stats.producers_rejected++;
-  if (c->state == C_AUTH) note_rejected(s, c, "closed the connection before authenticating");
   conn_kill(s, c);
 }
 
@@ -1112,70 +1028,51 @@ static void conn_read(ember_feed_server *s, feed_conn *c) {
   }
 }
 
-/* Ends the oldest unauthenticated connection to make room.  0 if none. */
-static int evict_oldest(ember_feed_server *s, const char *why) {
-  feed_conn *victim = ember__pool_oldest(&s->pool);
-  if (victim == NULL) return 0;
-  if (victim->state == C_AUTH) {
-    char reason[192];
-    snprintf(reason, sizeof reason, "evicted before authenticating: %s", why);
+/* The acceptor hands over an authenticated connection with its FEED_HELLO.
+ * Under s->mu, as every acceptor callback (feed_loop runs it locked). */
+static void on_accepted(void *arg, ember__accepted *a) {
+  ember_feed_server *s = arg;
+  feed_conn *c = calloc(1, sizeof *c);
+  if (c == NULL) {
     s->stats.producers_rejected++;
-    note_rejected(s, victim, reason);
+    ember_net_close(a->fd);
+    free(a->payload);
+    return;
   }
-  conn_kill(s, victim); /* a refused one lingering (C_LINGER) was counted */
-  return 1;
+  c->fd = a->fd;
+  c->srv = s;
+  c->id = ++s->next_id;
+  c->state = C_HELLO;
+  c->rx = RX_HDR;
+  memcpy(c->peer, a->peer, sizeof c->peer);
+  c->next = s->conns;
+  s->conns = c;
+  s->nconns++;
+  s->nproducers++;
+  c->fh = a->first;
+  c->body = a->payload;
+  if (s->nproducers > FEED_MAX_CONNS) {
+    char why[128];
+    snprintf(why, sizeof why, "feed: %u producers are connected already (the limit)",
+             FEED_MAX_CONNS);
+    conn_refuse(s, c, EMBER_ESTATE, why);
+  } else {
+    handle_hello(s, c);
+  }
+  free(c->body);
+  c->body = NULL;
 }
 
-static void accept_new(ember_feed_server *s) {
-  for (int k = 0; k < FEED_ACCEPT_BATCH; k++) {
-    uint8_t chal[EMBER_WIRE_HEADER_LEN + EMBER_NONCE_LEN + 16];
-    size_t clen = 0;
-    feed_conn *c;
-    int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) {
-      int err = errno;
-      if (err == EINTR || err == ECONNABORTED) continue;
-      if (err == EAGAIN || err == EWOULDBLOCK) break;
-      /* Out of descriptors (or memory): give up a stranger's connection and
-       * retry at once, else pause accepting instead of spinning on a
-       * listener that poll keeps reporting readable. */
-      if ((err == EMFILE || err == ENFILE) &&
-          evict_oldest(s, "the node is out of file descriptors"))
-        continue;
-      s->accept_paused_until = ember_now_ms() + FEED_ACCEPT_PAUSE_MS;
-      break;
-    }
-    /* The pool is full: the oldest pending connection makes room, never the
-     * new one.  A real producer answers its CHALLENGE within milliseconds,
-     * so it is the newest or already authenticated. */
-    if (s->pool.n >= s->max_pending) {
-      char why[96];
-      snprintf(why, sizeof why, "%zu connections were waiting to authenticate (limit %u)",
-               s->pool.n, (unsigned)s->max_pending);
-      evict_oldest(s, why);
-    }
-    c = calloc(1, sizeof *c);
-    if (c == NULL || ember_auth_server_begin(&c->auth, chal, sizeof chal, &clen) != EMBER_OK ||
-        queue_owned_frame(c, chal, clen) != EMBER_OK) {
-      if (c) free(c->outq);
-      free(c);
-      ember_net_close(fd);
-      continue;
-    }
-    (void)ember_net_tune(fd);
-    c->fd = fd;
-    c->srv = s;
-    c->id = ++s->next_id;
-    c->state = C_AUTH;
-    c->rx = RX_HDR;
-    c->deadline = ember_now_ms() + s->pre_ms; /* auth + FEED_HELLO */
-    ember_net_peer_name(fd, c->peer, sizeof c->peer);
-    c->next = s->conns;
-    s->conns = c;
-    s->nconns++;
-    ember__pool_push(&s->pool, &c->pool, c);
-    if (conn_flush(s, c) != EMBER_OK) conn_kill(s, c);
-  }
+/* Every connection the acceptor ended counts as a rejected producer. */
+static void on_rejected(void *arg, const char *peer, int authed, const char *reason) {
+  ember_feed_server *s = arg;
+  s->stats.producers_rejected++;
+}
+
+/* Strangers, rate-limited, to the config's log. */
+static void on_log(void *arg, const char *line, uint64_t count) {
+  ember_feed_server *s = arg;
+  s->log_fn(s->log_arg, line);
 }
 
 /* c's END_PARTITION, with every batch queued: checks the count, then (named
@@ -1278,16 +1175,7 @@ static void loop_progress(ember_feed_server *s) {
       c->shut_after_flush = 0;
       c->deadline = now + FEED_LINGER_MS;
     }
-    if (c->deadline && now >= c->deadline) {
-      if (c->state == C_AUTH || c->state == C_HELLO) s->stats.producers_rejected++;
-      if (c->state == C_AUTH) {
-        char why[96];
-        snprintf(why, sizeof why, "handshake not completed within %lld ms",
-                 (long long)s->pre_ms);
-        note_rejected(s, c, why);
-      }
-      conn_kill(s, c);
-    }
+    if (c->deadline && now >= c->deadline) conn_kill(s, c);
   }
   /* Reap: only here are connections freed, so pointers held across the
    * unlocked poll() stay valid. */
@@ -1325,8 +1213,9 @@ static void *feed_loop(void *arg) {
   ember_feed_server *s = arg;
   pthread_mutex_lock(&s->mu);
   while (!s->stopping) {
-    size_t n = 0, need = s->nconns + 2;
-    int64_t now = ember_now_ms(), next_deadline = INT64_MAX;
+    /* [0] the wake eventfd, [1, base) the acceptor's, [base, n) producers */
+    size_t base = 1 + ember__acceptor_npoll(s->acc), n = base, need = base + s->nconns;
+    int64_t now = ember_now_ms(), next_deadline;
     int timeout, rc, err;
     if (need > s->pcap) {
       struct pollfd *pf = realloc(s->pfds, need * sizeof *pf);
@@ -1340,14 +1229,9 @@ static void *feed_loop(void *arg) {
       s->pconns = pc;
       s->pcap = need;
     }
-    s->pfds[n++] = (struct pollfd){.fd = s->wake_fd, .events = POLLIN};
-    /* Always accepting (new strangers evict old ones), except for a short
-     * pause when out of descriptors. */
-    s->pfds[n++] = (struct pollfd){.fd = now >= s->accept_paused_until ? s->listen_fd : -1,
-                                   .events = POLLIN};
-    if (s->accept_paused_until > now) next_deadline = s->accept_paused_until;
-    if (ember__reject_due(&s->rejects) < next_deadline)
-      next_deadline = ember__reject_due(&s->rejects);
+    s->pfds[0] = (struct pollfd){.fd = s->wake_fd, .events = POLLIN};
+    ember__acceptor_poll_fill(s->acc, s->pfds + 1);
+    next_deadline = ember__acceptor_due(s->acc);
     for (feed_conn *c = s->conns; c; c = c->next) {
       short ev = 0;
       if (c->state == C_DEAD) continue;
@@ -1374,7 +1258,7 @@ static void *feed_loop(void *arg) {
         ssize_t r = read(s->wake_fd, &v, sizeof v);
         (void)r;
       }
-      for (size_t i = 2; i < n; i++) {
+      for (size_t i = base; i < n; i++) {
         feed_conn *c = s->pconns[i];
         short re = s->pfds[i].revents;
         if (re == 0 || c->state == C_DEAD) continue;
@@ -1391,14 +1275,11 @@ static void *feed_loop(void *arg) {
         }
         if (re & (POLLIN | POLLERR | POLLHUP)) conn_read(s, c);
       }
-      if (s->pfds[1].revents & POLLIN) accept_new(s);
     }
+    /* Pending handshakes, new connections (on_accepted), their deadlines and
+     * the rate-limited report of strangers (on_log). */
+    ember__acceptor_run(s->acc, s->pfds + 1);
     loop_progress(s);
-    {
-      char line[768];
-      if (ember__reject_take(&s->rejects, ember_now_ms(), line, sizeof line) > 0)
-        s->log_fn(s->log_arg, line);
-    }
   }
   pthread_mutex_unlock(&s->mu);
   return NULL;
@@ -1434,11 +1315,7 @@ void ember_feed_server_destroy(ember_feed_server *s) {
   pthread_mutex_unlock(&s->mu);
   for (c = s->conns; c; c = c->next)
     if (c->ring_thread_started) pthread_join(c->ring_thread, NULL);
-  if (s->log_fn != NULL) { /* what the last interval counted, not to be lost */
-    char line[768];
-    if (ember__reject_flush(&s->rejects, ember_now_ms(), line, sizeof line) > 0)
-      s->log_fn(s->log_arg, line);
-  }
+  ember__acceptor_destroy(s->acc); /* and the report of what it last counted */
   for (c = s->conns; c; c = nx) {
     nx = c->next;
     ember_shm_ring_destroy(c->ring);
@@ -1447,14 +1324,11 @@ void ember_feed_server_destroy(ember_feed_server *s) {
   s->conns = NULL;
   for (qnode *n = s->qhead; n; n = n->next) n->conn = NULL;
   free_queue(s);
-  ember_net_close(s->listen_fd);
   ember_net_close(s->wake_fd);
   pthread_cond_destroy(&s->item_cond);
   pthread_cond_destroy(&s->out_cond);
   pthread_cond_destroy(&s->space_cond);
   pthread_mutex_destroy(&s->mu);
-  if (s->secret) memset(s->secret, 0, s->secret_len);
-  free(s->secret);
   free(s->parts);
   free(s->pfds);
   free(s->pconns);
@@ -1465,7 +1339,6 @@ int ember_feed_server_create(ember_feed_server **out, const ember_feed_server_co
   ember_feed_server *s = NULL;
   pthread_condattr_t ca;
   int rc = EMBER_OK, fd = cfg ? cfg->listen_fd : -1, inited = 0;
-  char host[64];
 
   if (out == NULL || cfg == NULL) {
     rc = ember__set_error(EMBER_EINVAL, "feed server: NULL argument");
@@ -1482,24 +1355,11 @@ int ember_feed_server_create(ember_feed_server **out, const ember_feed_server_co
     rc = ember__set_error(EMBER_ENOMEM, "feed server: out of memory");
     goto cleanup;
   }
-  s->listen_fd = -1;
   s->wake_fd = -1;
-  s->secret = malloc(cfg->secret_len);
-  if (s->secret == NULL) {
-    rc = ember__set_error(EMBER_ENOMEM, "feed server: out of memory");
-    goto cleanup;
-  }
-  memcpy(s->secret, cfg->secret, cfg->secret_len);
-  s->secret_len = cfg->secret_len;
   s->queue_limit = cfg->queue_bytes ? cfg->queue_bytes : FEED_DEFAULT_QUEUE;
   s->max_frame = cfg->max_frame ? cfg->max_frame : FEED_DEFAULT_MAX_FRAME;
   if (s->max_frame > EMBER_WIRE_ABSOLUTE_MAX) s->max_frame = EMBER_WIRE_ABSOLUTE_MAX;
   s->io_ms = cfg->io_timeout_ms ? cfg->io_timeout_ms : FEED_DEFAULT_IO_MS;
-  /* Strangers get a short deadline, never longer than the I/O timeout. */
-  s->pre_ms = ember__preauth_timeout_ms(cfg->preauth_timeout_ms);
-  if (s->pre_ms > s->io_ms) s->pre_ms = s->io_ms;
-  ember__raise_fd_limit();
-  s->max_pending = ember__preauth_max_pending(cfg->max_pending);
   s->log_fn = cfg->log_fn ? cfg->log_fn : ember__log_stderr;
   s->log_arg = cfg->log_fn ? cfg->log_arg : NULL;
   s->shm_enabled = !cfg->disable_shm && ember__feed_env_shm_enabled();
@@ -1522,27 +1382,20 @@ int ember_feed_server_create(ember_feed_server **out, const ember_feed_server_co
     rc = ember__set_errno(EMBER_ESYS, errno, "feed server: eventfd");
     goto cleanup;
   }
-  if (fd >= 0) {
-    int fl;
-    s->listen_fd = fd;
-    fd = -1; /* owned by s now */
-    /* A burst of strangers must not fill the accept queue: the kernel would
-     * then drop real producers' SYNs for a second or more.  It caps the
-     * backlog at net.core.somaxconn. */
-    rc = ember_net_listen_fd(s->listen_fd, 4096);
+  {
+    ember__acceptor_config acfg = {
+        .listen_fd = fd, .bind_host = cfg->bind_host, .port = cfg->port,
+        .secret = cfg->secret, .secret_len = cfg->secret_len,
+        /* strangers get a short deadline, never longer than the I/O timeout */
+        .preauth_timeout_ms = cfg->preauth_timeout_ms, .preauth_cap_ms = (uint32_t)s->io_ms,
+        .max_pending = cfg->max_pending, .first_type = EMBER_MSG_FEED_HELLO,
+        .first_max = FEED_CTL_MAX, .refuse_first = 1, .name = "feed server", .arg = s,
+        .ready = on_accepted, .rejected = on_rejected, .log = on_log};
+    fd = -1; /* the acceptor's now, even if it fails */
+    rc = ember__acceptor_create(&s->acc, &acfg);
     if (rc != EMBER_OK) goto cleanup;
-    fl = fcntl(s->listen_fd, F_GETFL);
-    if (fl < 0 || fcntl(s->listen_fd, F_SETFL, fl | O_NONBLOCK) < 0 ||
-        fcntl(s->listen_fd, F_SETFD, FD_CLOEXEC) < 0) {
-      rc = ember__set_errno(EMBER_ESYS, errno, "feed server: fcntl on the listen socket");
-      goto cleanup;
-    }
-    ember_net_local_addr(s->listen_fd, host, sizeof host, &s->port);
-  } else {
-    rc = ember_net_bind(cfg->bind_host, cfg->port, 4096, 0, &s->listen_fd, &s->port);
-    if (rc != EMBER_OK) goto cleanup;
+    s->port = ember__acceptor_port(s->acc);
   }
-  ember__reject_log_init(&s->rejects, "feed server on :%u", (unsigned)s->port);
   if (pthread_create(&s->thread, NULL, feed_loop, s) != 0) {
     rc = ember__set_error(EMBER_ESYS, "feed server: cannot start its thread");
     goto cleanup;
@@ -1556,9 +1409,7 @@ cleanup:
     if (inited) {
       ember_feed_server_destroy(s);
     } else {
-      ember_net_close(s->listen_fd);
       ember_net_close(s->wake_fd);
-      free(s->secret);
       free(s);
     }
   }

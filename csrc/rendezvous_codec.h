@@ -1,6 +1,6 @@
 /* rendezvous_codec.h - internal: payload codecs of the rendezvous messages
- * (layouts documented in ember/rendezvous.h), shared by rendezvous.c and the
- * fuzz harness.  Not installed; ember__ names.
+ * (layouts documented in ember/rendezvous.h), shared by rendezvous_server.c,
+ * rendezvous_client.c and the fuzz harness.  Not installed; ember__ names.
  *
  * Every decoder bounds every count and string before using it and returns
  * EMBER_EPROTO with a message naming the field; none reads out of bounds.

@@ -154,6 +154,7 @@ int embpy_handle_init(embpy_handle *h, const char *what, void (*destroy)(void *)
   h->closed = 0;
   h->busy = 0;
   h->lock = NULL;
+  h->raise = NULL;
   if (want_lock) {
     h->lock = PyThread_allocate_lock();
     if (h->lock == NULL) {
@@ -204,6 +205,47 @@ void embpy_handle_dealloc(embpy_handle *h) {
     PyThread_free_lock(h->lock);
     h->lock = NULL;
   }
+}
+
+int embpy_handle_wait(embpy_handle *h, PyTypeObject *tp, int64_t ms,
+                      int (*fn)(void *arg, int64_t slice_ms), void *arg) {
+  embpy_err e;
+  int rc;
+  if (embpy_handle_enter(h) < 0)
+    return -1;
+  int64_t deadline = ember_deadline_after(ms);
+  for (;;) {
+    int64_t left = deadline - ember_now_ms();
+    if (left < 0)
+      left = 0;
+    int64_t slice = left > EMBPY_SLICE_MS ? EMBPY_SLICE_MS : left;
+    EMBPY_NOGIL(rc, &e, h->lock, fn(arg, slice));
+    if (rc != EMBER_ETIMEDOUT || slice == left)
+      break;
+    if (h->closed) {
+      embpy_handle_leave(h);
+      PyErr_Format(PyExc_ValueError, "%s is closed", h->what);
+      return -1;
+    }
+    if (PyErr_CheckSignals() < 0) {
+      embpy_handle_leave(h);
+      return -1;
+    }
+  }
+  embpy_handle_leave(h);
+  if (rc == EMBER_ETIMEDOUT)
+    return 1;
+  if (rc != EMBER_OK) {
+    embpy_handle_raise(h, tp, &e);
+    return -1;
+  }
+  return 0;
+}
+
+PyObject *embpy_handle_raise(const embpy_handle *h, PyTypeObject *tp, const embpy_err *e) {
+  if (h->raise == NULL)
+    return embpy_raise(embpy_state_of_type(tp), e);
+  return h->raise(PyType_GetModuleByDef(tp, &embpy_module), e);
 }
 
 /* ================================================================ columns */
@@ -519,9 +561,7 @@ static PyObject *random_secret(PyObject *module, PyObject *Py_UNUSED(ignored)) {
   uint8_t buf[EMBER_SECRET_LEN];
   embpy_err err;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &err, ember_auth_random(buf, sizeof buf));
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &err, NULL, ember_auth_random(buf, sizeof buf));
   if (rc != EMBER_OK)
     return embpy_raise(module_state(module), &err);
   return PyBytes_FromStringAndSize((const char *)buf, sizeof buf);
@@ -552,11 +592,8 @@ static PyObject *reserve_port(PyObject *module, PyObject *args, PyObject *kwargs
   uint16_t port = 0;
   embpy_err err;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &err,
-             ember_net_bind(host, 0, listen ? backlog : 0, EMBER_NET_REUSEPORT, &fd,
-                            &port));
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &err, NULL,
+              ember_net_bind(host, 0, listen ? backlog : 0, EMBER_NET_REUSEPORT, &fd, &port));
   if (rc != EMBER_OK)
     return embpy_raise(module_state(module), &err);
   return Py_BuildValue("(ii)", fd, (int)port);
@@ -594,13 +631,11 @@ static PyObject *encode_batch(PyObject *module, PyObject *args, PyObject *kwargs
   if (result == NULL)
     goto done;
   uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
-  if (size >= EMBPY_NOGIL_BYTES) {
-    Py_BEGIN_ALLOW_THREADS
+  if (size >= EMBPY_NOGIL_BYTES)
+    EMBPY_NOGIL(rc, &err, NULL,
+                ember_batch_encode(cs.cols, cs.ncols, cs.nrows, out, size, &written));
+  else
     EMBPY_CALL(rc, &err, ember_batch_encode(cs.cols, cs.ncols, cs.nrows, out, size, &written));
-    Py_END_ALLOW_THREADS
-  } else {
-    EMBPY_CALL(rc, &err, ember_batch_encode(cs.cols, cs.ncols, cs.nrows, out, size, &written));
-  }
   if (rc != EMBER_OK) {
     Py_CLEAR(result);
     embpy_raise(module_state(module), &err);
@@ -642,13 +677,10 @@ static PyObject *decode_batch(PyObject *module, PyObject *arg) {
   embpy_decoded d;
   embpy_err err;
   int rc;
-  if (len >= EMBPY_NOGIL_BYTES) {
-    Py_BEGIN_ALLOW_THREADS
+  if (len >= EMBPY_NOGIL_BYTES)
+    EMBPY_NOGIL(rc, &err, NULL, embpy_decode(buf, len, &d));
+  else
     EMBPY_CALL(rc, &err, embpy_decode(buf, len, &d));
-    Py_END_ALLOW_THREADS
-  } else {
-    EMBPY_CALL(rc, &err, embpy_decode(buf, len, &d));
-  }
   if (rc != EMBER_OK) {
     embpy_raise(module_state(module), &err);
     goto done;

@@ -128,6 +128,8 @@ typedef struct {
   int closed;                /* close() was called (GIL-protected) */
   Py_ssize_t busy;           /* calls in flight (GIL-protected) */
   PyThread_type_lock lock;   /* serializes C calls, or NULL if not needed */
+  /* raises a failed call's error (module: the type's); NULL: embpy_raise */
+  PyObject *(*raise)(PyObject *module, const embpy_err *e);
 } embpy_handle;
 
 /* Initializes h; allocates the lock when want_lock.  -1 with MemoryError. */
@@ -142,6 +144,9 @@ void embpy_handle_leave(embpy_handle *h);
 void embpy_handle_close(embpy_handle *h);
 /* tp_dealloc: destroys the handle (no call can be in flight) and the lock. */
 void embpy_handle_dealloc(embpy_handle *h);
+/* Raises e, a failed call on h made by a method of type tp (h->raise, else
+ * embpy_raise).  Returns NULL. */
+PyObject *embpy_handle_raise(const embpy_handle *h, PyTypeObject *tp, const embpy_err *e);
 
 /* Lock helpers for use inside Py_BEGIN_ALLOW_THREADS. */
 static inline void embpy_lock(PyThread_type_lock lock) {
@@ -152,6 +157,56 @@ static inline void embpy_unlock(PyThread_type_lock lock) {
   if (lock)
     PyThread_release_lock(lock);
 }
+
+/* ------------------------------------------------------------ calls */
+
+/* EMBPY_CALL with the GIL released and `lock` held (NULL: none), taken
+ * without the GIL: how every call that may block reaches libember. */
+#define EMBPY_NOGIL(rc, err, lock, call) \
+  do {                                   \
+    Py_BEGIN_ALLOW_THREADS               \
+    embpy_lock(lock);                    \
+    EMBPY_CALL(rc, err, call);           \
+    embpy_unlock(lock);                  \
+    Py_END_ALLOW_THREADS                 \
+  } while (0)
+
+/* A method's call on its handle, the sequence written once: enters h
+ * (ValueError after close()), runs `call` (an int status) as EMBPY_NOGIL
+ * does with h's lock, leaves h, and raises a failure (embpy_handle_raise;
+ * tp: the method's type).  `call` may read h->ptr, which stays valid
+ * while h is entered; a call that returns no status is written
+ * `(v = f(h->ptr), EMBER_OK)`.  Sets ok to 0, or to -1 with an exception
+ * set.  Needs the GIL (and leaves it held). */
+#define EMBPY_HANDLE_CALL(ok, h, tp, call)                \
+  do {                                                    \
+    embpy_err e_;                                         \
+    int rc_;                                              \
+    (ok) = -1;                                            \
+    if (embpy_handle_enter(h) < 0)                        \
+      break;                                              \
+    EMBPY_NOGIL(rc_, &e_, (h)->lock, call);               \
+    embpy_handle_leave(h);                                \
+    if (rc_ != EMBER_OK)                                  \
+      embpy_handle_raise(h, tp, &e_);                     \
+    else                                                  \
+      (ok) = 0;                                           \
+  } while (0)
+
+/* How long one slice of a long wait runs without the GIL: between slices
+ * the wait notices close() from another thread and Ctrl-C. */
+#define EMBPY_SLICE_MS 250
+
+/* A method's wait of up to ms on its handle (the sequence of
+ * EMBPY_HANDLE_CALL for calls that may wait long): enters h, then calls
+ * fn(arg, slice_ms), an int status waiting at most slice_ms, in slices of
+ * EMBPY_SLICE_MS as EMBPY_NOGIL does, until it returns anything but
+ * EMBER_ETIMEDOUT or ms have passed; between slices, close() raises
+ * ValueError and a signal handler may raise (KeyboardInterrupt).  Leaves h.
+ * Returns 0 (fn succeeded), 1 (the whole wait timed out: no exception), or
+ * -1 with an exception set (a failure of fn is raised).  Needs the GIL. */
+int embpy_handle_wait(embpy_handle *h, PyTypeObject *tp, int64_t ms,
+                      int (*fn)(void *arg, int64_t slice_ms), void *arg);
 
 /* ------------------------------------------------------------ column specs */
 

@@ -184,9 +184,7 @@ static PyObject *Comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
   ember_comm *c = NULL;
   embpy_err e;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_comm_create(&c, &cfg, ms));
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &e, NULL, ember_comm_create(&c, &cfg, ms));
   if (rc != EMBER_OK) {
     embpy_raise(st, &e);
     goto err;
@@ -220,17 +218,6 @@ static int Comm_traverse(PyObject *self, visitproc visit, void *arg) {
   return 0;
 }
 
-/* Runs `call` on the communicator with the GIL released and the object's
- * lock held; raises on failure. */
-#define COMM_CALL(self, rc, e, call)          \
-  do {                                        \
-    Py_BEGIN_ALLOW_THREADS                    \
-    embpy_lock((self)->h.lock);               \
-    EMBPY_CALL(rc, e, call);                  \
-    embpy_unlock((self)->h.lock);             \
-    Py_END_ALLOW_THREADS                      \
-  } while (0)
-
 PyDoc_STRVAR(Comm_allreduce_doc,
              "allreduce(buf, op='sum', timeout=None) -> buf\n\n"
              "Reduces buf elementwise over all ranks, in place: afterwards every\n"
@@ -258,20 +245,12 @@ static PyObject *Comm_allreduce(PyObject *op, PyObject *args, PyObject *kwargs) 
     PyBuffer_Release(&v);
     return NULL;
   }
-  if (embpy_handle_enter(&self->h) < 0) {
-    PyBuffer_Release(&v);
-    return NULL;
-  }
-  ember_comm *c = self->h.ptr;
   size_t count = (size_t)v.len / (size_t)v.itemsize;
-  embpy_err e;
-  int rc;
-  COMM_CALL(self, rc, &e, ember_comm_allreduce(c, v.buf, count, dtype, redop, ms));
-  embpy_handle_leave(&self->h);
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    ember_comm_allreduce(self->h.ptr, v.buf, count, dtype, redop, ms));
   PyBuffer_Release(&v);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
-  return Py_NewRef(obj);
+  return ok < 0 ? NULL : Py_NewRef(obj);
 }
 
 PyDoc_STRVAR(Comm_broadcast_doc,
@@ -297,19 +276,11 @@ static PyObject *Comm_broadcast(PyObject *op, PyObject *args, PyObject *kwargs) 
   Py_buffer v;
   if (get_writable(obj, &v, PyBUF_ANY_CONTIGUOUS, "broadcast") < 0)
     return NULL;
-  if (embpy_handle_enter(&self->h) < 0) {
-    PyBuffer_Release(&v);
-    return NULL;
-  }
-  ember_comm *c = self->h.ptr;
-  embpy_err e;
-  int rc;
-  COMM_CALL(self, rc, &e, ember_comm_broadcast(c, v.buf, (size_t)v.len, (uint32_t)root, ms));
-  embpy_handle_leave(&self->h);
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    ember_comm_broadcast(self->h.ptr, v.buf, (size_t)v.len, (uint32_t)root, ms));
   PyBuffer_Release(&v);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
-  return Py_NewRef(obj);
+  return ok < 0 ? NULL : Py_NewRef(obj);
 }
 
 PyDoc_STRVAR(Comm_allgather_doc,
@@ -349,20 +320,14 @@ static PyObject *Comm_allgather(PyObject *op, PyObject *args, PyObject *kwargs) 
                  self->size, block);
     goto fail;
   }
-  if (embpy_handle_enter(&self->h) < 0)
-    goto fail;
-  ember_comm *c = self->h.ptr;
-  embpy_err e;
-  int rc;
-  COMM_CALL(self, rc, &e,
-            ember_comm_allgather(c, have_send ? sv.buf : NULL, rv.buf, block, ms));
-  embpy_handle_leave(&self->h);
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    ember_comm_allgather(self->h.ptr, have_send ? sv.buf : NULL, rv.buf, block,
+                                         ms));
   if (have_send)
     PyBuffer_Release(&sv);
   PyBuffer_Release(&rv);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
-  return Py_NewRef(robj);
+  return ok < 0 ? NULL : Py_NewRef(robj);
 fail:
   if (have_send)
     PyBuffer_Release(&sv);
@@ -383,15 +348,10 @@ static PyObject *Comm_barrier(PyObject *op, PyObject *args, PyObject *kwargs) {
     return NULL;
   if (op_timeout(self, tobj, &ms) < 0)
     return NULL;
-  if (embpy_handle_enter(&self->h) < 0)
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), ember_comm_barrier(self->h.ptr, ms));
+  if (ok < 0)
     return NULL;
-  ember_comm *c = self->h.ptr;
-  embpy_err e;
-  int rc;
-  COMM_CALL(self, rc, &e, ember_comm_barrier(c, ms));
-  embpy_handle_leave(&self->h);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
   Py_RETURN_NONE;
 }
 

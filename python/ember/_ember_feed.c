@@ -21,7 +21,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define EMBPY_SLICE_MS 250
 
 enum { ITEM_BATCH = 1, ITEM_END = 2, ITEM_RESULTS = 3, ITEM_ERROR = 4, ITEM_START = 5,
        ITEM_PARTITION_END = 6, ITEM_CALL_END = 7 };
@@ -334,15 +333,12 @@ static PyObject *FeedServer_new(PyTypeObject *type, PyObject *args, PyObject *kw
   ember_feed_server *s = NULL;
   embpy_err e;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_feed_server_create(&s, &cfg));
-  if (rc == EMBER_OK)
-    self->port = ember_feed_server_port(s);
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &e, NULL, ember_feed_server_create(&s, &cfg));
   if (rc != EMBER_OK) {
     embpy_raise(st, &e);
     goto err;
   }
+  self->port = ember_feed_server_port(s);
   self->h.ptr = s;
   PyBuffer_Release(&secret);
   return (PyObject *)self;
@@ -374,20 +370,22 @@ static PyObject *FeedServer_port(PyObject *op, void *closure) {
   return PyLong_FromLong(self->port);
 }
 
-/* Pops one item; runs without the GIL.  A batch comes decoded by the server
- * (it validated it there): d borrows the item's columns, nothing to free. */
-static int pop_item(ember_feed_server *s, int64_t ms, ember_feed_item **out,
-                          embpy_decoded *d, embpy_err *e) {
-  int rc;
-  *out = NULL;
-  memset(d, 0, sizeof *d);
-  EMBPY_CALL(rc, e, ember_feed_server_next(s, out, ms));
-  if (rc != EMBER_OK)
-    return rc;
-  if ((*out)->kind == EMBER_FEED_ITEM_BATCH) {
-    d->ncols = (*out)->ncols;
-    d->nrows = (*out)->nrows;
-    d->cols = (*out)->cols;
+/* next()'s wait: one slice pops one item (embpy_handle_wait).  A batch comes
+ * decoded by the server (it validated it there): d borrows the item's
+ * columns, nothing to free. */
+typedef struct {
+  ember_feed_server *s;
+  ember_feed_item *item;
+  embpy_decoded d;
+} next_wait;
+
+static int next_slice(void *arg, int64_t slice_ms) {
+  next_wait *w = arg;
+  int rc = ember_feed_server_next(w->s, &w->item, slice_ms);
+  if (rc == EMBER_OK && w->item->kind == EMBER_FEED_ITEM_BATCH) {
+    w->d.ncols = w->item->ncols;
+    w->d.nrows = w->item->nrows;
+    w->d.cols = w->item->cols;
   }
   return rc;
 }
@@ -402,40 +400,16 @@ static PyObject *FeedServer_next(PyObject *op, PyObject *arg) {
   int64_t ms;
   if (!embpy_timeout_conv(arg, &ms))
     return NULL;
-  if (embpy_handle_enter(&self->h) < 0)
+  next_wait w;
+  memset(&w, 0, sizeof w);
+  w.s = self->h.ptr;
+  int r = embpy_handle_wait(&self->h, Py_TYPE(op), ms, next_slice, &w);
+  if (r < 0)
     return NULL;
-  ember_feed_server *s = self->h.ptr;
-  int64_t deadline = ember_deadline_after(ms);
-  ember_feed_item *item = NULL;
-  embpy_decoded d;
-  embpy_err e;
-  int rc;
-  for (;;) {
-    int64_t left = deadline - ember_now_ms();
-    if (left < 0)
-      left = 0;
-    int64_t slice = left > EMBPY_SLICE_MS ? EMBPY_SLICE_MS : left;
-    Py_BEGIN_ALLOW_THREADS
-    rc = pop_item(s, slice, &item, &d, &e);
-    Py_END_ALLOW_THREADS
-    if (rc != EMBER_ETIMEDOUT || slice == left)
-      break;
-    if (self->h.closed) {
-      embpy_handle_leave(&self->h);
-      PyErr_SetString(PyExc_ValueError, "FeedServer is closed");
-      return NULL;
-    }
-    if (PyErr_CheckSignals() < 0) {
-      embpy_handle_leave(&self->h);
-      return NULL;
-    }
-  }
-  embpy_handle_leave(&self->h);
-  if (rc == EMBER_ETIMEDOUT)
+  if (r > 0)
     Py_RETURN_NONE;
+  ember_feed_item *item = w.item;
   ember_state *st = embpy_state_of_type(Py_TYPE(op));
-  if (rc != EMBER_OK)
-    return embpy_raise(st, &e);
   if (st == NULL) {
     ember_feed_item_free(item);
     return NULL;
@@ -448,7 +422,7 @@ static PyObject *FeedServer_next(PyObject *op, PyObject *arg) {
                                                              : ITEM_BATCH;
   PyObject *res = FeedItem_create(st, kind, item->source, item->call, item->partition,
                                   item->flags,
-                                  item, NULL, item->data, item->len, &d);
+                                  item, NULL, item->data, item->len, &w.d);
   return res;
 }
 
@@ -462,22 +436,18 @@ static int source_conv(PyObject *obj, void *out) {
 }
 
 /* Encodes into a fresh buffer and sends it; runs without the GIL. */
-static int encode_and_send(ember_feed_server *s, uint64_t source,
-                           const embpy_columns *cs, int64_t ms, embpy_err *e) {
+static int encode_and_send(ember_feed_server *s, uint64_t source, const embpy_columns *cs,
+                           int64_t ms) {
   size_t size = 0, written = 0;
-  int rc;
-  EMBPY_CALL(rc, e, ember_batch_encoded_size(cs->cols, cs->ncols, cs->nrows, &size));
+  int rc = ember_batch_encoded_size(cs->cols, cs->ncols, cs->nrows, &size);
   if (rc != EMBER_OK)
     return rc;
   uint8_t *buf = malloc(size ? size : 1);
-  if (buf == NULL) {
-    e->code = EMBER_ENOMEM;
-    snprintf(e->msg, sizeof e->msg, "send_results: cannot allocate %zu bytes", size);
-    return EMBER_ENOMEM;
-  }
-  EMBPY_CALL(rc, e, ember_batch_encode(cs->cols, cs->ncols, cs->nrows, buf, size, &written));
+  if (buf == NULL)
+    return ember__set_error(EMBER_ENOMEM, "send_results: cannot allocate %zu bytes", size);
+  rc = ember_batch_encode(cs->cols, cs->ncols, cs->nrows, buf, size, &written);
   if (rc == EMBER_OK)
-    EMBPY_CALL(rc, e, ember_feed_server_send_results(s, source, buf, written, ms));
+    rc = ember_feed_server_send_results(s, source, buf, written, ms);
   free(buf);
   return rc;
 }
@@ -498,23 +468,14 @@ static PyObject *FeedServer_send_results(PyObject *op, PyObject *args, PyObject 
                                    source_conv, &source, &columns, &nrows,
                                    embpy_timeout_conv, &ms))
     return NULL;
-  if (embpy_handle_enter(&self->h) < 0)
-    return NULL;
   embpy_columns cs;
-  if (embpy_columns_parse(columns, nrows, &cs) < 0) {
-    embpy_handle_leave(&self->h);
+  if (embpy_columns_parse(columns, nrows, &cs) < 0)
     return NULL;
-  }
-  ember_feed_server *s = self->h.ptr;
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  rc = encode_and_send(s, source, &cs, ms, &e);
-  Py_END_ALLOW_THREADS
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), encode_and_send(self->h.ptr, source, &cs, ms));
   embpy_columns_release(&cs);
-  embpy_handle_leave(&self->h);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  if (ok < 0)
+    return NULL;
   Py_RETURN_NONE;
 }
 
@@ -525,17 +486,10 @@ PyDoc_STRVAR(FeedServer_terminate_doc,
 
 static PyObject *FeedServer_terminate(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   FeedServerObject *self = (FeedServerObject *)op;
-  if (embpy_handle_enter(&self->h) < 0)
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), ember_feed_server_terminate(self->h.ptr));
+  if (ok < 0)
     return NULL;
-  ember_feed_server *s = self->h.ptr;
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_feed_server_terminate(s));
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
   Py_RETURN_NONE;
 }
 
@@ -548,15 +502,13 @@ PyDoc_STRVAR(FeedServer_stats_doc,
 
 static PyObject *FeedServer_stats(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   FeedServerObject *self = (FeedServerObject *)op;
-  if (embpy_handle_enter(&self->h) < 0)
-    return NULL;
-  ember_feed_server *s = self->h.ptr;
   ember_feed_stats fs;
   memset(&fs, 0, sizeof fs);
-  Py_BEGIN_ALLOW_THREADS
-  ember_feed_server_stats(s, &fs);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    (ember_feed_server_stats(self->h.ptr, &fs), EMBER_OK));
+  if (ok < 0)
+    return NULL;
   return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "batches_received",
                        (unsigned long long)fs.batches_received, "records_received",
                        (unsigned long long)fs.records_received, "bytes_received",
@@ -698,14 +650,12 @@ static PyObject *FeedClient_new(PyTypeObject *type, PyObject *args, PyObject *kw
   ember_feed_client *c = NULL;
   embpy_err e;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e,
-             ember_feed_client_connect_ex(&c, host, port, secret.buf, (size_t)secret.len,
-                                          part,
-                                          (want_results ? EMBER_FEED_WANT_RESULTS : 0u) |
-                                              (resume ? EMBER_FEED_RESUME : 0u),
-                                          &opts, ms));
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &e, NULL,
+              ember_feed_client_connect_ex(&c, host, port, secret.buf, (size_t)secret.len,
+                                           part,
+                                           (want_results ? EMBER_FEED_WANT_RESULTS : 0u) |
+                                               (resume ? EMBER_FEED_RESUME : 0u),
+                                           &opts, ms));
   if (rc != EMBER_OK) {
     embpy_raise(st, &e);
     goto err;
@@ -748,26 +698,33 @@ static PyObject *FeedClient_send(PyObject *op, PyObject *args, PyObject *kwargs)
   if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnO&:send", kwlist, &columns, &nrows,
                                    embpy_timeout_conv, &ms))
     return NULL;
-  if (embpy_handle_enter(&self->h) < 0)
-    return NULL;
   embpy_columns cs;
-  if (embpy_columns_parse(columns, nrows, &cs) < 0) {
-    embpy_handle_leave(&self->h);
+  if (embpy_columns_parse(columns, nrows, &cs) < 0)
     return NULL;
-  }
-  ember_feed_client *c = self->h.ptr;
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  EMBPY_CALL(rc, &e, ember_feed_client_send(c, cs.cols, cs.ncols, cs.nrows, ms));
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    ember_feed_client_send(self->h.ptr, cs.cols, cs.ncols, cs.nrows, ms));
   embpy_columns_release(&cs);
-  embpy_handle_leave(&self->h);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  if (ok < 0)
+    return NULL;
   Py_RETURN_NONE;
+}
+
+/* send_records' batch holds the client's lock from begin to commit (or
+ * cancel): no other call may come between.  Both run without the GIL. */
+static int begin_locked(FeedClientObject *self, const ember_column *cols, uint32_t ncols,
+                        uint32_t nrows, ember_batch_place *places, int64_t ms) {
+  embpy_lock(self->h.lock);
+  int rc = ember_feed_client_begin_batch(self->h.ptr, cols, ncols, nrows, places, ms);
+  if (rc != EMBER_OK)
+    embpy_unlock(self->h.lock);
+  return rc;
+}
+
+static int commit_unlock(FeedClientObject *self, int64_t ms) {
+  int rc = ember_feed_client_commit_batch(self->h.ptr, ms);
+  embpy_unlock(self->h.lock);
+  return rc;
 }
 
 PyDoc_STRVAR(FeedClient_send_records_doc,
@@ -811,30 +768,21 @@ static PyObject *FeedClient_send_records(PyObject *op, PyObject *args, PyObject 
     result = Py_NewRef(Py_None);
     goto done;
   }
-  ember_feed_client *c = self->h.ptr;
   uint32_t nrows = (uint32_t)embpy_records_nrows(r); /* the plan bounds it */
   embpy_err e;
-  /* the lock is held from begin to commit: no other call may come between */
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  EMBPY_CALL(rc, &e, ember_feed_client_begin_batch(c, cols, (uint32_t)ncols, nrows, places, ms));
-  if (rc != EMBER_OK) embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &e, NULL, begin_locked(self, cols, (uint32_t)ncols, nrows, places, ms));
   if (rc != EMBER_OK) {
     embpy_raise(st, &e);
     goto done;
   }
   int wrc = embpy_records_write(r, places);
   if (wrc != 0) {
-    ember_feed_client_cancel_batch(c);
+    ember_feed_client_cancel_batch(self->h.ptr);
     embpy_unlock(self->h.lock);
     if (wrc > 0) result = Py_NewRef(Py_None);
     goto done;
   }
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_feed_client_commit_batch(c, ms));
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &e, NULL, commit_unlock(self, ms));
   if (rc != EMBER_OK) {
     embpy_raise(st, &e);
     goto done;
@@ -851,6 +799,18 @@ done:
   return result;
 }
 
+/* Receives a RESULTS batch and decodes it, without the GIL; on failure
+ * nothing is left to free. */
+static int recv_decoded(ember_feed_client *c, uint8_t **batch, size_t *len, embpy_decoded *d,
+                        int64_t ms) {
+  int rc = ember_feed_client_recv_results(c, batch, len, ms);
+  if (rc == EMBER_OK && (rc = embpy_decode(*batch, *len, d)) != EMBER_OK) {
+    free(*batch);
+    *batch = NULL;
+  }
+  return rc;
+}
+
 PyDoc_STRVAR(FeedClient_recv_results_doc,
              "recv_results(timeout_s) -> FeedItem\n\n"
              "Receives the next RESULTS batch (a FeedItem of kind 'results').\n"
@@ -861,31 +821,15 @@ static PyObject *FeedClient_recv_results(PyObject *op, PyObject *arg) {
   int64_t ms;
   if (!embpy_timeout_conv(arg, &ms))
     return NULL;
-  if (embpy_handle_enter(&self->h) < 0)
-    return NULL;
-  ember_feed_client *c = self->h.ptr;
   uint8_t *batch = NULL;
   size_t len = 0;
   embpy_decoded d;
   memset(&d, 0, sizeof d);
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  EMBPY_CALL(rc, &e, ember_feed_client_recv_results(c, &batch, &len, ms));
-  embpy_unlock(self->h.lock);
-  if (rc == EMBER_OK) {
-    EMBPY_CALL(rc, &e, embpy_decode(batch, len, &d));
-    if (rc != EMBER_OK) {
-      free(batch);
-      batch = NULL;
-    }
-  }
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), recv_decoded(self->h.ptr, &batch, &len, &d, ms));
+  if (ok < 0)
+    return NULL;
   ember_state *st = embpy_state_of_type(Py_TYPE(op));
-  if (rc != EMBER_OK)
-    return embpy_raise(st, &e);
   if (st == NULL) {
     free(batch);
     embpy_decoded_free(&d);
@@ -897,56 +841,34 @@ static PyObject *FeedClient_recv_results(PyObject *op, PyObject *arg) {
   return res;
 }
 
-PyDoc_STRVAR(FeedClient_end_partition_doc,
-             "end_partition(timeout_s) -> None\n\n"
-             "Sends END_PARTITION and waits until the trainer has consumed every\n"
-             "batch.  Raises EmberAborted if the trainer terminated the feed.");
-
-static PyObject *FeedClient_end_partition(PyObject *op, PyObject *arg) {
+/* end_partition / end_feed share this shape: fn(client, timeout). */
+static PyObject *client_timed_call(PyObject *op, PyObject *arg,
+                                   int (*fn)(ember_feed_client *, int64_t)) {
   FeedClientObject *self = (FeedClientObject *)op;
   int64_t ms;
   if (!embpy_timeout_conv(arg, &ms))
     return NULL;
-  if (embpy_handle_enter(&self->h) < 0)
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), fn(self->h.ptr, ms));
+  if (ok < 0)
     return NULL;
-  ember_feed_client *c = self->h.ptr;
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  EMBPY_CALL(rc, &e, ember_feed_client_end_partition(c, ms));
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
   Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(FeedClient_end_partition_doc,
+             "end_partition(timeout_s) -> None\n\n"
+             "Sends END_PARTITION and waits until the trainer has consumed every\n"
+             "batch.  Raises EmberAborted if the trainer terminated the feed.");
 PyDoc_STRVAR(FeedClient_end_feed_doc,
              "end_feed(timeout_s) -> None\n\n"
              "Sends END_FEED (driver only): the trainer's next() yields an 'end'\n"
              "item after everything already queued.");
 
+static PyObject *FeedClient_end_partition(PyObject *op, PyObject *arg) {
+  return client_timed_call(op, arg, ember_feed_client_end_partition);
+}
 static PyObject *FeedClient_end_feed(PyObject *op, PyObject *arg) {
-  FeedClientObject *self = (FeedClientObject *)op;
-  int64_t ms;
-  if (!embpy_timeout_conv(arg, &ms))
-    return NULL;
-  if (embpy_handle_enter(&self->h) < 0)
-    return NULL;
-  ember_feed_client *c = self->h.ptr;
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  EMBPY_CALL(rc, &e, ember_feed_client_end_feed(c, ms));
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
-  Py_RETURN_NONE;
+  return client_timed_call(op, arg, ember_feed_client_end_feed);
 }
 
 PyDoc_STRVAR(FeedClient_fail_doc,
@@ -962,50 +884,33 @@ static PyObject *FeedClient_fail(PyObject *op, PyObject *args) {
   int64_t ms;
   if (!PyArg_ParseTuple(args, "sO&:fail", &reason, embpy_timeout_conv, &ms))
     return NULL;
-  if (embpy_handle_enter(&self->h) < 0)
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), ember_feed_client_fail(self->h.ptr, reason, ms));
+  if (ok < 0)
     return NULL;
-  ember_feed_client *c = self->h.ptr;
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  EMBPY_CALL(rc, &e, ember_feed_client_fail(c, reason, ms));
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
   Py_RETURN_NONE;
 }
 
-static PyObject *FeedClient_uses_shm(PyObject *op, void *closure) {
+/* What the first send decided about the transport, read under the lock. */
+static int client_transport(PyObject *op, int *uses_shm, size_t *in_place_max) {
   FeedClientObject *self = (FeedClientObject *)op;
-  int v;
-  if (embpy_handle_enter(&self->h) < 0)
-    return NULL;
-  ember_feed_client *c = self->h.ptr;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  v = ember_feed_client_uses_shm(c);
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
-  return PyBool_FromLong(v);
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    (*uses_shm = ember_feed_client_uses_shm(self->h.ptr),
+                     *in_place_max = ember_feed_client_in_place_max(self->h.ptr), EMBER_OK));
+  return ok;
+}
+
+static PyObject *FeedClient_uses_shm(PyObject *op, void *closure) {
+  int shm = 0;
+  size_t max = 0;
+  return client_transport(op, &shm, &max) < 0 ? NULL : PyBool_FromLong(shm);
 }
 
 static PyObject *FeedClient_in_place_max(PyObject *op, void *closure) {
-  FeedClientObject *self = (FeedClientObject *)op;
-  size_t v;
-  if (embpy_handle_enter(&self->h) < 0)
-    return NULL;
-  ember_feed_client *c = self->h.ptr;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  v = ember_feed_client_in_place_max(c);
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
-  return PyLong_FromSize_t(v);
+  int shm = 0;
+  size_t max = 0;
+  return client_transport(op, &shm, &max) < 0 ? NULL : PyLong_FromSize_t(max);
 }
 
 static PyObject *FeedClient_resume_point(PyObject *op, void *closure) {

@@ -39,10 +39,6 @@ static PyObject *hdfs_raise(PyObject *m, const embpy_err *e) {
   return NULL;
 }
 
-static PyObject *module_of(PyObject *self) {
-  return PyType_GetModuleByDef(Py_TYPE(self), &embpy_module); /* borrowed */
-}
-
 /* ================================================================ options */
 
 typedef struct {
@@ -102,6 +98,32 @@ static int opts_finish(hdfs_opts *h, PyObject *namenode, PyObject *user, PyObjec
   "and for any stall (default 60); range_bytes -- bytes per read request / written\n" \
   "chunk (default 8 MiB); retries -- retries of a lost read (default 4).\n"
 
+/* Reads up to n bytes into dst, looping over ranges so that a read of n
+ * gets n unless the file ends first; *got: how many.  Without the GIL. */
+static int read_full(ember_webhdfs_file *f, char *dst, size_t n, size_t *got) {
+  *got = 0;
+  while (*got < n) {
+    int64_t r = ember_webhdfs_read(f, dst + *got, n - *got);
+    if (r < 0)
+      return (int)r;
+    if (r == 0)
+      break;
+    *got += (size_t)r;
+  }
+  return EMBER_OK;
+}
+
+/* hdfs_read's part without the GIL: from start, read up to n, then close. */
+static int read_range_and_close(ember_webhdfs_file *f, uint64_t start, char *dst, size_t n,
+                                size_t *got) {
+  *got = 0;
+  int rc = ember_webhdfs_seek(f, start);
+  if (rc == EMBER_OK)
+    rc = read_full(f, dst, n, got);
+  ember_webhdfs_close(f);
+  return rc;
+}
+
 /* ================================================================ status */
 
 static PyObject *status_dict(const ember_webhdfs_status *s) {
@@ -132,9 +154,7 @@ static PyObject *py_hdfs_stat(PyObject *m, PyObject *args, PyObject *kwargs) {
   ember_webhdfs_status s;
   embpy_err e;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_webhdfs_stat(url, &ho.o, &s));
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &e, NULL, ember_webhdfs_stat(url, &ho.o, &s));
   if (rc != EMBER_OK) return hdfs_raise(m, &e);
   PyObject *d = status_dict(&s);
   ember_webhdfs_status_clear(&s);
@@ -158,9 +178,7 @@ static PyObject *py_hdfs_list(PyObject *m, PyObject *args, PyObject *kwargs) {
   size_t n = 0;
   embpy_err e;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_webhdfs_list(url, &ho.o, &v, &n));
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &e, NULL, ember_webhdfs_list(url, &ho.o, &v, &n));
   if (rc != EMBER_OK) return hdfs_raise(m, &e);
   PyObject *list = PyList_New((Py_ssize_t)n);
   for (size_t i = 0; list != NULL && i < n; i++) {
@@ -193,9 +211,7 @@ static PyObject *py_hdfs_read(PyObject *m, PyObject *args, PyObject *kwargs) {
   ember_webhdfs_file *f = NULL;
   embpy_err e;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_webhdfs_open(&f, url, &ho.o));
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &e, NULL, ember_webhdfs_open(&f, url, &ho.o));
   if (rc != EMBER_OK) return hdfs_raise(m, &e);
   uint64_t size = ember_webhdfs_size(f);
   uint64_t start = (uint64_t)offset < size ? (uint64_t)offset : size;
@@ -211,21 +227,9 @@ static PyObject *py_hdfs_read(PyObject *m, PyObject *args, PyObject *kwargs) {
     return NULL;
   }
   /* nobody else can see `out` yet: fill it without the GIL */
-  char *dst = PyBytes_AS_STRING(out);
-  uint64_t got = 0;
-  int64_t r = 0;
-  Py_BEGIN_ALLOW_THREADS
-  ember_clear_error();
-  rc = ember_webhdfs_seek(f, start);
-  while (rc == EMBER_OK && got < want) {
-    r = ember_webhdfs_read(f, dst + got, (size_t)(want - got));
-    if (r < 0) rc = (int)r;
-    if (r <= 0) break;
-    got += (uint64_t)r;
-  }
-  if (rc != EMBER_OK) embpy_err_capture(&e, rc);
-  ember_webhdfs_close(f);
-  Py_END_ALLOW_THREADS
+  size_t got = 0;
+  EMBPY_NOGIL(rc, &e, NULL,
+              read_range_and_close(f, start, PyBytes_AS_STRING(out), (size_t)want, &got));
   if (rc != EMBER_OK) {
     Py_DECREF(out);
     return hdfs_raise(m, &e);
@@ -256,10 +260,9 @@ static PyObject *py_hdfs_write(PyObject *m, PyObject *args, PyObject *kwargs) {
   }
   embpy_err e;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_webhdfs_write_file(url, data.buf, (size_t)data.len,
-                                              overwrite ? EMBER_WEBHDFS_OVERWRITE : 0, &ho.o));
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &e, NULL,
+              ember_webhdfs_write_file(url, data.buf, (size_t)data.len,
+                                       overwrite ? EMBER_WEBHDFS_OVERWRITE : 0, &ho.o));
   PyBuffer_Release(&data);
   if (rc != EMBER_OK) return hdfs_raise(m, &e);
   Py_RETURN_NONE;
@@ -279,9 +282,7 @@ static PyObject *py_hdfs_mkdirs(PyObject *m, PyObject *args, PyObject *kwargs) {
     return NULL;
   embpy_err e;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_webhdfs_mkdirs(url, &ho.o));
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &e, NULL, ember_webhdfs_mkdirs(url, &ho.o));
   if (rc != EMBER_OK) return hdfs_raise(m, &e);
   Py_RETURN_NONE;
 }
@@ -302,9 +303,7 @@ static PyObject *py_hdfs_delete(PyObject *m, PyObject *args, PyObject *kwargs) {
     return NULL;
   embpy_err e;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_webhdfs_delete(url, recursive, &ho.o, &deleted));
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &e, NULL, ember_webhdfs_delete(url, recursive, &ho.o, &deleted));
   if (rc != EMBER_OK) return hdfs_raise(m, &e);
   return PyBool_FromLong(deleted);
 }
@@ -328,10 +327,8 @@ static PyObject *py_hdfs_rename(PyObject *m, PyObject *args, PyObject *kwargs) {
     return NULL;
   embpy_err e;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_webhdfs_rename(src, dst, overwrite ? EMBER_WEBHDFS_OVERWRITE : 0,
-                                          &ho.o));
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &e, NULL,
+              ember_webhdfs_rename(src, dst, overwrite ? EMBER_WEBHDFS_OVERWRITE : 0, &ho.o));
   if (rc != EMBER_OK) return hdfs_raise(m, &e);
   Py_RETURN_NONE;
 }
@@ -366,12 +363,11 @@ static PyObject *HdfsFile_new(PyTypeObject *type, PyObject *args, PyObject *kwar
     Py_DECREF(self);
     return NULL;
   }
+  self->h.raise = hdfs_raise;
   ember_webhdfs_file *f = NULL;
   embpy_err e;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_webhdfs_open(&f, url, &ho.o));
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &e, NULL, ember_webhdfs_open(&f, url, &ho.o));
   if (rc != EMBER_OK) {
     Py_DECREF(self);
     return hdfs_raise(m, &e);
@@ -402,65 +398,39 @@ static void HdfsFile_dealloc(PyObject *op) {
   Py_DECREF(tp);
 }
 
-/* Reads up to n bytes into dst with the handle entered; fills *e on error.
- * Loops over ranges so that a read asks for n gets n unless the file ends. */
-static int64_t file_read_into(HdfsFileObject *self, char *dst, size_t n, embpy_err *e) {
-  int64_t total = 0, r = 0;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  ember_clear_error();
-  while ((size_t)total < n) {
-    r = ember_webhdfs_read(self->h.ptr, dst + total, n - (size_t)total);
-    if (r <= 0) break;
-    total += r;
-  }
-  if (r < 0) embpy_err_capture(e, (int)r);
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  return r < 0 ? r : total;
-}
-
 /* The position, read under the handle's lock (taken without the GIL: a
  * read in another thread holds it for as long as the network takes). */
-static uint64_t file_tell(HdfsFileObject *self) {
-  uint64_t pos;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  pos = ember_webhdfs_tell(self->h.ptr);
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  return pos;
+static int file_tell(HdfsFileObject *self, uint64_t *pos) {
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(self),
+                    (*pos = ember_webhdfs_tell(self->h.ptr), EMBER_OK));
+  return ok;
 }
 
 static PyObject *HdfsFile_read(PyObject *op, PyObject *args) {
   HdfsFileObject *self = (HdfsFileObject *)op;
   Py_ssize_t n = -1;
   if (!PyArg_ParseTuple(args, "|n:read", &n)) return NULL;
-  if (embpy_handle_enter(&self->h) < 0) return NULL;
   /* another thread may move the position before we read: then the read
    * is shorter than sized here, and the bytes are resized */
-  uint64_t pos = file_tell(self);
+  uint64_t pos = 0;
+  if (file_tell(self, &pos) < 0) return NULL;
   uint64_t left = pos < self->size ? self->size - pos : 0;
   if (n < 0 || (uint64_t)n > left) {
-    if (left > (uint64_t)PY_SSIZE_T_MAX) {
-      embpy_handle_leave(&self->h);
-      return PyErr_NoMemory();
-    }
+    if (left > (uint64_t)PY_SSIZE_T_MAX) return PyErr_NoMemory();
     n = (Py_ssize_t)left;
   }
   PyObject *out = PyBytes_FromStringAndSize(NULL, n);
-  if (out == NULL) {
-    embpy_handle_leave(&self->h);
+  if (out == NULL) return NULL;
+  size_t got = 0;
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    read_full(self->h.ptr, PyBytes_AS_STRING(out), (size_t)n, &got));
+  if (ok < 0) {
+    Py_DECREF(out);
     return NULL;
   }
-  embpy_err e;
-  int64_t got = file_read_into(self, PyBytes_AS_STRING(out), (size_t)n, &e);
-  embpy_handle_leave(&self->h);
-  if (got < 0) {
-    Py_DECREF(out);
-    return hdfs_raise(module_of(op), &e);
-  }
-  if (got < n && _PyBytes_Resize(&out, (Py_ssize_t)got) < 0) return NULL;
+  if ((Py_ssize_t)got < n && _PyBytes_Resize(&out, (Py_ssize_t)got) < 0) return NULL;
   return out;
 }
 
@@ -468,16 +438,22 @@ static PyObject *HdfsFile_readinto(PyObject *op, PyObject *arg) {
   HdfsFileObject *self = (HdfsFileObject *)op;
   Py_buffer b;
   if (PyObject_GetBuffer(arg, &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-  if (embpy_handle_enter(&self->h) < 0) {
-    PyBuffer_Release(&b);
-    return NULL;
-  }
-  embpy_err e;
-  int64_t got = file_read_into(self, b.buf, (size_t)b.len, &e);
-  embpy_handle_leave(&self->h);
+  size_t got = 0;
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), read_full(self->h.ptr, b.buf, (size_t)b.len, &got));
   PyBuffer_Release(&b);
-  if (got < 0) return hdfs_raise(module_of(op), &e);
-  return PyLong_FromLongLong(got);
+  if (ok < 0) return NULL;
+  return PyLong_FromSize_t(got);
+}
+
+/* seek's target from whence and off; *bad when it is outside the file.  No
+ * network: the next read fetches. */
+static int seek_to(ember_webhdfs_file *f, uint64_t size, int whence, long long off,
+                   long long *base, long long *target, int *bad) {
+  *base = whence == 0 ? 0 : whence == 1 ? (long long)ember_webhdfs_tell(f) : (long long)size;
+  *bad = __builtin_add_overflow(*base, off, target) || *target < 0 ||
+         (unsigned long long)*target > size;
+  return *bad ? EMBER_OK : ember_webhdfs_seek(f, (uint64_t)*target);
 }
 
 static PyObject *HdfsFile_seek(PyObject *op, PyObject *args) {
@@ -489,21 +465,11 @@ static PyObject *HdfsFile_seek(PyObject *op, PyObject *args) {
     PyErr_Format(PyExc_ValueError, "whence must be 0, 1 or 2, not %d", whence);
     return NULL;
   }
-  if (embpy_handle_enter(&self->h) < 0) return NULL;
   long long base = 0, target = 0;
-  int bad = 0;
-  /* no network: the next read fetches */
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  base = whence == 0 ? 0
-         : whence == 1 ? (long long)ember_webhdfs_tell(self->h.ptr)
-                       : (long long)self->size;
-  bad = __builtin_add_overflow(base, off, &target) || target < 0 ||
-        (unsigned long long)target > self->size;
-  if (!bad) ember_webhdfs_seek(self->h.ptr, (uint64_t)target);
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
+  int bad = 0, ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    seek_to(self->h.ptr, self->size, whence, off, &base, &target, &bad));
+  if (ok < 0) return NULL;
   if (bad)
     return PyErr_Format(PyExc_ValueError, "seek to %lld%+lld is outside the file (0..%llu)",
                         base, off, (unsigned long long)self->size);
@@ -511,10 +477,8 @@ static PyObject *HdfsFile_seek(PyObject *op, PyObject *args) {
 }
 
 static PyObject *HdfsFile_tell(PyObject *op, PyObject *Py_UNUSED(ignored)) {
-  HdfsFileObject *self = (HdfsFileObject *)op;
-  if (embpy_handle_enter(&self->h) < 0) return NULL;
-  uint64_t pos = file_tell(self);
-  embpy_handle_leave(&self->h);
+  uint64_t pos = 0;
+  if (file_tell((HdfsFileObject *)op, &pos) < 0) return NULL;
   return PyLong_FromUnsignedLongLong(pos);
 }
 
@@ -546,14 +510,11 @@ static PyObject *HdfsFile_get_closed(PyObject *op, void *c) {
 
 static PyObject *HdfsFile_get_stats(PyObject *op, void *c) {
   HdfsFileObject *self = (HdfsFileObject *)op;
-  if (embpy_handle_enter(&self->h) < 0) return NULL;
   ember_webhdfs_stats s;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  ember_webhdfs_file_stats(self->h.ptr, &s);
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    (ember_webhdfs_file_stats(self->h.ptr, &s), EMBER_OK));
+  if (ok < 0) return NULL;
   return Py_BuildValue("{sKsKsKsK}", "requests", (unsigned long long)s.requests, "ranges",
                        (unsigned long long)s.ranges, "retries", (unsigned long long)s.retries,
                        "bytes", (unsigned long long)s.bytes);

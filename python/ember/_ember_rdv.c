@@ -14,10 +14,6 @@
 
 #include <string.h>
 
-/* Waits longer than this are cut into slices so Ctrl-C (PyErr_CheckSignals)
- * and close() from another thread are noticed. */
-#define EMBPY_SLICE_MS 250
-
 /* ================================================================ helpers */
 
 static int check_u32(Py_ssize_t v, const char *what, Py_ssize_t lo, uint32_t *out) {
@@ -228,15 +224,12 @@ static PyObject *RdvServer_new(PyTypeObject *type, PyObject *args, PyObject *kwa
   ember_rdv_server *s = NULL;
   embpy_err e;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_rdv_server_create(&s, &cfg));
-  if (rc == EMBER_OK)
-    self->port = ember_rdv_server_port(s);
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &e, NULL, ember_rdv_server_create(&s, &cfg));
   if (rc != EMBER_OK) {
     embpy_raise(st, &e);
     goto err;
   }
+  self->port = ember_rdv_server_port(s);
   self->h.ptr = s;
   PyBuffer_Release(&secret);
   return (PyObject *)self;
@@ -279,17 +272,10 @@ static PyObject *RdvServer_wait_ready(PyObject *op, PyObject *arg) {
   int64_t ms;
   if (!embpy_timeout_conv(arg, &ms))
     return NULL;
-  if (embpy_handle_enter(&self->h) < 0)
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), ember_rdv_server_wait_ready(self->h.ptr, ms));
+  if (ok < 0)
     return NULL;
-  ember_rdv_server *s = self->h.ptr;
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_rdv_server_wait_ready(s, ms));
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
   Py_RETURN_NONE;
 }
 
@@ -316,44 +302,31 @@ PyDoc_STRVAR(RdvServer_next_event_doc,
              "then one event per EMBER_REJECT_LOG_INTERVAL_MS); text is a str or\n"
              "None.");
 
+/* One slice of next_event's wait (embpy_handle_wait). */
+typedef struct {
+  ember_rdv_server *s;
+  ember_rdv_event ev;
+} next_event_wait;
+
+static int next_event_slice(void *arg, int64_t slice_ms) {
+  next_event_wait *w = arg;
+  return ember_rdv_server_next_event(w->s, &w->ev, slice_ms);
+}
+
 static PyObject *RdvServer_next_event(PyObject *op, PyObject *arg) {
   RdvServerObject *self = (RdvServerObject *)op;
   int64_t ms;
   if (!embpy_timeout_conv(arg, &ms))
     return NULL;
-  if (embpy_handle_enter(&self->h) < 0)
+  next_event_wait w;
+  memset(&w, 0, sizeof w);
+  w.s = self->h.ptr;
+  int r = embpy_handle_wait(&self->h, Py_TYPE(op), ms, next_event_slice, &w);
+  if (r < 0)
     return NULL;
-  ember_rdv_server *s = self->h.ptr;
-  int64_t deadline = ember_deadline_after(ms);
-  ember_rdv_event ev;
-  memset(&ev, 0, sizeof ev);
-  embpy_err e;
-  int rc;
-  for (;;) {
-    int64_t left = deadline - ember_now_ms();
-    if (left < 0)
-      left = 0;
-    int64_t slice = left > EMBPY_SLICE_MS ? EMBPY_SLICE_MS : left;
-    Py_BEGIN_ALLOW_THREADS
-    EMBPY_CALL(rc, &e, ember_rdv_server_next_event(s, &ev, slice));
-    Py_END_ALLOW_THREADS
-    if (rc != EMBER_ETIMEDOUT || slice == left)
-      break;
-    if (self->h.closed) {
-      embpy_handle_leave(&self->h);
-      PyErr_SetString(PyExc_ValueError, "RendezvousServer is closed");
-      return NULL;
-    }
-    if (PyErr_CheckSignals() < 0) {
-      embpy_handle_leave(&self->h);
-      return NULL;
-    }
-  }
-  embpy_handle_leave(&self->h);
-  if (rc == EMBER_ETIMEDOUT)
+  if (r > 0)
     Py_RETURN_NONE;
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  ember_rdv_event ev = w.ev;
   PyObject *text;
   if (ev.text != NULL)
     text = PyUnicode_DecodeUTF8(ev.text, (Py_ssize_t)strlen(ev.text), "replace");
@@ -375,19 +348,12 @@ PyDoc_STRVAR(RdvServer_nodes_doc,
 
 static PyObject *RdvServer_nodes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   RdvServerObject *self = (RdvServerObject *)op;
-  if (embpy_handle_enter(&self->h) < 0)
-    return NULL;
-  ember_rdv_server *s = self->h.ptr;
   ember_rdv_node *nodes = NULL;
   uint32_t count = 0;
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_rdv_server_nodes(s, &nodes, &count));
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), ember_rdv_server_nodes(self->h.ptr, &nodes, &count));
+  if (ok < 0)
+    return NULL;
   PyObject *list = nodes_to_list(nodes, count);
   free(nodes);
   return list;
@@ -407,17 +373,10 @@ static PyObject *RdvServer_stop(PyObject *op, PyObject *args, PyObject *kwargs) 
     return NULL;
   if (check_u32(grace, "grace_ms", 0, &grace_ms) < 0)
     return NULL;
-  if (embpy_handle_enter(&self->h) < 0)
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), ember_rdv_server_stop(self->h.ptr, node, grace_ms));
+  if (ok < 0)
     return NULL;
-  ember_rdv_server *s = self->h.ptr;
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e, ember_rdv_server_stop(s, node, grace_ms));
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
   Py_RETURN_NONE;
 }
 
@@ -508,10 +467,8 @@ static PyObject *RdvClient_new(PyTypeObject *type, PyObject *args, PyObject *kwa
   ember_rdv_client *c = NULL;
   embpy_err e;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  EMBPY_CALL(rc, &e,
-             ember_rdv_client_connect(&c, host, port, secret.buf, (size_t)secret.len, ms));
-  Py_END_ALLOW_THREADS
+  EMBPY_NOGIL(rc, &e, NULL,
+              ember_rdv_client_connect(&c, host, port, secret.buf, (size_t)secret.len, ms));
   if (rc != EMBER_OK) {
     embpy_raise(st, &e);
     goto err;
@@ -593,19 +550,10 @@ static PyObject *RdvClient_register(PyObject *op, PyObject *args, PyObject *kwar
   Py_DECREF(tup);
   node.num_ports = (uint32_t)np;
 
-  if (embpy_handle_enter(&self->h) < 0)
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), ember_rdv_client_register(self->h.ptr, &node, ms));
+  if (ok < 0)
     return NULL;
-  ember_rdv_client *c = self->h.ptr;
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  EMBPY_CALL(rc, &e, ember_rdv_client_register(c, &node, ms));
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
   Py_RETURN_NONE;
 }
 
@@ -620,21 +568,13 @@ static PyObject *RdvClient_wait_spec(PyObject *op, PyObject *arg) {
   int64_t ms;
   if (!embpy_timeout_conv(arg, &ms))
     return NULL;
-  if (embpy_handle_enter(&self->h) < 0)
-    return NULL;
-  ember_rdv_client *c = self->h.ptr;
   ember_rdv_node *nodes = NULL;
   uint32_t count = 0, pos = 0;
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  EMBPY_CALL(rc, &e, ember_rdv_client_wait_spec(c, &nodes, &count, &pos, ms));
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    ember_rdv_client_wait_spec(self->h.ptr, &nodes, &count, &pos, ms));
+  if (ok < 0)
+    return NULL;
   PyObject *spec = cluster_spec_new(Py_TYPE(op), nodes, count);
   if (spec == NULL)
     return NULL;
@@ -657,21 +597,12 @@ static PyObject *RdvClient_start(PyObject *op, PyObject *args, PyObject *kwargs)
     return NULL;
   if (check_u32(interval, "interval_ms", 1, &interval_ms) < 0)
     return NULL;
-  if (embpy_handle_enter(&self->h) < 0)
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    ember_rdv_client_start(self->h.ptr, interval_ms,
+                                           exit_on_loss ? EMBER_RDV_EXIT_ON_LOSS : 0u));
+  if (ok < 0)
     return NULL;
-  ember_rdv_client *c = self->h.ptr;
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  EMBPY_CALL(rc, &e,
-             ember_rdv_client_start(c, interval_ms,
-                                    exit_on_loss ? EMBER_RDV_EXIT_ON_LOSS : 0u));
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
   Py_RETURN_NONE;
 }
 
@@ -731,23 +662,13 @@ static PyObject *RdvClient_report(PyObject *op, PyObject *args, PyObject *kwargs
       return NULL;
     utf8 = fixed;
   }
-  if (embpy_handle_enter(&self->h) < 0) {
-    Py_DECREF(utf8);
-    return NULL;
-  }
-  ember_rdv_client *c = self->h.ptr;
   const char *ctext = PyBytes_AS_STRING(utf8);
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  EMBPY_CALL(rc, &e, ember_rdv_client_report(c, kind, (int32_t)code, ctext, ms));
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    ember_rdv_client_report(self->h.ptr, kind, (int32_t)code, ctext, ms));
   Py_DECREF(utf8);
-  if (rc != EMBER_OK)
-    return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  if (ok < 0)
+    return NULL;
   Py_RETURN_NONE;
 }
 

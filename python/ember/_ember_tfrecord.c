@@ -226,20 +226,11 @@ static PyObject *ExampleDecoder_add(PyObject *op, PyObject *arg) {
   ExampleDecoderObject *self = (ExampleDecoderObject *)op;
   Py_buffer v;
   if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE) < 0) return NULL;
-  if (embpy_handle_enter(&self->h) < 0) {
-    PyBuffer_Release(&v);
-    return NULL;
-  }
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  EMBPY_CALL(rc, &e, ember_ex_decoder_add(self->h.ptr, v.buf, (size_t)v.len));
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    ember_ex_decoder_add(self->h.ptr, v.buf, (size_t)v.len));
   PyBuffer_Release(&v);
-  if (rc != EMBER_OK) return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  if (ok < 0) return NULL;
   Py_RETURN_NONE;
 }
 
@@ -282,29 +273,24 @@ static PyObject *column_tuple(ember_state *st, ember_ex_column *c) {
   return Py_BuildValue("(NNNN)", vals, voff, roff, pres);
 }
 
+/* take()'s part without the GIL: the rows, then the columns. */
+static int take_rows(ember_ex_decoder *dec, ember_ex_column *cols, uint64_t *nrows) {
+  *nrows = ember_ex_decoder_rows(dec);
+  return ember_ex_decoder_take(dec, cols);
+}
+
 static PyObject *ExampleDecoder_take(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   ExampleDecoderObject *self = (ExampleDecoderObject *)op;
   ember_state *st = embpy_state_of_type(Py_TYPE(op));
   if (st == NULL) return NULL;
   ember_ex_column *cols = PyMem_Calloc(self->ncols ? self->ncols : 1, sizeof *cols);
   if (cols == NULL) return PyErr_NoMemory();
-  if (embpy_handle_enter(&self->h) < 0) {
+  uint64_t nrows = 0;
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), take_rows(self->h.ptr, cols, &nrows));
+  if (ok < 0) {
     PyMem_Free(cols);
     return NULL;
-  }
-  embpy_err e;
-  int rc;
-  uint64_t nrows = ember_ex_decoder_rows(self->h.ptr);
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  nrows = ember_ex_decoder_rows(self->h.ptr);
-  EMBPY_CALL(rc, &e, ember_ex_decoder_take(self->h.ptr, cols));
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
-  if (rc != EMBER_OK) {
-    PyMem_Free(cols);
-    return embpy_raise(st, &e);
   }
   PyObject *list = PyList_New(self->ncols);
   for (uint32_t i = 0; i < self->ncols; i++) {
@@ -329,26 +315,18 @@ static PyObject *ExampleDecoder_take(PyObject *op, PyObject *Py_UNUSED(ignored))
 
 static PyObject *ExampleDecoder_clear(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   ExampleDecoderObject *self = (ExampleDecoderObject *)op;
-  if (embpy_handle_enter(&self->h) < 0) return NULL;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  ember_ex_decoder_clear(self->h.ptr);
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), (ember_ex_decoder_clear(self->h.ptr), EMBER_OK));
+  if (ok < 0) return NULL;
   Py_RETURN_NONE;
 }
 
 static PyObject *ExampleDecoder_rows(PyObject *op, void *c) {
   ExampleDecoderObject *self = (ExampleDecoderObject *)op;
-  if (embpy_handle_enter(&self->h) < 0) return NULL;
-  uint64_t n;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  n = ember_ex_decoder_rows(self->h.ptr);
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
+  uint64_t n = 0;
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), (n = ember_ex_decoder_rows(self->h.ptr), EMBER_OK));
+  if (ok < 0) return NULL;
   return PyLong_FromUnsignedLongLong(n);
 }
 
@@ -430,11 +408,9 @@ static PyObject *TFRecordReader_new(PyTypeObject *type, PyObject *args, PyObject
     PyObject *path = NULL;
     if (!PyUnicode_FSConverter(source, &path)) goto err;
     const char *p = PyBytes_AS_STRING(path);
-    int hdfs = is_hdfs_url(p);
-    Py_BEGIN_ALLOW_THREADS
-    if (hdfs) EMBPY_CALL(rc, &e, ember_webhdfs_tfr_reader_open(&r, p, NULL, &o));
-    else EMBPY_CALL(rc, &e, ember_tfr_reader_open_path(&r, p, &o));
-    Py_END_ALLOW_THREADS
+    EMBPY_NOGIL(rc, &e, NULL,
+                is_hdfs_url(p) ? ember_webhdfs_tfr_reader_open(&r, p, NULL, &o)
+                               : ember_tfr_reader_open_path(&r, p, &o));
     Py_DECREF(path);
   } else {
     if (PyObject_GetBuffer(source, &self->mem, PyBUF_SIMPLE) < 0) goto err;
@@ -462,8 +438,9 @@ static void TFRecordReader_dealloc(PyObject *op) {
   Py_DECREF(tp);
 }
 
-/* next() without the GIL: copies the record, since the reader's pointer is
- * only valid until its next call. */
+/* next() without the GIL.  Not EMBPY_HANDLE_CALL: the reader's pointer is
+ * only valid until its next call, so the record is copied into bytes with
+ * the handle's lock still held (the GIL taken back inside it). */
 static PyObject *TFRecordReader_next(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   TFRecordReaderObject *self = (TFRecordReaderObject *)op;
   if (embpy_handle_enter(&self->h) < 0) return NULL;
@@ -506,34 +483,14 @@ PyDoc_STRVAR(TFRecordReader_read_examples_doc,
              "record that does not decode raises with the file, record number and\n"
              "byte offset; the records before it stay in the decoder.");
 
-static PyObject *TFRecordReader_read_examples(PyObject *op, PyObject *args) {
-  TFRecordReaderObject *self = (TFRecordReaderObject *)op;
-  PyObject *dobj;
-  Py_ssize_t n, every = 1, phase = 0;
-  ember_state *st = embpy_state_of_type(Py_TYPE(op));
-  if (st == NULL) return NULL;
-  if (!PyArg_ParseTuple(args, "O!n|nn:read_examples", st->ExampleDecoder_Type, &dobj, &n, &every,
-                        &phase))
-    return NULL;
-  if (n < 0 || every < 1 || phase < 0 || phase >= every) {
-    PyErr_SetString(PyExc_ValueError, "need n >= 0, every >= 1 and 0 <= phase < every");
-    return NULL;
-  }
-  ExampleDecoderObject *dec = (ExampleDecoderObject *)dobj;
-  if (embpy_handle_enter(&self->h) < 0) return NULL;
-  if (embpy_handle_enter(&dec->h) < 0) {
-    embpy_handle_leave(&self->h);
-    return NULL;
-  }
-  embpy_err e;
-  int rc = 0;
-  Py_ssize_t got = 0;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
+/* read_examples' part without the GIL and with the reader's lock held
+ * (EMBPY_HANDLE_CALL): takes the decoder's lock, always after the reader's,
+ * and reads records into it. */
+static int read_into(ember_tfr_reader *r, ExampleDecoderObject *dec, Py_ssize_t n,
+                     Py_ssize_t every, Py_ssize_t phase, Py_ssize_t *got) {
+  int rc = EMBER_OK;
   embpy_lock(dec->h.lock);
-  ember_tfr_reader *r = self->h.ptr;
-  ember_clear_error();
-  while (got < n) {
+  while (*got < n) {
     const uint8_t *d;
     size_t len;
     rc = ember_tfr_reader_next(r, &d, &len);
@@ -552,30 +509,45 @@ static PyObject *TFRecordReader_read_examples(PyObject *op, PyObject *args) {
                        (unsigned long long)ember_tfr_reader_offset(r), ember_last_error());
       break;
     }
-    got++;
+    (*got)++;
   }
-  if (rc < 0) embpy_err_capture(&e, rc);
   embpy_unlock(dec->h.lock);
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
+  return rc < 0 ? rc : EMBER_OK;
+}
+
+static PyObject *TFRecordReader_read_examples(PyObject *op, PyObject *args) {
+  TFRecordReaderObject *self = (TFRecordReaderObject *)op;
+  PyObject *dobj;
+  Py_ssize_t n, every = 1, phase = 0;
+  ember_state *st = embpy_state_of_type(Py_TYPE(op));
+  if (st == NULL) return NULL;
+  if (!PyArg_ParseTuple(args, "O!n|nn:read_examples", st->ExampleDecoder_Type, &dobj, &n, &every,
+                        &phase))
+    return NULL;
+  if (n < 0 || every < 1 || phase < 0 || phase >= every) {
+    PyErr_SetString(PyExc_ValueError, "need n >= 0, every >= 1 and 0 <= phase < every");
+    return NULL;
+  }
+  ExampleDecoderObject *dec = (ExampleDecoderObject *)dobj;
+  if (embpy_handle_enter(&dec->h) < 0) return NULL;
+  Py_ssize_t got = 0;
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    read_into(self->h.ptr, dec, n, every, phase, &got));
   embpy_handle_leave(&dec->h);
-  embpy_handle_leave(&self->h);
-  if (rc < 0) return embpy_raise(st, &e);
+  if (ok < 0) return NULL;
   return PyLong_FromSsize_t(got);
 }
 
 static PyObject *TFRecordReader_stats(PyObject *op, void *c) {
   TFRecordReaderObject *self = (TFRecordReaderObject *)op;
-  if (embpy_handle_enter(&self->h) < 0) return NULL;
   ember_tfr_stats s;
-  uint64_t off;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  ember_tfr_reader_stats(self->h.ptr, &s);
-  off = ember_tfr_reader_offset(self->h.ptr);
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
+  uint64_t off = 0;
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    (ember_tfr_reader_stats(self->h.ptr, &s),
+                     off = ember_tfr_reader_offset(self->h.ptr), EMBER_OK));
+  if (ok < 0) return NULL;
   return Py_BuildValue("{sKsKsKsKsKsK}", "records", (unsigned long long)s.records, "data_bytes",
                        (unsigned long long)s.data_bytes, "stream_bytes",
                        (unsigned long long)s.stream_bytes, "skipped", (unsigned long long)s.skipped,
@@ -850,13 +822,11 @@ static PyObject *TFRecordWriter_new(PyTypeObject *type, PyObject *args, PyObject
     PyObject *p = NULL;
     if (!PyUnicode_FSConverter(path, &p)) goto err;
     const char *ps = PyBytes_AS_STRING(p);
-    int hdfs = is_hdfs_url(ps);
-    Py_BEGIN_ALLOW_THREADS
-    if (hdfs) /* streamed: CREATE, then an APPEND per 8 MiB; complete at close() */
-      EMBPY_CALL(rc, &e, ember_webhdfs_tfr_writer_open(&w, ps, EMBER_WEBHDFS_OVERWRITE, NULL,
-                                                       compression, level));
-    else EMBPY_CALL(rc, &e, ember_tfr_writer_open_path(&w, ps, compression, level));
-    Py_END_ALLOW_THREADS
+    /* HDFS is streamed: CREATE, then an APPEND per 8 MiB; complete at close() */
+    EMBPY_NOGIL(rc, &e, NULL,
+                is_hdfs_url(ps) ? ember_webhdfs_tfr_writer_open(&w, ps, EMBER_WEBHDFS_OVERWRITE,
+                                                                NULL, compression, level)
+                                : ember_tfr_writer_open_path(&w, ps, compression, level));
     Py_DECREF(p);
   }
   if (rc != EMBER_OK) {
@@ -882,20 +852,11 @@ static PyObject *TFRecordWriter_write(PyObject *op, PyObject *arg) {
   TFRecordWriterObject *self = (TFRecordWriterObject *)op;
   Py_buffer v;
   if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE) < 0) return NULL;
-  if (embpy_handle_enter(&self->h) < 0) {
-    PyBuffer_Release(&v);
-    return NULL;
-  }
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  EMBPY_CALL(rc, &e, ember_tfr_writer_write(self->h.ptr, v.buf, (size_t)v.len));
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    ember_tfr_writer_write(self->h.ptr, v.buf, (size_t)v.len));
   PyBuffer_Release(&v);
-  if (rc != EMBER_OK) return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  if (ok < 0) return NULL;
   Py_RETURN_NONE;
 }
 
@@ -908,6 +869,19 @@ PyDoc_STRVAR(TFRecordWriter_write_examples_doc,
              "one per value + 1); width > 0 values per row, or 0 with row_offsets\n"
              "(uint64, nrows + 1); present None or uint8 per row (0 leaves it out).");
 
+/* write_examples' part without the GIL: encodes and writes row by row. */
+static int write_rows(ember_tfr_writer *w, const enc_columns *c) {
+  uint8_t *buf = NULL;
+  size_t cap = 0, len = 0;
+  int rc = EMBER_OK;
+  for (uint64_t row = 0; row < c->nrows && rc == EMBER_OK; row++) {
+    rc = encode_row(c, row, &buf, &cap, &len);
+    if (rc == EMBER_OK) rc = ember_tfr_writer_write(w, buf, len);
+  }
+  PyMem_RawFree(buf);
+  return rc;
+}
+
 static PyObject *TFRecordWriter_write_examples(PyObject *op, PyObject *args) {
   TFRecordWriterObject *self = (TFRecordWriterObject *)op;
   PyObject *columns;
@@ -915,44 +889,19 @@ static PyObject *TFRecordWriter_write_examples(PyObject *op, PyObject *args) {
   if (!PyArg_ParseTuple(args, "On:write_examples", &columns, &nrows)) return NULL;
   enc_columns c;
   if (enc_parse(columns, nrows, &c) < 0) return NULL;
-  if (embpy_handle_enter(&self->h) < 0) {
-    enc_release(&c);
-    return NULL;
-  }
-  embpy_err e;
-  int rc = EMBER_OK;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  uint8_t *buf = NULL;
-  size_t cap = 0, len = 0;
-  ember_clear_error();
-  for (uint64_t row = 0; row < c.nrows && rc == EMBER_OK; row++) {
-    rc = encode_row(&c, row, &buf, &cap, &len);
-    if (rc == EMBER_OK) rc = ember_tfr_writer_write(self->h.ptr, buf, len);
-  }
-  if (rc != EMBER_OK) embpy_err_capture(&e, rc);
-  PyMem_RawFree(buf);
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), write_rows(self->h.ptr, &c));
   enc_release(&c);
-  if (rc != EMBER_OK) return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  if (ok < 0) return NULL;
   Py_RETURN_NONE;
 }
 
 /* flush / close share this shape. */
 static PyObject *writer_call(PyObject *op, int (*fn)(ember_tfr_writer *)) {
   TFRecordWriterObject *self = (TFRecordWriterObject *)op;
-  if (embpy_handle_enter(&self->h) < 0) return NULL;
-  embpy_err e;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  embpy_lock(self->h.lock);
-  EMBPY_CALL(rc, &e, fn(self->h.ptr));
-  embpy_unlock(self->h.lock);
-  Py_END_ALLOW_THREADS
-  embpy_handle_leave(&self->h);
-  if (rc != EMBER_OK) return embpy_raise(embpy_state_of_type(Py_TYPE(op)), &e);
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), fn(self->h.ptr));
+  if (ok < 0) return NULL;
   Py_RETURN_NONE;
 }
 

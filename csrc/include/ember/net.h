@@ -84,7 +84,9 @@ int ember_net_tune(int fd);
 /* Where a server reports connections it rejected before they authenticated
  * (at most one line per EMBER_REJECT_LOG_INTERVAL_MS, default 10 s: "feed
  * server on :41234 rejected 2,997 unauthenticated connections in the last
- * 10 s (last: 127.0.0.1:5555: handshake not completed within 3000 ms)").
+ * 10 s (last: 127.0.0.1:5555: handshake not completed within 3000 ms (no
+ * valid AUTH frame))"), and once that it paused accepting because the
+ * process ran out of file descriptors with no stranger's left to give up.
  * Called on the server's thread; the line has no trailing newline and is
  * valid only during the call; the callback must not call back into that
  * server.  A NULL callback in a config means stderr, as "[ember] <line>". */

@@ -1,45 +1,41 @@
-/* rendezvous.c - the reservation server (driver side) and its client (node).
+/* rendezvous_server.c - the reservation server (driver side); its client is
+ * rendezvous_client.c, the contract ember/rendezvous.h.
  *
- * Server: one background thread runs a poll() loop over a wake eventfd, the
- * listen socket and every connection.  Sockets are non-blocking; each
- * connection has a small state machine (AUTH -> REGISTER -> NODE, or CLOSING
- * when it is being refused), its own incremental frame parser and its own
- * output queue, so a slow or hostile peer only ever costs its own buffers and
- * never stalls the loop.  The node table, the ready flag and the event queue
- * are shared with API callers under one mutex + condvar.
+ * One background thread runs a poll() loop over a wake eventfd, the
+ * acceptor's descriptors (acceptor.h: the listener and every connection that
+ * has not yet authenticated and sent REGISTER) and every node's connection.
+ * The acceptor hands over a connection with its REGISTER; from there each
+ * connection is a NODE, or CLOSING when it is being refused, with its own
+ * incremental frame parser and its own output queue, so a slow or hostile
+ * peer only ever costs its own buffers and never stalls the loop.  The node
+ * table, the ready flag and the event queue are shared with API callers
+ * under one mutex + condvar.
  *
  * Scale: per loop iteration the work is O(connections) (poll itself is), per
  * frame O(1), and the SPEC node table is encoded once and queued by reference
- * to every node behind that node's own 16-byte header + your_index prefix.
- *
- * Client: blocking connect/register/wait_spec on the calling thread; then an
- * optional background thread that sends heartbeats, reads STOP and echoes,
- * and enforces EMBER_RDV_EXIT_ON_LOSS. */
+ * to every node behind that node's own 16-byte header + your_index prefix. */
 #include "ember/rendezvous.h"
 
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdarg.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "acceptor.h"
 #include "ember/auth.h"
 #include "ember/error.h"
 #include "ember/net.h"
 #include "ember/wire.h"
-#include "preauth.h"
 #include "rendezvous_codec.h"
+#include "rendezvous_internal.h"
 
 #define DEFAULT_HEARTBEAT_TIMEOUT_MS 10000u
 #define DEFAULT_HANDSHAKE_TIMEOUT_MS 10000u
-#define AUTH_FRAME_LEN (EMBER_WIRE_HEADER_LEN + EMBER_NONCE_LEN + EMBER_MAC_LEN)
 #define READ_CHUNK 65536u
 /* Bytes of frames we build for one connection (STOPs, echoes, REFUSED) that
  * may wait unsent; the shared SPEC is not counted.  A peer that lets this
@@ -53,14 +49,7 @@
  * ones a peer can generate at will) are dropped and counted. */
 #define EVENT_BYTES_MAX (64u << 20)
 #define EVENT_COUNT_MAX 100000u
-/* Accepts per loop turn: between batches the loop reads what pending peers
- * sent, so a real peer's AUTH is seen before a burst of strangers could push
- * it out of the pending pool. */
-#define ACCEPT_BATCH 64
-#define ACCEPT_PAUSE_MS 100
 #define MAX_IOV 16
-
-/* ================================================================ server */
 
 typedef struct seg {
   struct seg *next;
@@ -70,7 +59,9 @@ typedef struct seg {
   uint8_t own[];
 } seg;
 
-enum { C_AUTH, C_REGISTER, C_NODE, C_CLOSING };
+/* A connection comes from the acceptor with its REGISTER (C_REGISTER only
+ * while that is looked at), then is a NODE, or CLOSING when refused. */
+enum { C_REGISTER, C_NODE, C_CLOSING };
 
 typedef struct conn {
   int fd;
@@ -78,19 +69,13 @@ typedef struct conn {
   int dead; /* closed at the next sweep; handlers never free a conn */
   char peer[96];
   char peer_host[96];
-  ember_auth_pending auth;
-  uint8_t authbuf[AUTH_FRAME_LEN];
-  size_t authlen;
   ember_wire_parser *parser;
   seg *head, *tail;
   size_t queued;
-  int64_t deadline;   /* handshake (AUTH/REGISTER) or linger (CLOSING) */
+  int64_t deadline;   /* CLOSING: the end of the linger */
   int64_t last_heard; /* NODE: time of the last frame received */
   int32_t node;       /* index once registered, else -1 */
   int reported;       /* loop-thread copy of node_slot.reported */
-  int authed;         /* proved the secret */
-  int64_t accepted;   /* when accept() returned it */
-  ember__pool_link pool; /* in s->pool while unauthenticated (preauth.h) */
 } conn;
 
 typedef struct {
@@ -115,15 +100,11 @@ typedef struct cmd {
 
 struct ember_rdv_server {
   /* immutable after create */
-  uint8_t *secret;
-  size_t secret_len;
   uint32_t num_nodes, num_ps;
   int has_chief, has_evaluator;
-  uint32_t hb_ms, hs_ms;
-  uint32_t pre_ms;      /* deadline from accept to a valid AUTH */
-  uint32_t max_pending; /* unauthenticated connections kept at once */
+  uint32_t hb_ms;
   uint16_t port;
-  int listen_fd, wake_fd;
+  int wake_fd;
   pthread_t thread;
   int thread_started;
 
@@ -142,15 +123,13 @@ struct ember_rdv_server {
   int quit;
 
   /* loop thread only */
-  struct pollfd *pfds; /* [0] wake eventfd, [1] listen, [2 + i] conns[i] */
+  ember__acceptor *acc;
+  struct pollfd *pfds; /* [0] wake eventfd, then the acceptor's, then conns' */
+  size_t capfds;
   conn **conns;
   size_t nconns, capconns;
   uint8_t *spec_table;
   size_t spec_table_len;
-  int64_t accept_paused_until;
-  int accept_warned;
-  ember__pool pool; /* unauthenticated connections, oldest first */
-  ember__reject_log rejects;
   uint8_t rbuf[READ_CHUNK];
 };
 
@@ -172,44 +151,11 @@ static char *fmt_alloc(const char *fmt, ...) {
   return s;
 }
 
-/* Wake-ups use an eventfd: one fd instead of a pipe's two matters when a
- * benchmark runs a thousand clients in one process. */
-static void wake(int fd) {
-  uint64_t one = 1;
-  /* A saturated counter already guarantees a wake-up; EAGAIN is fine. */
-  ssize_t n = write(fd, &one, sizeof one);
-  (void)n;
-}
-
-static void drain_fd(int fd) {
-  uint8_t buf[256];
-  while (read(fd, buf, sizeof buf) > 0) {
-  }
-}
-
 /* Bounded: a peer streaming garbage must not keep the loop here. */
 static void drain_socket(int fd) {
   uint8_t buf[4096];
   for (int i = 0; i < 16; i++)
     if (recv(fd, buf, sizeof buf, MSG_DONTWAIT) <= 0) return;
-}
-
-static int make_wakefd(int *out) {
-  *out = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (*out < 0) return ember__set_errno(EMBER_ESYS, errno, "eventfd");
-  return EMBER_OK;
-}
-
-/* Starts a thread with every signal blocked: signals belong to the host
- * program's threads (CPython handles them on its main thread). */
-static int start_thread(pthread_t *t, void *(*fn)(void *), void *arg) {
-  sigset_t all, old;
-  sigfillset(&all);
-  pthread_sigmask(SIG_SETMASK, &all, &old);
-  int err = pthread_create(t, NULL, fn, arg);
-  pthread_sigmask(SIG_SETMASK, &old, NULL);
-  if (err != 0) return ember__set_errno(EMBER_ESYS, err, "pthread_create");
-  return EMBER_OK;
 }
 
 static int64_t abs_deadline_to_ts(int64_t deadline_ms, struct timespec *ts) {
@@ -328,44 +274,18 @@ static void free_segs(conn *c) {
   c->queued = 0;
 }
 
-/* Drops queued frames that have not started to go out; a partly sent one
- * must finish or the peer's framing would break. */
-static void drop_unsent(conn *c) {
-  seg *keep = (c->head != NULL && c->head->off > 0) ? c->head : NULL;
-  seg *g = keep ? keep->next : c->head;
-  while (g) {
-    seg *n = g->next;
-    c->queued -= g->owned;
-    free(g);
-    g = n;
-  }
-  if (keep) keep->next = NULL;
-  c->head = c->tail = keep;
-}
+/* The connection is closed at the next sweep. */
+static void mark_dead(conn *c) { c->dead = 1; }
 
-/* The connection is closed at the next sweep; it leaves the pool now, so
- * the pool counts only connections that still hold a place. */
-static void mark_dead(ember_rdv_server *s, conn *c) {
-  c->dead = 1;
-  ember__pool_unlink(&s->pool, &c->pool);
-}
-
-/* Reports a refused connection: an authenticated peer (a node with a bad
- * REGISTER, a duplicate index) at once, strangers rate-limited. */
-static void report_rejected(ember_rdv_server *s, conn *c, int32_t ev_node,
+/* Reports a refused peer that had proven the secret (a node with a bad or
+ * late REGISTER, a duplicate index) at once, as a REJECTED event of its own;
+ * strangers are counted by the acceptor and reported rate-limited
+ * (on_log). */
+static void report_rejected(ember_rdv_server *s, const char *peer, int32_t ev_node,
                             const char *reason) {
-  if (c->authed) {
-    push_event(s, EMBER_RDV_EV_REJECTED, ev_node, 1,
-               fmt_alloc("%s rejected a connection from %s: %s", s->rejects.what, c->peer,
-                         reason));
-    return;
-  }
-  char line[768];
-  uint64_t n = ember__reject_note(&s->rejects, ember_now_ms(), c->peer, reason, line,
-                                  sizeof line);
-  if (n > 0)
-    push_event(s, EMBER_RDV_EV_REJECTED, -1, n > INT32_MAX ? INT32_MAX : (int32_t)n,
-               fmt_alloc("%s", line));
+  push_event(s, EMBER_RDV_EV_REJECTED, ev_node, 1,
+             fmt_alloc("%s rejected a connection from %s: %s", ember__acceptor_name(s->acc),
+                       peer, reason));
 }
 
 /* ---------------------------------------------------------------- conn end */
@@ -393,34 +313,26 @@ static void node_gone(ember_rdv_server *s, conn *c, const char *reason) {
   c->node = -1;
 }
 
-/* Ends a connection now.  Registered nodes become LOST (see node_gone);
- * connections still in the handshake become REJECTED. */
+/* Ends a connection now.  Registered nodes become LOST (see node_gone). */
 static void conn_drop(ember_rdv_server *s, conn *c, const char *reason) {
   if (c->dead) return;
   if (c->node >= 0) node_gone(s, c, reason);
-  else if (c->state == C_AUTH || c->state == C_REGISTER) report_rejected(s, c, -1, reason);
-  mark_dead(s, c);
+  mark_dead(c);
 }
 
-/* Refuses a connection that has not registered: REJECTED event, a REFUSED
- * frame telling the peer why, then a short linger to deliver it. */
+/* Refuses a connection whose REGISTER is not accepted: REJECTED event, a
+ * REFUSED frame telling the peer why, then a short linger to deliver it. */
 static void conn_refuse(ember_rdv_server *s, conn *c, int status, int32_t ev_node,
-                        const char *reason, const uint8_t *prebuilt, size_t prebuilt_len) {
+                        const char *reason) {
   if (c->dead || c->state == C_CLOSING) return;
-  report_rejected(s, c, ev_node, reason);
-  drop_unsent(c); /* an unsent CHALLENGE is moot now */
-  int rc;
-  if (prebuilt != NULL) {
-    rc = queue_seg(c, prebuilt, prebuilt_len, NULL, 0);
-  } else {
-    ember_wire_writer w;
-    ember_wire_writer_init(&w);
-    ember__rdv_encode_refused(&w, status, reason);
-    rc = w.err ? w.err : queue_frame(c, EMBER_MSG_REFUSED, w.buf, (uint32_t)w.len);
-    ember_wire_writer_free(&w);
-  }
+  report_rejected(s, c->peer, ev_node, reason);
+  ember_wire_writer w;
+  ember_wire_writer_init(&w);
+  ember__rdv_encode_refused(&w, status, reason);
+  int rc = w.err ? w.err : queue_frame(c, EMBER_MSG_REFUSED, w.buf, (uint32_t)w.len);
+  ember_wire_writer_free(&w);
   if (rc != EMBER_OK) {
-    mark_dead(s, c);
+    mark_dead(c);
     return;
   }
   c->state = C_CLOSING;
@@ -461,7 +373,7 @@ static void conn_flush(ember_rdv_server *s, conn *c) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
       char why[160];
       snprintf(why, sizeof why, "send failed: %s", strerror(errno));
-      if (c->state == C_CLOSING) mark_dead(s, c);
+      if (c->state == C_CLOSING) mark_dead(c);
       else conn_drop(s, c, why);
       return;
     }
@@ -481,7 +393,7 @@ static void conn_flush(ember_rdv_server *s, conn *c) {
       free(g);
     }
   }
-  if (c->head == NULL && c->state == C_CLOSING) mark_dead(s, c);
+  if (c->head == NULL && c->state == C_CLOSING) mark_dead(c);
 }
 
 /* ---------------------------------------------------------------- ready */
@@ -560,13 +472,13 @@ static void on_register(ember_rdv_server *s, conn *c, const uint8_t *p, uint32_t
   char reason[512];
   if (ember__rdv_decode_register(p, len, &n) != EMBER_OK) {
     snprintf(reason, sizeof reason, "%s", ember_last_error());
-    conn_refuse(s, c, EMBER_EPROTO, -1, reason, NULL, 0);
+    conn_refuse(s, c, EMBER_EPROTO, -1, reason);
     return;
   }
   if (n.index >= s->num_nodes) {
     snprintf(reason, sizeof reason, "node index %u out of range (num_nodes = %u)",
              (unsigned)n.index, (unsigned)s->num_nodes);
-    conn_refuse(s, c, EMBER_EINVAL, -1, reason, NULL, 0);
+    conn_refuse(s, c, EMBER_EINVAL, -1, reason);
     return;
   }
   if (n.host[0] == '\0') snprintf(n.host, sizeof n.host, "%s", c->peer_host);
@@ -586,7 +498,7 @@ static void on_register(ember_rdv_server *s, conn *c, const uint8_t *p, uint32_t
       snprintf(reason, sizeof reason,
                "node index %u: the reservation is already complete", (unsigned)n.index);
     pthread_mutex_unlock(&s->mu);
-    conn_refuse(s, c, EMBER_ESTATE, (int32_t)n.index, reason, NULL, 0);
+    conn_refuse(s, c, EMBER_ESTATE, (int32_t)n.index, reason);
     return;
   }
   sl->info = n;
@@ -646,78 +558,16 @@ static void on_node_frame(ember_rdv_server *s, conn *c, const ember_frame_header
 
 /* ---------------------------------------------------------------- reads */
 
-static void on_auth_bytes(ember_rdv_server *s, conn *c) {
-  /* Read no further than the one AUTH frame: nothing past it is looked at
-   * before the peer is authenticated, and an unauthenticated peer costs us
-   * exactly this 76-byte buffer. */
-  ssize_t n = recv(c->fd, c->authbuf + c->authlen, AUTH_FRAME_LEN - c->authlen, 0);
-  if (n == 0) {
-    conn_drop(s, c, "closed the connection before authenticating");
-    return;
-  }
-  if (n < 0) {
-    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
-    char why[160];
-    snprintf(why, sizeof why, "recv failed during authentication: %s", strerror(errno));
-    conn_drop(s, c, why);
-    return;
-  }
-  c->authlen += (size_t)n;
-  if (c->authlen < EMBER_WIRE_HEADER_LEN) return;
-
-  ember_frame_header h;
-  uint8_t reply[EMBER_WIRE_HEADER_LEN + 8 + 256];
-  size_t reply_len = 0;
-  char reason[512];
-  if (ember_wire_decode_header(c->authbuf, c->authlen, EMBER_WIRE_ABSOLUTE_MAX, &h) !=
-      EMBER_OK) {
-    snprintf(reason, sizeof reason, "authentication failed: expected AUTH frame: %s",
-             ember_last_error());
-    conn_refuse(s, c, EMBER_EAUTH, -1, reason, NULL, 0);
-    return;
-  }
-  int well_formed =
-      h.type == EMBER_MSG_AUTH && h.length == AUTH_FRAME_LEN - EMBER_WIRE_HEADER_LEN;
-  if (well_formed && c->authlen < AUTH_FRAME_LEN) return; /* wait for the rest */
-  int rc = ember_auth_server_check(&c->auth, s->secret, s->secret_len, h.type,
-                                   well_formed ? c->authbuf + EMBER_WIRE_HEADER_LEN : NULL,
-                                   h.length, reply, sizeof reply, &reply_len);
-  if (rc == EMBER_OK) {
-    if (queue_seg(c, reply, reply_len, NULL, 0) != EMBER_OK ||
-        ember_wire_parser_create(&c->parser, EMBER__RDV_REPORT_MAX) != EMBER_OK) {
-      conn_drop(s, c, "out of memory after authentication");
-      return;
-    }
-    /* Authenticated: out of the pool (never evicted), and the rest of the
-     * handshake timeout for REGISTER. */
-    c->authed = 1;
-    ember__pool_unlink(&s->pool, &c->pool);
-    c->state = C_REGISTER;
-    c->deadline = c->accepted + (int64_t)s->hs_ms;
-    return;
-  }
-  snprintf(reason, sizeof reason, "%s", ember_last_error());
-  if (rc == EMBER_EAUTH && reply_len > 0)
-    conn_refuse(s, c, EMBER_EAUTH, -1, reason, reply, reply_len);
-  else
-    conn_drop(s, c, reason);
-}
-
 static void on_readable(ember_rdv_server *s, conn *c) {
-  if (c->state == C_AUTH) {
-    on_auth_bytes(s, c);
-    return;
-  }
   ssize_t n = recv(c->fd, s->rbuf, sizeof s->rbuf, 0);
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
   if (c->state == C_CLOSING) {
     /* Discard: we only wait for our REFUSED to drain or the peer to go. */
-    if (n <= 0) mark_dead(s, c);
+    if (n <= 0) mark_dead(c);
     return;
   }
   if (n == 0) {
-    conn_drop(s, c, c->state == C_REGISTER ? "closed the connection before REGISTER"
-                                           : "connection closed by peer");
+    conn_drop(s, c, "connection closed by peer");
     return;
   }
   if (n < 0) {
@@ -729,8 +579,7 @@ static void on_readable(ember_rdv_server *s, conn *c) {
   char reason[512];
   if (ember_wire_parser_feed(c->parser, s->rbuf, (size_t)n) != EMBER_OK) {
     snprintf(reason, sizeof reason, "protocol error: %s", ember_last_error());
-    if (c->state == C_REGISTER) conn_refuse(s, c, EMBER_EPROTO, -1, reason, NULL, 0);
-    else conn_drop(s, c, reason);
+    conn_drop(s, c, reason);
     return;
   }
   for (;;) {
@@ -739,21 +588,11 @@ static void on_readable(ember_rdv_server *s, conn *c) {
     if (c->dead || c->state == C_CLOSING) return;
     int r = ember_wire_parser_next(c->parser, &h, &p);
     if (r <= 0) return; /* errors surface in feed, already handled */
-    if (c->state == C_REGISTER) {
-      if (h.type != EMBER_MSG_REGISTER) {
-        snprintf(reason, sizeof reason, "expected REGISTER, got %s",
-                 ember_wire_type_name(h.type));
-        conn_refuse(s, c, EMBER_EPROTO, -1, reason, NULL, 0);
-        return;
-      }
-      on_register(s, c, p, h.length);
-    } else {
-      on_node_frame(s, c, &h, p);
-    }
+    on_node_frame(s, c, &h, p);
   }
 }
 
-/* ---------------------------------------------------------------- accept */
+/* ---------------------------------------------------------------- the acceptor */
 
 /* "1.2.3.4:5" -> "1.2.3.4", "[::1]:5" -> "::1": the host part alone, for
  * REGISTER's "empty host means the address this connection came from". */
@@ -777,102 +616,50 @@ static int add_conn(ember_rdv_server *s, conn *c) {
     conn **nc = realloc(s->conns, ncap * sizeof *nc);
     if (nc == NULL) return EMBER_ENOMEM;
     s->conns = nc;
-    struct pollfd *np = realloc(s->pfds, (ncap + 2) * sizeof *np);
-    if (np == NULL) return EMBER_ENOMEM;
-    s->pfds = np;
     s->capconns = ncap;
   }
-  s->conns[s->nconns] = c;
-  s->pfds[2 + s->nconns].fd = c->fd;
-  s->pfds[2 + s->nconns].events = POLLIN;
-  s->pfds[2 + s->nconns].revents = 0;
-  s->nconns++;
+  s->conns[s->nconns++] = c;
   return EMBER_OK;
 }
 
 static void remove_conn(ember_rdv_server *s, size_t i) {
-  ember__pool_unlink(&s->pool, &s->conns[i]->pool);
   conn_free(s->conns[i]);
-  s->nconns--;
-  if (i != s->nconns) {
-    s->conns[i] = s->conns[s->nconns];
-    s->pfds[2 + i] = s->pfds[2 + s->nconns];
-  }
+  s->conns[i] = s->conns[--s->nconns];
 }
 
-/* Makes room in the pool by ending its oldest unauthenticated connection.
- * Returns 0 when the pool holds none. */
-static int evict_oldest(ember_rdv_server *s, const char *why) {
-  conn *victim = ember__pool_oldest(&s->pool);
-  if (victim == NULL) return 0;
-  char reason[192];
-  snprintf(reason, sizeof reason, "evicted before authenticating: %s", why);
-  if (victim->state == C_CLOSING) mark_dead(s, victim); /* already reported */
-  else conn_drop(s, victim, reason);
-  return 1;
+/* The acceptor hands over an authenticated connection with its REGISTER. */
+static void on_accepted(void *arg, ember__accepted *a) {
+  ember_rdv_server *s = arg;
+  conn *c = calloc(1, sizeof *c);
+  if (c == NULL || ember_wire_parser_create(&c->parser, EMBER__RDV_REPORT_MAX) != EMBER_OK ||
+      add_conn(s, c) != EMBER_OK) {
+    if (c != NULL) ember_wire_parser_destroy(c->parser);
+    free(c);
+    report_rejected(s, a->peer, -1, "out of memory after authentication");
+    ember_net_close(a->fd);
+    free(a->payload);
+    return;
+  }
+  c->fd = a->fd;
+  c->node = -1;
+  c->state = C_REGISTER;
+  memcpy(c->peer, a->peer, sizeof c->peer);
+  peer_host_of(c->peer, c->peer_host, sizeof c->peer_host);
+  on_register(s, c, a->payload, a->first.length);
+  free(a->payload);
 }
 
-static void accept_some(ember_rdv_server *s) {
-  int evicted_for_fd = 0;
-  for (int k = 0; k < ACCEPT_BATCH; k++) {
-    int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-      /* Out of fds: a stranger's pending connection is the one to give up
-       * (it is closed at the next sweep, so try again next turn).  With none
-       * left, the pending connection stays queued and poll would report it
-       * forever: pause accepting instead of spinning. */
-      int err = errno;
-      if ((err == EMFILE || err == ENFILE) && !evicted_for_fd &&
-          evict_oldest(s, "the server is out of file descriptors")) {
-        evicted_for_fd = 1;
-        s->accept_paused_until = ember_now_ms() + 1; /* after the sweep */
-        return;
-      }
-      s->accept_paused_until = ember_now_ms() + ACCEPT_PAUSE_MS;
-      if (!s->accept_warned) {
-        s->accept_warned = 1;
-        push_event(s, EMBER_RDV_EV_REJECTED, -1, 0,
-                   fmt_alloc("%s: accept failed: %s (raise the open-file limit?)",
-                             s->rejects.what, strerror(err)));
-      }
-      return;
-    }
-    /* The pool is full: the oldest pending connection makes room.  A real
-     * peer answers its CHALLENGE within milliseconds, so it is the newest
-     * or already out of the pool; a stranger holding the pool only evicts
-     * other strangers. */
-    if (s->pool.n >= s->max_pending) {
-      char why[96];
-      snprintf(why, sizeof why, "%zu connections were waiting to authenticate (limit %u)",
-               s->pool.n, (unsigned)s->max_pending);
-      evict_oldest(s, why);
-    }
-    conn *c = calloc(1, sizeof *c);
-    if (c == NULL) {
-      ember_net_close(fd);
-      continue;
-    }
-    c->fd = fd;
-    c->node = -1;
-    c->state = C_AUTH;
-    c->accepted = ember_now_ms();
-    c->deadline = c->accepted + (int64_t)s->pre_ms;
-    ember_net_peer_name(fd, c->peer, sizeof c->peer);
-    peer_host_of(c->peer, c->peer_host, sizeof c->peer_host);
-    (void)ember_net_tune(fd);
-    uint8_t ch[EMBER_WIRE_HEADER_LEN + EMBER_NONCE_LEN];
-    size_t chl = 0;
-    if (ember_auth_server_begin(&c->auth, ch, sizeof ch, &chl) != EMBER_OK ||
-        queue_seg(c, ch, chl, NULL, 0) != EMBER_OK || add_conn(s, c) != EMBER_OK) {
-      conn_free(c);
-      continue;
-    }
-    ember__pool_push(&s->pool, &c->pool, c);
-    /* Usually completes at once and saves a poll round trip. */
-    conn_flush(s, c);
-  }
+/* A connection the acceptor ended: a peer that had proven the secret but
+ * sent a bad or late REGISTER is reported at once (strangers: on_log). */
+static void on_rejected(void *arg, const char *peer, int authed, const char *reason) {
+  if (authed) report_rejected(arg, peer, -1, reason);
+}
+
+/* Strangers, rate-limited: REJECTED events whose code is how many rejected
+ * connections they cover (0: accepting paused, out of descriptors). */
+static void on_log(void *arg, const char *line, uint64_t count) {
+  push_event(arg, EMBER_RDV_EV_REJECTED, -1, count > INT32_MAX ? INT32_MAX : (int32_t)count,
+             fmt_alloc("%s", line));
 }
 
 /* ---------------------------------------------------------------- commands */
@@ -905,19 +692,9 @@ static int64_t check_timers(ember_rdv_server *s, conn *c, int64_t now) {
   char reason[256];
   if (c->dead) return INT64_MAX;
   switch (c->state) {
-  case C_AUTH:
-  case C_REGISTER:
-    if (now >= c->deadline) {
-      snprintf(reason, sizeof reason, "handshake not completed within %u ms (%s)",
-               (unsigned)(c->state == C_AUTH ? s->pre_ms : s->hs_ms),
-               c->state == C_AUTH ? "no valid AUTH frame" : "no REGISTER frame");
-      conn_refuse(s, c, EMBER_ETIMEDOUT, -1, reason, NULL, 0);
-      return c->dead ? INT64_MAX : c->deadline;
-    }
-    return c->deadline;
   case C_CLOSING:
     if (now >= c->deadline) {
-      mark_dead(s, c);
+      mark_dead(c);
       return INT64_MAX;
     }
     return c->deadline;
@@ -939,21 +716,32 @@ static int64_t check_timers(ember_rdv_server *s, conn *c, int64_t now) {
   }
 }
 
+/* Makes room for n pollfd entries. */
+static int reserve_pfds(ember_rdv_server *s, size_t n) {
+  if (n <= s->capfds) return EMBER_OK;
+  struct pollfd *np = realloc(s->pfds, n * sizeof *np);
+  if (np == NULL) return ember__set_error(EMBER_ENOMEM, "out of memory for the poll set");
+  s->pfds = np;
+  s->capfds = n;
+  return EMBER_OK;
+}
+
 static void final_flush(ember_rdv_server *s) {
   int64_t deadline = ember_now_ms() + FINAL_FLUSH_MS;
+  if (reserve_pfds(s, s->nconns) != EMBER_OK) return;
   for (;;) {
     size_t pending = 0;
     for (size_t i = 0; i < s->nconns; i++) {
       conn *c = s->conns[i];
       if (!c->dead && c->head != NULL) conn_flush(s, c);
       int want = !c->dead && c->head != NULL;
-      s->pfds[2 + i].events = want ? POLLOUT : 0;
-      s->pfds[2 + i].fd = want ? c->fd : -1;
+      s->pfds[i].events = want ? POLLOUT : 0;
+      s->pfds[i].fd = want ? c->fd : -1;
       pending += (size_t)want;
     }
     int64_t left = deadline - ember_now_ms();
     if (pending == 0 || left <= 0) return;
-    (void)poll(s->pfds + 2, s->nconns, (int)left);
+    (void)poll(s->pfds, s->nconns, (int)left);
   }
 }
 
@@ -980,41 +768,41 @@ static void *server_main(void *arg) {
         continue;
       }
       if (d < next) next = d;
-      s->pfds[2 + i].fd = c->fd;
-      s->pfds[2 + i].events = (short)(POLLIN | (c->head ? POLLOUT : 0));
-      s->pfds[2 + i].revents = 0;
     }
-    s->pfds[0].fd = s->wake_fd;
-    s->pfds[0].events = POLLIN;
-    s->pfds[1].fd = s->listen_fd;
-    s->pfds[1].events = now >= s->accept_paused_until ? POLLIN : 0;
-    if (s->accept_paused_until > now && s->accept_paused_until < next)
-      next = s->accept_paused_until;
-    if (ember__reject_due(&s->rejects) < next) next = ember__reject_due(&s->rejects);
+    /* [0] the wake eventfd, [1, base) the acceptor's, [base + i] conns[i] */
+    size_t base = 1 + ember__acceptor_npoll(s->acc);
+    int rc = reserve_pfds(s, base + s->nconns);
+    if (rc != EMBER_OK) {
+      set_fatal(s, rc, ember_last_error());
+      break;
+    }
+    s->pfds[0] = (struct pollfd){.fd = s->wake_fd, .events = POLLIN};
+    ember__acceptor_poll_fill(s->acc, s->pfds + 1);
+    for (size_t i = 0; i < s->nconns; i++)
+      s->pfds[base + i] = (struct pollfd){
+          .fd = s->conns[i]->fd, .events = (short)(POLLIN | (s->conns[i]->head ? POLLOUT : 0))};
+    int64_t due = ember__acceptor_due(s->acc);
+    if (due < next) next = due;
     int timeout = next <= now ? 0 : (int)(next - now);
 
-    int rc = poll(s->pfds, 2 + s->nconns, timeout);
+    rc = poll(s->pfds, base + s->nconns, timeout);
     if (rc < 0) {
       if (errno == EINTR) continue;
       set_fatal(s, EMBER_ESYS, strerror(errno));
       break;
     }
-    if (s->pfds[0].revents) drain_fd(s->wake_fd);
+    if (s->pfds[0].revents) ember__rdv_drain(s->wake_fd);
     size_t polled = s->nconns;
     for (size_t i = polled; i-- > 0;) {
-      short rev = s->pfds[2 + i].revents;
+      short rev = s->pfds[base + i].revents;
       conn *c = s->conns[i];
       if (rev == 0 || c->dead) continue;
       if (rev & (POLLIN | POLLHUP | POLLERR)) on_readable(s, c);
       if (!c->dead && c->head != NULL && (rev & POLLOUT)) conn_flush(s, c);
     }
-    if (s->pfds[1].revents & POLLIN) accept_some(s);
-    /* The rate-limited summary of rejected strangers, when its time comes. */
-    char line[768];
-    uint64_t nrej = ember__reject_take(&s->rejects, ember_now_ms(), line, sizeof line);
-    if (nrej > 0)
-      push_event(s, EMBER_RDV_EV_REJECTED, -1, nrej > INT32_MAX ? INT32_MAX : (int32_t)nrej,
-                 fmt_alloc("%s", line));
+    /* Pending handshakes, new connections (on_accepted adds to conns),
+     * deadlines, the rate-limited report of strangers (on_log). */
+    ember__acceptor_run(s->acc, s->pfds + 1);
   }
   final_flush(s);
   return NULL;
@@ -1027,7 +815,7 @@ static void server_free(ember_rdv_server *s) {
   for (size_t i = 0; i < s->nconns; i++) conn_free(s->conns[i]);
   free(s->conns);
   free(s->pfds);
-  ember_net_close(s->listen_fd);
+  ember__acceptor_destroy(s->acc);
   ember_net_close(s->wake_fd);
   for (ev_item *it = s->ev_head; it;) {
     ev_item *n = it->next;
@@ -1042,10 +830,6 @@ static void server_free(ember_rdv_server *s) {
   }
   free(s->spec_table);
   free(s->nodes);
-  if (s->secret) {
-    memset(s->secret, 0, s->secret_len);
-    free(s->secret);
-  }
   pthread_mutex_destroy(&s->mu);
   pthread_cond_destroy(&s->cv);
   free(s);
@@ -1075,7 +859,7 @@ int ember_rdv_server_create(ember_rdv_server **out, const ember_rdv_server_confi
 
   s = calloc(1, sizeof *s);
   if (s == NULL) return ember__set_error(EMBER_ENOMEM, "rdv_server_create: out of memory");
-  s->listen_fd = s->wake_fd = -1;
+  s->wake_fd = -1;
   pthread_mutex_init(&s->mu, NULL);
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -1087,56 +871,32 @@ int ember_rdv_server_create(ember_rdv_server **out, const ember_rdv_server_confi
   s->has_evaluator = cfg->has_evaluator != 0;
   s->hb_ms = cfg->heartbeat_timeout_ms ? cfg->heartbeat_timeout_ms
                                        : DEFAULT_HEARTBEAT_TIMEOUT_MS;
-  s->hs_ms = cfg->handshake_timeout_ms ? cfg->handshake_timeout_ms
-                                       : DEFAULT_HANDSHAKE_TIMEOUT_MS;
-  /* The pre-authentication deadline never outlasts the whole handshake's. */
-  s->pre_ms = ember__preauth_timeout_ms(cfg->preauth_timeout_ms);
-  if (s->pre_ms > s->hs_ms) s->pre_ms = s->hs_ms;
-  s->secret = malloc(cfg->secret_len);
+  uint32_t hs_ms = cfg->handshake_timeout_ms ? cfg->handshake_timeout_ms
+                                             : DEFAULT_HANDSHAKE_TIMEOUT_MS;
   s->nodes = calloc(cfg->num_nodes, sizeof *s->nodes);
-  s->pfds = calloc(2, sizeof *s->pfds);
-  if (s->secret == NULL || s->nodes == NULL || s->pfds == NULL) {
+  if (s->nodes == NULL) {
     rc = ember__set_error(EMBER_ENOMEM, "rdv_server_create: out of memory");
     goto fail;
   }
-  memcpy(s->secret, cfg->secret, cfg->secret_len);
-  s->secret_len = cfg->secret_len;
-
-  /* Initialise OpenSSL (config load, DRBG, HMAC fetch) on the caller's
-   * thread, not lazily on the loop thread: a host program that forks while
-   * another thread is inside OpenSSL's one-time init leaves the child stuck
-   * on a lock that will never be released. */
-  {
-    uint8_t warm[EMBER_MAC_LEN];
-    rc = ember_auth_random(warm, sizeof warm);
-    if (rc == EMBER_OK)
-      rc = ember_auth_hmac(s->secret, s->secret_len, warm, sizeof warm, NULL, 0, NULL, 0,
-                           warm);
-    if (rc != EMBER_OK) goto fail;
-  }
   /* A reservation of N nodes needs N sockets in the driver (and 3N more when
-   * a test or benchmark runs the N clients in the same process), and
-   * strangers' connections must run into the pending pool, not EMFILE: the
-   * common soft limit of 1024 would stop both at accept(). */
-  ember__raise_fd_limit();
-  s->max_pending = ember__preauth_max_pending(cfg->max_pending);
-  /* A gang of nodes connects at once: the default pool holds all of them,
-   * so real nodes never evict each other (an evicted one would reconnect,
-   * but later). */
-  if (cfg->max_pending == 0 && s->max_pending < cfg->num_nodes + 64u)
-    s->max_pending = ember__preauth_max_pending(cfg->num_nodes + 64u);
-  /* Backlog: all nodes of a gang start at once, and a burst of strangers
-   * must not fill the accept queue (the kernel then drops real peers' SYNs
-   * for a second or more); the kernel caps it at net.core.somaxconn. */
-  int backlog = cfg->num_nodes < 4096    ? 4096
-                : cfg->num_nodes > 65535 ? 65535
-                                         : (int)cfg->num_nodes;
-  rc = ember_net_bind(cfg->bind_host, cfg->port, backlog, 0, &s->listen_fd, &s->port);
+   * a test or benchmark runs the N clients in the same process): the
+   * acceptor raises the common soft limit of 1024, and its pool and backlog
+   * hold a whole gang of nodes connecting at once. */
+  ember__acceptor_config acfg = {
+      .listen_fd = -1, .bind_host = cfg->bind_host, .port = cfg->port,
+      .expected = cfg->num_nodes, .secret = cfg->secret, .secret_len = cfg->secret_len,
+      /* the pre-authentication deadline never outlasts the whole handshake's */
+      .preauth_timeout_ms = cfg->preauth_timeout_ms, .preauth_cap_ms = hs_ms,
+      .max_pending = cfg->max_pending, .first_type = EMBER_MSG_REGISTER,
+      .first_max = EMBER__RDV_REGISTER_MAX, .first_timeout_ms = hs_ms, .refuse_first = 1,
+      .name = "rendezvous server", .arg = s, .ready = on_accepted, .rejected = on_rejected,
+      .log = on_log};
+  rc = ember__acceptor_create(&s->acc, &acfg);
   if (rc != EMBER_OK) goto fail;
-  ember__reject_log_init(&s->rejects, "rendezvous server on :%u", (unsigned)s->port);
-  rc = make_wakefd(&s->wake_fd);
+  s->port = ember__acceptor_port(s->acc);
+  rc = ember__rdv_wakefd(&s->wake_fd);
   if (rc != EMBER_OK) goto fail;
-  rc = start_thread(&s->thread, server_main, s);
+  rc = ember__rdv_start_thread(&s->thread, server_main, s);
   if (rc != EMBER_OK) goto fail;
   s->thread_started = 1;
   *out = s;
@@ -1273,7 +1033,7 @@ int ember_rdv_server_stop(ember_rdv_server *s, int32_t node, uint32_t grace_ms) 
   }
   pthread_mutex_unlock(&s->mu);
   free(c);
-  if (rc == EMBER_OK) wake(s->wake_fd);
+  if (rc == EMBER_OK) ember__rdv_wake(s->wake_fd);
   return rc;
 }
 
@@ -1283,311 +1043,8 @@ void ember_rdv_server_destroy(ember_rdv_server *s) {
     pthread_mutex_lock(&s->mu);
     s->quit = 1;
     pthread_mutex_unlock(&s->mu);
-    wake(s->wake_fd);
+    ember__rdv_wake(s->wake_fd);
     pthread_join(s->thread, NULL);
   }
   server_free(s);
-}
-
-/* ================================================================ client */
-
-#define CLIENT_DEFAULT_INTERVAL_MS 1000u
-/* After SPEC the server sends only HEARTBEAT, STOP and REFUSED frames. */
-#define CLIENT_CONTROL_MAX 65536u
-
-struct ember_rdv_client {
-  int fd;
-  char peer[96];
-  uint32_t self_index;
-  int registered;
-  pthread_mutex_t wmu; /* serialises writes: report() vs heartbeats */
-  pthread_t thread;
-  int started;
-  int wake_fd; /* created by start(): clients that never start cost one fd */
-  _Atomic int64_t stop_state;
-  atomic_int quit;
-  uint32_t interval_ms, flags;
-};
-
-static void kill_self(const char *why) {
-  fprintf(stderr, "ember: %s; killing this node's processes\n", why);
-  /* The node is its own process-group leader when Ember launched it, and
-   * then the whole group (the trainer and its children) must go.  Otherwise
-   * killing the group would take down whoever else shares it (a Spark
-   * executor, a test runner), so only this process dies. */
-  if (getpgrp() == getpid()) kill(-getpgrp(), SIGKILL);
-  else kill(getpid(), SIGKILL);
-}
-
-int ember_rdv_client_connect(ember_rdv_client **out, const char *host, uint16_t port,
-                             const uint8_t *secret, size_t secret_len,
-                             int64_t timeout_ms) {
-  ember_rdv_client *c = NULL;
-  int rc;
-  if (out == NULL || host == NULL)
-    return ember__set_error(EMBER_EINVAL, "rdv_client_connect: NULL argument");
-  *out = NULL;
-  int64_t deadline = ember_deadline_after(timeout_ms);
-  c = calloc(1, sizeof *c);
-  if (c == NULL) return ember__set_error(EMBER_ENOMEM, "rdv_client_connect: out of memory");
-  c->fd = c->wake_fd = -1;
-  pthread_mutex_init(&c->wmu, NULL);
-  atomic_init(&c->stop_state, 0);
-  atomic_init(&c->quit, 0);
-  rc = ember__connect_auth(host, port, secret, secret_len, deadline, &c->fd);
-  if (rc != EMBER_OK) goto fail;
-  (void)ember_net_tune(c->fd);
-  ember_net_peer_name(c->fd, c->peer, sizeof c->peer);
-  *out = c;
-  return EMBER_OK;
-
-fail:
-  ember_rdv_client_destroy(c);
-  return rc;
-}
-
-int ember_rdv_client_register(ember_rdv_client *c, const ember_rdv_node *self,
-                              int64_t timeout_ms) {
-  ember_wire_writer w;
-  int rc;
-  if (c == NULL || self == NULL)
-    return ember__set_error(EMBER_EINVAL, "rdv_client_register: NULL argument");
-  int64_t deadline = ember_deadline_after(timeout_ms);
-  ember_wire_writer_init(&w);
-  rc = ember__rdv_encode_register(&w, self);
-  if (rc != EMBER_OK) goto out;
-  pthread_mutex_lock(&c->wmu);
-  rc = ember_net_send_frame(c->fd, EMBER_MSG_REGISTER, w.buf, (uint32_t)w.len, deadline);
-  pthread_mutex_unlock(&c->wmu);
-  if (rc == EMBER_OK) {
-    c->self_index = self->index;
-    c->registered = 1;
-  }
-out:
-  ember_wire_writer_free(&w);
-  return rc;
-}
-
-int ember_rdv_client_wait_spec(ember_rdv_client *c, ember_rdv_node **nodes,
-                               uint32_t *count, uint32_t *self_pos, int64_t timeout_ms) {
-  ember_frame_header h;
-  uint8_t *p = NULL;
-  int rc;
-  if (c == NULL || nodes == NULL || count == NULL || self_pos == NULL)
-    return ember__set_error(EMBER_EINVAL, "rdv_client_wait_spec: NULL argument");
-  *nodes = NULL;
-  *count = 0;
-  if (c->started)
-    return ember__set_error(EMBER_ESTATE, "wait_spec: the client thread already owns the "
-                            "connection");
-  int64_t deadline = ember_deadline_after(timeout_ms);
-  for (;;) {
-    free(p);
-    p = NULL;
-    rc = ember_net_recv_frame(c->fd, EMBER__RDV_SPEC_MAX, &h, &p, deadline);
-    if (rc == EMBER_ETIMEDOUT) {
-      rc = ember__set_error(EMBER_ETIMEDOUT,
-                            "no cluster spec from the driver at %s after %lld ms (not all "
-                            "nodes registered?)",
-                            c->peer, (long long)timeout_ms);
-      goto out;
-    }
-    if (rc != EMBER_OK) goto out;
-    switch (h.type) {
-    case EMBER_MSG_SPEC: {
-      uint32_t me = 0;
-      rc = ember__rdv_decode_spec(p, h.length, &me, nodes, count);
-      if (rc != EMBER_OK) goto out;
-      if (c->registered && me != c->self_index) {
-        free(*nodes);
-        *nodes = NULL;
-        *count = 0;
-        rc = ember__set_error(EMBER_EPROTO, "SPEC from %s is for node %u, we are node %u",
-                              c->peer, (unsigned)me, (unsigned)c->self_index);
-        goto out;
-      }
-      *self_pos = me;
-      goto out;
-    }
-    case EMBER_MSG_HEARTBEAT:
-      continue;
-    case EMBER_MSG_STOP: {
-      uint32_t grace = h.length == 4 ? ember_wire_get_u32(p) : 0;
-      atomic_store(&c->stop_state, (int64_t)grace + 1);
-      rc = ember__set_error(EMBER_EABORTED,
-                            "the driver at %s sent STOP (grace %u ms) before the cluster "
-                            "spec",
-                            c->peer, (unsigned)grace);
-      goto out;
-    }
-    case EMBER_MSG_REFUSED: {
-      char reason[EMBER__RDV_REASON_MAX + 1];
-      int st = EMBER_EPROTO;
-      if (ember__rdv_decode_refused(p, h.length, &st, reason, sizeof reason) != EMBER_OK)
-        snprintf(reason, sizeof reason, "(malformed REFUSED frame)");
-      rc = ember__set_error(st, "registration refused by the driver at %s: %s", c->peer,
-                            reason);
-      goto out;
-    }
-    default:
-      rc = ember__set_error(EMBER_EPROTO, "expected SPEC from %s, got %s", c->peer,
-                            ember_wire_type_name(h.type));
-      goto out;
-    }
-  }
-out:
-  free(p);
-  return rc;
-}
-
-/* The client thread: heartbeats out, echoes/STOP in, loss and grace timers. */
-static void *client_main(void *arg) {
-  ember_rdv_client *c = arg;
-  ember_wire_parser *parser = NULL;
-  uint8_t buf[4096];
-  int alive = 1;
-  const int exit_on_loss = (c->flags & EMBER_RDV_EXIT_ON_LOSS) != 0;
-  const int64_t interval = c->interval_ms;
-  const int64_t silence = 3 * interval + 5000;
-  int64_t now = ember_now_ms();
-  int64_t last_heard = now, next_hb = now, stop_deadline = INT64_MAX;
-
-  if (ember_wire_parser_create(&parser, CLIENT_CONTROL_MAX) != EMBER_OK) alive = 0;
-  while (!atomic_load(&c->quit)) {
-    char why[256] = "";
-    now = ember_now_ms();
-    if (alive && now >= next_hb) {
-      int64_t d = now + (interval > 1000 ? interval : 1000);
-      pthread_mutex_lock(&c->wmu);
-      int rc = ember_net_send_frame(c->fd, EMBER_MSG_HEARTBEAT, NULL, 0, d);
-      pthread_mutex_unlock(&c->wmu);
-      if (rc != EMBER_OK) snprintf(why, sizeof why, "%s", ember_last_error());
-      next_hb = now + interval;
-    }
-    if (alive && !why[0] && now - last_heard >= silence)
-      snprintf(why, sizeof why, "driver at %s silent for %lld ms", c->peer,
-               (long long)(now - last_heard));
-
-    if (alive && !why[0]) {
-      struct pollfd pf[2] = {{.fd = c->wake_fd, .events = POLLIN, .revents = 0},
-                             {.fd = c->fd, .events = POLLIN, .revents = 0}};
-      int64_t until = next_hb < last_heard + silence ? next_hb : last_heard + silence;
-      if (exit_on_loss && stop_deadline < until) until = stop_deadline;
-      int timeout = until <= now ? 0 : (int)(until - now > 60000 ? 60000 : until - now);
-      int pr = poll(pf, 2, timeout);
-      if (pr > 0 && pf[0].revents) drain_fd(c->wake_fd);
-      if (pr > 0 && pf[1].revents) {
-        ssize_t n = recv(c->fd, buf, sizeof buf, 0);
-        if (n == 0) {
-          snprintf(why, sizeof why, "driver at %s closed the control connection", c->peer);
-        } else if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-          snprintf(why, sizeof why, "recv from driver at %s: %s", c->peer, strerror(errno));
-        } else if (n > 0) {
-          if (ember_wire_parser_feed(parser, buf, (size_t)n) != EMBER_OK) {
-            snprintf(why, sizeof why, "bad frame from driver at %s: %s", c->peer,
-                     ember_last_error());
-          } else {
-            ember_frame_header h;
-            const uint8_t *p;
-            last_heard = ember_now_ms();
-            while (!why[0] && ember_wire_parser_next(parser, &h, &p) == 1) {
-              if (h.type == EMBER_MSG_STOP && h.length == 4) {
-                uint32_t grace = ember_wire_get_u32(p);
-                if (atomic_load(&c->stop_state) <= 0) {
-                  atomic_store(&c->stop_state, (int64_t)grace + 1);
-                  stop_deadline = last_heard + grace;
-                }
-              } else if (h.type == EMBER_MSG_REFUSED) {
-                snprintf(why, sizeof why, "driver at %s refused this node", c->peer);
-              }
-              /* HEARTBEAT echoes only refresh last_heard; other types are
-               * ignored for forward compatibility. */
-            }
-          }
-        }
-      }
-    } else if (!alive) {
-      /* Connection gone: wait for destroy(), or the end of a STOP's grace. */
-      int64_t until = exit_on_loss ? stop_deadline : INT64_MAX;
-      int timeout = until == INT64_MAX ? -1
-                    : until <= now      ? 0
-                                        : (int)(until - now > 60000 ? 60000 : until - now);
-      struct pollfd pf = {.fd = c->wake_fd, .events = POLLIN, .revents = 0};
-      if (poll(&pf, 1, timeout) > 0) drain_fd(c->wake_fd);
-    }
-
-    if (why[0] && alive) {
-      alive = 0;
-      int64_t expect = 0;
-      /* A STOP already received keeps its grace period: the driver closing
-       * the connection after STOP is the normal shutdown path. */
-      if (atomic_compare_exchange_strong(&c->stop_state, &expect, -1) && exit_on_loss)
-        kill_self(why);
-    }
-    if (exit_on_loss && ember_now_ms() >= stop_deadline && !atomic_load(&c->quit))
-      kill_self("the STOP grace period ran out");
-  }
-  ember_wire_parser_destroy(parser);
-  return NULL;
-}
-
-int ember_rdv_client_start(ember_rdv_client *c, uint32_t interval_ms, uint32_t flags) {
-  if (c == NULL) return ember__set_error(EMBER_EINVAL, "rdv_client_start: NULL client");
-  if (c->started) return ember__set_error(EMBER_ESTATE, "rdv_client_start: already started");
-  c->interval_ms = interval_ms ? interval_ms : CLIENT_DEFAULT_INTERVAL_MS;
-  c->flags = flags;
-  int rc = c->wake_fd >= 0 ? EMBER_OK : make_wakefd(&c->wake_fd);
-  if (rc != EMBER_OK) return rc;
-  rc = start_thread(&c->thread, client_main, c);
-  if (rc != EMBER_OK) return rc;
-  c->started = 1;
-  return EMBER_OK;
-}
-
-int64_t ember_rdv_client_stop_state(ember_rdv_client *c) {
-  return c ? atomic_load(&c->stop_state) : -1;
-}
-
-int ember_rdv_client_report(ember_rdv_client *c, int kind, int32_t code, const char *text,
-                            int64_t timeout_ms) {
-  ember_wire_writer w;
-  int rc;
-  if (c == NULL) return ember__set_error(EMBER_EINVAL, "rdv_client_report: NULL client");
-  if (kind < EMBER_RDV_REPORT_PROGRESS || kind > EMBER_RDV_REPORT_FAILED)
-    return ember__set_error(EMBER_EINVAL, "rdv_client_report: unknown kind %d", kind);
-  int64_t deadline = ember_deadline_after(timeout_ms);
-  size_t n = text ? strlen(text) : 0;
-  /* A Python traceback ends with the exception and the innermost frames, so
-   * an over-long one keeps its tail; skip UTF-8 continuation bytes so the
-   * text still starts on a character. */
-  if (n > EMBER_RDV_TEXT_MAX) {
-    text += n - EMBER_RDV_TEXT_MAX;
-    n = EMBER_RDV_TEXT_MAX;
-    while (n > 0 && ((uint8_t)*text & 0xC0) == 0x80) {
-      text++;
-      n--;
-    }
-  }
-  ember_wire_writer_init(&w);
-  rc = ember__rdv_encode_report(&w, (uint32_t)kind, code, text, n);
-  if (rc == EMBER_OK) {
-    pthread_mutex_lock(&c->wmu);
-    rc = ember_net_send_frame(c->fd, EMBER_MSG_REPORT, w.buf, (uint32_t)w.len, deadline);
-    pthread_mutex_unlock(&c->wmu);
-  }
-  ember_wire_writer_free(&w);
-  return rc;
-}
-
-void ember_rdv_client_destroy(ember_rdv_client *c) {
-  if (c == NULL) return;
-  if (c->started) {
-    atomic_store(&c->quit, 1);
-    wake(c->wake_fd);
-    pthread_join(c->thread, NULL);
-  }
-  ember_net_close(c->fd);
-  ember_net_close(c->wake_fd);
-  pthread_mutex_destroy(&c->wmu);
-  free(c);
 }
