@@ -97,7 +97,21 @@ $(TORCH_VENV)/.stamp: requirements-torch.txt | $(BUILD)/.apt-stamp
 	@touch $@
 	@rm -f $(TORCH_VENV)/.ember-installed
 
-setup: apt venv build venv-torch install-torch-venv
+# The tests' MLflow tracking server (tests/python/test_mlflow.py) runs from a
+# venv of its own: the full mlflow brings scikit-learn, SciPy and matplotlib,
+# which Keras imports whenever they are installed, so in the main venv every
+# `import tensorflow` (each node, worker and driver) would cost 1.2 CPU s
+# more; the main venv has mlflow-skinny, the client ember.mlflow uses.
+MLFLOW_VENV := .venv-mlflow
+.PHONY: venv-mlflow
+venv-mlflow: $(MLFLOW_VENV)/.stamp
+$(MLFLOW_VENV)/.stamp: requirements-mlflow-server.txt
+	test -x $(MLFLOW_VENV)/bin/python || python3 -m venv $(MLFLOW_VENV)
+	$(MLFLOW_VENV)/bin/python -m pip install -q --upgrade pip
+	$(MLFLOW_VENV)/bin/python -m pip install -q -r requirements-mlflow-server.txt
+	@touch $@
+
+setup: apt venv build venv-torch install-torch-venv venv-mlflow
 
 # ---------------------------------------------------------------- build
 build: lib ext

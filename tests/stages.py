@@ -7,7 +7,8 @@ different things overlap: the C tests and fuzzers build and run while pip
 and Maven set up the Python side, and the PyTorch suite and the smoke
 benchmarks run together after the main suite (which keeps both cores busy by
 itself: two pytest-xdist workers).  Every line a stage prints is shown with
-its name in front, and kept in build/test-logs/<stage>.log.
+its name and the run's clock (minutes:seconds) in front, and kept in
+build/test-logs/<stage>.log.
 
 At the end: each stage's duration, and a warning when the whole run took
 longer than WARN_MINUTES, so that growth is seen long before CI's limit (90
@@ -88,10 +89,12 @@ class Runner:
         self.started: Dict[str, float] = {}
         self.print_lock = threading.Lock()
         self.changed = threading.Condition()
+        self.t0 = time.monotonic()
 
     def say(self, stage: str, line: str) -> None:
         with self.print_lock:
-            sys.stdout.write(f"[{stage}] {line}\n")
+            at = time.monotonic() - self.t0
+            sys.stdout.write(f"[{stage} {at // 60:02.0f}:{at % 60:02.0f}] {line}\n")
             sys.stdout.flush()
 
     def _run(self, stage: Stage) -> None:
@@ -117,7 +120,7 @@ class Runner:
 
     def run(self) -> int:
         os.makedirs(LOGS, exist_ok=True)
-        t0 = time.monotonic()
+        self.t0 = t0 = time.monotonic()
         threads: List[threading.Thread] = []
         with self.changed:
             while len(self.results) < len(self.stages):
@@ -146,7 +149,7 @@ class Runner:
         for name, s in self.stages.items():
             r = self.results[name]
             begin = self.started.get(name)
-            at = f"from {begin - min(self.started.values()):5.0f} s" if begin else " " * 12
+            at = f"from {begin - self.t0:5.0f} s" if begin else " " * 12
             print(f"  {name:12s} {r.seconds:7.0f} s  {at}  {r.status}")
         failed = [n for n, r in self.results.items() if r.status != "ok"]
         print(f"  {'total':12s} {total:7.0f} s  ({total / 60:.1f} min)"

@@ -301,7 +301,9 @@ def test_direct_path_tensor_column_and_worker_reuse(local_spark, small_models):
 
     from ember import tensors
 
-    df, x = _small_frame(local_spark, n=400, parts=4)
+    # 2 partitions: 2 workers a round (each loads TensorFlow and the model),
+    # enough for the reuse and replacement this checks
+    df, x = _small_frame(local_spark, n=400, parts=2)
     packed = tensors.pack(df, {"feats": (4,)})
     m = _sig_model(small_models["sig"]).setArrowPath("direct")
 

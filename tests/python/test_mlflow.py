@@ -25,6 +25,22 @@ from conftest import free_port  # noqa: E402
 from ember.spark import EmberNodeError, InputMode, run  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def _server_python() -> str:
+    """The Python that runs ``mlflow server``: make setup's .venv-mlflow (the
+    full mlflow, kept out of the main venv, which has the client only), else
+    this one if it has the server's packages."""
+    venv = os.path.join(REPO, ".venv-mlflow", "bin", "python")
+    if os.access(venv, os.X_OK):
+        return venv
+    import importlib.util
+
+    if importlib.util.find_spec("flask") and importlib.util.find_spec("sqlalchemy"):
+        return sys.executable
+    pytest.skip("no MLflow server to test against: `make setup` installs one in .venv-mlflow "
+                "(requirements-mlflow-server.txt)")
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +50,7 @@ def mlflow_server(tmp_path_factory):
     port = free_port()
     log = open(root / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+        [_server_python(), "-m", "mlflow", "server", "--backend-store-uri",
          f"sqlite:///{root}/mlflow.db", "--default-artifact-root", f"file://{root}/artifacts",
          "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -44,7 +44,7 @@ KINDS: List[Tuple[str, str]] = [
     ("ember.yarn.task", "run_on_yarn task"),
     ("ember/ml/_direct_worker.py", "direct-inference worker"),
     ("ember.ml._direct_worker", "direct-inference worker"),
-    ("mlflow", "mlflow server"),
+    (" mlflow server", "mlflow server"),
     ("pyspark.daemon", "pyspark daemon"),
     ("-m build", "python -m build"),
     ("mpirun", "mpirun"),
