@@ -191,6 +191,18 @@ $(BUILD)/hadoop/classpath.txt: hadoop/minicluster/pom.xml $(shell find hadoop/mi
 	@nice -n 10 $(HADOOP_MVN) -o >/dev/null 2>&1 || nice -n 10 $(HADOOP_MVN)
 	@touch $@
 
+# ---------------------------------------------------------------- the tests' JVMs
+# A class-data-sharing archive of pyspark's classes for every Spark JVM the
+# tests start (tests/python/jvm_archive.py; conftest.py hands it to them):
+# about half of a Spark JVM's start-up CPU.  Remade when the venv changes.
+.PHONY: test-jvm-archive
+test-jvm-archive: $(BUILD)/jvm/.stamp
+$(BUILD)/jvm/.stamp: $(VENV)/.stamp tests/python/jvm_archive.py
+	@mkdir -p $(@D)
+	@$(PY) tests/python/jvm_archive.py >$(BUILD)/jvm/archive.log 2>&1 || \
+	  { tail -n 30 $(BUILD)/jvm/archive.log; exit 1; }
+	@touch $@
+
 # ---------------------------------------------------------------- C tests (ASan + UBSan)
 $(BUILD)/san/%.o: csrc/%.c $(LIB_HDRS)
 	@mkdir -p $(@D)
@@ -239,7 +251,7 @@ fuzz: apt $(FUZZERS)
 	done
 
 # ---------------------------------------------------------------- Python tests and the main job
-test-py: setup hadoop
+test-py: setup hadoop test-jvm-archive
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests/python
 
 # PyTorch tests and example (in .venv-torch; skipped by the main venv's pytest run)
@@ -259,7 +271,7 @@ demo-quick: setup
 # and /dev/shm namespaces on a bridge in 198.18.0.0/24; needs root, as in CI).
 # `make test` runs it as part of tests/python.
 .PHONY: cluster-test
-cluster-test: setup
+cluster-test: setup test-jvm-archive
 	$(PY) -m pytest -q tests/python/test_cluster.py
 
 # Tests too long for CI's budget (each also has a shorter variant that CI
@@ -282,7 +294,7 @@ test:
 # Where the Python suite's time goes, module by module (tests/python/timing_plugin.py),
 # one worker so that each module's CPU share is its own: build/test-profile.txt
 .PHONY: test-profile
-test-profile: setup hadoop
+test-profile: setup hadoop test-jvm-archive
 	EMBER_TEST_PROFILE=$(BUILD)/test-profile.txt PYTHONPATH=tests/python \
 	  $(PY) -m pytest -q -p timing_plugin -p no:xdist --durations=0 tests/python
 

@@ -56,8 +56,9 @@ STAGES: List[Stage] = [
     Stage("apt", MAKE + ["apt"], what="Debian packages (a no-op when installed)"),
     # -j2: pip for the two venvs and the C library at once (Maven runs once at
     # a time: the Makefile builds the jars before the mini Hadoop)
-    Stage("setup", MAKE + ["-j2", "setup", "hadoop"], ("apt",),
-          what="venvs, libember, the extension and its jars, the mini Hadoop"),
+    Stage("setup", MAKE + ["-j2", "setup", "hadoop", "test-jvm-archive"], ("apt",),
+          what="venvs, libember, the extension and its jars, the mini Hadoop, "
+               "the tests' JVM archive"),
     # build/san and build/fuzz are their own objects: they build beside setup
     Stage("c-tests", MAKE + ["-j2", "test-c"], ("apt",),
           what="C tests under ASan/UBSan"),

@@ -30,17 +30,17 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import pytest
 
 from hadoop_fixture import hadoop_cluster, yarn  # noqa: F401  (HDFS + YARN mini clusters)
+from jvm_archive import jvm_options_for_tests
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-#: JVM options for every JVM the tests start (Spark drivers, executors and
-#: standalone daemons, the mini Hadoop and its YARN containers, which inherit
-#: its environment, and Maven in the packaging tests).  They live seconds to
-#: minutes, where the C2 compiler and parallel GC threads cost more CPU than
-#: they win back: test_compat_tfos.py took 299 CPU s without them, 209 with.
-#: Benchmarks never get them.  A JAVA_TOOL_OPTIONS of the caller's wins.
-TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-os.environ.setdefault("JAVA_TOOL_OPTIONS", TEST_JVM_OPTIONS)
+# Every JVM the tests start (Spark drivers, executors and standalone daemons,
+# the mini Hadoop and its YARN containers, which inherit its environment, and
+# Maven in the packaging tests) gets jvm_archive.jvm_options_for_tests(): the C1
+# compiler and the serial collector, and the class-data-sharing archive of
+# pyspark's classes that make setup writes.  A JAVA_TOOL_OPTIONS of the
+# caller's wins.  Benchmarks never get them.
+os.environ.setdefault("JAVA_TOOL_OPTIONS", jvm_options_for_tests())
 
 #: The xdist lane of each test module that does not run in the default lane
 #: ("spark": local and standalone Spark sessions, the C engine's tests).
