@@ -22,6 +22,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ember import _columns, _ember
+from ember.errors import FeedProducerError  # noqa: F401  (importable from here, as before)
 
 #: The code of the control-channel progress REPORT by which a node tells the
 #: driver the epoch it resumes from (text: the epoch; empty: the node reads its
@@ -84,7 +85,7 @@ class _Chunk:
 
 def partition_tag(item: Any) -> Dict[str, Any]:
     """The description a feeding task gave its partition (a 'start' item's tag,
-    see ``ember.spark._partition_tag``): queue, results, stream, plan."""
+    see ``ember.executor.partition_tag``): queue, results, stream, plan."""
     if not item.tag:
         return {}
     try:
@@ -93,11 +94,6 @@ def partition_tag(item: Any) -> Dict[str, Any]:
         raise ValueError(f"partition {item.partition} of feed call {item.call}: its tag is not "
                          f"JSON ({item.tag[:80]!r})") from exc
     return tag if isinstance(tag, dict) else {}
-
-
-class FeedProducerError(RuntimeError):
-    """A feeding task failed; raised by ``next_batch`` when the feed was made
-    with ``on_producer_error="raise"``."""
 
 
 class DataFeed:
