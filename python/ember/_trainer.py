@@ -31,7 +31,7 @@ import time
 import traceback
 from typing import Any, Dict, List
 
-from ember import _watchdog
+from ember import _log, _watchdog
 from ember._env import bind_host
 
 FEED_ROLES = ("chief", "worker")
@@ -70,6 +70,9 @@ def _fault(boot: Dict[str, Any], name: str) -> str:
 
 
 def main() -> None:
+    # this process's Ember lines (its watchdog's too) go to the executor's
+    # stderr with a timestamp, unless main_fun configures logging (ember._log)
+    _log.default_handler()
     # first, before any thread exists: the watchdog that ends this node if it
     # is frozen for heartbeat_timeout (argv[1], seconds; see ember._watchdog)
     _watchdog.start(float(sys.argv[1]) if len(sys.argv) > 1 else 0.0)

@@ -29,14 +29,16 @@ by the node's main thread.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
-import sys
 import time
 from typing import Optional, Tuple
 
 
 _told: Optional[int] = None  # the node's end of the pipe to its watchdog
+
+logger = logging.getLogger("ember.node")
 
 
 def start(timeout: float) -> None:
@@ -55,7 +57,8 @@ def start(timeout: float) -> None:
         r, w = os.pipe()
         first = os.fork()
     except OSError as exc:  # the node still runs; only a freeze would go unseen
-        print(f"[ember] watchdog not started: {exc}", file=sys.stderr, flush=True)
+        logger.warning(f"node process {node}: watchdog not started ({exc}): a frozen node "
+                       "is not killed; it is still counted lost after heartbeat_timeout")
         return
     if first:
         os.close(r)
@@ -146,9 +149,9 @@ def _watch(node: int, timeout: float, told: int) -> None:
         if running:
             ran = now
         elif now - ran >= timeout:
-            print(f"[ember] watchdog: node process {node} has not run for {now - ran:.1f} s "
-                  f"(state {state}; heartbeat_timeout {timeout:g} s): killing its process "
-                  "group", file=sys.stderr, flush=True)
+            logger.warning(f"watchdog: node process {node} has not run for {now - ran:.1f} s "
+                           f"(state {state}; heartbeat_timeout {timeout:g} s): killing its "
+                           "process group")
             _kill_group(node)
             return
         time.sleep(poll)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
 import socket
 import sys
@@ -19,7 +20,7 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ember import _ember, _gpu, executor
+from ember import _ember, _gpu, _log, executor
 from ember import mlflow as _mlflow
 from ember._env import bind_host
 from ember.errors import EmberFeedError, EmberNodeError, find_feed_error, from_core
@@ -45,8 +46,7 @@ class InputMode(enum.IntEnum):
 _CAUSE_GRACE = 3.0
 
 
-def _log(msg: str) -> None:
-    print(f"[ember] {msg}", file=sys.stderr, flush=True)
+logger = logging.getLogger("ember.spark")
 
 
 def _driver_bind(conf: Any) -> str:
@@ -67,9 +67,10 @@ def _grouping_class(sc: Any) -> Any:
         _warned["jar"] = True
         from ember import _jars
 
-        _log(f"warning: Ember's Spark jar ({_jars.SPARK_JAR}) is missing: train() feeds "
-             "one Spark task per partition, and under a synchronous strategy a node can "
-             "starve while Spark runs two tasks of another node (reinstall Ember)")
+        logger.warning(f"Ember's Spark jar ({_jars.SPARK_JAR}) is missing: train() feeds "
+                       "one Spark task per partition, and under a synchronous strategy a "
+                       "node can starve while Spark runs two tasks of another node "
+                       "(reinstall Ember)")
     return groups
 
 
@@ -82,11 +83,11 @@ def _warn_few_slots(sc: Any, fed: int) -> None:
 
     slots = _grouping.task_slots(sc)
     if slots is not None and slots < fed:
-        _log(f"warning: train: the Spark cluster runs {slots} task(s) at once for {fed} fed "
-             "nodes; each node's feeding task holds its slot until the node has taken all "
-             "its data, so the nodes are fed one group at a time and a synchronous job "
-             "(an all-reduce every step) waits for the feed timeout: give the job at least "
-             f"{fed} task slots")
+        logger.warning(f"train: the Spark cluster runs {slots} task(s) at once for {fed} fed "
+                       "nodes; each node's feeding task holds its slot until the node has "
+                       "taken all its data, so the nodes are fed one group at a time and a "
+                       "synchronous job (an all-reduce every step) waits for the feed "
+                       f"timeout: give the job at least {fed} task slots")
 
 
 
@@ -191,8 +192,9 @@ class Cluster:
             except BaseException as exc:
                 self._launch_error = exc
 
-        _log(f"job {self.job_id}: launching {n} node(s), rendezvous at {driver_host}:{server.port}"
-             + (f" (restart {self.restarts})" if self.restarts else ""))
+        logger.info(f"job {self.job_id}: launching {n} node(s), rendezvous at "
+                    f"{driver_host}:{server.port}"
+                    + (f" (restart {self.restarts})" if self.restarts else ""))
         self._launch_thread = threading.Thread(target=launch, name="ember-launch", daemon=True)
         self._launch_thread.start()
         deadline = time.monotonic() + self._reservation_timeout
@@ -222,7 +224,7 @@ class Cluster:
             f"{x['role']}:{x['task_index']}@{x['host']}:{x['ports'][0]}"
             + (f" gpus={','.join(self.gpus[x['index']])}" if self.gpus.get(x["index"]) else "")
             for x in self.nodes)
-        _log("cluster ready: " + placement)
+        logger.info("cluster ready: " + placement)
         if self._mlflow is not None:
             self._mlflow.set_tags({"ember.nodes": placement})
 
@@ -241,9 +243,9 @@ class Cluster:
             self._mlflow.set_tags(dict(
                 _mlflow.failure_tags(f"ember.restart.{self.restarts}", failure.args[0]),
                 **{f"ember.restart.{self.restarts}.node": failure.node}))
-        _log(f"{failure.args[0].splitlines()[0]}; restarting the cluster "
-             f"({self.restarts} of max_restarts={self._max_restarts}); main_fun resumes "
-             "from its latest checkpoint")
+        logger.warning(f"{failure.args[0].splitlines()[0]}; restarting the cluster "
+                       f"({self.restarts} of max_restarts={self._max_restarts}); main_fun "
+                       "resumes from its latest checkpoint")
         self._stop_all()
         self._start()
 
@@ -269,11 +271,11 @@ class Cluster:
                     self._resume[node] = int(text) if named else 0
                     self._changed.notify_all()
                 if named:
-                    _log(f"{self._name(node)}: resumes from epoch {text}")
-            elif kind == "progress":
-                _log(f"{self._name(node)}: {text}")
+                    logger.info(f"{self._name(node)}: resumes from epoch {text}")
+            elif kind == "progress":  # ctx.report_progress: the node's line, named
+                logger.info(f"{self._name(node)}: {text}")
             elif kind == "rejected":
-                _log(text)  # a whole line, rate-limited for strangers (C server)
+                logger.warning(text)  # a whole line, rate-limited for strangers (C server)
             elif kind in ("done", "failed", "lost"):
                 with self._lock:
                     if kind == "done":
@@ -430,8 +432,9 @@ class Cluster:
             raise ValueError("train() feeds data only in InputMode.SPARK; in "
                              "InputMode.TENSORFLOW the nodes read their own input")
         if num_epochs <= 0:
-            _log(f"num_epochs={num_epochs}: feeding the data once (TensorFlowOnSpark fed 10 passes; "
-                 "ember.compat.tfos keeps that)")
+            logger.warning(f"train(num_epochs={num_epochs}): feeding the data once "
+                           "(TensorFlowOnSpark fed 10 passes; ember.compat.tfos keeps that); "
+                           "pass num_epochs >= 1")
         epochs = max(1, num_epochs)
         # k epochs are one Spark job over k copies of the data; the copies read
         # a cached dataset, so the upstream lineage runs once, not k times
@@ -456,8 +459,8 @@ class Cluster:
                 failure = self._failure()
                 if failure is None:
                     if first >= epochs:
-                        _log(f"train: the nodes resume from epoch {first} of {epochs}: "
-                             "nothing left to feed")
+                        logger.info(f"train: the nodes resume from epoch {first} of {epochs}: "
+                                    "nothing left to feed")
                         return 0
                     try:
                         return self._feed_once(self._epochs_of(data, epochs - first), epochs,
@@ -517,9 +520,9 @@ class Cluster:
             named = [self._resume[i] for i in fed if i in self._resume]
         first = max(0, min(named)) if named else 0
         if first:
-            _log(f"train: feeding from epoch {first} of {epochs} (ctx.resume_from); "
-                 + ("epoch 0 is" if first == 1 else f"epochs 0..{first - 1} are")
-                 + " not fed again")
+            logger.info(f"train: feeding from epoch {first} of {epochs} (ctx.resume_from); "
+                        + ("epoch 0 is" if first == 1 else f"epochs 0..{first - 1} are")
+                        + " not fed again")
         return first
 
     def _feed_once(self, source: Any, epochs: int, feed_timeout: float, first_epoch: int = 0,
@@ -563,9 +566,9 @@ class Cluster:
                 fn = executor.rdd_feeder(dataclasses.replace(call, grouped=groups is not None),
                                          self.chunk_rows, upstream)
                 return data.mapPartitions(fn).sum()
-        _log(f"train: feeding {count} partitions ({epochs - first_epoch} epoch(s)"
-             + (f": {first_epoch}..{epochs - 1}" if first_epoch else "")
-             + f") to {len(targets)} node(s)")
+        logger.info(f"train: feeding {count} partitions ({epochs - first_epoch} epoch(s)"
+                    + (f": {first_epoch}..{epochs - 1}" if first_epoch else "")
+                    + f") to {len(targets)} node(s)")
         # Partition p feeds node p % n.  A node given no partition would wait for
         # data forever while its peers wait for it in their collectives: end its
         # feed now, so it stops and a synchronous loop stops with it.
@@ -573,14 +576,15 @@ class Cluster:
         for i, (host, port, name) in enumerate(targets):
             if i in fed_nodes:
                 continue
-            _log(f"train: {name} gets no partition ({count} partitions for {len(targets)} "
-                 "nodes); ending its feed (repartition the data to at least as many "
-                 "partitions as nodes)")
+            logger.warning(f"train: {name} gets no partition ({count} partitions for "
+                           f"{len(targets)} nodes); ending its feed (repartition the data to "
+                           "at least as many partitions as nodes)")
             self._end_feed(host, port, name)
         _warn_few_slots(sc, len(fed_nodes))
         fed = self._run_job(f"train {seq}", action, seq)
         secs = time.monotonic() - start
-        _log(f"train: fed {fed} records in {secs:.1f} s ({fed / max(secs, 1e-9):.0f} records/s)")
+        logger.info(f"train: fed {fed} records in {secs:.1f} s "
+                    f"({fed / max(secs, 1e-9):.0f} records/s)")
         return int(fed)
 
     def inference(self, data: Any, feed_timeout: float = 600.0, qname: str = "input") -> Any:
@@ -687,7 +691,7 @@ class Cluster:
             if not from_core(exc):
                 raise  # the node's failure (EmberNodeError)
             # a node that is already gone has nothing to end
-            _log(f"end of feed not delivered to {name}: {exc}")
+            logger.info(f"end of feed not delivered to {name}: {exc}")
 
     def _index_of(self, host: str, port: int) -> Optional[int]:
         """The index of the node whose feed is at ``host:port``."""
@@ -905,7 +909,13 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
     With ``MLFLOW_TRACKING_URI`` set, the job is one MLflow run: these
     arguments and ``args`` as params, the nodes' ``ctx.log_metrics``, restarts
     and failures (see :mod:`ember.mlflow`).
+
+    Progress is logged to the ``ember.spark`` logger (the nodes' reports, as
+    ``node <i> (<role>:<task>, executor <id>, host <host>): <text>``); when
+    the application configured no logging, Ember logs to stderr at INFO
+    (see :mod:`ember._log`).
     """
+    _log.default_handler()
     if num_executors < 1:
         raise ValueError(f"num_executors must be >= 1, got {num_executors}")
     if num_ps + (1 if eval_node else 0) >= num_executors:

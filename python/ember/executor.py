@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import itertools
 import json
-import logging
 import os
 import socket
 import sys
@@ -24,8 +23,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ember import _ember, _gpu
 from ember.errors import EmberFeedError, from_core, in_context
-
-logger = logging.getLogger("ember.spark")
 
 #: A fed node as its feeding tasks reach it: (host, feed port, name for messages).
 Target = Tuple[str, int, str]
