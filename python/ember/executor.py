@@ -92,10 +92,12 @@ def spawn_node(node_boot: Dict[str, Any], start_timeout: float) -> int:
     # node this process's path before it unpickles its boot record
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in node_boot["sys_path"] if p))
     env.update(_gpu.cuda_env(node_boot.get("gpus") or []))
-    # argv[1]: the node's watchdog kills it once it is frozen this long (ember._watchdog)
+    # argv[1]: the node's watchdog kills it once it is frozen this long (ember._watchdog);
+    # argv[2]: the node's index, for its log lines
     proc = subprocess.Popen([sys.executable, "-m", "ember._trainer",
-                             str(node_boot.get("heartbeat_timeout", 0.0))], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, start_new_session=True, env=env)
+                             str(node_boot.get("heartbeat_timeout", 0.0)), str(index)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            start_new_session=True, env=env)
     threading.Thread(target=proc.wait, name=f"ember-reap-{proc.pid}", daemon=True).start()
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(cloudpickle.dumps(node_boot))
