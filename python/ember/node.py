@@ -22,7 +22,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ember import _columns, _ember
-from ember.errors import FeedProducerError  # noqa: F401  (importable from here, as before)
+from ember.errors import FeedProducerError
 
 #: The code of the control-channel progress REPORT by which a node tells the
 #: driver the epoch it resumes from (text: the epoch; empty: the node reads its

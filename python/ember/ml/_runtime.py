@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from ember.errors import ModelInputError  # noqa: F401  (here since before ember.errors)
+from ember.errors import ModelInputError
 
 #: (export_dir, signature key, tags, inputs, outputs, stamp) -> _Predictor; one
 #: per Python worker process, reused by every task that worker runs.
