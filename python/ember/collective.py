@@ -28,7 +28,8 @@ the reduction op (``"sum"``, ``"avg"`` or its alias ``"mean"``, ``"min"``,
 (float32, float64, int32, int64 in native byte order: TypeError), a writable
 contiguous buffer (TypeError), the root rank and the timeout (ValueError).
 This module adds only what the extension cannot know: that the buffer is a
-numpy array, and the communicator's lifetime.
+numpy array (whose dtype and shape it adds to the extension's TypeError), and
+the communicator's lifetime.
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ def _check_array(array: Any, what: str) -> np.ndarray:
         raise TypeError(f"{what} takes a numpy array, not {type(array).__name__} "
                         "(torch: tensor.numpy() of a CPU tensor)")
     return array
+
+
+def _named(exc: TypeError, array: np.ndarray) -> TypeError:
+    """The extension's TypeError about ``array`` (which names its buffer format,
+    ``'B'``), with the array's numpy dtype and shape added."""
+    return TypeError(f"{exc} (the array: dtype {array.dtype}, shape {array.shape})")
 
 
 def collective_of(ctx: Any) -> Any:
@@ -159,7 +166,10 @@ class Collective:
         :param timeout: seconds; None for the collective's default.
         """
         _check_array(array, "allreduce")
-        self.communicator().allreduce(array, op, timeout)
+        try:
+            self.communicator().allreduce(array, op, timeout)
+        except TypeError as exc:
+            raise _named(exc, array) from exc
         return array
 
     def broadcast(self, array: np.ndarray, root: int = 0,
@@ -169,7 +179,10 @@ class Collective:
         Any dtype; the array must be contiguous, writable and of the same size
         in bytes on every rank; ``root`` a rank in ``0..size-1``."""
         _check_array(array, "broadcast")
-        self.communicator().broadcast(array, root, timeout)
+        try:
+            self.communicator().broadcast(array, root, timeout)
+        except TypeError as exc:
+            raise _named(exc, array) from exc
         return array
 
     def allgather(self, array: np.ndarray, timeout: Optional[float] = None) -> np.ndarray:

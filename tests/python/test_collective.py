@@ -323,7 +323,8 @@ def test_collective_checks_arguments_as_the_extension_does() -> None:
         np.testing.assert_array_equal(a, np.arange(10))
         with pytest.raises(ValueError, match="op must be 'sum', 'avg', 'min' or 'max'"):
             c.allreduce(a, "prod")
-        with pytest.raises(TypeError, match="float32, float64, int32 and int64"):
+        with pytest.raises(TypeError, match=r"float32, float64, int32 and int64 .*"
+                           r"\(the array: dtype float16, shape \(4,\)\)"):
             c.allreduce(np.zeros(4, np.float16))
         with pytest.raises(TypeError, match="float32, float64, int32 and int64"):
             c.allreduce(np.zeros(4, ">f4"))  # not native byte order
