@@ -45,7 +45,7 @@ class InputMode(enum.IntEnum):
 #: moment, see Cluster._failure).
 _CAUSE_GRACE = 3.0
 
-
+#: The driver logs as the public module it implements (see ember._log).
 logger = logging.getLogger("ember.spark")
 
 
@@ -88,7 +88,6 @@ def _warn_few_slots(sc: Any, fed: int) -> None:
                        "taken all its data, so the nodes are fed one group at a time and a "
                        "synchronous job (an all-reduce every step) waits for the feed "
                        f"timeout: give the job at least {fed} task slots")
-
 
 
 # --------------------------------------------------------------------------- cluster
