@@ -377,15 +377,34 @@ def test_pipeline_fit_gives_its_nodes_tf_keras_as_tfcluster_run(local_spark, tmp
     from ember.compat.tfos import pipeline
     from tfos_programs import mnist_pipeline
 
+    import ember.spark
+
     pytest.importorskip("tf_keras")
     caplog.set_level(logging.INFO, logger="ember")
     spark = local_spark
     sc = spark.sparkContext
-    # nobody sets TF_USE_LEGACY_KERAS: not the driver, not the executors the nodes inherit
+    # nobody sets TF_USE_LEGACY_KERAS: not the driver, not the executors the nodes
+    # inherit (earlier tests' programs set it in the Python workers Spark reuses:
+    # mnist_keras.py does at import; one barrier task per slot takes every one)
     monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
     assert sc.getConf().get("spark.executorEnv.TF_USE_LEGACY_KERAS", None) is None
-    assert sc.parallelize([0], 1).map(
-        lambda _: os.environ.get("TF_USE_LEGACY_KERAS")).collect() == [None]
+
+    def forget(_):
+        os.environ.pop("TF_USE_LEGACY_KERAS", None)
+        yield os.environ.get("TF_USE_LEGACY_KERAS")
+
+    slots = sc.defaultParallelism
+    assert sc.parallelize(range(slots), slots).barrier().mapPartitions(forget).collect() \
+        == [None] * slots
+    # ... so the nodes' tf_keras comes from what fit passes to run(env=)
+    passed = []
+    real_run = ember.spark.run
+
+    def spy(*args, **kwargs):
+        passed.append(kwargs.get("env"))
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(ember.spark, "run", spy)
     xtr, ytr, xte, yte = fmnist
     df = spark.createDataFrame([((xtr[i] / 255.0).astype(float).tolist(), int(ytr[i]))
                                 for i in range(TRAIN)], "image array<float>, label long")
@@ -395,6 +414,7 @@ def test_pipeline_fit_gives_its_nodes_tf_keras_as_tfcluster_run(local_spark, tmp
            .setModelDir(str(tmp_path / "model")).setExportDir(str(tmp_path / "export")))
     model = est.fit(df.repartition(2))
 
+    assert passed == [{"TF_USE_LEGACY_KERAS": "1"}]  # as TFCluster.run's nodes get
     with open(tmp_path / "model" / "keras-0.json") as f:
         assert json.load(f) == {"keras": "tf_keras.src.engine.sequential",
                                 "TF_USE_LEGACY_KERAS": "1"}
