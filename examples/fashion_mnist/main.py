@@ -23,6 +23,7 @@ GPU, assigned by Spark (``run(gpus_per_node=)``).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
@@ -143,6 +144,11 @@ def train_and_evaluate(sc: Any, args: argparse.Namespace, mode: str, n_train: in
 
 def main(argv: Any = None) -> int:
     args = parse_args(argv)
+    # Ember logs through the standard logging module: its progress (cluster
+    # ready, records fed, the nodes' reports) at INFO, other libraries at WARNING
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        level=logging.WARNING)
+    logging.getLogger("ember").setLevel(logging.INFO)
     args.work_dir = os.path.abspath(args.work_dir)
     args.data_dir = os.path.join(args.work_dir, "data")
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.num_executors)

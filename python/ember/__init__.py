@@ -11,7 +11,7 @@ from ember._version import __version__  # noqa: F401
 
 # the C core; it refuses to load beside a package of another version
 from ember import _ember  # noqa: E402, F401
-from ember.errors import EmberFeedError  # noqa: E402, F401
+from ember.errors import EmberError, EmberFeedError  # noqa: E402, F401
 
 
 def __getattr__(name: str) -> Any:

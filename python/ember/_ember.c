@@ -729,14 +729,26 @@ static PyObject *new_exception(const char *name, const char *doc, PyObject *base
   return exc;
 }
 
+/* ember.errors.EmberError, the base of every Ember exception: defined in
+ * Python so that the Python layer's errors and this module's share it (one
+ * class, so `except EmberError` means any Ember error).  Instances raised here
+ * carry .code and .name (set_code_attrs); the Python layer's have None. */
+static PyObject *python_base(void) {
+  PyObject *mod = PyImport_ImportModule("ember.errors");
+  if (mod == NULL)
+    return NULL;
+  PyObject *base = PyObject_GetAttrString(mod, "EmberError");
+  Py_DECREF(mod);
+  if (base != NULL && !PyExceptionClass_Check(base)) {
+    PyErr_SetString(PyExc_ImportError, "ember.errors.EmberError is not an exception class");
+    Py_CLEAR(base);
+  }
+  return base;
+}
+
 static int add_exceptions(PyObject *m, ember_state *st) {
   PyObject *code = NULL, *bases = NULL;
-  st->EmberError = new_exception(
-      "ember._ember.EmberError",
-      "A libember call failed.  .code is the negative EMBER_E* status, .name its\n"
-      "symbolic name (\"EMBER_ETIMEDOUT\"); the message is libember's detailed\n"
-      "last error.",
-      PyExc_Exception, Py_None, NULL);
+  st->EmberError = python_base();
   if (st->EmberError == NULL)
     return -1;
 

@@ -17,16 +17,18 @@ Nothing here imports pyspark at module level: node processes import it.
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
+
+from ember import _log
 
 GPU = "gpu"
 
 
-def _log(msg: str) -> None:
-    print(f"[ember] {msg}", file=sys.stderr, flush=True)
+#: EmberModel's inference workers say here which GPUs they took
+logger = logging.getLogger("ember.ml")
 
 
 # --------------------------------------------------------------------------- tasks
@@ -68,15 +70,18 @@ def bind_task_gpus() -> None:
     if not gpus:
         return
     value = ",".join(gpus)
+    # a Spark Python worker: nobody configures logging here (ember._log)
+    _log.default_handler()
     if _bound is None:
         os.environ.update(cuda_env(gpus))
         _bound = value
-        _log(f"inference worker pid {os.getpid()}: CUDA_VISIBLE_DEVICES={value} "
-             "(the task's GPUs)")
+        logger.info(f"inference worker pid {os.getpid()}: CUDA_VISIBLE_DEVICES={value} "
+                    "(the task's GPUs)")
     elif _bound != value:
-        _log(f"inference worker pid {os.getpid()}: this task was given GPU(s) {value}, but "
-             f"the model in this reused Python worker was loaded on {_bound}; set "
-             "spark.python.worker.reuse=false to load it per task, or use ArrowPath 'direct'")
+        logger.warning(f"inference worker pid {os.getpid()}: this task was given GPU(s) "
+                       f"{value}, but the model in this reused Python worker was loaded on "
+                       f"{_bound}; set spark.python.worker.reuse=false to load it per task, "
+                       "or use ArrowPath 'direct'")
 
 
 # --------------------------------------------------------------------------- driver

@@ -38,6 +38,8 @@ from pyspark.serializers import (AutoBatchedSerializer, BatchedSerializer, Cloud
                                  FramedSerializer, PickleSerializer, SpecialLengths,
                                  UTF8Deserializer, read_int)
 
+from ember.errors import EmberError
+
 #: The feeding task's mark of a partition's start in a grouped RDD.
 BOUNDARY = type("PartitionBoundary", (), {"__repr__": lambda self: "<partition boundary>"})()
 _END = object()  # the end of a grouped RDD's records
@@ -142,7 +144,7 @@ def group_dataframe(df: Any, groups: Any, nodes: int, first: int, expected: int)
     return DataFrame(groups.groupRows(tagged._jdf, nodes, first, expected), df.sparkSession)
 
 
-class InputBroken(RuntimeError):
+class InputBroken(EmberError, RuntimeError):
     """The stream from Spark to the feeding task ended without Spark's end
     mark: a stage upstream failed, and Spark reports its error.  Not the end
     of a partition."""

@@ -13,7 +13,7 @@ process group if the driver connection is lost or a STOP's grace runs out (C,
 A frozen node (SIGSTOP) runs no thread, so it cannot kill itself: its
 watchdog, a small process beside it (``ember._watchdog``), kills its process
 group once it has not run for ``heartbeat_timeout`` (the launcher passes it
-as ``argv[1]``).
+as ``argv[1]``, and the node's index as ``argv[2]``).
 
 Protocol with the launcher: the bootstrap (a cloudpickled dict produced by the
 launcher in the same executor) arrives on stdin; this process answers one line
@@ -31,7 +31,7 @@ import time
 import traceback
 from typing import Any, Dict, List
 
-from ember import _watchdog
+from ember import _log, _watchdog
 from ember._env import bind_host
 
 FEED_ROLES = ("chief", "worker")
@@ -70,9 +70,14 @@ def _fault(boot: Dict[str, Any], name: str) -> str:
 
 
 def main() -> None:
+    # this process's Ember lines (its watchdog's too) go to the executor's
+    # stderr with a timestamp, unless main_fun configures logging (ember._log)
+    _log.default_handler()
     # first, before any thread exists: the watchdog that ends this node if it
     # is frozen for heartbeat_timeout (argv[1], seconds; see ember._watchdog)
-    _watchdog.start(float(sys.argv[1]) if len(sys.argv) > 1 else 0.0)
+    # (argv[2], the node's index, names it in the watchdog's lines)
+    _watchdog.start(float(sys.argv[1]) if len(sys.argv) > 1 else 0.0,
+                    f"node {sys.argv[2]}" if len(sys.argv) > 2 else "node")
     boot = pickle.loads(sys.stdin.buffer.read())
     status = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # from here on, prints go to the executor's stderr

@@ -29,19 +29,22 @@ by the node's main thread.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
-import sys
 import time
 from typing import Optional, Tuple
 
 
 _told: Optional[int] = None  # the node's end of the pipe to its watchdog
 
+logger = logging.getLogger("ember.node")
 
-def start(timeout: float) -> None:
+
+def start(timeout: float, name: str = "node") -> None:
     """Forks the watchdog of this process (a node launched as the leader of its
-    own session) and returns at once in this process.
+    own session) and returns at once in this process.  ``name`` names the node
+    in the watchdog's log lines (``node 3``).
 
     Call it before any thread is started.  Does nothing when ``timeout`` is not
     positive or when this process does not lead its own session (then its
@@ -55,7 +58,8 @@ def start(timeout: float) -> None:
         r, w = os.pipe()
         first = os.fork()
     except OSError as exc:  # the node still runs; only a freeze would go unseen
-        print(f"[ember] watchdog not started: {exc}", file=sys.stderr, flush=True)
+        logger.warning(f"{name} (pid {node}): watchdog not started ({exc}): a frozen node "
+                       "is not killed; it is still counted lost after heartbeat_timeout")
         return
     if first:
         os.close(r)
@@ -66,7 +70,7 @@ def start(timeout: float) -> None:
     try:
         if os.fork() == 0:
             _detach(keep=r)
-            _watch(node, timeout, r)
+            _watch(node, timeout, r, name)
     finally:
         os._exit(0)
 
@@ -107,7 +111,7 @@ def _detach(keep: int) -> None:
     os.set_blocking(keep, False)
 
 
-def _watch(node: int, timeout: float, told: int) -> None:
+def _watch(node: int, timeout: float, told: int, name: str = "node") -> None:
     # The node leads its session and this process stays in it, so the node's
     # pid (the session id) is not reused while we watch: killpg(node) and
     # /proc/<node> always mean the node's group, even after it exited.
@@ -146,9 +150,9 @@ def _watch(node: int, timeout: float, told: int) -> None:
         if running:
             ran = now
         elif now - ran >= timeout:
-            print(f"[ember] watchdog: node process {node} has not run for {now - ran:.1f} s "
-                  f"(state {state}; heartbeat_timeout {timeout:g} s): killing its process "
-                  "group", file=sys.stderr, flush=True)
+            logger.warning(f"watchdog: {name} (pid {node}) has not run for {now - ran:.1f} s "
+                           f"(state {state}; heartbeat_timeout {timeout:g} s): killing its "
+                           "process group")
             _kill_group(node)
             return
         time.sleep(poll)

@@ -60,6 +60,9 @@ def tfrecord_inspect(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the CLI; returns the exit status."""
+    from ember import _log
+
+    _log.default_handler()  # what the commands log (HDFS, YARN) goes to stderr
     p = argparse.ArgumentParser(prog="ember", description="Ember command line")
     sub = p.add_subparsers(dest="command", required=True)
     tfr = sub.add_parser("tfrecord", help="TFRecord files").add_subparsers(

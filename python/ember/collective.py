@@ -18,9 +18,18 @@ closed when ``main_fun`` returns.  The C calls run with the GIL released and
 read and write the arrays' memory directly.
 
 A dead peer makes the call fail at once, a silent one after ``timeout``
-seconds, with :class:`ember._ember.EmberError` naming the rank; after any
+seconds, with :class:`ember.errors.EmberError` naming the rank; after any
 failure the communicator stays broken (every later call raises), as the other
 ranks cannot know how far this one got.
+
+Arguments are checked in one place, the extension (``ember._ember.Communicator``):
+the reduction op (``"sum"``, ``"avg"`` or its alias ``"mean"``, ``"min"``,
+``"max"``: ValueError otherwise, TypeError for a non-str), the element type
+(float32, float64, int32, int64 in native byte order: TypeError), a writable
+contiguous buffer (TypeError), the root rank and the timeout (ValueError).
+This module adds only what the extension cannot know: that the buffer is a
+numpy array (whose dtype and shape it adds to the extension's TypeError), and
+the communicator's lifetime.
 """
 
 from __future__ import annotations
@@ -40,8 +49,6 @@ __all__ = ["Collective", "trainer_addresses", "DEFAULT_TIMEOUT"]
 DEFAULT_TIMEOUT = 600.0
 
 _FEED_ROLES = ("chief", "worker")
-_DTYPES = (np.float32, np.float64, np.int32, np.int64)
-_OPS = ("sum", "avg", "min", "max")
 
 
 def trainer_addresses(nodes: List[Dict[str, Any]]) -> List[str]:
@@ -58,22 +65,19 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _check_array(array: Any, what: str, dtypes: bool = True) -> np.ndarray:
+def _check_array(array: Any, what: str) -> np.ndarray:
+    """``array`` if it is a numpy array.  Everything else about it (writable,
+    contiguous, its dtype) the extension checks when it takes its buffer."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"{what} takes a numpy array, not {type(array).__name__} "
                         "(torch: tensor.numpy() of a CPU tensor)")
-    if not array.flags.writeable:
-        raise ValueError(f"{what} works in place: the array is read-only")
-    if not (array.flags.c_contiguous or array.flags.f_contiguous):
-        raise ValueError(f"{what} works in place on contiguous memory: this array of shape "
-                         f"{array.shape} is a strided view (use np.ascontiguousarray and "
-                         "copy the result back)")
-    if dtypes and array.dtype.type not in _DTYPES:
-        raise TypeError(f"{what} supports float32, float64, int32 and int64 arrays, "
-                        f"not {array.dtype}")
-    if dtypes and not array.dtype.isnative:
-        raise TypeError(f"{what} needs native byte order, not {array.dtype.str}")
     return array
+
+
+def _named(exc: TypeError, array: np.ndarray) -> TypeError:
+    """The extension's TypeError about ``array`` (which names its buffer format,
+    ``'B'``), with the array's numpy dtype and shape added."""
+    return TypeError(f"{exc} (the array: dtype {array.dtype}, shape {array.shape})")
 
 
 def collective_of(ctx: Any) -> Any:
@@ -154,27 +158,31 @@ class Collective:
                   timeout: Optional[float] = None) -> np.ndarray:
         """Reduces ``array`` elementwise over all ranks, in place; returns it.
 
-        :param array: a C-contiguous, writable float32/float64/int32/int64
-            array of the same shape on every rank.
-        :param op: ``"sum"``, ``"avg"`` (integer avg truncates toward zero),
-            ``"min"`` or ``"max"``.  Every rank gets bit-identical results.
+        :param array: a contiguous, writable float32/float64/int32/int64
+            array (native byte order) of the same shape on every rank.
+        :param op: ``"sum"``, ``"avg"`` (alias ``"mean"``; integer avg
+            truncates toward zero), ``"min"`` or ``"max"``.  Every rank gets
+            bit-identical results.
         :param timeout: seconds; None for the collective's default.
         """
-        if op not in _OPS:
-            raise ValueError(f"op must be one of {', '.join(map(repr, _OPS))}, not {op!r}")
         _check_array(array, "allreduce")
-        self.communicator().allreduce(array, op, timeout)
+        try:
+            self.communicator().allreduce(array, op, timeout)
+        except TypeError as exc:
+            raise _named(exc, array) from exc
         return array
 
     def broadcast(self, array: np.ndarray, root: int = 0,
                   timeout: Optional[float] = None) -> np.ndarray:
         """Copies rank ``root``'s ``array`` into ``array`` on every rank, in place.
 
-        Any dtype; the array must have the same size in bytes on every rank."""
-        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
-            raise ValueError(f"root must be a rank in 0..{self.size - 1}, not {root!r}")
-        _check_array(array, "broadcast", dtypes=False)
-        self.communicator().broadcast(array, int(root), timeout)
+        Any dtype; the array must be contiguous, writable and of the same size
+        in bytes on every rank; ``root`` a rank in ``0..size-1``."""
+        _check_array(array, "broadcast")
+        try:
+            self.communicator().broadcast(array, root, timeout)
+        except TypeError as exc:
+            raise _named(exc, array) from exc
         return array
 
     def allgather(self, array: np.ndarray, timeout: Optional[float] = None) -> np.ndarray:

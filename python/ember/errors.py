@@ -1,20 +1,84 @@
-"""Errors of Ember's Python layer that cross from Spark tasks to the driver.
+"""Ember's exceptions: one base, :class:`EmberError`, from which every Ember
+exception derives, so ``except EmberError`` catches any of them.
 
-``EmberFeedError`` is raised where records become feed columns (in a feeding
-task) and again, with the same message first, by ``Cluster.train`` on the
-driver.  The C core's own errors (``EmberError`` and its subclasses) live in
-``ember._ember``; a node's failure is ``ember.spark.EmberNodeError``.
+The hierarchy::
+
+    EmberError                          the base; also a failed libember call (.code, .name)
+    ├── EmberTimeout (TimeoutError)     a libember wait ran past its timeout
+    ├── EmberAuthError                  a peer did not prove the job secret
+    ├── EmberAborted                    aborted by the peer or a stop request
+    ├── EmberCorruptError (ValueError)  malformed TFRecord bytes
+    ├── EmberSchemaError (ValueError)   a record that does not match its spec
+    ├── EmberFileNotFoundError (FileNotFoundError)  an HDFS path is missing
+    ├── EmberPermissionError (PermissionError)      HDFS refused the access
+    ├── EmberFeedError (ValueError)     input the feed cannot carry
+    ├── EmberNodeError (RuntimeError)   a node failed, exited or was lost
+    ├── FeedProducerError (RuntimeError)  a feeding task failed (``on_producer_error="raise"``)
+    ├── ModelInputError (ValueError)    the DataFrame, mappings and model do not fit together
+    └── RunFailed (RuntimeError)        every attempt of ``run_on_yarn`` failed
+
+The C extension raises ``EmberError`` and its first seven subclasses; it takes
+this very class as its base when it loads (``ember._ember.EmberError is
+ember.errors.EmberError``).  Errors raised by the extension carry ``.code``,
+the negative ``EMBER_E*`` status, and ``.name``, its symbolic name; those of
+the Python layer have None for both (:func:`from_core` tells them apart).
+Each class keeps the builtin base it had before the hierarchy existed, so
+code that caught ``ValueError`` or ``RuntimeError`` still does.  The classes
+are also importable where they were before (``ember.spark.EmberNodeError``,
+``ember.ml.ModelInputError``, ``ember.node.FeedProducerError``,
+``ember.yarn.RunFailed``, ``ember._ember.EmberTimeout``...).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Optional
+import time
+from typing import Any, Dict, List, Optional
 
-__all__ = ["EmberFeedError", "find_feed_error"]
+__all__ = ["EmberError", "EmberFeedError", "EmberNodeError", "FeedProducerError",
+           "ModelInputError", "RunFailed", "EmberTimeout", "EmberAuthError", "EmberAborted",
+           "EmberCorruptError", "EmberSchemaError", "EmberFileNotFoundError",
+           "EmberPermissionError", "find_feed_error", "from_core",
+           "in_context"]
+
+#: The subclasses the C extension defines, importable from here too.
+_CORE_CLASSES = ("EmberTimeout", "EmberAuthError", "EmberAborted", "EmberCorruptError",
+                 "EmberSchemaError", "EmberFileNotFoundError", "EmberPermissionError")
 
 
-class EmberFeedError(ValueError):
+class EmberError(Exception):
+    """The base of every Ember exception; raised as such by a libember call that
+    failed (the message is libember's detailed last error).
+
+    .. attribute:: code
+
+        The negative ``EMBER_E*`` status of the libember call that failed;
+        None for an error of Ember's Python layer.
+
+    .. attribute:: name
+
+        ``code``'s symbolic name (``"EMBER_ETIMEDOUT"``), or None.
+    """
+
+    code: Optional[int] = None
+    name: Optional[str] = None
+
+
+def from_core(exc: BaseException) -> bool:
+    """True when ``exc`` was raised by a libember call (the C extension): an
+    :class:`EmberError` with a ``code``, not an error of the Python layer."""
+    return isinstance(exc, EmberError) and exc.code is not None
+
+
+def in_context(exc: EmberError, context: str) -> EmberError:
+    """A copy of a libember error ``exc``, of its class and with its ``code``
+    and ``name``, whose message starts with ``context`` (raise it ``from exc``)."""
+    err = type(exc)(f"{context}: {exc}")
+    err.code, err.name = exc.code, exc.name
+    return err
+
+
+class EmberFeedError(EmberError, ValueError):
     """Input the feed cannot carry: a null, a record of another type or shape
     than the records before it, a column type the feed does not know.
 
@@ -29,6 +93,68 @@ class EmberFeedError(ValueError):
     """
 
 
+#: How a collective (and the feed) words a peer that vanished mid-operation:
+#: a node failing with it is more likely the casualty of another node's loss
+#: than its cause.
+PEER_VANISHED = "failed, was killed or left)"
+
+
+class EmberNodeError(EmberError, RuntimeError):
+    """A node failed (its main_fun raised, it exited, or it was lost); raised on
+    the driver by ``Cluster.train``, ``inference`` waits and ``shutdown``, with
+    the node's traceback in the message.
+
+    :param message: what happened, and the node's traceback.
+    :param node: the node's index.
+    :param kind: ``"failed"`` (main_fun raised or the node exited) or ``"lost"``.
+    """
+
+    def __init__(self, message: str, node: int, kind: str = "failed") -> None:
+        super().__init__(message)
+        self.node = node
+        self.kind = kind  #: "failed" (main_fun raised or the node exited) or "lost"
+        self.seen_at = time.monotonic()  #: when the driver learnt of it (time.monotonic)
+
+    @property
+    def peer_vanished(self) -> bool:
+        """True when the node failed only because a peer vanished under it."""
+        return self.kind == "failed" and PEER_VANISHED in str(self)
+
+
+class FeedProducerError(EmberError, RuntimeError):
+    """A feeding task failed; raised by ``DataFeed.next_batch`` when the feed was
+    made with ``on_producer_error="raise"``."""
+
+
+class ModelInputError(EmberError, ValueError):
+    """The DataFrame, the mappings or the model do not fit together
+    (:mod:`ember.ml`)."""
+
+
+class RunFailed(EmberError, RuntimeError):
+    """Every attempt of :func:`ember.yarn.run_on_yarn` failed.  The message names
+    the failing task of the last attempt and includes its traceback and the
+    tail of its container logs.
+
+    Attributes:
+        task: the failing task (``"worker:1"``), or None if no task failed
+            (the application itself did, e.g. timed out or was killed).
+        app_ids: every attempt's application id.
+        traceback: the failing task's traceback ("" if it sent none).
+        logs: container log tails of the failing task, file name -> text.
+        failures: every attempt's message.
+    """
+
+    def __init__(self, message: str, task: Optional[str], app_ids: List[str],
+                 traceback: str, logs: Dict[str, str], failures: List[str]) -> None:
+        super().__init__(message)
+        self.task = task
+        self.app_ids = app_ids
+        self.traceback = traceback
+        self.logs = logs
+        self.failures = failures
+
+
 # The last line of a Python traceback that ended in an EmberFeedError, as it
 # appears in the text of Spark's PythonException (Java) or its Python wrapper.
 _TRACEBACK_LINE = re.compile(r"^(?:[\w.]+\.)?EmberFeedError: (.+)$", re.MULTILINE)
@@ -38,3 +164,13 @@ def find_feed_error(text: str) -> Optional[str]:
     """The message of the first EmberFeedError in a failed Spark job's text, or None."""
     m = _TRACEBACK_LINE.search(text)
     return m.group(1).strip() if m else None
+
+
+def __getattr__(name: str) -> Any:
+    # the extension's subclasses: it imports this module while it loads, so
+    # they are looked up when asked for, not at import
+    if name in _CORE_CLASSES:
+        from ember import _ember
+
+        return getattr(_ember, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,9 +33,9 @@ off with ``MLFLOW_TRACKING_URI`` set.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-import sys
 import time
 from typing import Any, Dict, Iterable, Mapping, Optional
 
@@ -47,8 +47,7 @@ _TAG_MAX = 8000  # ... and on a tag value
 _BATCH = 100  # params or tags per log_batch call
 
 
-def _log(msg: str) -> None:
-    print(f"[ember.mlflow] {msg}", file=sys.stderr, flush=True)
+logger = logging.getLogger("ember.mlflow")
 
 
 def enabled() -> bool:
@@ -61,7 +60,8 @@ def enabled() -> bool:
     try:
         import mlflow  # noqa: F401
     except ImportError:
-        _log("MLFLOW_TRACKING_URI is set but mlflow is not installed: not tracking")
+        logger.warning("MLFLOW_TRACKING_URI is set but mlflow is not installed: not "
+                       "tracking (pip install mlflow, or unset MLFLOW_TRACKING_URI)")
         return False
     return True
 
@@ -95,8 +95,8 @@ def _safe(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - tracking must never fail the job
-        _log(f"{what} failed (the job goes on): {type(exc).__name__}: "
-             f"{str(exc).splitlines()[0] if str(exc) else ''}")
+        logger.warning(f"{what} failed (the job goes on; check the tracking server): "
+                       f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         return None
 
 
@@ -143,7 +143,7 @@ class JobRun:
         if not owned:
             job.set_tags(tags)
         job.log_params(params)
-        _log(f"tracking {name} in MLflow run {run_id} at {uri}")
+        logger.info(f"tracking {name} in MLflow run {run_id} at {uri}")
         return job
 
     def node_env(self) -> Dict[str, str]:
@@ -174,7 +174,8 @@ class JobRun:
         """Uploads a directory (its files under ``artifact_path``)."""
         path = local_dir[len("file://"):] if local_dir.startswith("file://") else local_dir
         if "://" in path:
-            _log(f"not logging {local_dir} as an artifact: only local directories are")
+            logger.warning(f"not logging {local_dir} as an artifact: only local directories "
+                           "are (copy it to the driver first)")
             return
         _safe(f"logging {local_dir} as an artifact", self.client.log_artifacts, self.run_id,
               path, artifact_path)
@@ -246,7 +247,8 @@ def _node() -> Optional[_NodeRun]:
         try:
             _node_run = _NodeRun(run_id)
         except ImportError:
-            _log("the job is tracked but mlflow is not installed on this node: not logging")
+            logger.warning("the job is tracked but mlflow is not installed on this node: not "
+                           "logging (install mlflow in the nodes' Python environment)")
             return None
     return _node_run
 

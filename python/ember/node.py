@@ -11,9 +11,9 @@ view that memory without a copy.
 from __future__ import annotations
 
 import json
+import logging
 import operator
 import os
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,11 +22,14 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ember import _columns, _ember
+from ember.errors import FeedProducerError
 
 #: The code of the control-channel progress REPORT by which a node tells the
 #: driver the epoch it resumes from (text: the epoch; empty: the node reads its
 #: feed without naming one).  See :meth:`NodeContext.resume_from`.
 RESUME_REPORT = 0x52534D  # "RSM"
+
+logger = logging.getLogger("ember.node")
 
 
 class Batch(Sequence):
@@ -84,7 +87,7 @@ class _Chunk:
 
 def partition_tag(item: Any) -> Dict[str, Any]:
     """The description a feeding task gave its partition (a 'start' item's tag,
-    see ``ember.spark._partition_tag``): queue, results, stream, plan."""
+    see ``ember.executor.partition_tag``): queue, results, stream, plan."""
     if not item.tag:
         return {}
     try:
@@ -93,11 +96,6 @@ def partition_tag(item: Any) -> Dict[str, Any]:
         raise ValueError(f"partition {item.partition} of feed call {item.call}: its tag is not "
                          f"JSON ({item.tag[:80]!r})") from exc
     return tag if isinstance(tag, dict) else {}
-
-
-class FeedProducerError(RuntimeError):
-    """A feeding task failed; raised by ``next_batch`` when the feed was made
-    with ``on_producer_error="raise"``."""
 
 
 class DataFeed:
@@ -163,6 +161,7 @@ class DataFeed:
         #: the epoch (within its train() call) of the last batch ``next_batch``
         #: returned; None before the first, and for data of ``inference``
         self.epoch: Optional[int] = None
+        self._last_call: Optional[int] = None  # the feed call of the last batch returned
         self._on_first_read: Any = None  # called once, before the first read (ctx)
         # inference: chunks whose results are not yet complete, oldest first
         self._awaiting: Deque[Any] = deque()  # (chunk, rows handed out), oldest first
@@ -197,9 +196,9 @@ class DataFeed:
                 self.producer_errors.append(item.reason)
                 if self._on_producer_error == "raise":
                     raise FeedProducerError(f"{self._node_name}: {item.reason}")
-                print(f"[ember] {self._node_name}: {item.reason} (its records so far were "
-                      "delivered; Spark's retry of the task sends the rest)",
-                      file=sys.stderr, flush=True)
+                logger.warning(f"{self._node_name}: {item.reason} (its records so far were "
+                               "delivered; Spark's retry of the task sends the rest; "
+                               "on_producer_error='raise' makes next_batch raise instead)")
                 continue
             kind = item.kind
             if kind == "start":  # a partition of a named call begins: its tag says how
@@ -249,6 +248,7 @@ class DataFeed:
         parts: List[List[Any]] = []
         names: List[str] = []
         epoch: Optional[int] = None
+        call: Optional[int] = None
         need = batch_size
         while need > 0 and not self._ended:
             chunk = self._chunk
@@ -264,7 +264,7 @@ class DataFeed:
                     break
                 raise ValueError(f"{self._node_name}: feed changed record layout from "
                                  f"{names} to {chunk.names} within one batch")
-            names, epoch = chunk.names, chunk.epoch
+            names, epoch, call = chunk.names, chunk.epoch, chunk.item.call
             parts.append([c[chunk.pos:chunk.pos + take] for c in chunk.columns])
             chunk.pos += take
             need -= take
@@ -273,13 +273,44 @@ class DataFeed:
                 break
         if not parts:
             return Batch([], [], 0)
-        self.epoch = epoch
+        self.epoch, self._last_call = epoch, call
         if len(parts) == 1:
             columns = parts[0]
         else:
             columns = [np.concatenate(cols) if isinstance(cols[0], np.ndarray)
                        else [v for part in cols for v in part] for cols in zip(*parts)]
         return Batch(names, columns, batch_size - need)
+
+    @property
+    def ended(self) -> bool:
+        """True once the feed itself has ended: the driver ended it (shutdown's
+        END_FEED), the node was asked to stop, or it was terminated.  Unlike
+        :meth:`should_stop`, the end of a ``train()`` call is not the feed's
+        end: a later call's data may still come."""
+        return self._ended or self._terminated
+
+    @property
+    def last_batch_call(self) -> Optional[int]:
+        """The feed call (one ``train()`` or ``inference()`` of the driver) that
+        the last batch ``next_batch`` returned came from; None before the first."""
+        return self._last_call
+
+    @property
+    def awaiting_results(self) -> int:
+        """How many batches returned in inference mode still await their
+        :meth:`batch_results`."""
+        return len(self._awaiting)
+
+    def skip_results(self) -> None:
+        """Declares that the last batch returned needs no results, so the next
+        :meth:`batch_results` answers the batch before it.  For a layer that
+        reads ``train()`` data (which wants none) through an inference-mode
+        feed, as TensorFlowOnSpark's programs do (``ember.compat.tfos``).
+        Raises RuntimeError when no batch awaits results."""
+        if not self._awaiting:
+            raise RuntimeError(f"{self._node_name}: skip_results() without a pending "
+                               "inference batch")
+        self._awaiting.pop()
 
     @property
     def epochs_done(self) -> Optional[int]:
@@ -387,6 +418,23 @@ class NodeContext:
         """The port reserved for the framework's server (TF gRPC, torch MASTER_PORT)."""
         return self.ports[0]
 
+    @property
+    def feed_server(self) -> Any:
+        """This node's feed server (an ``ember._ember.FeedServer``: ``next``,
+        ``send_results``, ``terminate``), or None on a node that is not fed
+        (only the chief and workers of an InputMode.SPARK cluster are).
+
+        A trainer reads its feed with :meth:`get_data_feed`; this is for a
+        layer that routes the feed itself and reads it through
+        :meth:`data_feed` (``ember.compat.tfos`` splits it into
+        TensorFlowOnSpark's named queues)."""
+        return self._feed_server
+
+    def stop_requested(self) -> bool:
+        """True once the driver has asked this node to stop (``shutdown``, or a
+        failure elsewhere): its main_fun should return."""
+        return self._control is not None and self._control.stop_state() != 0
+
     def get_data_feed(self, train_mode: bool = True, qname_in: str = "input",
                       qname_out: str = "output", input_mapping: Any = None,
                       feed_timeout: float = 600.0,
@@ -398,16 +446,28 @@ class NodeContext:
                 f"{self.job_name}:{self.task_index} has no data feed: only chief and "
                 "worker nodes of an InputMode.SPARK cluster are fed")
         if self._feed is None or self._feed.train_mode != train_mode:
-            stop = (lambda: self._control.stop_state() != 0) if self._control else None
-            self._feed = DataFeed(self._feed_server, train_mode, feed_timeout, stop,
-                                  f"node {self.worker_num} ({self.job_name}:{self.task_index})",
-                                  on_producer_error)
-            self._watch_first_read(self._feed)
+            self._feed = self.data_feed(self._feed_server, train_mode, feed_timeout,
+                                        on_producer_error=on_producer_error)
         return self._feed
 
-    def _watch_first_read(self, feed: DataFeed) -> DataFeed:
-        """Makes ``feed``'s first read tell the driver, unless :meth:`resume_from`
-        did first, that this node resumes from epoch 0 (see ``Cluster.train``)."""
+    def data_feed(self, source: Any, train_mode: bool = True, feed_timeout: float = 600.0,
+                  name: Optional[str] = None, on_producer_error: str = "wait") -> DataFeed:
+        """A new :class:`DataFeed` of this node over ``source``: :attr:`feed_server`,
+        or an object with its ``next(timeout)``, ``send_results`` and
+        ``terminate`` (one queue of a layer that routes the feed).
+
+        The feed stops when :meth:`stop_requested`, and its first read tells
+        the driver, unless :meth:`resume_from` did first, that this node
+        resumes from epoch 0 (see ``Cluster.train``).
+
+        :param train_mode: False for inference (answer with ``batch_results``).
+        :param feed_timeout: seconds ``next_batch`` waits for data before it raises.
+        :param name: how messages name the feed (default ``node <index> (<role>:<task>)``).
+        :param on_producer_error: see :class:`DataFeed`.
+        """
+        stop = self.stop_requested if self._control is not None else None
+        name = name or f"node {self.worker_num} ({self.job_name}:{self.task_index})"
+        feed = DataFeed(source, train_mode, feed_timeout, stop, name, on_producer_error)
         if not self._resume_told:
             feed._on_first_read = lambda: self._tell_resume("")
         return feed
@@ -438,9 +498,9 @@ class NodeContext:
         if epoch < 0:
             raise ValueError(f"resume_from: epoch must be an int >= 0, got {epoch}")
         if self._resume_told:
-            print(f"[ember] node {self.worker_num}: resume_from({epoch}) comes after the feed "
-                  "was read (or a first resume_from): ignored; call it before reading",
-                  file=sys.stderr, flush=True)
+            logger.warning(f"node {self.worker_num} ({self.job_name}:{self.task_index}): "
+                           f"resume_from({epoch}) comes after the feed was read (or a first "
+                           "resume_from): ignored; call it before reading")
             return
         self._tell_resume(str(epoch))
 
@@ -528,7 +588,7 @@ class NodeContext:
 
     def allreduce(self, array: Any, op: str = "sum", timeout: Optional[float] = None) -> Any:
         """Reduces a numpy array over all chief/worker nodes, in place
-        (``op``: "sum", "avg", "min", "max"); see :mod:`ember.collective`."""
+        (``op``: "sum", "avg" or "mean", "min", "max"); see :mod:`ember.collective`."""
         return self.collective.allreduce(array, op, timeout)
 
     def broadcast(self, array: Any, root: int = 0, timeout: Optional[float] = None) -> Any:

@@ -153,6 +153,9 @@ def allreduce_gradients(params: Any, ctx: Any, op: str = "avg") -> None:
         if p.grad.is_sparse:
             raise ValueError("sparse gradients are not supported; use dense embeddings")
         if p.grad.dtype not in _WIRE:
+            # the extension's dtype rule, checked here before any group is
+            # reduced: a rank that failed half-way would leave its peers with
+            # a step of mismatched collectives
             raise TypeError(f"gradient dtype {p.grad.dtype} is not supported "
                             "(float32, float64, int32, int64)")
         groups.setdefault(p.grad.dtype, []).append(p)

@@ -99,7 +99,7 @@ def crosshost_node(args: Any, ctx: Any) -> None:
         if len(batch):
             ids = batch.column("id") if "id" in batch.names else [r[0] for r in batch]
             rows.extend(int(v) for v in ids)
-        elif feed._ended:
+        elif feed.ended:
             break
         else:
             time.sleep(0.05)  # between the calls

@@ -282,7 +282,7 @@ def test_tfos_keras_example_trains_3_epochs_on_hosts(hosts, tmp_path):
             "--epochs", "3", "--images_labels", csv, "--model_dir", str(tmp_path / "model"),
             "--export_dir", str(tmp_path / "export")]
     text = hosts.run_driver(argv, "tfos-example.log", 900)
-    fed = re.findall(r"\[ember\] train: fed (\d+) records", text)
+    fed = re.findall(r"INFO ember\.spark: train: fed (\d+) records", text)
     assert fed and int(fed[-1]) > 0, text[-4000:]
     ready = re.findall(r"cluster ready: (.*)", text)
     assert ready and set(re.findall(r"@([\d.]+):", ready[0])) <= {

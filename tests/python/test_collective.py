@@ -308,3 +308,35 @@ def test_single_rank_and_argument_errors() -> None:
         E.Communicator(0, ["localhost"], SECRET)
     with pytest.raises(E.EmberError, match="secret"):
         E.Communicator(0, ["127.0.0.1:%d" % _port()], b"short")
+
+
+def test_collective_checks_arguments_as_the_extension_does() -> None:
+    """ember.collective.Collective (ctx.allreduce...) leaves the op, dtype,
+    buffer, root and timeout rules to the extension: one rule, one message,
+    and "mean" is the alias of "avg" on both layers."""
+    from ember.collective import Collective
+
+    fd, port = E.reserve_port("127.0.0.1")
+    with Collective(0, ["127.0.0.1:%d" % port], SECRET, listen_fd=fd, timeout=5.0) as c:
+        a = np.arange(10, dtype=np.float32)
+        assert c.allreduce(a, "mean") is a
+        np.testing.assert_array_equal(a, np.arange(10))
+        with pytest.raises(ValueError, match="op must be 'sum', 'avg', 'min' or 'max'"):
+            c.allreduce(a, "prod")
+        with pytest.raises(TypeError, match=r"float32, float64, int32 and int64 .*"
+                           r"\(the array: dtype float16, shape \(4,\)\)"):
+            c.allreduce(np.zeros(4, np.float16))
+        with pytest.raises(TypeError, match="float32, float64, int32 and int64"):
+            c.allreduce(np.zeros(4, ">f4"))  # not native byte order
+        with pytest.raises(TypeError, match="writable contiguous"):
+            c.allreduce(np.zeros((4, 4), np.float32)[:, 1])
+        ro = np.zeros(4, np.float32)
+        ro.flags.writeable = False
+        with pytest.raises(TypeError, match="writable"):
+            c.broadcast(ro)
+        with pytest.raises(ValueError, match="root 1 is not a rank"):
+            c.broadcast(a, root=1)
+        with pytest.raises(ValueError, match="timeout"):
+            c.barrier(timeout=-1)
+        with pytest.raises(TypeError, match="numpy array"):
+            c.allreduce([1.0, 2.0])

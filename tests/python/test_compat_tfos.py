@@ -13,6 +13,7 @@ import argparse
 import collections
 import glob
 import json
+import logging
 import os
 import time
 
@@ -108,7 +109,8 @@ def test_reservation_error_names_missing_nodes_and_cause(local_spark):
     assert "only 4 task slot(s) for 6 nodes" in str(err.value)
 
 
-def test_train_num_epochs_zero_is_ten_passes_uneven_partitions(local_spark, tmp_path, capfd):
+def test_train_num_epochs_zero_is_ten_passes_uneven_partitions(local_spark, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="ember")
     sc = local_spark.sparkContext
     # uneven partitions (one empty); TFoS's keras example reads with train_mode=False
     rdd = sc.parallelize([(i, i) for i in range(300)], 3).mapPartitionsWithIndex(
@@ -119,7 +121,9 @@ def test_train_num_epochs_zero_is_ten_passes_uneven_partitions(local_spark, tmp_
     fed = cluster.train(rdd)
     cluster.shutdown(timeout=60)
     assert fed == 10 * rdd.count()
-    assert "num_epochs=0): feeding the data 10 times" in capfd.readouterr().err
+    assert any(r.name == "ember.compat.tfos" and r.levelno == logging.INFO
+               and "num_epochs=0): feeding the data 10 times" in r.getMessage()
+               for r in caplog.records)
     got = collections.Counter(i for info in _json(tmp_path).values() for i in info["ids"])
     assert got == collections.Counter({r[0]: 10 for r in rdd.collect()})
 
@@ -363,6 +367,71 @@ def test_pipeline_tfestimator_tfmodel(local_spark, tmp_path, fmnist):
     assert accuracy > 0.65
 
 
+def test_pipeline_fit_gives_its_nodes_tf_keras_as_tfcluster_run(local_spark, tmp_path, fmnist,
+                                                                 monkeypatch, caplog):
+    """TFEstimator.fit starts its nodes as TFCluster.run does: with tf_keras
+    (TF_USE_LEGACY_KERAS=1 where tf_keras is installed), so a train_fn written
+    like TensorFlowOnSpark's pipeline example trains with only its imports
+    changed; after the fit, the label the model does not take is an INFO line."""
+    import tensorflow as tf
+    from ember.compat.tfos import pipeline
+    from tfos_programs import mnist_pipeline
+
+    import ember.spark
+
+    pytest.importorskip("tf_keras")
+    caplog.set_level(logging.INFO, logger="ember")
+    spark = local_spark
+    sc = spark.sparkContext
+    # nobody sets TF_USE_LEGACY_KERAS: not the driver, not the executors the nodes
+    # inherit (earlier tests' programs set it in the Python workers Spark reuses:
+    # mnist_keras.py does at import; one barrier task per slot takes every one)
+    monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
+    assert sc.getConf().get("spark.executorEnv.TF_USE_LEGACY_KERAS", None) is None
+
+    def forget(_):
+        os.environ.pop("TF_USE_LEGACY_KERAS", None)
+        yield os.environ.get("TF_USE_LEGACY_KERAS")
+
+    slots = sc.defaultParallelism
+    assert sc.parallelize(range(slots), slots).barrier().mapPartitions(forget).collect() \
+        == [None] * slots
+    # ... so the nodes' tf_keras comes from what fit passes to run(env=)
+    passed = []
+    real_run = ember.spark.run
+
+    def spy(*args, **kwargs):
+        passed.append(kwargs.get("env"))
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(ember.spark, "run", spy)
+    xtr, ytr, xte, yte = fmnist
+    df = spark.createDataFrame([((xtr[i] / 255.0).astype(float).tolist(), int(ytr[i]))
+                                for i in range(TRAIN)], "image array<float>, label long")
+    est = (pipeline.TFEstimator(mnist_pipeline.train_fn, {"train_records": TRAIN})
+           .setInputMapping({"image": "image", "label": "label"})
+           .setClusterSize(1).setEpochs(2).setBatchSize(64).setGraceSecs(0)
+           .setModelDir(str(tmp_path / "model")).setExportDir(str(tmp_path / "export")))
+    model = est.fit(df.repartition(2))
+
+    assert passed == [{"TF_USE_LEGACY_KERAS": "1"}]  # as TFCluster.run's nodes get
+    with open(tmp_path / "model" / "keras-0.json") as f:
+        assert json.load(f) == {"keras": "tf_keras.src.engine.sequential",
+                                "TF_USE_LEGACY_KERAS": "1"}
+    assert glob.glob(str(tmp_path / "model" / "weights-0002.index"))
+    serve = tf.saved_model.load(str(tmp_path / "export")).signatures["serving_default"]
+    scores = serve(image=tf.constant(xte.astype(np.float32) / 255.0))["prediction"].numpy()
+    accuracy = float(np.mean(scores.argmax(axis=1) == yte))
+    print(f"pipeline (tf_keras chosen by Ember) accuracy {accuracy:.3f}")
+    assert accuracy > 0.65
+    # the model takes the image only: said as information, not as an error
+    assert model.getInputMapping() == {"image": "image"}
+    [line] = [r for r in caplog.records if "transform() will not feed" in r.getMessage()]
+    assert (line.name, line.levelno, line.getMessage()) == (
+        "ember.ml", logging.INFO, "column label is not an input of signature "
+        "'serving_default'; transform() will not feed it")
+
+
 def _mnist_csv(directory, images, labels, parts=10):
     """The CSV input of TFoS's mnist examples (mnist_data_setup.py --format csv,
     written by saveAsTextFile): part files of ``label,pixel0,...,pixel783``
@@ -410,8 +479,8 @@ def _run_mnist_spark_example(tmp_path, fmnist, master, confs=()):
     took = time.monotonic() - start
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
-    fed = [ln[ln.index("[ember] train: fed"):] for ln in log.splitlines()
-           if "[ember] train: fed" in ln]
+    fed = [ln[ln.index("ember.spark: train: fed"):] for ln in log.splitlines()
+           if "INFO ember.spark: train: fed" in ln]
     assert fed, log[-6000:]
     assert glob.glob(str(export_dir / "*" / "saved_model.pb")), log[-3000:]
     assert glob.glob(str(model_dir / "weights-*")), log[-3000:]

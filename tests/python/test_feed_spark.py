@@ -224,22 +224,26 @@ def test_grouped_feed_splits_at_partition_boundaries():
         list(g.arrow_partitions([rb], [10, 14], 10))
 
 
-def test_fewer_task_slots_than_fed_nodes_is_warned(capfd):
+def test_fewer_task_slots_than_fed_nodes_is_warned(caplog):
     """One feeding task per fed node holds its slot until the node has taken
     its data: with fewer slots, a synchronous job cannot have every node fed."""
+    import logging
     from types import SimpleNamespace
 
-    from ember import spark as ember_spark
+    from ember import driver
 
+    caplog.set_level(logging.INFO, logger="ember")
     jvm_sc = SimpleNamespace(
         maxNumConcurrentTasks=lambda profile: 1,
         resourceProfileManager=lambda: SimpleNamespace(defaultResourceProfile=lambda: None))
     sc = SimpleNamespace(_jsc=SimpleNamespace(sc=lambda: jvm_sc))
-    ember_spark._warn_few_slots(sc, 1)
-    assert capfd.readouterr().err == ""
-    ember_spark._warn_few_slots(sc, 2)
-    err = capfd.readouterr().err
-    assert "runs 1 task(s) at once for 2 fed nodes" in err and "at least 2 task slots" in err
+    driver._warn_few_slots(sc, 1)
+    assert caplog.records == []
+    driver._warn_few_slots(sc, 2)
+    [record] = caplog.records
+    assert (record.name, record.levelno) == ("ember.spark", logging.WARNING)
+    assert "runs 1 task(s) at once for 2 fed nodes" in record.getMessage() and \
+        "at least 2 task slots" in record.getMessage()
 
 
 def test_grouped_feed_reads_text_files_and_unions(local_spark, tmp_path):

@@ -226,10 +226,10 @@ def test_the_lost_node_is_named_not_the_peer_its_loss_broke(monkeypatch):
     first, the dead node's dropped connection a moment later.  The driver
     names the dead node; a failure that is only a vanished peer is reported
     as it is when no cause follows within the grace."""
-    import ember.spark as spark
+    import ember.driver as driver
 
     def cluster():
-        c = spark.Cluster.__new__(spark.Cluster)
+        c = driver.Cluster.__new__(driver.Cluster)
         c._lock = threading.Lock()
         c._changed = threading.Condition(c._lock)
         c._failures = []
@@ -253,7 +253,7 @@ def test_the_lost_node_is_named_not_the_peer_its_loss_broke(monkeypatch):
     got = c._failure()
     assert got.node == 1 and got.kind == "lost" and 0.2 < time.monotonic() - start < 2
     # no cause follows: the casualty is the failure, after the grace
-    monkeypatch.setattr(spark, "_CAUSE_GRACE", 0.5)
+    monkeypatch.setattr(driver, "_CAUSE_GRACE", 0.5)
     c = cluster()
     report(c, EmberNodeError(casualty, 0), 0)
     time.sleep(0.1)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
+import logging
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -39,7 +39,7 @@ from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import (DefaultParamsReader, DefaultParamsWriter, MLReadable, MLWritable)
 
-from ember import _gpu, tensors
+from ember import _gpu, _log, tensors
 from ember.ml import _direct, _runtime, _torch
 from ember.ml._runtime import ModelInputError
 
@@ -47,8 +47,7 @@ __all__ = ["EmberEstimator", "EmberModel", "EmberTorchModel", "TFEstimator", "TF
            "TorchModel", "ModelInputError", "save_torchscript"]
 
 
-def _log(msg: str) -> None:
-    print(f"[ember.ml] {msg}", file=sys.stderr, flush=True)
+logger = logging.getLogger("ember.ml")
 
 
 # --------------------------------------------------------------------------- params
@@ -265,6 +264,7 @@ class EmberEstimator(Estimator, _EmberParams, _Persist):
     def _fit(self, dataset: Any) -> "EmberModel":
         from ember.spark import InputMode, run
 
+        _log.default_handler()  # a job's entry point, as ember.spark.run
         if self.train_fn is None:
             raise ValueError("EmberEstimator has no train_fn")
         mapping = self.getInputMapping()
@@ -288,14 +288,14 @@ class EmberEstimator(Estimator, _EmberParams, _Persist):
                 raise ValueError("InputMode.TENSORFLOW: set TFRecordDir (where fit writes the "
                                  "DataFrame for train_fn to read)")
             n = tfrecord.save(df, out, mode="overwrite")
-            _log(f"wrote {n} records as TFRecords to {out}")
+            logger.info(f"wrote {n} records as TFRecords to {out}")
         sc = dataset.sparkSession.sparkContext
         cluster = run(sc, self.train_fn, args, num_executors=self.getClusterSize(),
                       num_ps=self.getNumPS(), tensorboard=self.getTensorboard(),
                       input_mode=mode, driver_ps_nodes=self.getDriverPSNodes(),
                       master_node=self.getMasterNode(), max_restarts=self.getMaxRestarts(),
                       reservation_timeout=self.getReservationTimeout(),
-                      gpus_per_node=self.getGpusPerNode())
+                      gpus_per_node=self.getGpusPerNode(), env=self._node_env(sc))
         # the job's MLflow run (ember.mlflow) ends here, after the model is logged
         cluster._mlflow_end_on_shutdown = False
         if cluster._mlflow is not None:
@@ -308,7 +308,8 @@ class EmberEstimator(Estimator, _EmberParams, _Persist):
             try:
                 cluster.shutdown(timeout=60)
             except Exception as exc2:  # noqa: BLE001 - the first error is the one to raise
-                _log(f"shutdown after a failed fit: {exc2}")
+                logger.warning(f"shutdown after a failed fit: {exc2} (the fit's own error "
+                               "follows)")
             cluster._track_end("FAILED", exc)
             raise
         try:
@@ -322,6 +323,12 @@ class EmberEstimator(Estimator, _EmberParams, _Persist):
             cluster.log_artifacts(export, "model")
         cluster._track_end("FINISHED")
         return model
+
+    def _node_env(self, sc: Any) -> Dict[str, str]:
+        """Extra environment variables for the nodes (``run(env=)``): none here;
+        ``ember.compat.tfos.pipeline.TFEstimator`` gives its nodes what
+        ``TFCluster.run`` gives them."""
+        return {}
 
     def _make_model(self, args: Any) -> "_ArrowInference":
         """The Model of what train_fn exported: an EmberTorchModel when ExportDir
@@ -343,14 +350,16 @@ class EmberEstimator(Estimator, _EmberParams, _Persist):
                 mg = _runtime._meta_graph(export, _tags(self.getTagSet()))
                 sig = mg.signature_def.get(self.getSignatureDefKey())
             except (ModelInputError, OSError) as exc:
-                _log(f"model inputs not narrowed ({exc})")
+                logger.info(f"the model keeps the whole InputMapping: signature "
+                            f"{self.getSignatureDefKey()!r} of {export} could not be read "
+                            f"({exc})")
                 sig = None
             if sig is not None:
                 dropped = {c: t for c, t in mapping.items() if t not in sig.inputs}
                 mapping = {c: t for c, t in mapping.items() if t in sig.inputs}
                 if dropped:
-                    _log(f"the model's InputMapping leaves out {dropped} (not inputs of "
-                         f"signature {self.getSignatureDefKey()!r})")
+                    logger.info(_not_fed(dropped, f"signature {self.getSignatureDefKey()!r}",
+                                         "input"))
         model._set(input_mapping=mapping)
         return model
 
@@ -366,9 +375,20 @@ class EmberEstimator(Estimator, _EmberParams, _Persist):
         mapping = {c: t for c, t in self.getInputMapping().items() if t in names or t in positions}
         dropped = {c: t for c, t in self.getInputMapping().items() if c not in mapping}
         if dropped:
-            _log(f"the model's InputMapping leaves out {dropped} (not arguments of forward() "
-                 f"of {path})")
+            logger.info(_not_fed(dropped, f"forward() of {path}", "argument"))
         return model.setInputMapping(mapping)
+
+
+def _not_fed(dropped: Dict[str, str], of: str, what: str) -> str:
+    """The line that says which of the fit's InputMapping columns the model
+    does not take (``dropped``: column -> the name it was fed as): e.g.
+    ``column label is not an input of signature 'serving_default';
+    transform() will not feed it``."""
+    names = ", ".join(c if dropped[c] == c else f"{c} (as {dropped[c]!r})"
+                      for c in sorted(dropped))
+    if len(dropped) == 1:
+        return f"column {names} is not an {what} of {of}; transform() will not feed it"
+    return f"columns {names} are not {what}s of {of}; transform() will not feed them"
 
 
 # --------------------------------------------------------------------------- model

@@ -22,6 +22,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
+from ember.errors import ModelInputError
+
 #: (export_dir, signature key, tags, inputs, outputs, stamp) -> _Predictor; one
 #: per Python worker process, reused by every task that worker runs.
 _CACHE: Dict[Tuple[Any, ...], "_Predictor"] = {}
@@ -29,8 +31,6 @@ _CACHE_LOCK = threading.RLock()  # checkpoint_export runs inside predictor()
 _LOADS = 0  # how many models this process loaded (tests read it through a task)
 
 
-class ModelInputError(ValueError):
-    """The DataFrame, the mappings or the model do not fit together."""
 
 
 _THREADS_SET = False

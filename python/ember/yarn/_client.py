@@ -12,7 +12,7 @@ The 10-line version::
 
     metrics = run_on_yarn(experiment_fn, {"chief": TaskSpec("1 GiB", 1),
                                           "worker": TaskSpec("1 GiB", 1, instances=2)})
-    print(metrics["worker:1"].metrics)
+    metrics["worker:1"].metrics                 # {"role": "worker", "sum_of_ranks": 3.0}
 
 What happens: the client stages on HDFS (``/user/<user>/.ember/<name>-<id>``,
 a 0700 directory) the cloudpickled ``experiment_fn``, Ember's
@@ -37,6 +37,7 @@ from __future__ import annotations
 import getpass
 import io
 import json
+import logging
 import mmap
 import os
 import re
@@ -51,7 +52,7 @@ import uuid
 import zipfile
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
-from ember import _ember, _jars, hdfs
+from ember import _ember, _jars, _log, hdfs
 from ember.yarn import _tracking
 from ember.yarn._specs import (Metrics, RunFailed, TaskResult, TaskSpec, parse_memory,
                                validate)
@@ -82,8 +83,7 @@ _SECRET = "ember.secret"
 _CONF = "ember_conf"  # the client's Hadoop configuration, unpacked in every container
 
 
-def _log(msg: str) -> None:
-    print(f"[ember.yarn] {msg}", file=sys.stderr, flush=True)
+logger = logging.getLogger("ember.yarn")
 
 
 # --------------------------------------------------------------------------- HTTP
@@ -308,6 +308,10 @@ def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskS
     traceback and log tails as artifacts; the tasks get the run id, so a
     chief's ``ctx.log_metrics`` logs into it (:mod:`ember.yarn._tracking`).
 
+    Progress (attempts, the tasks' reports and failures) is logged to the
+    ``ember.yarn`` logger; when the application configured no logging, Ember
+    logs to stderr at INFO (see :mod:`ember._log`).
+
     Returns:
         :class:`Metrics` of the successful attempt.
 
@@ -315,6 +319,7 @@ def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskS
         ValueError: bad ``task_specs`` or arguments (before anything is submitted).
         RunFailed: every attempt failed.
     """
+    _log.default_handler()
     topo = validate(task_specs)
     if not callable(experiment_fn):
         raise ValueError(f"experiment_fn must be callable, not {type(experiment_fn).__name__}")
@@ -365,7 +370,7 @@ def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskS
                                custom_task_module, user)
     env = dict(env or {}, **(tracking.node_env() if tracking is not None else {}))
     try:
-        _log(f"staging in {staging}")
+        logger.info(f"staging in {staging}")
         shared = [
             stager.resource(EXPERIMENT_FILE,
                             stager.put_bytes(EXPERIMENT_FILE, pickled)),
@@ -401,8 +406,8 @@ def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskS
             if result is not None:
                 result.wall_s = time.monotonic() - t0
                 result.app_ids = list(app_ids)
-                _log(f"{name}: succeeded ({app_ids[-1]}, attempt {attempt}, "
-                     f"{result.wall_s:.1f} s)")
+                logger.info(f"{name}: succeeded ({app_ids[-1]}, attempt {attempt}, "
+                            f"{result.wall_s:.1f} s)")
                 _tracking.attempt_succeeded(tracking, attempt, result)
                 if tracking is not None:
                     tracking.end("FINISHED")
@@ -412,8 +417,9 @@ def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskS
             failures.append(str(failure))
             last = failure
             more = attempt <= nb_retries
-            _log(f"{name}: attempt {attempt} ({app_ids[-1] if app_ids else '-'}) failed: "
-                 f"{str(failure).splitlines()[0]}" + ("; retrying" if more else ""))
+            logger.warning(f"{name}: attempt {attempt} ({app_ids[-1] if app_ids else '-'}) "
+                           f"failed: {str(failure).splitlines()[0]}"
+                           + ("; retrying" if more else ""))
     except BaseException:
         if tracking is not None:
             tracking.end("KILLED")  # interrupted, or the ResourceManager stopped answering
@@ -422,7 +428,7 @@ def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskS
         try:
             _ember.hdfs_delete(staging, True, conf_dir=conf_dir)
         except Exception as e:  # never mask the outcome
-            _log(f"could not remove {staging}: {e}")
+            logger.warning(f"could not remove {staging}: {e} (remove it by hand)")
     assert last is not None
     attempts = nb_retries + 1
     if tracking is not None:
@@ -476,9 +482,9 @@ def _attempt(rm: _ResourceManager, stager: _Stager, shared: List[Dict[str, Any]]
         _submit(rm, app_id, name, queue, am_mb, user, [
             am_jar, stager.resource(_PLAN, plan_url),
             next(r for r in shared if r["name"] == _CONF)], stager.conf_dir)
-        _log(f"{name}: attempt {attempt} submitted as {app_id} "
-             f"({', '.join(f'{k} x{s.instances}' for k, s in task_specs.items())}; "
-             f"{rm_web}/cluster/app/{app_id})")
+        logger.info(f"{name}: attempt {attempt} submitted as {app_id} "
+                    f"({', '.join(f'{k} x{s.instances}' for k, s in task_specs.items())}; "
+                    f"{rm_web}/cluster/app/{app_id})")
         try:
             return _watch(rm, server, app_id, attempt, topo, report_url, stager, timeout)
         except BaseException:
@@ -594,13 +600,13 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
                     done[who] = {"metrics": None, "raw": text}
             elif kind == "failed":
                 failed.setdefault(who, text)
-                _log(f"{app_id}: {who} failed (exit code {code})")
-            elif kind == "progress":
-                _log(f"{app_id}: {who}: {text}")
+                logger.warning(f"{app_id}: {who} failed (exit code {code})")
+            elif kind == "progress":  # ctx.report_progress: the task's line, named
+                logger.info(f"{app_id}: {who}: {text}")
             elif kind == "lost" and not state_final[0]:
-                _log(f"{app_id}: lost contact with {who}")
+                logger.warning(f"{app_id}: lost contact with {who}")
             elif kind == "rejected":
-                _log(f"{app_id}: {text}")  # rate-limited for strangers (C server)
+                logger.warning(f"{app_id}: {text}")  # rate-limited for strangers (C server)
             wait = 0.0
 
     while True:
@@ -625,13 +631,14 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
             next_tb = now + 5.0
             try:
                 tb_url = _ember.hdfs_read(tb_file, conf_dir=stager.conf_dir).decode()
-                _log(f"{app_id}: TensorBoard at {tb_url}")
+                logger.info(f"{app_id}: TensorBoard at {tb_url}")
                 next_tb = float("inf")
             except Exception:
                 pass
         if now > deadline and not killed_for:
             killed_for = f"timed out after {timeout:.0f} s (timeout=) in state {state}"
-            _log(f"{app_id}: {killed_for}; killing it")
+            logger.warning(f"{app_id}: {killed_for}; killing it (give run_on_yarn a larger "
+                           "timeout if it needs longer)")
             rm.kill(app_id)
         if now > deadline + 120:
             raise RuntimeError(f"{app_id} is still {state} 120 s after it was killed")
@@ -651,7 +658,7 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
     try:
         report = json.loads(_ember.hdfs_read(report_url, conf_dir=stager.conf_dir))
     except Exception as e:  # the AM died before writing it
-        _log(f"{app_id}: no AM report ({e})")
+        logger.info(f"{app_id}: no AM report ({e})")
     final = app.get("finalStatus", "")
     by_container = {t["task"]: t for t in report.get("tasks", [])}
     nb_proc = topo["nb_proc"]

@@ -8,6 +8,7 @@ import enum
 import re
 from typing import Any, Dict, List, Mapping, Optional, Union
 
+from ember.errors import RunFailed  # noqa: F401  (importable from here, as before)
 from ember.yarn._topology import RDV_ORDER
 
 #: the task types run_on_yarn accepts (tf-yarn's)
@@ -179,27 +180,3 @@ class Metrics:
 
     def __getitem__(self, task: str) -> TaskResult:
         return self.tasks[task]
-
-
-class RunFailed(RuntimeError):
-    """Every attempt of :func:`run_on_yarn` failed.  The message names the
-    failing task of the last attempt and includes its traceback and the tail
-    of its container logs.
-
-    Attributes:
-        task: the failing task (``"worker:1"``), or None if no task failed
-            (the application itself did, e.g. timed out or was killed).
-        app_ids: every attempt's application id.
-        traceback: the failing task's traceback ("" if it sent none).
-        logs: container log tails of the failing task, file name -> text.
-        failures: every attempt's message.
-    """
-
-    def __init__(self, message: str, task: Optional[str], app_ids: List[str],
-                 traceback: str, logs: Dict[str, str], failures: List[str]) -> None:
-        super().__init__(message)
-        self.task = task
-        self.app_ids = app_ids
-        self.traceback = traceback
-        self.logs = logs
-        self.failures = failures

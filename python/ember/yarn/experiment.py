@@ -66,8 +66,8 @@ import math
 import os
 import pickle
 import re
+import logging
 import shutil
-import sys
 import tempfile
 import time
 import traceback
@@ -77,6 +77,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import numpy as np
 
 from ember import _env
+
+logger = logging.getLogger("ember.yarn.experiment")
 
 __all__ = ["KerasExperiment", "PytorchExperiment", "DataLoaderArgs",
            "DistributedDataParallelArgs", "run_task", "tensorboard_dir",
@@ -216,8 +218,8 @@ def run_task(experiment_fn: Callable[[], Any], ctx: Any) -> Dict[str, Any]:
     job = ctx.job_name
     task = f"{job}:{ctx.task_index}"
     if job == "ps":
-        _log(task, "Ember's collective averages gradients without a parameter server: "
-                   "nothing to serve, the ps task ends")
+        logger.info(f"{task}: Ember's collective averages gradients without a parameter "
+                    "server: nothing to serve, the ps task ends")
         return {"task": task, "kind": "ps", "metrics": {}, "timings": {"total_s": 0.0}}
     if job not in _TRAINERS + ("evaluator",):
         raise ValueError(f"run_task: {task} has task type {job!r}; experiments run on "
@@ -244,10 +246,6 @@ def run_task(experiment_fn: Callable[[], Any], ctx: Any) -> Dict[str, Any]:
     timings["experiment_fn_s"] = round(t_made, 3)
     timings["total_s"] = round(time.monotonic() - t0, 3)
     return out
-
-
-def _log(task: str, msg: str) -> None:
-    print(f"[ember] {task}: {msg}", file=sys.stderr, flush=True)
 
 
 def _jsonable(value: Any) -> Any:
@@ -541,9 +539,9 @@ def _keras_train(exp: KerasExperiment, ctx: Any, task: str, mdir: _ModelDir,
                 initial[0] = max(ckpts)
                 local = mdir.get(ckpts[int(initial[0])], os.path.join(tmp, "resume.keras"))
                 model.load_weights(local)
-                _log(task, f"resuming from {mdir.path(ckpts[int(initial[0])])} "
-                           f"(epoch {int(initial[0])}, attempt "
-                           f"{os.environ.get('EMBER_YARN_ATTEMPT', '1')})")
+                logger.info(f"{task}: resuming from {mdir.path(ckpts[int(initial[0])])} "
+                            f"(epoch {int(initial[0])}, attempt "
+                            f"{os.environ.get('EMBER_YARN_ATTEMPT', '1')})")
                 ctx.report_progress(f"{task} resumes at epoch {int(initial[0])}")
         coll.broadcast(initial, 0)
         initial_epoch = int(initial[0])
@@ -558,8 +556,8 @@ def _keras_train(exp: KerasExperiment, ctx: Any, task: str, mdir: _ModelDir,
                           callbacks=callbacks, **params)
             history = {k: [float(v) for v in vs] for k, vs in h.history.items()}
         else:
-            _log(task, f"the checkpoint of epoch {initial_epoch} reaches epochs={epochs}: "
-                       "nothing left to train")
+            logger.info(f"{task}: the checkpoint of epoch {initial_epoch} reaches "
+                        f"epochs={epochs}: nothing left to train")
         train_s = time.monotonic() - t_fit
         final_epoch = max(initial_epoch, epochs)
         export = None
@@ -605,7 +603,7 @@ def _keras_export(model: Any, mdir: _ModelDir, tmp: str, epoch: int, task: str) 
         json.dump({"epoch": epoch, "files": ["model.keras", "saved_model"]}, f)
     mdir.put(local, "export")
     url = mdir.path("export")
-    _log(task, f"exported the model of epoch {epoch} to {url}")
+    logger.info(f"{task}: exported the model of epoch {epoch} to {url}")
     return url
 
 
@@ -664,8 +662,8 @@ def _keras_evaluate(exp: KerasExperiment, ctx: Any, task: str, mdir: _ModelDir,
                 done[epoch] = metrics
                 evaluated.append({"epoch": epoch, **metrics})
                 mdir.write_bytes(json.dumps(metrics).encode(), "eval", f"ckpt-{epoch:05d}.json")
-                _log(task, f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}"
-                                                          for k, v in metrics.items()))
+                logger.info(f"{task}: epoch {epoch}: "
+                            + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
                 last_progress = time.monotonic()
             if final is not None and final >= target:
                 if final in done:
@@ -674,8 +672,8 @@ def _keras_evaluate(exp: KerasExperiment, ctx: Any, task: str, mdir: _ModelDir,
                     local = mdir.get("export", os.path.join(tmp, "export"))
                     metrics = evaluate(os.path.join(local, "model.keras"))
                     evaluated.append({"epoch": final, **metrics})
-                _log(task, f"final model (epoch {final}): " +
-                     ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+                logger.info(f"{task}: final model (epoch {final}): "
+                            + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
                 return {"kind": "keras", "epochs": final, "metrics": metrics,
                         "evaluations": evaluated, "model_dir": mdir.url,
                         "timings": {"evaluate_s": round(eval_s, 3),
@@ -773,7 +771,8 @@ def _torch_train(exp: PytorchExperiment, ctx: Any, task: str, rank: int, world: 
             from torch.utils.tensorboard import SummaryWriter
             tb_writer = SummaryWriter(tb_local)
         except ImportError as exc:
-            _log(task, f"no TensorBoard writer for main_fn (tb_writer=None): {exc}")
+            logger.warning(f"{task}: no TensorBoard writer for main_fn (tb_writer=None): "
+                           f"{exc}; install tensorboard in the task's environment")
         t_main = time.monotonic()
         result = exp.main_fn(ddp, loader, device, rank, tb_writer)
         main_s = time.monotonic() - t_main
@@ -787,7 +786,8 @@ def _torch_train(exp: PytorchExperiment, ctx: Any, task: str, rank: int, world: 
         shutil.rmtree(tb_local, ignore_errors=True)
     metrics = _jsonable(result) if isinstance(result, dict) else {}
     if result is not None and not isinstance(result, dict):
-        _log(task, f"main_fn returned a {type(result).__name__}, not a dict: not reported")
+        logger.warning(f"{task}: main_fn returned a {type(result).__name__}, not a dict: not "
+                       "reported (return a dict of metrics)")
     return {"kind": "pytorch", "rank": rank, "world_size": world, "local_rank": local_rank,
             "device": device, "metrics": metrics,
             "tensorboard": tb_writer is not None,

@@ -28,6 +28,7 @@ until the AM stops it when the chief and workers are done.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import socket
@@ -37,7 +38,10 @@ import time
 import traceback
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from ember import _log
 from ember.yarn._topology import EXPERIMENT_FILE, RDV_ORDER, node_index
+
+logger = logging.getLogger("ember.yarn.task")
 
 def topology() -> Dict[str, int]:
     """``EMBER_YARN_TOPOLOGY`` ("ps=1,chief=1,evaluator=0,worker=2,nb_proc=1")
@@ -92,7 +96,7 @@ class _Status:
     """_trainer._register's status line goes to the container's stderr here."""
 
     def write(self, text: str) -> None:
-        print(f"[ember.yarn.task] {text.strip()}", file=sys.stderr, flush=True)
+        logger.info(text.strip())
 
     def close(self) -> None:
         pass
@@ -105,6 +109,7 @@ def run_node(fn: Callable[[Any], Optional[Dict[str, Any]]],
     (0, or 1 when ``fn`` raised: the traceback went to the client)."""
     from ember import _trainer
 
+    _log.default_handler()  # this container's Ember lines: stderr, with a timestamp
     kind, index = _task()
     topo = topology()
     nb_proc = topo["nb_proc"]
@@ -124,7 +129,7 @@ def run_node(fn: Callable[[Any], Optional[Dict[str, Any]]],
             result = fn(ctx)
         except BaseException:
             # the client gets it in the FAILED report; the container log too
-            traceback.print_exc()
+            logger.exception(f"{kind}:{index}: the task function raised")
             raise
         if result is not None and not isinstance(result, dict):
             raise TypeError(f"the task function returned a {type(result).__name__}; "
@@ -225,8 +230,7 @@ def _tensorboard() -> int:
                 except OSError:
                     time.sleep(0.5)
                     continue
-                print(f"[ember.yarn.task] TensorBoard at {url} ({log_dir})", file=sys.stderr,
-                      flush=True)
+                logger.info(f"TensorBoard at {url} ({log_dir})")
                 staging = os.environ.get("EMBER_YARN_STAGING", "")
                 if staging:
                     hdfs.write_bytes(f"{staging}/tensorboard.url", url.encode())
@@ -237,8 +241,7 @@ def _tensorboard() -> int:
                     if hdfs.exists(log_dir):
                         hdfs.download(log_dir, local)
                 except Exception as e:  # a half-written checkpoint dir: try again later
-                    print(f"[ember.yarn.task] copying {log_dir}: {e}", file=sys.stderr,
-                          flush=True)
+                    logger.info(f"copying {log_dir}: {e} (tried again in 30 s)")
             time.sleep(1)
     finally:
         if proc.poll() is None:
@@ -260,6 +263,7 @@ def _spawn_local_procs(nb_proc: int) -> int:
 
 def main() -> int:
     """The default container entry point (see the module docstring)."""
+    _log.default_handler()
     kind, _ = _task()
     if kind == "tensorboard":
         return _tensorboard()

@@ -17,23 +17,19 @@ from __future__ import annotations
 import logging
 import os
 import random
-import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+from ember import _log
 from ember.compat.tfos import _node
 from ember.spark import EmberNodeError, InputMode, run as _ember_run
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ember.compat.tfos")
 
 __all__ = ["InputMode", "TFCluster", "run", "EmberNodeError"]
 
 #: TFoS's num_epochs=0: "pick an arbitrarily large number" -- it fed the data 10 times.
 TFOS_DEFAULT_EPOCHS = 10
-
-
-def _log(msg: str) -> None:
-    print(f"[ember.compat.tfos] {msg}", file=sys.stderr, flush=True)
 
 
 def _default_fs(sc: Any) -> str:
@@ -138,8 +134,8 @@ class TFCluster:
             dataRDD.foreachRDD(feed_micro_batch)
             return None
         if num_epochs == 0:
-            _log(f"train(num_epochs=0): feeding the data {TFOS_DEFAULT_EPOCHS} times "
-                 "(TensorFlowOnSpark's meaning of 0); pass num_epochs to choose")
+            logger.info(f"train(num_epochs=0): feeding the data {TFOS_DEFAULT_EPOCHS} times "
+                        "(TensorFlowOnSpark's meaning of 0); pass num_epochs to choose")
             num_epochs = TFOS_DEFAULT_EPOCHS
         return self.server.train(dataRDD, num_epochs, feed_timeout, qname)
 
@@ -169,7 +165,7 @@ class TFCluster:
             deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
             while not ssc.awaitTerminationOrTimeout(1):
                 if core.failure() is not None or self._trainers_done():
-                    _log("trainers finished; stopping the StreamingContext")
+                    logger.info("trainers finished; stopping the StreamingContext")
                     ssc.stop(stopSparkContext=False, stopGraceFully=True)
                     break
                 if time.monotonic() > deadline:
@@ -217,7 +213,10 @@ def run(sc: Any, map_fun: Callable[[Any, Any], Any], tf_args: Any, num_executors
         at any time, and ``ctx.release_port()`` drops the hold.
 
     Roles go in TFoS's order: ps, then master/chief, then evaluator, then workers.
+    Progress is logged to the ``ember.compat.tfos`` and ``ember.spark`` loggers
+    (see :func:`ember.spark.run`).
     """
+    _log.default_handler()
     if driver_ps_nodes and input_mode != InputMode.TENSORFLOW:
         raise Exception("running PS nodes on driver locally is only supported in "
                         "InputMode.TENSORFLOW")
@@ -245,7 +244,7 @@ def run(sc: Any, map_fun: Callable[[Any, Any], Any], tf_args: Any, num_executors
                         ("worker", num_workers)):
         if count and role:
             template[role], executors = executors[:count], executors[count:]
-    _log(f"cluster_template: {template}")
+    logger.info(f"cluster_template: {template}")
     default_fs = _default_fs(sc)
     working_dir = os.getcwd()
     main = _node.wrap_main(map_fun, master_node or None, default_fs, working_dir, queues)
@@ -285,5 +284,5 @@ def run(sc: Any, map_fun: Callable[[Any, Any], Any], tf_args: Any, num_executors
                                 working_dir=working_dir, release_port=release_port)
     cluster.meta = cluster.cluster_meta  # type: ignore[attr-defined]
     if tb:
-        _log(f"TensorBoard running at: {tb}")
+        logger.info(f"TensorBoard running at: {tb}")
     return cluster

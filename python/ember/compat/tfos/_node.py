@@ -17,6 +17,7 @@ Nothing here imports pyspark (node processes do not need it).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -26,6 +27,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
 
 
 from ember.node import partition_tag
+
+logger = logging.getLogger("ember.compat.tfos")
 
 _FOREVER = 10.0 ** 9  # TFoS's next_batch blocks until data or the end of the feed
 
@@ -134,14 +137,12 @@ class TFManager:
     def __init__(self, ctx: Any, queues: Sequence[str]) -> None:
         self._ctx = ctx
         self.queues = list(queues)
-        server = getattr(ctx, "_feed_server", None)
+        server = ctx.feed_server
         self._demux = _Demux(server, queues) if server is not None else None
         self._feeds: Dict[Any, Any] = {}
         self._lock = threading.Lock()
 
     def _core_feed(self, qname: str, train_mode: bool) -> Any:
-        from ember.node import DataFeed as CoreFeed
-
         if self._demux is None:
             raise RuntimeError(
                 f"{self._ctx.job_name}:{self._ctx.task_index} has no data feed: only the "
@@ -151,22 +152,16 @@ class TFManager:
         with self._lock:
             key = (qname, bool(train_mode))
             if key not in self._feeds:
-                control = getattr(self._ctx, "_control", None)
-                stop = (lambda: control.stop_state() != 0) if control is not None else None
-                self._feeds[key] = CoreFeed(
-                    _QueueView(self._demux, qname), train_mode, _FOREVER, stop,
+                # the node's stop check and, after a restart, the report of its
+                # first read (the driver feeds from the epoch it names) come with it
+                self._feeds[key] = self._ctx.data_feed(
+                    _QueueView(self._demux, qname), train_mode, _FOREVER,
                     f"node {self._ctx.worker_num} ({self._ctx.job_name}:"
                     f"{self._ctx.task_index}) queue {qname!r}")
-                # after a restart, the driver waits for this node's first read
-                # (or ctx.resume_from) to know which epoch to feed from
-                watch = getattr(self._ctx, "_watch_first_read", None)
-                if watch is not None:
-                    watch(self._feeds[key])
             return self._feeds[key]
 
     def _stopped(self) -> bool:
-        control = getattr(self._ctx, "_control", None)
-        return control is not None and control.stop_state() != 0
+        return self._ctx.stop_requested()
 
 
 class DataFeed:
@@ -209,13 +204,12 @@ class DataFeed:
 
     def _read(self, n: int) -> Any:
         batch = self._feed.next_batch(n)
-        if not self.train_mode and len(batch):
+        if not self.train_mode and len(batch) and \
+                self._feed.last_batch_call in self.mgr._demux.train_calls:
             # an inference-mode feed reading train() data (TFoS's keras example does
             # this): those batches want no results, so do not hold them for results
-            awaiting, train_calls = self._feed._awaiting, self.mgr._demux.train_calls
-            while awaiting and awaiting[-1][0].item.call in train_calls:
-                awaiting.pop()
-                self._train_batches_unanswered = True
+            self._feed.skip_results()
+            self._train_batches_unanswered = True
         return batch
 
     def next_batch(self, batch_size: int) -> Any:
@@ -268,7 +262,7 @@ class DataFeed:
 
     def batch_results(self, results: Any) -> None:
         """One result per record of the oldest batch still awaiting results."""
-        if not self._feed._awaiting and self._train_batches_unanswered:
+        if not self._feed.awaiting_results and self._train_batches_unanswered:
             return  # results for train() data: TFoS queued them where nobody read them
         self._feed.batch_results(results)
 
@@ -294,8 +288,8 @@ def hdfs_path(ctx: Any, path: str) -> str:
         return "{0}/user/{1}/{2}".format(ctx.defaultFS, getpass.getuser(), path)
     if ctx.defaultFS.startswith("file://"):
         return "{0}/{1}/{2}".format(ctx.defaultFS, ctx.working_dir[1:], path)
-    print(f"[ember] unknown scheme {ctx.defaultFS} with relative path {path}",
-          file=sys.stderr, flush=True)
+    logger.warning(f"unknown scheme {ctx.defaultFS} with relative path {path}: using "
+                   f"{ctx.defaultFS}/{path} (give an absolute URI to choose)")
     return "{0}/{1}".format(ctx.defaultFS, path)
 
 

@@ -54,6 +54,13 @@ class TFEstimator(EmberEstimator):
             raise Exception("Please use native TF2.x APIs to export a saved_model.")
         return model
 
+    def _node_env(self, sc: Any) -> Dict[str, str]:
+        """The nodes' environment of ``TFCluster.run``: tf_keras for TFoS's TF 2
+        Keras programs (``TF_USE_LEGACY_KERAS``, see ``TFCluster._node_env``)."""
+        from ember.compat.tfos.TFCluster import _node_env
+
+        return _node_env(sc)
+
 
 class TFModel(EmberModel):
     """TFoS's ``TFModel(tf_args)``: batched inference with the exported SavedModel."""
