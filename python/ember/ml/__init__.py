@@ -36,11 +36,17 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from pyspark.ml import Estimator, Model
-from pyspark.ml.param import Param, Params, TypeConverters
+from pyspark.ml.param import Params
 from pyspark.ml.util import (DefaultParamsReader, DefaultParamsWriter, MLReadable, MLWritable)
 
 from ember import _gpu, _log, tensors
 from ember.ml import _direct, _runtime, _torch
+from ember.ml._params import (HasArrowPath, HasBatchSize, HasClusterSize, HasDriverPSNodes,
+                              HasEpochs, HasExportDir, HasGpusPerNode, HasGraceSecs,
+                              HasInputMapping, HasInputMode, HasMasterNode, HasMaxRestarts,
+                              HasModelDir, HasNumPS, HasOutputMapping, HasProtocol, HasReaders,
+                              HasReservationTimeout, HasSignatureDefKey, HasSteps, HasTagSet,
+                              HasTensorboard, HasTFRecordDir)
 from ember.ml._runtime import ModelInputError
 
 __all__ = ["EmberEstimator", "EmberModel", "EmberTorchModel", "TFEstimator", "TFModel",
@@ -52,109 +58,19 @@ logger = logging.getLogger("ember.ml")
 
 # --------------------------------------------------------------------------- params
 
-def _to_mapping(value: Any) -> Dict[str, str]:
-    if not isinstance(value, dict):
-        raise TypeError(f"a mapping must be a dict of str -> str, got {type(value).__name__}")
-    out = {}
-    for k, v in value.items():
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise TypeError(f"a mapping must be a dict of str -> str, got {k!r}: {v!r}")
-        out[k] = v
-    return out
-
-
-def _to_str_or_none(value: Any) -> Optional[str]:
-    return None if value is None else TypeConverters.toString(value)
-
-
-def _param(name: str, doc: str, conv: Callable[[Any], Any]) -> Param:
-    return Param(Params._dummy(), name, doc, typeConverter=conv)
-
-
-def _accessors(cls: type, camel: str, name: str) -> type:
-    """Adds setX/getX for Param ``name`` to ``cls``."""
-    def setter(self: Any, value: Any) -> Any:
-        return self._set(**{name: value})
-
-    def getter(self: Any) -> Any:
-        return self.getOrDefault(getattr(self, name))
-
-    setter.__name__, getter.__name__ = f"set{camel}", f"get{camel}"
-    setter.__doc__ = f"Sets the value of :py:attr:`{name}`."
-    getter.__doc__ = f"Gets the value of :py:attr:`{name}` or its default."
-    setattr(cls, setter.__name__, setter)
-    setattr(cls, getter.__name__, getter)
-    return cls
-
-
-# Param name -> (CamelName, doc, converter).  Names are TensorFlowOnSpark's, so
-# tf_args seen by train_fn have the same attributes as under TFoS.
-_PARAMS = {
-    "input_mapping": ("InputMapping", "DataFrame column -> model input name", _to_mapping),
-    "output_mapping": ("OutputMapping", "model output name -> DataFrame column", _to_mapping),
-    "model_dir": ("ModelDir", "directory of the training checkpoints", _to_str_or_none),
-    "export_dir": ("ExportDir", "directory of the exported SavedModel", _to_str_or_none),
-    "batch_size": ("BatchSize", "records per batch", TypeConverters.toInt),
-    "cluster_size": ("ClusterSize", "number of nodes", TypeConverters.toInt),
-    "num_ps": ("NumPS", "number of parameter-server nodes", TypeConverters.toInt),
-    "driver_ps_nodes": ("DriverPSNodes", "run the ps nodes on the driver host",
-                        TypeConverters.toBoolean),
-    "readers": ("Readers", "reader threads (passed to train_fn)", TypeConverters.toInt),
-    "tensorboard": ("Tensorboard", "start TensorBoard on the chief", TypeConverters.toBoolean),
-    "steps": ("Steps", "maximum training steps (passed to train_fn)", TypeConverters.toInt),
-    "epochs": ("Epochs", "times the DataFrame is fed", TypeConverters.toInt),
-    "protocol": ("Protocol", "TensorFlow's protocol, grpc|rdma (passed to train_fn)",
-                 TypeConverters.toString),
-    "input_mode": ("InputMode", "1 = SPARK (fit feeds the DataFrame); 0 = TENSORFLOW (fit "
-                   "writes it as TFRecords to TFRecordDir and train_fn reads them)",
-                   TypeConverters.toInt),
-    "tfrecord_dir": ("TFRecordDir", "where fit writes the DataFrame in InputMode.TENSORFLOW",
-                     _to_str_or_none),
-    "master_node": ("MasterNode", "job name of the chief ('chief'), or None for workers only",
-                    _to_str_or_none),
-    "grace_secs": ("GraceSecs", "seconds to wait after the nodes finished", TypeConverters.toInt),
-    "max_restarts": ("MaxRestarts", "node failures that relaunch the cluster (train_fn "
-                     "resumes from its checkpoint) before fit fails", TypeConverters.toInt),
-    "reservation_timeout": ("ReservationTimeout", "seconds for all nodes to start",
-                            TypeConverters.toFloat),
-    "gpus_per_node": ("GpusPerNode", "GPUs Spark assigns to each node's task (0: none asked); "
-                      "the node sees exactly those (CUDA_VISIBLE_DEVICES); see "
-                      "ember.spark.run(gpus_per_node=)", TypeConverters.toInt),
-    "signature_def_key": ("SignatureDefKey", "SavedModel signature; None: mappings name "
-                          "graph tensors", _to_str_or_none),
-    "tag_set": ("TagSet", "comma-separated tags of the SavedModel MetaGraph", _to_str_or_none),
-    "arrow_path": ("ArrowPath", "how transform reaches the model: 'direct' (the executor JVM "
-                   "packs the input columns into a pipe to an Ember inference worker), 'udf' "
-                   "(an Arrow UDF, Spark >= 4.1: only the input columns cross to Python) or "
-                   "'mapInArrow' (every column crosses and comes back); default: 'direct' "
-                   "where the DataFrame allows it, else 'udf' where available",
-                   _to_str_or_none),
-}
-
-
 class _EmberParams(Params):
-    """Declares the Params of _PARAMS that a subclass lists in ``_param_names``."""
-
-    _param_names: List[str] = []
+    """What every Ember stage does with its Params: hand them to train_fn."""
 
     def _merged_args(self, tf_args: Any) -> Any:
         """tf_args with every Param merged in (the type of tf_args: dict stays a dict,
         anything else becomes an argparse.Namespace)."""
-        values = {name: self.getOrDefault(getattr(self, name)) for name in self._param_names}
+        values = {p.name: self.getOrDefault(p) for p in self.params}
         if isinstance(tf_args, dict):
             return dict(tf_args, **values)
         merged = argparse.Namespace(**(vars(tf_args) if tf_args is not None else {}))
         for k, v in values.items():
             setattr(merged, k, v)
         return merged
-
-
-def _declare(cls: type) -> type:
-    for name in cls._param_names:  # type: ignore[attr-defined]
-        camel, doc, conv = _PARAMS[name]
-        setattr(cls, name, _param(name, doc, conv))
-        _accessors(cls, camel, name)
-    return cls
 
 
 # --------------------------------------------------------------------------- persistence
@@ -232,8 +148,12 @@ class _Persist(MLWritable, MLReadable):
 
 # --------------------------------------------------------------------------- estimator
 
-@_declare
-class EmberEstimator(Estimator, _EmberParams, _Persist):
+class EmberEstimator(Estimator, _EmberParams, _Persist, HasInputMapping, HasOutputMapping,
+                     HasModelDir, HasExportDir, HasBatchSize, HasClusterSize, HasNumPS,
+                     HasDriverPSNodes, HasReaders, HasTensorboard, HasSteps, HasEpochs,
+                     HasProtocol, HasInputMode, HasTFRecordDir, HasMasterNode, HasGraceSecs,
+                     HasMaxRestarts, HasReservationTimeout, HasSignatureDefKey, HasTagSet,
+                     HasGpusPerNode):
     """Trains ``train_fn(args, ctx)`` on an Ember cluster fed with a DataFrame.
 
     :param train_fn: the node function (as for :func:`ember.spark.run`).  To
@@ -243,11 +163,6 @@ class EmberEstimator(Estimator, _EmberParams, _Persist):
         copy with every Param merged in.
     """
 
-    _param_names = ["input_mapping", "output_mapping", "model_dir", "export_dir", "batch_size",
-                    "cluster_size", "num_ps", "driver_ps_nodes", "readers", "tensorboard",
-                    "steps", "epochs", "protocol", "input_mode", "tfrecord_dir", "master_node",
-                    "grace_secs", "max_restarts", "reservation_timeout", "signature_def_key",
-                    "tag_set", "gpus_per_node"]
 
     def __init__(self, train_fn: Optional[Callable[[Any, Any], Any]] = None,
                  tf_args: Union[argparse.Namespace, Dict[str, Any], None] = None) -> None:
@@ -403,7 +318,8 @@ def _spark_type(info: "_runtime.TensorInfo") -> Any:
     return from_arrow_type(_runtime.arrow_type(info))
 
 
-class _ArrowInference(Model, _EmberParams, _Persist):
+class _ArrowInference(Model, _EmberParams, _Persist, HasInputMapping, HasOutputMapping,
+                      HasExportDir, HasBatchSize, HasArrowPath):
     """What EmberModel and EmberTorchModel share: ``transform`` through Spark's
     Arrow path (an Arrow UDF or ``mapInArrow``) over the spec a subclass's
     ``_inference_spec`` checks on the driver, and the column checks."""
@@ -541,8 +457,7 @@ class _ArrowInference(Model, _EmberParams, _Persist):
                           *[F.col(f"`{tmp}`")[c].alias(c) for c in out_cols])
 
 
-@_declare
-class EmberModel(_ArrowInference):
+class EmberModel(_ArrowInference, HasModelDir, HasSignatureDefKey, HasTagSet):
     """Distributed batched inference with a SavedModel.
 
     InputMapping maps DataFrame columns to model inputs and OutputMapping model
@@ -561,8 +476,6 @@ class EmberModel(_ArrowInference):
     or tensor columns), an Arrow UDF (Spark >= 4.1) or ``mapInArrow``.
     """
 
-    _param_names = ["input_mapping", "output_mapping", "model_dir", "export_dir",
-                    "signature_def_key", "tag_set", "batch_size", "arrow_path"]
 
     def __init__(self, tf_args: Union[argparse.Namespace, Dict[str, Any], None] = None) -> None:
         super().__init__()
@@ -602,7 +515,6 @@ class EmberModel(_ArrowInference):
         return spec
 
 
-@_declare
 class EmberTorchModel(_ArrowInference):
     """Distributed batched inference with a TorchScript module (``torch.jit``).
 
@@ -633,7 +545,6 @@ class EmberTorchModel(_ArrowInference):
     which Spark sets to ``spark.task.cpus``).
     """
 
-    _param_names = ["input_mapping", "output_mapping", "export_dir", "batch_size", "arrow_path"]
 
     def __init__(self, tf_args: Union[argparse.Namespace, Dict[str, Any], None] = None) -> None:
         super().__init__()
