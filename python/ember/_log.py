@@ -33,9 +33,9 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 class _DefaultHandler(logging.StreamHandler):
     """Ember's stderr handler; writes nothing once the root logger has handlers."""
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: str) -> None:
         super().__init__()  # sys.stderr, looked up at each write (pytest swaps it)
-        self.setFormatter(logging.Formatter(FORMAT))
+        self.setFormatter(logging.Formatter(fmt))
 
     @property  # type: ignore[override]
     def stream(self) -> object:
@@ -51,15 +51,19 @@ class _DefaultHandler(logging.StreamHandler):
         super().emit(record)
 
 
-def default_handler() -> None:
+def default_handler(process: str = "") -> None:
     """Installs Ember's stderr handler (:data:`FORMAT`, INFO) on the ``ember``
     logger when the root logger has no handlers and it is not there yet; sets
     the ``ember`` logger's level to INFO unless it has one.  Idempotent; does
-    nothing in a program that configured logging."""
+    nothing in a program that configured logging.
+
+    ``process`` names the process in every line (``[node 1]``): a node's lines
+    reach the executor's stderr beside other nodes' and Spark's own."""
     ember = logging.getLogger("ember")
     if logging.getLogger().handlers or any(isinstance(h, _DefaultHandler)
                                            for h in ember.handlers):
         return
-    ember.addHandler(_DefaultHandler())
+    fmt = FORMAT.replace("%(name)s:", f"%(name)s [{process}]:") if process else FORMAT
+    ember.addHandler(_DefaultHandler(fmt))
     if ember.level == logging.NOTSET:
         ember.setLevel(logging.INFO)

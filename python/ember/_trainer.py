@@ -72,12 +72,12 @@ def _fault(boot: Dict[str, Any], name: str) -> str:
 def main() -> None:
     # this process's Ember lines (its watchdog's too) go to the executor's
     # stderr with a timestamp, unless main_fun configures logging (ember._log)
-    _log.default_handler()
+    # (argv[2], the node's index, names it in every line, the watchdog's too)
+    name = f"node {sys.argv[2]}" if len(sys.argv) > 2 else "node"
+    _log.default_handler(name)
     # first, before any thread exists: the watchdog that ends this node if it
     # is frozen for heartbeat_timeout (argv[1], seconds; see ember._watchdog)
-    # (argv[2], the node's index, names it in the watchdog's lines)
-    _watchdog.start(float(sys.argv[1]) if len(sys.argv) > 1 else 0.0,
-                    f"node {sys.argv[2]}" if len(sys.argv) > 2 else "node")
+    _watchdog.start(float(sys.argv[1]) if len(sys.argv) > 1 else 0.0, name)
     boot = pickle.loads(sys.stdin.buffer.read())
     status = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # from here on, prints go to the executor's stderr

@@ -109,11 +109,12 @@ def run_node(fn: Callable[[Any], Optional[Dict[str, Any]]],
     (0, or 1 when ``fn`` raised: the traceback went to the client)."""
     from ember import _trainer
 
-    _log.default_handler()  # this container's Ember lines: stderr, with a timestamp
     kind, index = _task()
+    local_rank = int(os.environ.get("EMBER_YARN_LOCAL_RANK", "0"))
+    # this process's Ember lines: stderr, with a timestamp and the task's name
+    _log.default_handler(f"{kind}:{index}" + (f" rank {local_rank}" if local_rank else ""))
     topo = topology()
     nb_proc = topo["nb_proc"]
-    local_rank = int(os.environ.get("EMBER_YARN_LOCAL_RANK", "0"))
     # nb_proc_per_worker processes per worker container: worker task i runs
     # worker nodes i*nb_proc .. i*nb_proc+nb_proc-1 (one per process)
     role_index = index * nb_proc + local_rank if kind == "worker" else index
@@ -263,8 +264,8 @@ def _spawn_local_procs(nb_proc: int) -> int:
 
 def main() -> int:
     """The default container entry point (see the module docstring)."""
-    _log.default_handler()
-    kind, _ = _task()
+    kind, index = _task()
+    _log.default_handler(f"{kind}:{index}")
     if kind == "tensorboard":
         return _tensorboard()
     nb_proc = topology()["nb_proc"]
