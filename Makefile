@@ -34,7 +34,7 @@ APT_PACKAGES += python3-torch libopenblas0-openmp
 .PHONY: hadoop yarn-app
 .PHONY: shlib install test-c-install
 .PHONY: venv-torch test-torch install-torch-venv
-.PHONY: help setup apt venv build lib ext spark-jar test test-c test-py fuzz fuzz-smoke demo demo-quick \
+.PHONY: help setup apt venv build lib ext spark-jar test test-c test-py typecheck fuzz fuzz-smoke demo demo-quick \
         bench-reservation bench-allreduce bench-tfrecord bench-feed clean
 
 help:
@@ -43,6 +43,7 @@ help:
 	@echo "make test-profile - where the Python suite's time goes, per module (build/test-profile.txt)"
 	@echo "make cluster-test - Ember on a simulated multi-host cluster (network namespaces; root)"
 	@echo "make test-torch - the PyTorch path: ember.torch and examples/fashion_mnist_torch (in .venv-torch)"
+	@echo "make typecheck - mypy over python/ember; stubtest of the extension's stub (_ember.pyi) against the built module"
 	@echo "make wheel  - sdist + wheel (python -m build), auditwheel show, and a manylinux wheel in dist/"
 	@echo "make bench-reservation - Ember vs TensorFlowOnSpark reservation server"
 	@echo "make bench-allreduce - allreduce on one host: Ember vs Open MPI over shared memory; Ember vs Open MPI vs gloo over TCP"
@@ -259,6 +260,15 @@ test-torch: setup hadoop
 	$(TORCH_PY) -m pytest -q tests/python/test_torch.py tests/python/test_ml_torch.py \
 		tests/python/test_yarn_experiment_local.py tests/python/test_yarn_experiments.py
 
+# Types: mypy over python/ember (pyproject.toml [tool.mypy]), then mypy's
+# stubtest, which fails when python/ember/_ember.pyi and the built extension
+# disagree on a name or a constant (the C functions carry no signatures for it
+# to compare: keep the stub's arguments in step with the kwlists by hand).
+typecheck: setup
+	$(PY) -m mypy
+	$(PY) -m mypy.stubtest ember._ember --mypy-config-file pyproject.toml \
+		--allowlist tests/stubtest-allowlist.txt
+
 demo: setup
 	PYTHONUNBUFFERED=1 $(PY) -m examples.fashion_mnist.main $(DEMO_ARGS)
 
@@ -282,11 +292,12 @@ test-long: setup
 
 # Every stage of the suite, timed, the independent ones at once
 # (tests/stages.py: set-up beside the C tests and fuzzers, the Python suite in
-# two xdist workers, then the PyTorch suite beside bench-smoke); it ends with
-# each stage's duration.  The main job runs in tests/python/test_cluster.py,
-# both modes on simulated hosts with the same accuracy bar as demo-quick;
-# where those hosts cannot be made (not root), demo-quick runs it on this host
-# instead.  Each fuzzer runs 15 s here (make fuzz: FUZZ_SECONDS, 30 s).
+# two xdist workers, then the PyTorch suite beside bench-smoke and
+# typecheck); it ends with each stage's duration.  The main job runs in
+# tests/python/test_cluster.py, both modes on simulated hosts with the same
+# accuracy bar as demo-quick; where those hosts cannot be made (not root),
+# demo-quick runs it on this host instead.  Each fuzzer runs 15 s here (make
+# fuzz: FUZZ_SECONDS, 30 s).
 # docs/testing.md: where the time goes, and which fixture a new test uses.
 test:
 	python3 tests/stages.py

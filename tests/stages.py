@@ -4,9 +4,9 @@ Run by ``make test`` with the system's python3 (the standard library only:
 the venv does not exist yet when it starts).  Each stage is a command; a
 stage starts as soon as the stages it needs have passed, so stages that need
 different things overlap: the C tests and fuzzers build and run while pip
-and Maven set up the Python side, and the PyTorch suite and the smoke
-benchmarks run together after the main suite (which keeps both cores busy by
-itself: two pytest-xdist workers).  Every line a stage prints is shown with
+and Maven set up the Python side, and the PyTorch suite, the smoke
+benchmarks and the type check run together after the main suite (which keeps
+both cores busy by itself: two pytest-xdist workers).  Every line a stage prints is shown with
 its name and the run's clock (minutes:seconds) in front, and kept in
 build/test-logs/<stage>.log.
 
@@ -74,6 +74,9 @@ STAGES: List[Stage] = [
           what="the PyTorch path, in .venv-torch"),
     Stage("bench-smoke", MAKE + ["bench-smoke"], ("setup",), ("pytest",),
           what="every benchmark at a tiny size"),
+    # one core for a minute: beside torch and bench-smoke
+    Stage("typecheck", MAKE + ["typecheck"], ("setup",), ("pytest",),
+          what="mypy over python/ember, stubtest of _ember.pyi"),
     Stage("main-job", ["bash", "-c", MAIN_JOB], ("setup",), ("pytest",),
           what="the main job, where test_cluster.py could not run it"),
 ]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections.abc
 import functools
 import numbers
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from ember.errors import EmberFeedError
 #: The single column of a batch whose records are plain values, not tuples.
 VALUE_FIELD = ""
 
-_NUMPY_TO_DT = {
+_NUMPY_TO_DT: Dict[np.dtype[Any], int] = {
     np.dtype(np.float32): _ember.DT_F32,
     np.dtype(np.float64): _ember.DT_F64,
     np.dtype(np.int32): _ember.DT_I32,
@@ -129,8 +129,7 @@ _NUMBERS = ("int", "float")
 _FEEDABLE = ("int", "float", "bool", "str", "bytes", "array")
 
 
-@functools.lru_cache(maxsize=256)
-def _type_kind(t: type) -> str:
+def _type_kind_uncached(t: type) -> str:
     """The feed's kind of values of type t: int, float, bool, str, bytes, array,
     null, or the type's name when the feed does not carry it."""
     if t is type(None):
@@ -150,6 +149,12 @@ def _type_kind(t: type) -> str:
              not issubclass(t, collections.abc.Mapping)):
         return "array"  # what numpy takes as one: Spark ML vectors (dense and sparse)...
     return t.__name__
+
+
+#: _type_kind_uncached, cached per type.  Declared a plain Callable because
+#: mypy types lru_cache's wrapper as taking Hashable arguments and does not
+#: count class objects as Hashable.
+_type_kind: Callable[[type], str] = functools.lru_cache(maxsize=256)(_type_kind_uncached)
 
 
 def _short(v: Any) -> str:
@@ -198,7 +203,7 @@ def _disagreeing_kind(values: List[Any], label: str, where: str, first: int,
 
 
 def _disagreeing_array(values: List[Any], label: str, where: str, first: int,
-                       shape: Tuple[int, ...]) -> EmberFeedError:
+                       shape: Optional[Tuple[int, ...]]) -> EmberFeedError:
     """The error naming the first array value of another shape, or holding a
     value that is not a number."""
     for i, v in enumerate(values):
@@ -281,11 +286,13 @@ def _records_to_columns_c(records: List[Any], fields: Optional[List[str]],
         return None
     cols, new_refs = out
     specs: List[ColumnSpec] = []
-    for name, char, width, data, offsets, shape in cols:
-        if char is None:  # str/bytes: the joined bytes and n + 1 offsets
-            specs.append((name, _ember.DT_BYTES, 0, data,
+    for col in cols:
+        if col[1] is None:  # str/bytes: the joined bytes and n + 1 offsets
+            name, _, _, joined, offsets, _ = col
+            specs.append((name, _ember.DT_BYTES, 0, joined,
                           np.frombuffer(offsets, dtype=np.uint64)))
         else:
+            name, char, width, data, _, shape = col
             dtype, dt = _FAST_DTYPES[char]
             specs.append((name, dt, width, np.frombuffer(data, dtype=dtype).reshape(shape), None))
     return specs, new_refs

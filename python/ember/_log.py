@@ -37,7 +37,7 @@ class _DefaultHandler(logging.StreamHandler):
         super().__init__()  # sys.stderr, looked up at each write (pytest swaps it)
         self.setFormatter(logging.Formatter(fmt))
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> object:
         return sys.stderr
 

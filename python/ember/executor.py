@@ -165,7 +165,9 @@ def rdd_feeder(call: FeedCall, chunk_rows: int,
 
         from ember import _grouping
 
-        task = TaskContext.get().partitionId()
+        ctx = TaskContext.get()
+        assert ctx is not None  # a Spark task
+        task = ctx.partitionId()
         if call.grouped:
             work: Any = _grouping.partitions(iterator, _grouping.node_partitions(
                 task, call.first, call.parts, len(call.targets)))
@@ -278,7 +280,9 @@ def arrow_feeder(call: FeedCall, chunk_bytes: int, tensors: Dict[str, Any],
 
         from ember import _grouping
 
-        task = TaskContext.get().partitionId()
+        ctx = TaskContext.get()
+        assert ctx is not None  # a Spark task
+        task = ctx.partitionId()
         source = _Input(batches)
         if call.grouped:
             work: Any = _grouping.arrow_partitions(source, _grouping.node_partitions(
@@ -301,8 +305,6 @@ def _feed_arrow_partition(call: FeedCall, p: int, rbs: Any, source: "_Input", ch
                           ) -> Tuple[int, bool]:
     """Feeds partition ``p``'s record batches; returns (rows fed or skipped as
     delivered, whether the node terminated its feed)."""
-    from pyspark import TaskContext
-
     from ember import _columns
 
     client = partition_client(call, p)
@@ -322,7 +324,7 @@ def _feed_arrow_partition(call: FeedCall, p: int, rbs: Any, source: "_Input", ch
             step = max(1, chunk_bytes // row_bytes)
             for off in range(0, rb.num_rows, step):
                 if fail_at and p == fail_at[0] and sent >= fail_at[1] and \
-                        TaskContext.get().attemptNumber() == 0:
+                        _attempt_number() == 0:
                     if len(fail_at) > 2:  # (p, rows, dir): wait to be SIGKILLed
                         _wait_to_be_killed(fail_at[2], p)
                     raise RuntimeError(f"injected failure of partition {p} after {sent} rows")
@@ -348,6 +350,15 @@ def _feed_arrow_partition(call: FeedCall, p: int, rbs: Any, source: "_Input", ch
     finally:
         client.close()
     return sent, False
+
+
+def _attempt_number() -> int:
+    """This Spark task's attempt number (0 for the first)."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    assert ctx is not None  # a Spark task
+    return ctx.attemptNumber()
 
 
 def _in_feed_context(call: FeedCall, p: int, exc: Any) -> Any:

@@ -199,9 +199,9 @@ class EmberCallback(keras.callbacks.Callback):
                     w.assign(v)
         if self.average_logs and logs:
             keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
-            values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
-            self._coll.allreduce(values, "avg")
-            for k, v in zip(keys, values):
+            averages = np.array([float(logs[k]) for k in keys], dtype=np.float64)
+            self._coll.allreduce(averages, "avg")
+            for k, v in zip(keys, averages):
                 logs[k] = float(v)
 
 

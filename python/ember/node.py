@@ -52,7 +52,7 @@ class Batch(Sequence):
     def __len__(self) -> int:
         return self._rows
 
-    def __getitem__(self, i: Any) -> Any:  # type: ignore[override]
+    def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(self._rows))]
         if i < 0:

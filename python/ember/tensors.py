@@ -95,7 +95,9 @@ def _packer(specs: Dict[str, Tuple[str, Tuple[int, ...]]]) -> Any:
 
         from pyspark import TaskContext
 
-        partition = TaskContext.get().partitionId()
+        ctx = TaskContext.get()
+        assert ctx is not None  # a Spark task
+        partition = ctx.partitionId()
         row = 0
         widest = max(int(np.prod(s)) * np.dtype(d).itemsize for d, s in specs.values())
         step = max(1, _MAX_BATCH_BYTES // widest)

@@ -42,6 +42,11 @@ _KIND_NAMES = {0: "no list", BYTES: "bytes_list", FLOAT: "float_list", INT64: "i
 _COMPRESSIONS = {None: 0, "": 0, "none": 0, "gzip": 1, "zlib": 2}
 _EXT = {0: "", 1: ".gz", 2: ".zlib"}
 
+#: A column of TFRecordWriter.write_examples: (name, kind, width, values,
+#: value_offsets, row_offsets, present).
+_ExampleColumn = Tuple[str, int, int, Any, Optional[np.ndarray], Optional[np.ndarray],
+                       Optional[np.ndarray]]
+
 
 class Ragged(NamedTuple):
     """A variable-length column: row ``i`` is ``values[row_splits[i]:row_splits[i+1]]``
@@ -150,7 +155,8 @@ def write(path: str, columns: Mapping[str, Any], compression: Optional[str] = No
     a sequence of ``bytes``/``str`` a one-value ``bytes_list``.  Returns the
     number of records.  An HDFS ``path`` is streamed to a temporary name
     beside it and renamed into place when complete."""
-    cols, n = [], None
+    cols: List[_ExampleColumn] = []
+    n: Optional[int] = None
     for name, arr in columns.items():
         if isinstance(arr, np.ndarray) and arr.dtype.kind in "fiub":
             rows = arr.shape[0]
@@ -260,6 +266,7 @@ def _shard(shard: Any) -> Tuple[int, int]:
 
 def _column_array(col: _Col, parts: Tuple[Any, Any, Any, Any], n: int) -> Any:
     values, voff, roff, _present = parts
+    arr: np.ndarray
     if col.kind == BYTES:
         data = memoryview(values).cast("B")
         offs = np.asarray(voff)
@@ -436,11 +443,12 @@ def infer_schema(path: Union[str, Sequence[str]], sample: int = 100,
 
 # ---------------------------------------------------------------- Spark save
 
-def _arrow_columns(batch: Any, plan: Sequence[Tuple[str, int, bool]]) -> List[Tuple]:
+def _arrow_columns(batch: Any, plan: Sequence[Tuple[str, int, bool]]
+                   ) -> List[_ExampleColumn]:
     """Arrow record batch -> write_examples columns, without per-value objects."""
     import pyarrow as pa
 
-    out = []
+    out: List[_ExampleColumn] = []
     for name, kind, is_list in plan:
         arr = batch.column(batch.schema.get_field_index(name))
         present = None
@@ -517,6 +525,7 @@ def save(df: Any, path: str, *, compression: Optional[str] = None, mode: str = "
         import pyarrow as pa
 
         ctx = TaskContext.get()
+        assert ctx is not None  # a Spark task
         pid = ctx.partitionId()
         tmp = os.path.join(tmpdir, f"part-{pid:05d}-{ctx.attemptNumber()}-{uuid.uuid4().hex}")
         try:
@@ -564,6 +573,7 @@ def _save_hdfs(df: Any, path: str, compression: Optional[str], mode: str, level:
 
         _hdfs.ensure_conf_dir(conf_dir)
         ctx = TaskContext.get()
+        assert ctx is not None  # a Spark task
         pid = ctx.partitionId()
         tmp = f"{tmpdir}/part-{pid:05d}-{ctx.attemptNumber()}-{uuid.uuid4().hex}"
         try:
@@ -621,6 +631,7 @@ def _arrow_field(field: Any, afield: Any, kind: int, is_list: bool, parts: Tuple
             else pa.binary()
     vals = None if kind == BYTES else np.asarray(values)
     if kind == INT64 and pa.types.is_integer(target) and target.bit_width < 64:
+        assert vals is not None  # not BYTES
         info = np.iinfo(target.to_pandas_dtype())
         out = (vals < info.min) | (vals > info.max)
         if out.any():
@@ -643,6 +654,7 @@ def _arrow_field(field: Any, afield: Any, kind: int, is_list: bool, parts: Tuple
             arr = pa.Array.from_buffers(base, n, [mask, pa.py_buffer(row_offs),
                                                   pa.py_buffer(values)])
         else:
+            assert vals is not None  # not BYTES
             dense = np.zeros(n, vals.dtype)
             dense[valid] = vals[rs[:-1][valid]]
             arr = pa.array(dense, mask=~valid)

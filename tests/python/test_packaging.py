@@ -115,7 +115,8 @@ def test_wheel_and_sdist_contents(dist) -> None:
         entry_points = z.read(f"ember-{__version__}.dist-info/entry_points.txt").decode()
     assert any(n.startswith("ember/_ember.cpython-") and n.endswith(".so") for n in names)
     assert {"ember/jars/ember-spark.jar", "ember/jars/ember-yarn-am.jar",
-            "ember/yarn/task.py", "ember/_version.py"} <= names
+            "ember/yarn/task.py", "ember/_version.py", "ember/_ember.pyi",
+            "ember/py.typed"} <= names
     assert not any(n.endswith(".c") for n in names)  # sources stay in the sdist
     assert "ember = ember.cli:main" in entry_points
     for extra in ("tensorflow", "torch", "yarn", "bench", "spark", "mlflow"):

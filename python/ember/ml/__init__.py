@@ -33,11 +33,12 @@ import importlib
 import json
 import logging
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union, cast
 
 from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Params
-from pyspark.ml.util import (DefaultParamsReader, DefaultParamsWriter, MLReadable, MLWritable)
+from pyspark.ml.util import (DefaultParamsReadable, DefaultParamsReader, DefaultParamsWriter,
+                             MLReadable, MLWritable)
 
 from ember import _gpu, _log, tensors
 from ember.ml import _direct, _runtime, _torch
@@ -60,6 +61,8 @@ logger = logging.getLogger("ember.ml")
 
 class _EmberParams(Params):
     """What every Ember stage does with its Params: hand them to train_fn."""
+
+    tf_args: Union[argparse.Namespace, Dict[str, Any], None]  # set by each __init__
 
     def _merged_args(self, tf_args: Any) -> Any:
         """tf_args with every Param merged in (the type of tf_args: dict stays a dict,
@@ -119,6 +122,8 @@ class _Writer(DefaultParamsWriter):
     """Params as DefaultParamsWriter writes them, plus tf_args (JSON) and the
     Estimator's train_fn as ``module:qualname`` in the metadata's extra fields."""
 
+    instance: "_EmberParams"  # what _Persist.write passes
+
     def saveImpl(self, path: str) -> None:
         inst = self.instance
         extra = {"tf_args": _args_json(inst.tf_args)}
@@ -138,12 +143,14 @@ class _Reader(DefaultParamsReader):
 
 
 class _Persist(MLWritable, MLReadable):
+    # mixed only into _EmberParams classes (EmberEstimator, _ArrowInference),
+    # which DefaultParamsWriter and DefaultParamsReader take
     def write(self) -> _Writer:
-        return _Writer(self)
+        return _Writer(cast(_EmberParams, self))
 
     @classmethod
     def read(cls) -> _Reader:
-        return _Reader(cls)
+        return _Reader(cast("type[DefaultParamsReadable[Any]]", cls))
 
 
 # --------------------------------------------------------------------------- estimator
@@ -176,7 +183,7 @@ class EmberEstimator(Estimator, _EmberParams, _Persist, HasInputMapping, HasOutp
                          max_restarts=0, reservation_timeout=600.0,
                          signature_def_key="serving_default", tag_set="serve", gpus_per_node=0)
 
-    def _fit(self, dataset: Any) -> "EmberModel":
+    def _fit(self, dataset: Any) -> "_ArrowInference":
         from ember.spark import InputMode, run
 
         _log.default_handler()  # a job's entry point, as ember.spark.run
@@ -283,7 +290,7 @@ class EmberEstimator(Estimator, _EmberParams, _Persist, HasInputMapping, HasOutp
         if self.isDefined(self.output_mapping):
             model.setOutputMapping(self.getOutputMapping())
         # the mapped columns that name forward() arguments (not the label)
-        path = _torch.torchscript_file(export)
+        path = _torch.require_file(export)  # _make_model found it there
         module, _ = _torch.load(path)
         names = {n for n, _, _ in _torch.forward_arguments(module)}
         positions = {str(i) for i in range(len(names))}
@@ -486,11 +493,12 @@ class EmberModel(_ArrowInference, HasModelDir, HasSignatureDefKey, HasTagSet):
 
     def _inference_spec(self, dataset: Any) -> Dict[str, Any]:
         """Checks the DataFrame against the model on the driver; the worker spec."""
-        export, checkpoint = self.getExportDir(), None
-        if not export and self.getModelDir():
+        export, checkpoint = self.getExportDir(), self.getModelDir()
+        if export or not checkpoint:
+            checkpoint = None
+        else:
             # TensorFlowOnSpark's checkpoint style: the latest TF1 checkpoint in
             # ModelDir with its MetaGraph; mappings name graph tensors
-            checkpoint = self.getModelDir()
             export, stamp = _runtime.checkpoint_export(checkpoint)
         if not export:
             raise ValueError("EmberModel: set ExportDir (a SavedModel) or ModelDir (a TF1 "
@@ -598,7 +606,10 @@ class EmberTorchModel(_ArrowInference):
         if inputs is not None:
             for c, info in zip(cols, inputs):
                 self._check_column(dataset, schema[c], info)
-            xs = [np.zeros((1, *info.shape[1:]), info.dtype) for info in inputs]
+            xs = []
+            for info in inputs:
+                assert info.shape is not None  # declared_inputs records every shape
+                xs.append(np.zeros((1, *info.shape[1:]), info.dtype))
             where = "zeros of its declared input shapes"
         else:
             floating = _torch.floating_dtype(module)

@@ -62,13 +62,13 @@ def plan(dataset: Any, columns: Sequence[str], inputs: Sequence[Any]) -> Tuple[O
     if _java_class(dataset.sparkSession) is None:
         return None, f"{_JAVA_CLASS} is not on the JVM classpath (spark.jars={jar_path()})"
     specs = tensors.tensor_specs(dataset.schema)
-    out = []
+    out: List[Tuple[str, str, str, Tuple[int, ...]]] = []
     for c, info in zip(columns, inputs):
         t = dataset.schema[c].dataType
         rest = None if info.shape is None else info.shape[1:]
         if c in specs:
-            dtype, shape = specs[c]
-            out.append((c, f"b:{int(np.prod(shape)) * dtype.itemsize}", dtype.str, shape))
+            np_dtype, shape = specs[c]
+            out.append((c, f"b:{int(np.prod(shape)) * np_dtype.itemsize}", np_dtype.str, shape))
         elif isinstance(t, T.ArrayType) and t.elementType.typeName() in _ELEMENTS:
             if rest is None or not rest or any(d is None for d in rest):
                 return None, f"model input {info.key!r} has no fixed row shape"

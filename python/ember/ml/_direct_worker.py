@@ -22,7 +22,7 @@ import queue
 import struct
 import sys
 import threading
-from typing import Any, BinaryIO, List, Optional, Tuple
+from typing import Any, BinaryIO, List, Optional, Protocol, Tuple
 
 import numpy as np
 
@@ -30,7 +30,13 @@ MAGIC = 0x454D4231
 PING = -1
 
 
-def _read_into(f: BinaryIO, buf: Any) -> bool:
+class _Input(Protocol):
+    """What the worker reads its input from: a raw or buffered binary file."""
+
+    def readinto(self, buffer: memoryview, /) -> Optional[int]: ...
+
+
+def _read_into(f: _Input, buf: Any) -> bool:
     """Fills ``buf`` from ``f``; False at a clean end of input before any byte."""
     view, got = memoryview(buf).cast("B"), 0
     while got < len(view):
@@ -43,12 +49,12 @@ def _read_into(f: BinaryIO, buf: Any) -> bool:
     return True
 
 
-def _int(f: BinaryIO) -> Optional[int]:
+def _int(f: _Input) -> Optional[int]:
     b = bytearray(4)
     return struct.unpack(">i", b)[0] if _read_into(f, b) else None
 
 
-def _batches(f: BinaryIO, columns: List[Tuple[str, np.dtype, Tuple[int, ...]]], out: "queue.Queue"):
+def _batches(f: _Input, columns: List[Tuple[str, np.dtype, Tuple[int, ...]]], out: "queue.Queue"):
     """Reader thread: (rows, [row arrays per column]) per batch, None per task end;
     an exception object on failure; stops at the end of input."""
     try:
@@ -80,7 +86,7 @@ def _reply(out: BinaryIO, status: int, body: bytes) -> None:
     out.flush()
 
 
-def serve(inp: BinaryIO, out: BinaryIO) -> int:
+def serve(inp: _Input, out: BinaryIO) -> int:
     import pyarrow as pa
 
     from ember.ml import _runtime

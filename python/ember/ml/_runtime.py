@@ -18,15 +18,20 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import (TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence,
+                    Tuple, Union)
 
 import numpy as np
 
 from ember.errors import ModelInputError
 
-#: (export_dir, signature key, tags, inputs, outputs, stamp) -> _Predictor; one
-#: per Python worker process, reused by every task that worker runs.
-_CACHE: Dict[Tuple[Any, ...], "_Predictor"] = {}
+if TYPE_CHECKING:
+    from ember.ml._torch import TorchPredictor
+
+#: (export_dir, signature key, tags, inputs, outputs, stamp) -> _Predictor (or
+#: TorchPredictor); one per Python worker process, reused by every task that
+#: worker runs.
+_CACHE: Dict[Tuple[Any, ...], Union["_Predictor", "TorchPredictor"]] = {}
 _CACHE_LOCK = threading.RLock()  # checkpoint_export runs inside predictor()
 _LOADS = 0  # how many models this process loaded (tests read it through a task)
 

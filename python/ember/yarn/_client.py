@@ -227,7 +227,7 @@ def _archive_kind(path: str) -> str:
 
 def _dumps_experiment(experiment_fn: Callable[[], Any]) -> bytes:
     try:
-        import cloudpickle  # type: ignore[import-not-found]
+        import cloudpickle
     except ImportError:
         from pyspark import cloudpickle  # the same code, vendored by pyspark
     return cloudpickle.dumps(experiment_fn)

@@ -192,6 +192,8 @@ class DataFeed:
         self.input_tensors = ([tensor for col, tensor in sorted(input_mapping.items())]
                               if input_mapping is not None else None)
         self._feed = mgr._core_feed(qname_in, train_mode)
+        assert mgr._demux is not None  # _core_feed raised otherwise
+        self._demux: _Demux = mgr._demux
         self._terminated = False
         self._train_batches_unanswered = False
 
@@ -200,12 +202,12 @@ class DataFeed:
         return self.should_stop()
 
     def _streaming(self) -> bool:
-        return self.mgr._demux.streaming
+        return self._demux.streaming
 
     def _read(self, n: int) -> Any:
         batch = self._feed.next_batch(n)
         if not self.train_mode and len(batch) and \
-                self._feed.last_batch_call in self.mgr._demux.train_calls:
+                self._feed.last_batch_call in self._demux.train_calls:
             # an inference-mode feed reading train() data (TFoS's keras example does
             # this): those batches want no results, so do not hold them for results
             self._feed.skip_results()
@@ -250,7 +252,7 @@ class DataFeed:
         return tensors
 
     def _feed_ended(self) -> bool:
-        return self._terminated or self.mgr._demux.ended or self.mgr._stopped()
+        return self._terminated or self._demux.ended or self.mgr._stopped()
 
     def should_stop(self) -> bool:
         """True once this node's data has ended (see the class doc) or after ``terminate()``."""
