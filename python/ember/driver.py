@@ -307,6 +307,17 @@ class Cluster:
             return None
 
     # -- jobs ----------------------------------------------------------------
+    def _cancel(self, group: str, t: threading.Thread, timeout: float = 60.0) -> None:
+        """Cancels job group ``group`` until thread ``t``, which runs its jobs, ends.
+
+        One cancel is not enough: an action may run several jobs in a row
+        (grouping the data, then feeding it), and a cancel between two of
+        them finds no active job while the next one starts after it."""
+        deadline = time.monotonic() + timeout
+        while t.is_alive() and time.monotonic() < deadline:
+            self.sc.cancelJobGroup(group)
+            t.join(0.5)
+
     def _run_job(self, what: str, action: Callable[[], Any], seq: Optional[int] = None) -> Any:
         """Runs a Spark action in a thread; cancels it if a node fails meanwhile.
 
@@ -333,14 +344,11 @@ class Cluster:
             feed_error = self._reported_feed_error(seq)
             if feed_error is not None:  # the cause, also of a node that raised on it
                 t.join(0.2)  # a job Spark does not retry is failing by itself
-                if t.is_alive():
-                    self.sc.cancelJobGroup(group)
-                    t.join(60)
+                self._cancel(group, t)
                 raise feed_error from result.get("error")
             failure = self._failure()
             if failure is not None:
-                self.sc.cancelJobGroup(group)
-                t.join(60)
+                self._cancel(group, t)
                 raise failure
         if "error" in result:
             message = find_feed_error(str(result["error"]))
