@@ -14,7 +14,12 @@ The package carries two jars as package data in ``ember/jars``:
   by Maven.
 
 A jar that is already there and newer than its sources is kept, so an sdist
-(which includes the built jars) builds with a C compiler alone.
+(which includes the built jars) builds with a C compiler alone.  The same
+holds for the extension: one built in place (``python/ember/_ember*.so``, what
+an editable install leaves) that is newer than its sources and this file is
+copied, not compiled again (``make setup`` installs the package editable in
+two venvs of the same Python).  Otherwise the sources compile in parallel,
+one per CPU (``EMBER_BUILD_JOBS`` sets how many).
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from typing import List, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, List, Optional
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -130,6 +137,38 @@ class BuildPyWithJars(build_py):
         super().run()
 
 
+class BuildExt(build_ext):
+    """build_ext that reuses an up-to-date extension built in place and
+    otherwise compiles the sources in parallel."""
+
+    def build_extension(self, ext: Extension) -> None:
+        built = os.path.join(ROOT, "python", *ext.name.split(".")) + \
+            (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+        target = self.get_ext_fullpath(ext.name)
+        inputs = list(ext.sources) + list(ext.depends) + [os.path.basename(__file__)]
+        if os.path.abspath(built) != os.path.abspath(target) and os.path.exists(built) \
+                and _newer_than(built, inputs):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copyfile(built, target)
+            print(f"reusing {os.path.relpath(built, ROOT)} (newer than its sources)")
+            return
+        jobs = int(os.environ.get("EMBER_BUILD_JOBS") or os.cpu_count() or 1)
+        serial = self.compiler.compile
+
+        def compile_parallel(sources: List[str], *args: Any, **kwargs: Any) -> List[str]:
+            if jobs < 2 or len(sources) < 2:
+                return serial(sources, *args, **kwargs)
+            with ThreadPoolExecutor(jobs) as pool:
+                objects = pool.map(lambda src: serial([src], *args, **kwargs), sources)
+                return [obj for one in objects for obj in one]
+
+        self.compiler.compile = compile_parallel  # type: ignore[method-assign]
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler.compile = serial  # type: ignore[method-assign]
+
+
 WARNINGS = ["-Wall", "-Wextra", "-Werror", "-Wshadow", "-Wstrict-prototypes",
             "-Wno-unused-parameter"]
 
@@ -149,4 +188,4 @@ extension = Extension(
 if sysconfig.get_platform().startswith("linux") is False:
     sys.exit("ember builds on Linux only (shared memory, epoll, /proc)")
 
-setup(ext_modules=[extension], cmdclass={"build_py": BuildPyWithJars})
+setup(ext_modules=[extension], cmdclass={"build_py": BuildPyWithJars, "build_ext": BuildExt})
