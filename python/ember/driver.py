@@ -413,7 +413,7 @@ class Cluster:
         (``mapInArrow``) and arrives as named columns (``batch.column(name)``):
         numbers, strings/binary, arrays of numbers (one length per column),
         ML vectors and tensor columns (:func:`ember.tensors.pack`: the fastest
-        layout, see the README), each a numpy array with the row axis first.  With
+        layout, see docs/spark.md), each a numpy array with the row axis first.  With
         ``num_epochs > 1`` an uncached ``data`` is persisted for the call (so
         the upstream lineage runs once) and unpersisted after.
 
