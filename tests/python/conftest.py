@@ -155,12 +155,14 @@ class Standalone:
         self.url = f"spark://127.0.0.1:{self.port}"
         self.procs: List[subprocess.Popen] = []
 
-    def _spawn(self, name: str, *args: str, worker_opts: str = "") -> None:
+    def _spawn(self, name: str, *args: str, worker_opts: str = "", master_opts: str = "") -> None:
         env = dict(os.environ, SPARK_HOME=self.spark_home, SPARK_LOCAL_IP="127.0.0.1",
                    SPARK_WORKER_DIR=os.path.join(self.root, "work"),
                    PYSPARK_PYTHON=sys.executable)
         if worker_opts:  # read by spark-class for the Worker class
             env["SPARK_WORKER_OPTS"] = worker_opts
+        if master_opts:  # and this for the Master class
+            env["SPARK_MASTER_OPTS"] = master_opts
         log = open(os.path.join(self.root, f"{name}.log"), "w")
         self.procs.append(subprocess.Popen(
             [os.path.join(self.spark_home, "bin", "spark-class"), *args],
@@ -176,8 +178,21 @@ class Standalone:
         return path
 
     def start(self) -> None:
-        self._spawn("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                    "--port", str(self.port), "--webui-port", str(self.ui_port))
+        """Starts the Master, then the Workers once it serves, and waits until
+        every Worker is ALIVE.  The ports come from :func:`free_port`, so
+        another process can take one before the Master binds it: the Master
+        then exits at once (``spark.port.maxRetries=0``: Spark would otherwise
+        move to the next port, where the Workers do not look) and starts again
+        on new ports."""
+        for attempt in range(3):
+            if self._start_master():
+                break
+            self.stop()
+            self.procs = []
+            self.port, self.ui_port = free_port(), free_port()
+            self.url = f"spark://127.0.0.1:{self.port}"
+        else:
+            raise RuntimeError(f"standalone master did not start in 3 tries; logs in {self.root}")
         for i in range(self.workers):
             opts = ""
             if i < len(self.gpus):
@@ -189,16 +204,35 @@ class Standalone:
                         str(self.cores), "--memory", self.memory, self.url, worker_opts=opts)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/json/") as r:
-                    state = json.load(r)
-                if sum(w.get("state") == "ALIVE" for w in state.get("workers", [])) \
-                        >= self.workers:
-                    return
-            except OSError:
-                pass
+            state = self._master_state()
+            if state is not None and sum(w.get("state") == "ALIVE"
+                                         for w in state.get("workers", [])) >= self.workers:
+                return
             time.sleep(0.5)
         raise RuntimeError(f"standalone cluster did not start; logs in {self.root}")
+
+    def _master_state(self) -> Optional[Dict[str, Any]]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/json/",
+                                        timeout=5) as r:
+                return json.load(r)
+        except (OSError, ValueError):
+            return None
+
+    def _start_master(self) -> bool:
+        """True once the Master serves its status; False if it exited first."""
+        self._spawn("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                    "--port", str(self.port), "--webui-port", str(self.ui_port),
+                    master_opts="-Dspark.port.maxRetries=0")
+        master = self.procs[-1]
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if master.poll() is not None:
+                return False
+            if self._master_state() is not None:
+                return True
+            time.sleep(0.5)
+        raise RuntimeError(f"standalone master did not serve in 90 s; logs in {self.root}")
 
     def wait_executors(self, spark: Any, n: int) -> None:
         sc = spark.sparkContext

@@ -630,11 +630,12 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
         if now >= next_tb:  # the tensorboard task publishes its URL there
             next_tb = now + 5.0
             try:
-                tb_url = _ember.hdfs_read(tb_file, conf_dir=stager.conf_dir).decode()
-                logger.info(f"{app_id}: TensorBoard at {tb_url}")
-                next_tb = float("inf")
+                tb_url = _ember.hdfs_read(tb_file, conf_dir=stager.conf_dir).decode() or None
             except Exception:
                 pass
+            if tb_url:
+                logger.info(f"{app_id}: TensorBoard at {tb_url}")
+                next_tb = float("inf")
         if now > deadline and not killed_for:
             killed_for = f"timed out after {timeout:.0f} s (timeout=) in state {state}"
             logger.warning(f"{app_id}: {killed_for}; killing it (give run_on_yarn a larger "
@@ -644,7 +645,7 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
             raise RuntimeError(f"{app_id} is still {state} 120 s after it was killed")
     if topo.get("tensorboard") and tb_url is None:
         try:
-            tb_url = _ember.hdfs_read(tb_file, conf_dir=stager.conf_dir).decode()
+            tb_url = _ember.hdfs_read(tb_file, conf_dir=stager.conf_dir).decode() or None
         except Exception:
             pass  # it never got to serve
     # reports sent just before the containers exited may still be queued

@@ -233,8 +233,10 @@ def _tensorboard() -> int:
                     continue
                 logger.info(f"TensorBoard at {url} ({log_dir})")
                 staging = os.environ.get("EMBER_YARN_STAGING", "")
-                if staging:
-                    hdfs.write_bytes(f"{staging}/tensorboard.url", url.encode())
+                if staging:  # whole or not at all: readers poll for the name
+                    hdfs.write_bytes(f"{staging}/tensorboard.url.tmp", url.encode())
+                    hdfs.rename(f"{staging}/tensorboard.url.tmp",
+                                f"{staging}/tensorboard.url", overwrite=True)
                 published = True
             if mirror and time.monotonic() >= next_copy:
                 next_copy = time.monotonic() + 30
