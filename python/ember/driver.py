@@ -23,7 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ember import _ember, _gpu, _log, executor
 from ember import mlflow as _mlflow
 from ember._env import bind_host
-from ember.errors import EmberFeedError, EmberNodeError, find_feed_error, from_core
+from ember.errors import (EmberFeedError, EmberJobError, EmberNodeError, find_feed_error,
+                          from_core, spark_job_cause)
 from ember.executor import FeedCall
 from ember.node import RESUME_REPORT
 from ember.tensors import tensor_specs
@@ -44,6 +45,11 @@ class InputMode(enum.IntEnum):
 #: vanished peer (the lost node's control connection drops at about the same
 #: moment, see Cluster._failure).
 _CAUSE_GRACE = 3.0
+
+#: How long the driver waits for a node's failure to explain a job Spark
+#: aborted, before it raises Spark's cause (EmberJobError); a killed node's
+#: control connection drops at once, so its failure is known well within it.
+_JOB_CAUSE_GRACE = 1.5
 
 #: The driver logs as the public module it implements (see ember._log).
 logger = logging.getLogger("ember.spark")
@@ -359,14 +365,25 @@ class Cluster:
         if failure is not None:
             raise failure
         if "error" in result:
-            deadline = time.monotonic() + self._heartbeat_timeout + 2
+            error, text = result["error"], str(result["error"])
+            # A task that lost its connection to a node (libember's error in
+            # its traceback) failed because of the node, and a frozen or
+            # cut-off node is seen lost only after heartbeat_timeout: wait for
+            # that.  Anything else Spark aborted is raised at once, unless a
+            # node failure arrives meanwhile.
+            grace = self._heartbeat_timeout + 2 if "ember._ember.Ember" in text \
+                else _JOB_CAUSE_GRACE
+            deadline = time.monotonic() + grace
             with self._lock:
                 while not self._failures and time.monotonic() < deadline:
-                    self._changed.wait(0.5)
+                    self._changed.wait(min(0.25, max(0.0, deadline - time.monotonic())))
             failure = self._failure()
             if failure is not None:
-                raise failure from result["error"]
-            raise result["error"]
+                raise failure from error
+            cause = spark_job_cause(text)
+            if cause is not None:
+                raise EmberJobError(f"{what}: feeding {cause}") from error
+            raise error
         return result.get("value")
 
     def _report_channel(self) -> Tuple[str, int, bytes]:
@@ -588,7 +605,7 @@ class Cluster:
                            "at least as many partitions as nodes)")
             self._end_feed(host, port, name)
         _warn_few_slots(sc, len(fed_nodes))
-        fed = self._run_job(f"train {seq}", action, seq)
+        fed = self._run_job(f"train call {seq}", action, seq)
         secs = time.monotonic() - start
         logger.info(f"train: fed {fed} records in {secs:.1f} s "
                     f"({fed / max(secs, 1e-9):.0f} records/s)")

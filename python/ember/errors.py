@@ -14,6 +14,7 @@ The hierarchy::
     ├── EmberFeedError (ValueError)     input the feed cannot carry
     ├── EmberNodeError (RuntimeError)   a node failed, exited or was lost
     ├── FeedProducerError (RuntimeError)  a feeding task failed (``on_producer_error="raise"``)
+    ├── EmberJobError (RuntimeError)    Spark aborted one of Ember's jobs (a task crashed...)
     ├── ModelInputError (ValueError)    the DataFrame, mappings and model do not fit together
     └── RunFailed (RuntimeError)        every attempt of ``run_on_yarn`` failed
 
@@ -38,7 +39,8 @@ from typing import Any, Dict, List, Optional
 __all__ = ["EmberError", "EmberFeedError", "EmberNodeError", "FeedProducerError",
            "ModelInputError", "RunFailed", "EmberTimeout", "EmberAuthError", "EmberAborted",
            "EmberCorruptError", "EmberSchemaError", "EmberFileNotFoundError",
-           "EmberPermissionError", "find_feed_error", "from_core",
+           "EmberPermissionError", "EmberJobError", "find_feed_error", "spark_job_cause",
+           "from_core",
            "in_context"]
 
 #: The subclasses the C extension defines, importable from here too.
@@ -126,6 +128,16 @@ class FeedProducerError(EmberError, RuntimeError):
     made with ``on_producer_error="raise"``."""
 
 
+class EmberJobError(EmberError, RuntimeError):
+    """Spark aborted a job of Ember's (a feeding or inference task crashed or
+    raised, an executor was lost, the job was cancelled) and no node failure
+    explains it.  The message starts with the cause in one line, e.g.
+    ``train call 1: task 3 of stage 7.0 failed on executor 1 (host w2), 1
+    attempt(s): Python worker exited unexpectedly (crashed)``, then the
+    failing task's traceback where Spark gave one; Spark's exception, with
+    its Java trace, is chained (``__cause__``)."""
+
+
 class ModelInputError(EmberError, ValueError):
     """The DataFrame, the mappings or the model do not fit together
     (:mod:`ember.ml`)."""
@@ -164,6 +176,47 @@ def find_feed_error(text: str) -> Optional[str]:
     """The message of the first EmberFeedError in a failed Spark job's text, or None."""
     m = _TRACEBACK_LINE.search(text)
     return m.group(1).strip() if m else None
+
+
+_STAGE_FAILURE = re.compile(
+    r"Job aborted due to stage failure: Task (?P<task>\d+) in stage (?P<stage>[\d.]+) failed "
+    r"(?P<attempts>\d+) times?, most recent failure: Lost task [\d.]+ in stage [\d.]+ "
+    r"\(TID \d+\) \((?P<host>\S+) executor (?P<executor>[^)]+)\): (?P<rest>.*)", re.DOTALL)
+# Spark's advice after a crashed Python worker, and Java's exception class names
+_ADVICE = re.compile(r"\s*Consider setting .*$")
+_JAVA_CLASS = re.compile(r"^(?:[a-z]\w*\.)+[A-Z]\w*: ")
+
+
+def _python_traceback(text: str) -> str:
+    """The Python traceback at the start of ``text`` (a PythonException's
+    message), up to the Java frames after it."""
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("\tat ") or line.startswith("Driver stacktrace"):
+            break
+        lines.append(line)
+    return "\n".join(lines).strip()
+
+
+def spark_job_cause(text: str) -> Optional[str]:
+    """The cause of a Spark job's failure, from its exception's text: one line
+    naming the task, stage, executor and host and what went wrong, then the
+    task's Python traceback if it had one; None if ``text`` is not a stage
+    failure Spark reports in its usual words."""
+    m = _STAGE_FAILURE.search(text)
+    if m is None:
+        return None
+    rest = _JAVA_CLASS.sub("", m.group("rest").lstrip())
+    where = (f"task {m.group('task')} of stage {m.group('stage')} failed on executor "
+             f"{m.group('executor')} (host {m.group('host')}), {m.group('attempts')} "
+             "attempt(s)")
+    if rest.startswith("Traceback (most recent call last):"):
+        tb = _python_traceback(rest)
+        last = next((ln for ln in reversed(tb.splitlines()) if ln and not ln[0].isspace()),
+                    "the task raised")
+        return f"{where}: {last}\n{tb}"
+    first = _ADVICE.sub("", rest.splitlines()[0] if rest else "").strip()
+    return f"{where}: {first or 'no reason given'}"
 
 
 def __getattr__(name: str) -> Any:

@@ -24,7 +24,7 @@ in :mod:`ember.node` and :mod:`ember._trainer`.
 from __future__ import annotations
 
 from ember.driver import FEED_ROLES, Cluster, InputMode, run
-from ember.errors import EmberError, EmberFeedError, EmberNodeError
+from ember.errors import EmberError, EmberFeedError, EmberJobError, EmberNodeError
 
-__all__ = ["run", "InputMode", "Cluster", "EmberNodeError", "EmberFeedError", "EmberError",
-           "FEED_ROLES"]
+__all__ = ["run", "InputMode", "Cluster", "EmberNodeError", "EmberFeedError", "EmberJobError",
+           "EmberError", "FEED_ROLES"]

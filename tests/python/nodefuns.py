@@ -205,6 +205,20 @@ def stamp_at_end(path: str) -> Any:
     return gen
 
 
+def crash_in_partition(path: str, partition: int, at: int) -> Any:
+    """RDD mapPartitionsWithIndex: partition ``partition`` writes the time to
+    ``path`` and ends its Python worker (os._exit) at record ``at``, as a
+    segfaulting library or the OOM killer would."""
+    def gen(index: int, records: Any) -> Any:
+        for i, rec in enumerate(records):
+            if index == partition and i == at:
+                with open(path, "w") as f:
+                    f.write(repr(time.time()))
+                os._exit(1)
+            yield rec
+    return gen
+
+
 def lockstep(args: Dict[str, Any], ctx: Any) -> None:
     """Consumes in lockstep, as a synchronous strategy does (MultiWorkerMirroredStrategy
     all-reduces every step): every step all-reduces "I have a batch" over the fed

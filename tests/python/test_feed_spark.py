@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import time
 
 import pytest
@@ -470,6 +471,36 @@ def test_bad_record_fails_train_at_once_with_ember_feed_error(local_spark, tmp_p
     with open(stamp) as f:
         failed = float(f.read())
     assert caught - failed < 2.0, f"EmberFeedError came {caught - failed:.1f} s after the failure"
+
+
+def test_crashed_feeding_task_is_raised_at_once_with_its_cause_first(local_spark, tmp_path):
+    """A feeding task whose Python worker dies (local mode: no retry, Spark
+    aborts the job): train() raises EmberJobError within 2 s of the crash,
+    its first line naming the task, the executor and Spark's reason, with
+    Spark's exception chained behind it; the nodes are still there."""
+    import time
+
+    from ember.spark import EmberJobError
+
+    sc = local_spark.sparkContext
+    stamp = str(tmp_path / "stamp")
+    data = sc.parallelize([(i, i % 10) for i in range(400)], 2) \
+        .mapPartitionsWithIndex(nodefuns.crash_in_partition(stamp, 1, 50))
+    cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=60, heartbeat_timeout=10)
+    try:
+        with pytest.raises(EmberJobError) as err:
+            cluster.train(data)
+        caught = time.time()
+    finally:
+        cluster._stop_all()
+    first = str(err.value).splitlines()[0]
+    assert re.match(r"train call \d+: feeding task \d+ of stage [\d.]+ failed on executor driver "
+                    r"\(host \S+\), 1 attempt\(s\): Python worker exited unexpectedly", first), first
+    assert "Job aborted due to stage failure" in str(err.value.__cause__)
+    with open(stamp) as f:
+        crashed = float(f.read())
+    assert caught - crashed < 2.0 + 1.0, f"train() raised {caught - crashed:.1f} s after the crash"
 
 
 def test_dataframe_null_element_names_row_of_the_partition(local_spark, tmp_path):
