@@ -499,8 +499,13 @@ class Cluster:
                     # free slot partitions of one node, whose feeding tasks then
                     # wait for it to consume while it waits in its collectives
                     # for a peer nobody feeds (seen on the standalone cluster).
-                    # Cache afresh: the tasks run as in a first feed.
-                    data.unpersist(blocking=True)
+                    # Cache afresh: the tasks run as in a first feed.  Not
+                    # blocking: Spark's master drops the blocks' locations at
+                    # once and only the removal on each executor is
+                    # asynchronous, and an executor cut off from the driver
+                    # would hold a blocking call for spark.rpc.askTimeout
+                    # (120 s) before the restarted nodes got any data.
+                    data.unpersist(blocking=False)
                     data.persist(StorageLevel.MEMORY_AND_DISK)
                 if interrupted:
                     first = self._resume_epoch(epochs, feed_timeout)
