@@ -58,6 +58,16 @@ def tfrecord_inspect(args: argparse.Namespace) -> int:
     return status
 
 
+def _yarn_check(args: Any) -> int:
+    """``ember yarn check``: each step of :func:`ember.yarn.check`, a line each."""
+    from ember.yarn import check
+
+    steps = check(args.conf_dir, container=not args.no_container)
+    for s in steps:
+        print(f"[{'ok' if s.ok else 'FAILED'}] {s.name}: {s.detail}", flush=True)
+    return 0 if steps and all(s.ok for s in steps) else 1
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the CLI; returns the exit status."""
     from ember import _log
@@ -82,8 +92,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     chk.add_argument("--conf-dir", default=None, help="instead of $HADOOP_CONF_DIR")
     chk.add_argument("--no-container", action="store_true",
                      help="skip the Spark-on-YARN container round trip")
-    chk.set_defaults(func=lambda a: __import__("ember.yarn", fromlist=["check_main"])
-                     .check_main(a))
+    chk.set_defaults(func=_yarn_check)
     sub.add_parser("version", help="print Ember's version").set_defaults(
         func=lambda a: __import__("ember.doctor", fromlist=["version_main"]).version_main(a))
     sub.add_parser("doctor", help="check this installation (extension, Java, Spark, "

@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ember.yarn._check import Step, check, check_main, spark_conf
+from ember.yarn._check import Step, check, spark_conf
 from ember.yarn._client import run_on_yarn
 from ember.yarn._specs import (Metrics, NodeLabel, RunFailed, TaskResult, TaskSpec,
                                ps_strategy_topology, single_server_topology)
@@ -42,7 +42,7 @@ _LAZY = {
     "DistributedDataParallelArgs": "ember.yarn.experiment",
 }
 
-__all__ = ["Step", "check", "check_main", "spark_conf", "run_on_yarn", "TaskSpec", "NodeLabel",
+__all__ = ["Step", "check", "spark_conf", "run_on_yarn", "TaskSpec", "NodeLabel",
            "single_server_topology", "ps_strategy_topology", "RunFailed", "Metrics",
            "TaskResult", *_LAZY]
 

@@ -102,7 +102,9 @@ def _container_probe(marker: str) -> int:
             yield info["container"]
 
         got = spark.sparkContext.parallelize([0], 1).mapPartitions(probe).collect()
-        print(json.dumps({"app_id": spark.sparkContext.applicationId, "container": got[0]}))
+        # the probe's answer to the check that started it, read from stdout
+        sys.stdout.write(json.dumps({"app_id": spark.sparkContext.applicationId,
+                                     "container": got[0]}) + "\n")
     finally:
         spark.stop()
     return 0
@@ -178,13 +180,6 @@ def check(conf_dir: Optional[str] = None, container: bool = True,
         except Exception:
             pass
     return steps
-
-
-def check_main(args: Any) -> int:
-    steps = check(args.conf_dir, container=not args.no_container)
-    for s in steps:
-        print(f"[{'ok' if s.ok else 'FAILED'}] {s.name}: {s.detail}", flush=True)
-    return 0 if steps and all(s.ok for s in steps) else 1
 
 
 if __name__ == "__main__":
