@@ -184,7 +184,7 @@ class Standalone:
         then exits at once (``spark.port.maxRetries=0``: Spark would otherwise
         move to the next port, where the Workers do not look) and starts again
         on new ports."""
-        for attempt in range(3):
+        for _ in range(3):
             if self._start_master():
                 break
             self.stop()

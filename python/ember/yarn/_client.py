@@ -583,6 +583,13 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
     tb_file = report_url.rsplit("/", 1)[0] + "/tensorboard.url"
     next_tb = time.monotonic() + 5.0 if topo.get("tensorboard") else float("inf")
 
+    def read_tb_url() -> Optional[str]:
+        """The tensorboard task's URL once it has published it (by rename: whole)."""
+        try:
+            return _ember.hdfs_read(tb_file, conf_dir=stager.conf_dir).decode() or None
+        except Exception:
+            return None
+
     state_final = [False]  # after the end, ps/tensorboard going away is no news
     errors = 0
 
@@ -629,10 +636,7 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
                 break
         if now >= next_tb:  # the tensorboard task publishes its URL there
             next_tb = now + 5.0
-            try:
-                tb_url = _ember.hdfs_read(tb_file, conf_dir=stager.conf_dir).decode() or None
-            except Exception:
-                pass
+            tb_url = read_tb_url()
             if tb_url:
                 logger.info(f"{app_id}: TensorBoard at {tb_url}")
                 next_tb = float("inf")
@@ -644,10 +648,7 @@ def _watch(rm: _ResourceManager, server: Any, app_id: str, attempt: int, topo: D
         if now > deadline + 120:
             raise RuntimeError(f"{app_id} is still {state} 120 s after it was killed")
     if topo.get("tensorboard") and tb_url is None:
-        try:
-            tb_url = _ember.hdfs_read(tb_file, conf_dir=stager.conf_dir).decode() or None
-        except Exception:
-            pass  # it never got to serve
+        tb_url = read_tb_url()  # None: it never got to serve
     # reports sent just before the containers exited may still be queued
     end = time.monotonic() + 5.0
     deciding = [r for r in ("chief", "worker", "evaluator") for _ in range(topo[r])]
