@@ -27,6 +27,8 @@ EXT_HDRS  := $(wildcard python/ember/_ember*.h)
 APT_PACKAGES := dataset-fashion-mnist clang libssl-dev zlib1g-dev libcurl4-openssl-dev maven libprotobuf-c-dev protobuf-c-compiler openmpi-bin libopenmpi-dev
 # make test-c-install builds examples/c the way a C user would, through pkg-config
 APT_PACKAGES += pkg-config
+# the simulated hosts' network faults (tests/python/simcluster.py): nft, tc
+APT_PACKAGES += nftables iproute2
 # the PyTorch path (.venv-torch below); Debian's torch calls libblas.so.3, which is
 # the reference BLAS unless OpenBLAS is installed (5x slower training steps)
 APT_PACKAGES += python3-torch libopenblas0-openmp

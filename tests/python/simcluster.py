@@ -19,6 +19,7 @@ before a new one is made.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -26,7 +27,7 @@ import shutil
 import signal
 import subprocess
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 SUBNET = "198.18.0"  #: hosts get .1, .2, ... of 198.18.0.0/24 (RFC 2544's range)
 NETNS_ETC = "/etc/netns"
@@ -64,6 +65,10 @@ class SimCluster:
         self._addr = {h: f"{SUBNET}.{i + 1}" for i, h in enumerate(self.hosts)}
         self._procs: List[subprocess.Popen] = []
         self._up = False
+        self._down: Set[str] = set()  # faults in force (see heal())
+        self._partitions: List[Tuple[str, str]] = []
+        self._loss: Dict[str, float] = {}
+        self._limited: Set[str] = set()
 
     # -- names -------------------------------------------------------------
     def ns(self, host: str) -> str:
@@ -149,6 +154,11 @@ class SimCluster:
             except subprocess.TimeoutExpired:
                 pass
         self._procs = []
+        # the faults go with the switch's and the hosts' namespaces
+        self._down.clear()
+        self._partitions.clear()
+        self._loss.clear()
+        self._limited.clear()
         for ns in self._namespaces():
             _ip("netns", "del", ns, check=False)
             shutil.rmtree(os.path.join(NETNS_ETC, ns), ignore_errors=True)
@@ -211,9 +221,126 @@ class SimCluster:
         """The host dies: every process in its namespace is SIGKILLed."""
         self._kill_namespace(self.ns(host))
 
+    # -- network faults ------------------------------------------------------
+    # Each fault is a context manager that undoes it on exit; close() undoes
+    # whatever is left.  Drops happen in the switch (a bridge-family nftables
+    # table), so they are silent as a real network's are: no host sees an
+    # error for a frame lost on the wire.  This kernel has no netem qdisc, so
+    # loss is nftables' ``numgen random`` and a rate is a tbf qdisc.
+
     def link_down(self, host: str) -> None:
         """The host's cable is pulled: its interface goes down (processes live on)."""
         _ip("-n", self.ns(host), "link", "set", "eth0", "down")
+        self._down.add(host)
+
+    def link_up(self, host: str) -> None:
+        """The cable is back: the interface is up again (connections that did
+        not time out meanwhile carry on)."""
+        _ip("-n", self.ns(host), "link", "set", "eth0", "up")
+        self._down.discard(host)
+
+    @contextlib.contextmanager
+    def cut(self, host: str) -> Iterator[None]:
+        """``host``'s link is down inside the block."""
+        self.link_down(host)
+        try:
+            yield
+        finally:
+            self.link_up(host)
+
+    @contextlib.contextmanager
+    def partitioned(self, a: str, b: str) -> Iterator[None]:
+        """``a`` and ``b`` cannot reach each other inside the block; every
+        other host still reaches both."""
+        pair = (a, b)
+        self._partitions.append(pair)
+        self._apply_drops()
+        try:
+            yield
+        finally:
+            self._partitions.remove(pair)
+            self._apply_drops()
+
+    @contextlib.contextmanager
+    def lossy(self, percent: float, hosts: Optional[Sequence[str]] = None) -> Iterator[None]:
+        """Each link of ``hosts`` (all by default) loses ``percent`` % of the
+        frames it carries, in each direction, at random."""
+        if not 0 < percent < 100:
+            raise ValueError(f"loss percent {percent} not in (0, 100)")
+        chosen = list(self.hosts if hosts is None else hosts)
+        for h in chosen:
+            self._loss[h] = percent
+        self._apply_drops()
+        try:
+            yield
+        finally:
+            for h in chosen:
+                self._loss.pop(h, None)
+            self._apply_drops()
+
+    @contextlib.contextmanager
+    def rate_limited(self, bits_per_s: int, hosts: Optional[Sequence[str]] = None
+                     ) -> Iterator[None]:
+        """Each link of ``hosts`` (all by default) carries at most
+        ``bits_per_s`` in each direction: a token bucket on both of its ends."""
+        chosen = list(self.hosts if hosts is None else hosts)
+        # a bucket of 10 ms of traffic, and at least one 64 KiB GSO frame
+        burst = max(bits_per_s // 8 // 100, 65536)
+        tbf = ["tbf", "rate", f"{bits_per_s}bit", "burst", str(burst), "latency", "50ms"]
+        for h in chosen:
+            self._limited.add(h)
+            self._tc(self.ns(h), "qdisc", "replace", "dev", "eth0", "root", *tbf)
+            self._tc(self.switch, "qdisc", "replace", "dev", self._port(h), "root", *tbf)
+        try:
+            yield
+        finally:
+            for h in chosen:
+                self._unlimit(h)
+
+    def heal(self) -> None:
+        """Undoes every fault: links up, no drops, no rate limits."""
+        for h in list(self._down):
+            self.link_up(h)
+        self._partitions.clear()
+        self._loss.clear()
+        self._apply_drops()
+        for h in list(self._limited):
+            self._unlimit(h)
+
+    def _port(self, host: str) -> str:
+        return f"p{self.hosts.index(host)}"
+
+    @staticmethod
+    def _tc(ns: str, *args: str, check: bool = True) -> None:
+        subprocess.run(["ip", "netns", "exec", ns, "tc", *args], check=check,
+                       capture_output=True, text=True)
+
+    def _unlimit(self, host: str) -> None:
+        self._tc(self.ns(host), "qdisc", "del", "dev", "eth0", "root", check=False)
+        self._tc(self.switch, "qdisc", "del", "dev", self._port(host), "root", check=False)
+        self._limited.discard(host)
+
+    def _apply_drops(self) -> None:
+        """Replaces the switch's drop rules with those of the faults in force,
+        in one nftables transaction."""
+        rules = []
+        for a, b in self._partitions:
+            pa, pb = self._port(a), self._port(b)
+            rules += [f'iifname "{pa}" oifname "{pb}" drop', f'iifname "{pb}" oifname "{pa}" drop']
+        for h, percent in self._loss.items():
+            # per mille, so 0.1 % steps; one rule per direction of the link
+            n = max(1, round(percent * 10))
+            rules += [f'iifname "{self._port(h)}" numgen random mod 1000 < {n} drop',
+                      f'oifname "{self._port(h)}" numgen random mod 1000 < {n} drop']
+        script = "add table bridge embfault\ndelete table bridge embfault\n"
+        if rules:
+            script += ("table bridge embfault {\n chain forward {\n"
+                       "  type filter hook forward priority 0; policy accept;\n"
+                       + "".join(f"  {r}\n" for r in rules) + " }\n}\n")
+        r = subprocess.run(["ip", "netns", "exec", self.switch, "nft", "-f", "-"], input=script,
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"nft in {self.switch} failed: {r.stderr.strip()}\n{script}")
 
     def env_for(self, host: str, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
         """An environment for programs on ``host``: Spark binds and advertises the

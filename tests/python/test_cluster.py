@@ -146,6 +146,92 @@ def test_hosts_are_separate(hosts):
     assert sorted(hosts.alive_workers()) == WORKERS
 
 
+def _probe(sim: simcluster.SimCluster, host: str, code: str, *args: str) -> str:
+    r = sim.run(host, [PY, "-c", code, *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.strip()
+
+
+_REACH = ("import socket,sys\n"
+          "try:\n socket.create_connection((sys.argv[1], 9), timeout=1)\n"
+          "except ConnectionRefusedError: print('up')\n"
+          "except OSError as e: print(type(e).__name__, e.errno)")
+_UDP_SINK = ("import socket,sys\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+             "s.bind(('0.0.0.0',5001));s.settimeout(1.5);n=0\nprint('ready',flush=True)\n"
+             "try:\n while True: s.recv(64); n+=1\nexcept socket.timeout: print(n)")
+_UDP_SEND = ("import socket,sys,time\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+             "for i in range(2000):\n s.sendto(b'x'*32,(sys.argv[1],5001))\n"
+             " if i % 100 == 0: time.sleep(0.005)")
+_TCP_SINK = ("import socket\ns=socket.socket();s.bind(('0.0.0.0',5002));s.listen()\n"
+             "print('ready',flush=True);c,_=s.accept()\n"
+             "while c.recv(1<<20): pass")
+_TCP_SEND = ("import socket,sys,time\nc=socket.create_connection((sys.argv[1],5002))\n"
+             "b=b'x'*(1<<20);t=time.monotonic()\n"
+             "for _ in range(int(sys.argv[2])): c.sendall(b)\n"
+             "c.shutdown(socket.SHUT_WR);c.recv(1)\n"
+             "print(int(sys.argv[2])*len(b)*8/(time.monotonic()-t))")
+
+
+def _reaches_again(sim: simcluster.SimCluster, a: str, b: str) -> bool:
+    """After a fault: ``a`` reaches ``b`` within 10 s (a neighbour entry that
+    failed during the fault answers EHOSTUNREACH until it is resolved again)."""
+    deadline = time.monotonic() + 10
+    while _probe(sim, a, _REACH, b) != "up":
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def _udp_delivered(sim: simcluster.SimCluster, src: str, dst: str) -> int:
+    sink = sim.popen(dst, [PY, "-c", _UDP_SINK], stdout=subprocess.PIPE, text=True)
+    assert sink.stdout is not None and sink.stdout.readline().strip() == "ready"
+    _probe(sim, src, _UDP_SEND, dst)
+    return int(sink.communicate(timeout=30)[0].strip())
+
+
+def _tcp_bits_per_s(sim: simcluster.SimCluster, src: str, dst: str, mib: int) -> float:
+    sink = sim.popen(dst, [PY, "-c", _TCP_SINK], stdout=subprocess.PIPE, text=True)
+    assert sink.stdout is not None and sink.stdout.readline().strip() == "ready"
+    rate = float(_probe(sim, src, _TCP_SEND, dst, str(mib)))
+    sink.wait(30)
+    return rate
+
+
+def test_network_faults_partition_lose_limit_and_heal(hosts):
+    """The faults the tests below inject (simcluster.py) do what they say,
+    between the hosts they name only, and leave nothing behind."""
+    sim = hosts.sim
+    with sim.partitioned("w1", "w2"):
+        assert _probe(sim, "w1", _REACH, "w2") == "TimeoutError None"  # silent, as a cable cut
+        assert _probe(sim, "w2", _REACH, "w1") == "TimeoutError None"
+        assert _probe(sim, "w1", _REACH, "w3") == "up"
+        assert _probe(sim, "w3", _REACH, "w2") == "up"
+    assert _reaches_again(sim, "w1", "w2") and _reaches_again(sim, "w2", "w1")
+    with sim.cut("w3"):
+        assert _probe(sim, "w3", _REACH, "w1") == "OSError 101"  # ENETUNREACH: no link
+        assert _probe(sim, "w1", _REACH, "w3") in ("TimeoutError None", "OSError 113")
+    assert _reaches_again(sim, "w1", "w3") and _reaches_again(sim, "w3", "w1")
+    clean = _udp_delivered(sim, "w1", "w2")
+    assert clean == 2000
+    with sim.lossy(20, hosts=["w1"]):
+        lossy = _udp_delivered(sim, "w1", "w2")
+    # 20 % on w1's link, once per datagram (w2's link is clean): about 1,600
+    assert 1450 <= lossy <= 1750, lossy
+    assert _udp_delivered(sim, "w1", "w2") == 2000
+    with sim.rate_limited(100_000_000, hosts=["w2"]):
+        limited = _tcp_bits_per_s(sim, "w1", "w2", 12)
+    assert 50e6 < limited < 120e6, limited
+    assert _tcp_bits_per_s(sim, "w1", "w2", 12) > 3 * limited
+    rules = sim.run("master", ["true"]).returncode == 0 and subprocess.run(
+        ["ip", "netns", "exec", sim.switch, "nft", "list", "ruleset"],
+        capture_output=True, text=True).stdout
+    assert "embfault" not in rules, rules
+    qdiscs = subprocess.run(["ip", "netns", "exec", sim.switch, "tc", "qdisc"],
+                            capture_output=True, text=True).stdout
+    assert "tbf" not in qdiscs, qdiscs
+
+
 def test_feed_and_collectives_cross_hosts_over_tcp(hosts, tmp_path):
     out = str(tmp_path)
     _job(hosts, "crosshost", out, 300)
