@@ -124,6 +124,13 @@ void ember_net_close(int fd) {
   errno = saved;
 }
 
+/* <netinet/tcp.h> of older C libraries lacks it; the kernel's value. */
+#ifdef TCP_RTO_MAX_MS
+#define EMBER_TCP_RTO_MAX_MS TCP_RTO_MAX_MS
+#else
+#define EMBER_TCP_RTO_MAX_MS 44
+#endif
+
 int ember_net_tune(int fd) {
   int one = 1;
   if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) != 0)
@@ -139,6 +146,14 @@ int ember_net_tune(int fd) {
   (void)setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
   (void)setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
 #endif
+  /* TCP doubles its retransmission timeout after each loss, up to 120 s, so
+   * a partition of a few seconds used to stall a connection for as long
+   * again after it healed: long enough to miss a heartbeat timeout.  Capped
+   * at the smallest value Linux takes (1 s, since 6.15; older kernels
+   * refuse the option and keep their backoff), a healed link carries data
+   * again within a second. */
+  int rto_max_ms = 1000;
+  (void)setsockopt(fd, IPPROTO_TCP, EMBER_TCP_RTO_MAX_MS, &rto_max_ms, sizeof rto_max_ms);
   return EMBER_OK;
 }
 

@@ -39,7 +39,7 @@ struct ember_rdv_client {
   int wake_fd; /* created by start(): clients that never start cost one fd */
   _Atomic int64_t stop_state;
   atomic_int quit;
-  uint32_t interval_ms, flags;
+  uint32_t interval_ms, silence_ms, flags;
 };
 
 static void kill_self(const char *why) {
@@ -181,7 +181,7 @@ static void *client_main(void *arg) {
   int alive = 1;
   const int exit_on_loss = (c->flags & EMBER_RDV_EXIT_ON_LOSS) != 0;
   const int64_t interval = c->interval_ms;
-  const int64_t silence = 3 * interval + 5000;
+  const int64_t silence = c->silence_ms ? (int64_t)c->silence_ms : 3 * interval + 5000;
   int64_t now = ember_now_ms();
   int64_t last_heard = now, next_hb = now, stop_deadline = INT64_MAX;
 
@@ -264,10 +264,12 @@ static void *client_main(void *arg) {
   return NULL;
 }
 
-int ember_rdv_client_start(ember_rdv_client *c, uint32_t interval_ms, uint32_t flags) {
+int ember_rdv_client_start(ember_rdv_client *c, uint32_t interval_ms, uint32_t silence_ms,
+                           uint32_t flags) {
   if (c == NULL) return ember__set_error(EMBER_EINVAL, "rdv_client_start: NULL client");
   if (c->started) return ember__set_error(EMBER_ESTATE, "rdv_client_start: already started");
   c->interval_ms = interval_ms ? interval_ms : CLIENT_DEFAULT_INTERVAL_MS;
+  c->silence_ms = silence_ms;
   c->flags = flags;
   int rc = c->wake_fd >= 0 ? EMBER_OK : ember__rdv_wakefd(&c->wake_fd);
   if (rc != EMBER_OK) return rc;

@@ -582,24 +582,27 @@ static PyObject *RdvClient_wait_spec(PyObject *op, PyObject *arg) {
 }
 
 PyDoc_STRVAR(RdvClient_start_doc,
-             "start(interval_ms=1000, exit_on_loss=True) -> None\n\n"
-             "Starts the heartbeat thread.  With exit_on_loss, losing the driver\n"
-             "(or a STOP's grace period running out) kills this process group.");
+             "start(interval_ms=1000, exit_on_loss=True, silence_ms=0) -> None\n\n"
+             "Starts the heartbeat thread.  The driver is lost when its connection\n"
+             "drops or it is silent for silence_ms (0: 3 intervals + 5 s).  With\n"
+             "exit_on_loss, losing the driver (or a STOP's grace period running\n"
+             "out) kills this process group.");
 
 static PyObject *RdvClient_start(PyObject *op, PyObject *args, PyObject *kwargs) {
-  static char *kwlist[] = {"interval_ms", "exit_on_loss", NULL};
+  static char *kwlist[] = {"interval_ms", "exit_on_loss", "silence_ms", NULL};
   RdvClientObject *self = (RdvClientObject *)op;
-  Py_ssize_t interval = 1000;
+  Py_ssize_t interval = 1000, silence = 0;
   int exit_on_loss = 1;
-  uint32_t interval_ms;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|np:start", kwlist, &interval,
-                                   &exit_on_loss))
+  uint32_t interval_ms, silence_ms;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|npn:start", kwlist, &interval,
+                                   &exit_on_loss, &silence))
     return NULL;
-  if (check_u32(interval, "interval_ms", 1, &interval_ms) < 0)
+  if (check_u32(interval, "interval_ms", 1, &interval_ms) < 0 ||
+      check_u32(silence, "silence_ms", 0, &silence_ms) < 0)
     return NULL;
   int ok;
   EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
-                    ember_rdv_client_start(self->h.ptr, interval_ms,
+                    ember_rdv_client_start(self->h.ptr, interval_ms, silence_ms,
                                            exit_on_loss ? EMBER_RDV_EXIT_ON_LOSS : 0u));
   if (ok < 0)
     return NULL;

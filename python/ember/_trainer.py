@@ -152,7 +152,11 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
 
     spec, pos = client.wait_spec(boot["reservation_timeout"])
     nodes = spec.tolist()
-    client.start(boot["heartbeat_interval_ms"], exit_on_loss=True)
+    # silent for heartbeat_timeout, the driver is cut off by a partition: this
+    # node ends itself as the driver counts it lost, before its replacement
+    # runs (it must not train alone or write checkpoints; ember/rendezvous.h)
+    client.start(boot["heartbeat_interval_ms"], exit_on_loss=True,
+                 silence_ms=int(boot["heartbeat_timeout"] * 1000))
     _watchdog.arm()  # from now on a node that runs no thread is frozen
     me = nodes[pos]
     os.environ.update(framework_env(nodes, me))

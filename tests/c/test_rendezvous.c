@@ -38,6 +38,7 @@ typedef struct {
   const uint8_t *secret;
   int start;            /* start the heartbeat thread after SPEC */
   uint32_t interval_ms; /* heartbeat interval */
+  uint32_t silence_ms; /* 0: the client's default */
   uint32_t flags;
   /* results */
   int rc;
@@ -64,7 +65,7 @@ static void *node_main(void *arg) {
   if (a->rc == EMBER_OK)
     a->rc = ember_rdv_client_wait_spec(a->c, &a->nodes, &a->count, &a->self_pos, 10000);
   if (a->rc == EMBER_OK && a->start)
-    a->rc = ember_rdv_client_start(a->c, a->interval_ms, a->flags);
+    a->rc = ember_rdv_client_start(a->c, a->interval_ms, a->silence_ms, a->flags);
   snprintf(a->msg, sizeof a->msg, "%s", ember_last_error());
   return NULL;
 }
@@ -696,7 +697,7 @@ typedef struct {
   int alive_fd, port_fd;
 } child_node;
 
-static void fork_node(child_node *cn, uint32_t index, int leader) {
+static void fork_node_silence(child_node *cn, uint32_t index, int leader, uint32_t silence_ms) {
   int alive[2], port[2];
   CHECK(pipe(alive) == 0 && pipe(port) == 0);
   fflush(stdout);
@@ -721,6 +722,7 @@ static void fork_node(child_node *cn, uint32_t index, int leader) {
     a.index = index;
     a.start = 1;
     a.interval_ms = 50;
+    a.silence_ms = silence_ms;
     a.flags = EMBER_RDV_EXIT_ON_LOSS;
     node_main(&a);
     if (a.rc != EMBER_OK) {
@@ -735,6 +737,10 @@ static void fork_node(child_node *cn, uint32_t index, int leader) {
   cn->pid = pid;
   cn->alive_fd = alive[0];
   cn->port_fd = port[1];
+}
+
+static void fork_node(child_node *cn, uint32_t index, int leader) {
+  fork_node_silence(cn, index, leader, 0);
 }
 
 static void give_port(child_node *cn, uint16_t port) {
@@ -797,6 +803,44 @@ TEST(exit_on_loss_stop_grace) {
   ember_rdv_server_destroy(s);
 }
 
+/* A partition: the driver's connection stays open but nothing comes
+ * through it (here the driver's process is stopped, so nothing is echoed or
+ * closed).  The node ends itself after silence_ms, not at the default
+ * 3 intervals + 5 s, and not later than the server's heartbeat timeout
+ * would count it lost. */
+TEST(exit_on_loss_silent_driver) {
+  child_node c;
+  int port_pipe[2];
+  fork_node_silence(&c, 0, 1, 400);
+  CHECK(pipe(port_pipe) == 0);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t driver = fork();
+  CHECK(driver >= 0);
+  if (driver == 0) {
+    close(port_pipe[0]);
+    ember_rdv_server *s = server(1, 0, 0, 0, 5000, 400);
+    uint16_t p = ember_rdv_server_port(s);
+    if (write(port_pipe[1], &p, sizeof p) != (ssize_t)sizeof p) _exit(4);
+    for (;;) pause(); /* serves (echoes) until stopped, then killed */
+  }
+  close(port_pipe[1]);
+  uint16_t p = 0;
+  CHECK(read(port_pipe[0], &p, sizeof p) == (ssize_t)sizeof p);
+  close(port_pipe[0]);
+  give_port(&c, p);
+  usleep(600 * 1000); /* registered, heartbeats echoed for longer than silence_ms */
+  CHECK(waitpid(c.pid, NULL, WNOHANG) == 0);
+  int64_t t0 = ember_now_ms();
+  CHECK(kill(driver, SIGSTOP) == 0);
+  expect_killed(&c);
+  int64_t took = ember_now_ms() - t0;
+  CHECK(took >= 300 && took < 1500);
+  wait_gone(&c);
+  kill(driver, SIGKILL);
+  CHECK(waitpid(driver, NULL, 0) == driver);
+}
+
 RUN_TESTS(T(two_nodes), T(four_nodes_roles), T(sixty_four_nodes), T(bad_config),
           T(reservation_timeout_names_missing_node),
           T(wrong_secret_rejected_then_reservation_completes),
@@ -808,4 +852,5 @@ RUN_TESTS(T(two_nodes), T(four_nodes_roles), T(sixty_four_nodes), T(bad_config),
           T(disconnect_before_ready_frees_the_index), T(heartbeat_loss_detected),
           T(closed_connection_is_lost_but_not_after_done),
           T(long_report_is_truncated_to_its_tail), T(stop_reaches_client),
-          T(exit_on_loss_kills_the_node), T(exit_on_loss_stop_grace))
+          T(exit_on_loss_kills_the_node), T(exit_on_loss_stop_grace),
+          T(exit_on_loss_silent_driver))

@@ -167,7 +167,8 @@ def transform(spark: Any, out: str) -> None:
 
 def hostloss_node(args: Any, ctx: Any) -> None:
     """Trains in lockstep (an allreduce per batch); after its first batches it
-    says which host it is on, so the test can pull the plug on one."""
+    says which host it is on (and its pid, and when), so the test can pull the
+    plug on one, and see when the restarted nodes train again."""
     import numpy as np
 
     restart = int(os.environ.get("EMBER_RESTART", "0"))
@@ -182,22 +183,22 @@ def hostloss_node(args: Any, ctx: Any) -> None:
         if seen >= 200:
             mark = os.path.join(args.out, f"running-{restart}-{ctx.worker_num}")
             if not os.path.exists(mark):
-                dump(mark, dict(host=socket.gethostname()))
-        time.sleep(0.01)
+                dump(mark, dict(host=socket.gethostname(), pid=os.getpid(), time=time.time()))
+        time.sleep(args.pause)
     # the count agrees across nodes before anyone stops (a lockstep end)
     total = ctx.allreduce(np.array([seen], dtype=np.float64))
     dump(os.path.join(args.out, f"done-{restart}-{ctx.worker_num}.json"),
          dict(host=socket.gethostname(), seen=seen, total=float(total[0])))
 
 
-def hostloss(spark: Any, out: str) -> None:
+def hostloss(spark: Any, out: str, pause: float = 0.01, max_restarts: int = 1) -> None:
     from ember.spark import InputMode, run
 
     sc = spark.sparkContext
-    args = argparse.Namespace(out=out)
+    args = argparse.Namespace(out=out, pause=pause)
     cluster = run(sc, hostloss_node, args, num_executors=2, input_mode=InputMode.SPARK,
                   master_node=None, reservation_timeout=120, heartbeat_timeout=5,
-                  max_restarts=1)
+                  max_restarts=max_restarts)
     first = [n["host"] for n in cluster.nodes]
     rdd = sc.parallelize([(i, float(i)) for i in range(4000)], 8)
     start = time.time()
@@ -216,10 +217,13 @@ def hostloss(spark: Any, out: str) -> None:
 def main() -> int:
     job, master, out = sys.argv[1:4]
     os.makedirs(out, exist_ok=True)
-    cores = {"crosshost": 3, "transform": 3, "hostloss": 3}[job]
-    spark = session(master, f"ember-cluster-{job}", cores)
+    jobs = {"crosshost": crosshost, "transform": transform, "hostloss": hostloss,
+            # the same lockstep training, slower (about 20 s), with no restart
+            # allowed: faults that heal must cost nothing
+            "heal": lambda spark, out: hostloss(spark, out, pause=0.08, max_restarts=0)}
+    spark = session(master, f"ember-cluster-{job}", 3)
     try:
-        {"crosshost": crosshost, "transform": transform, "hostloss": hostloss}[job](spark, out)
+        jobs[job](spark, out)
     finally:
         spark.stop()
     return 0

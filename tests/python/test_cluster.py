@@ -302,7 +302,14 @@ def test_ember_model_transform_on_hosts(hosts, tmp_path):
     assert set(result["task_hosts"]) <= set(WORKERS) and len(result["task_hosts"]) >= 2
 
 
-def test_host_lost_mid_epoch_is_named_and_job_finishes_elsewhere(hosts, tmp_path):
+@pytest.mark.parametrize("fault", ["killed", "cut_off"])
+def test_host_lost_mid_epoch_is_named_and_job_finishes_elsewhere(hosts, tmp_path, fault):
+    """A host dies (every process SIGKILLed: Spark sees its executor go at
+    once) or is cut off (its link down: nothing fails, everything on it falls
+    silent, and Spark counts its executor alive for spark.network.timeout).
+    Either way the loss is named within heartbeat_timeout (5 s) + 2 s, the
+    job resumes on the other hosts seconds later, and a cut-off node ends
+    itself rather than train on alone."""
     out = str(tmp_path)
     p = hosts.driver([PY, os.path.join(REPO, "tests", "python", "cluster_jobs.py"), "hostloss",
                       hosts.url, out], "hostloss.log")
@@ -315,12 +322,25 @@ def test_host_lost_mid_epoch_is_named_and_job_finishes_elsewhere(hosts, tmp_path
         if marks:
             victim = json.load(open(os.path.join(out, sorted(marks)[-1])))["host"]
         time.sleep(0.2)
+    mark = json.load(open(os.path.join(out, sorted(marks)[-1])))
     killed_at = time.time()
-    hosts.sim.kill_host(victim)  # every process on the host: worker, executor, node
+    if fault == "killed":
+        hosts.sim.kill_host(victim)  # every process on the host: worker, executor, node
+    else:
+        hosts.sim.link_down(victim)
     try:
+        if fault == "cut_off":
+            # the node on the far side ends itself as the driver counts it lost
+            while os.path.exists(f"/proc/{mark['pid']}") and time.time() - killed_at < 15:
+                time.sleep(0.1)
+            node_ended = time.time() - killed_at
+            assert node_ended < 5 + 1.5, f"the cut-off node lived {node_ended:.1f} s on"
         code = p.wait(300)
     finally:
-        hosts.start_worker(victim)  # the host comes back for the tests after this one
+        if fault == "killed":
+            hosts.start_worker(victim)  # the host comes back for the tests after this one
+        else:
+            hosts.sim.link_up(victim)
     log = open(os.path.join(hosts.root, "hostloss.log")).read()
     assert code == 0, log[-6000:]
     result = json.load(open(os.path.join(out, "hostloss.json")))
@@ -329,13 +349,51 @@ def test_host_lost_mid_epoch_is_named_and_job_finishes_elsewhere(hosts, tmp_path
     victim_addr = hosts.sim.addr(victim)
     assert f"host {victim_addr}) was lost" in result["cause"], result["cause"]
     detected = result["cause_seen"] - killed_at
-    assert 0 <= detected < 10, f"the loss was seen {detected:.1f} s after the kill"
+    assert 0 <= detected < 5 + 2, f"the loss was seen {detected:.1f} s after the host was {fault}"
     assert victim_addr not in result["after_hosts"] and len(result["after_hosts"]) == 2
     # the restarted nodes (on the other hosts) read the whole feed, in lockstep
     done = [json.load(open(os.path.join(out, f"done-1-{i}.json"))) for i in range(2)]
     assert {hosts.sim.addr(d["host"]) for d in done} == set(result["after_hosts"])
     assert sum(d["seen"] for d in done) == result["fed"] == 3 * 4000
+    # training resumed seconds after the loss was named (it once waited 120 s
+    # for Spark's RPC timeout on the cut-off executor)
+    resumed = min(json.load(open(os.path.join(out, f"running-1-{i}")))["time"] for i in range(2))
+    assert resumed - result["cause_seen"] < 15, \
+        f"training resumed {resumed - result['cause_seen']:.1f} s after the loss was named"
     hosts.wait_workers(len(WORKERS))
+
+
+def test_faults_that_heal_within_heartbeat_timeout_cost_nothing(hosts, tmp_path):
+    """Mid-training, the two nodes' hosts cannot reach each other for 2 s
+    (the others reach both), then one node's host loses its link for 2 s
+    (the driver loses it too).  Each heals in time: the job finishes with no
+    restart, and every record was trained on once.  An outage of D s silences
+    a node for up to D + 2 s (a heartbeat interval, 1 s here, before its next
+    heartbeat, and up to 1 s before TCP retransmits it: ember_net_tune), so
+    2 s stays clear of heartbeat_timeout (5 s)."""
+    out = str(tmp_path)
+    p = hosts.driver([PY, os.path.join(REPO, "tests", "python", "cluster_jobs.py"), "heal",
+                      hosts.url, out], "heal.log")
+    deadline = time.monotonic() + 240
+    while len([f for f in os.listdir(out) if f.startswith("running-0-")]) < 2:
+        assert p.poll() is None, open(os.path.join(hosts.root, "heal.log")).read()[-4000:]
+        assert time.monotonic() < deadline, "the nodes never started training"
+        time.sleep(0.2)
+    a, b = (json.load(open(os.path.join(out, f"running-0-{i}")))["host"] for i in range(2))
+    with hosts.sim.partitioned(a, b):
+        time.sleep(2)
+    time.sleep(2)
+    assert p.poll() is None, "the job ended before the second fault"
+    with hosts.sim.cut(b):
+        time.sleep(2)
+    code = p.wait(300)
+    log = open(os.path.join(hosts.root, "heal.log")).read()
+    assert code == 0, log[-6000:]
+    result = json.load(open(os.path.join(out, "hostloss.json")))
+    assert result["restarts"] == 0 and result["cause"] is None, result
+    done = [json.load(open(os.path.join(out, f"done-0-{i}.json"))) for i in range(2)]
+    assert sum(d["seen"] for d in done) == result["fed"] == 3 * 4000
+    assert "was lost" not in log
 
 
 def test_tfos_keras_example_trains_3_epochs_on_hosts(hosts, tmp_path):

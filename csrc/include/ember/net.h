@@ -78,7 +78,10 @@ int ember_net_recv_frame(int fd, uint32_t max_payload, ember_frame_header *hdr,
 void ember_net_peer_name(int fd, char *out, size_t cap);
 void ember_net_local_addr(int fd, char *host, size_t cap, uint16_t *port);
 
-/* Enables TCP keepalive and TCP_NODELAY (control and feed connections). */
+/* Enables TCP keepalive and TCP_NODELAY, and caps TCP's retransmission
+ * backoff at 1 s where the kernel allows it (Linux 6.15+), so a connection
+ * carries data again within a second of a partition healing (control, feed
+ * and collective connections). */
 int ember_net_tune(int fd);
 
 /* Where a server reports connections it rejected before they authenticated

@@ -166,13 +166,22 @@ int ember_rdv_client_wait_spec(ember_rdv_client *c, ember_rdv_node **nodes,
                                int64_t timeout_ms);
 
 /* Starts the background thread: sends a HEARTBEAT every interval_ms, reads
- * STOP and heartbeat echoes.  flags:
- *   EMBER_RDV_EXIT_ON_LOSS: if the driver connection drops or is silent for
- *   3 intervals + 5 s, or a STOP's grace period runs out, the thread kills this
- *   process's group with SIGKILL (the node is its own group leader), so an
- *   orphaned trainer never outlives its driver. */
+ * STOP and heartbeat echoes.  The driver counts as lost when the connection
+ * drops or nothing has come from it for silence_ms (0: 3 intervals + 5 s).
+ * flags:
+ *   EMBER_RDV_EXIT_ON_LOSS: when the driver is lost, or a STOP's grace period
+ *   runs out, the thread kills this process's group with SIGKILL (the node is
+ *   its own group leader), so an orphaned trainer never outlives its driver.
+ *
+ * A node cut off from the driver by a partition sees silence, not an error.
+ * Give silence_ms the server's heartbeat_timeout_ms: every heartbeat is
+ * echoed, so the node's last echo arrived after the server last heard it,
+ * and the node ends itself no earlier than the server counts it LOST (a
+ * partition that heals sooner costs nothing) and only a round trip later:
+ * before anything the driver starts in its place can run. */
 #define EMBER_RDV_EXIT_ON_LOSS 1u
-int ember_rdv_client_start(ember_rdv_client *c, uint32_t interval_ms, uint32_t flags);
+int ember_rdv_client_start(ember_rdv_client *c, uint32_t interval_ms, uint32_t silence_ms,
+                           uint32_t flags);
 
 /* 0 while running; otherwise the grace_ms of the STOP received + 1 (so a
  * STOP with grace 0 reads as 1); -1 if the driver connection was lost. */
