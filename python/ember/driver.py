@@ -23,8 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ember import _ember, _gpu, _log, executor
 from ember import mlflow as _mlflow
 from ember._env import bind_host
-from ember.errors import (EmberFeedError, EmberJobError, EmberNodeError, find_feed_error,
-                          from_core, spark_job_cause)
+from ember.errors import (EmberError, EmberFeedError, EmberJobError, EmberNodeError,
+                          find_feed_error, from_core, spark_job_cause)
 from ember.executor import FeedCall
 from ember.node import RESUME_REPORT
 from ember.tensors import tensor_specs
@@ -365,12 +365,25 @@ class Cluster:
         if failure is not None:
             raise failure
         if "error" in result:
-            error, text = result["error"], str(result["error"])
-            # A task that lost its connection to a node (libember's error in
-            # its traceback) failed because of the node, and a frozen or
-            # cut-off node is seen lost only after heartbeat_timeout: wait for
-            # that.  Anything else Spark aborted is raised at once, unless a
-            # node failure arrives meanwhile.
+            error = result["error"]
+            explained = self._explain_job_error(f"{what}: feeding", error)
+            if explained is not None:
+                raise explained from error
+            raise error
+        return result.get("value")
+
+    def _explain_job_error(self, what: str, error: BaseException) -> Optional[EmberError]:
+        """The Ember error to raise for a job of this cluster's that Spark
+        aborted with ``error``: a node's failure that explains it, else an
+        :class:`EmberJobError` whose first line is Spark's cause (prefixed by
+        ``what``), else None (not a failure Spark reports in its usual words)."""
+        text = str(error)
+        # A task that lost its connection to a node (libember's error in its
+        # traceback) failed because of the node, and a frozen or cut-off node
+        # is seen lost only after heartbeat_timeout: wait for that.  Anything
+        # else Spark aborted is raised at once, unless a node failure arrives
+        # meanwhile.
+        if not self._closed:
             grace = self._heartbeat_timeout + 2 if "ember._ember.Ember" in text \
                 else _JOB_CAUSE_GRACE
             deadline = time.monotonic() + grace
@@ -379,12 +392,9 @@ class Cluster:
                     self._changed.wait(min(0.25, max(0.0, deadline - time.monotonic())))
             failure = self._failure()
             if failure is not None:
-                raise failure from error
-            cause = spark_job_cause(text)
-            if cause is not None:
-                raise EmberJobError(f"{what}: feeding {cause}") from error
-            raise error
-        return result.get("value")
+                return failure
+        cause = spark_job_cause(text)
+        return EmberJobError(f"{what} {cause}") if cause is not None else None
 
     def _report_channel(self) -> Tuple[str, int, bytes]:
         """(driver host, port, secret) of the feed server where feeding tasks
@@ -628,10 +638,12 @@ class Cluster:
         failure = self._failure()
         if failure is not None:
             raise failure
-        call = FeedCall(tuple(self._feed_targets()), self._secret, self._next_seq(),
+        seq = self._next_seq()
+        call = FeedCall(tuple(self._feed_targets()), self._secret, seq,
                         feed_timeout, want_results=True, qname=qname)
         fn = executor.rdd_feeder(call, self.chunk_rows)
-        return _as_rdd(data).mapPartitions(fn)
+        return _inference_rdd(_as_rdd(data), lambda _index, it: fn(it), self,
+                              f"inference call {seq}:")
 
     # -- shutdown ------------------------------------------------------------
     def shutdown(self, grace_secs: float = 0, timeout: float = 259200) -> None:
@@ -874,6 +886,55 @@ class Cluster:
 
 def _is_dataframe(data: Any) -> bool:
     return hasattr(data, "mapInArrow")
+
+
+_INFERENCE_RDD: Any = None
+
+
+def _inference_rdd(prev: Any, f: Callable[[int, Any], Any], cluster: Cluster, what: str,
+                   preserves_partitioning: bool = False) -> Any:
+    """``prev.mapPartitionsWithIndex(f)`` as an RDD whose failed jobs raise
+    Ember's errors: a node failure that explains the failure, else
+    :class:`EmberJobError` with Spark's cause first (see
+    :meth:`Cluster._explain_job_error`).  Narrow transformations of it (map,
+    filter, mapPartitions, ...) keep that, so do the actions built on collect,
+    take or save*File; Spark's own error comes out of anything else (a
+    DataFrame made from it, a shuffle)."""
+    global _INFERENCE_RDD
+    if _INFERENCE_RDD is None:
+        from pyspark.rdd import PipelinedRDD
+
+        def explaining(action: Callable[..., Any]) -> Callable[..., Any]:
+            def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    return action(self, *args, **kwargs)
+                except Exception as exc:  # Py4JJavaError; ours (from an inner action) pass
+                    if isinstance(exc, EmberError):
+                        raise
+                    explained = self._ember_cluster._explain_job_error(self._ember_what, exc)
+                    if explained is None:
+                        raise
+                    raise explained from exc
+            run.__name__, run.__doc__ = action.__name__, action.__doc__
+            return run
+
+        class InferenceRDD(PipelinedRDD):
+            _ember_cluster: Cluster
+            _ember_what: str
+
+            def mapPartitionsWithIndex(self, f: Any, preservesPartitioning: bool = False) -> Any:
+                return _inference_rdd(self, f, self._ember_cluster, self._ember_what,
+                                      preservesPartitioning)
+
+            collect = explaining(PipelinedRDD.collect)
+            take = explaining(PipelinedRDD.take)
+            saveAsTextFile = explaining(PipelinedRDD.saveAsTextFile)
+            saveAsPickleFile = explaining(PipelinedRDD.saveAsPickleFile)
+
+        _INFERENCE_RDD = InferenceRDD
+    rdd = _INFERENCE_RDD(prev, f, preserves_partitioning)
+    rdd._ember_cluster, rdd._ember_what = cluster, what
+    return rdd
 
 
 def _as_rdd(data: Any) -> Any:

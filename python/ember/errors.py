@@ -132,10 +132,12 @@ class EmberJobError(EmberError, RuntimeError):
     """Spark aborted a job of Ember's (a feeding or inference task crashed or
     raised, an executor was lost, the job was cancelled) and no node failure
     explains it.  The message starts with the cause in one line, e.g.
-    ``train call 1: task 3 of stage 7.0 failed on executor 1 (host w2), 1
-    attempt(s): Python worker exited unexpectedly (crashed)``, then the
-    failing task's traceback where Spark gave one; Spark's exception, with
-    its Java trace, is chained (``__cause__``)."""
+    ``train call 1: feeding task 3 of stage 7.0 failed on executor 1 (host w2), 1
+    attempt(s): Python worker exited unexpectedly (crashed)`` or
+    ``inference call 2: job 9 was cancelled (part of cancelled job group
+    ...)``, then the failing task's traceback where Spark gave one; Spark's
+    exception, with its Java trace, is chained (``__cause__``).  Raised by
+    ``train()``, and by the actions on ``inference()``'s RDD (it is lazy)."""
 
 
 class ModelInputError(EmberError, ValueError):
@@ -182,6 +184,9 @@ _STAGE_FAILURE = re.compile(
     r"Job aborted due to stage failure: Task (?P<task>\d+) in stage (?P<stage>[\d.]+) failed "
     r"(?P<attempts>\d+) times?, most recent failure: Lost task [\d.]+ in stage [\d.]+ "
     r"\(TID \d+\) \((?P<host>\S+) executor (?P<executor>[^)]+)\): (?P<rest>.*)", re.DOTALL)
+# a job cancelled (cancelJobGroup, cancelAllJobs, the UI's kill link, the
+# SparkContext stopping), with or without Spark 4's error class
+_CANCELLED = re.compile(r"(?:\[SPARK_JOB_CANCELLED\] )?Job (?P<job>\d+) cancelled(?P<why>[^\n]*)")
 # Spark's advice after a crashed Python worker, and Java's exception class names
 _ADVICE = re.compile(r"\s*Consider setting .*$")
 _JAVA_CLASS = re.compile(r"^(?:[a-z]\w*\.)+[A-Z]\w*: ")
@@ -201,11 +206,15 @@ def _python_traceback(text: str) -> str:
 def spark_job_cause(text: str) -> Optional[str]:
     """The cause of a Spark job's failure, from its exception's text: one line
     naming the task, stage, executor and host and what went wrong, then the
-    task's Python traceback if it had one; None if ``text`` is not a stage
-    failure Spark reports in its usual words."""
+    task's Python traceback if it had one, or the line of a cancelled job;
+    None if ``text`` is neither in Spark's usual words."""
     m = _STAGE_FAILURE.search(text)
     if m is None:
-        return None
+        c = _CANCELLED.search(text)
+        if c is None:
+            return None
+        why = re.sub(r"\s*SQLSTATE: \w+\s*$", "", c.group("why")).strip()
+        return f"job {c.group('job')} was cancelled" + (f" ({why})" if why else "")
     rest = _JAVA_CLASS.sub("", m.group("rest").lstrip())
     where = (f"task {m.group('task')} of stage {m.group('stage')} failed on executor "
              f"{m.group('executor')} (host {m.group('host')}), {m.group('attempts')} "

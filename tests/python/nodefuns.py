@@ -75,6 +75,23 @@ def double_it(args: Dict[str, Any], ctx: Any) -> None:
         feed.batch_results([[int(i), 2 * float(v)] for i, v in zip(ids, values)])
 
 
+def double_then_raise(args: Dict[str, Any], ctx: Any) -> None:
+    """Inference: answers its first batch as double_it does, then raises."""
+    feed = ctx.get_data_feed(train_mode=False)
+    ids, values = feed.next_batch(10).columns
+    feed.batch_results([[int(i), 2 * float(v)] for i, v in zip(ids, values)])
+    raise RuntimeError("the model blew up after its first batch")
+
+
+def slow_partitions(seconds: float) -> Any:
+    """RDD mapPartitionsWithIndex: each partition waits ``seconds`` before its
+    first record (time for a test to cancel the job)."""
+    def gen(index: int, records: Any) -> Any:
+        time.sleep(seconds)
+        yield from records
+    return gen
+
+
 def sleep_in_feed(args: Dict[str, Any], ctx: Any) -> None:
     """Reads a little, then keeps reading slowly: lets a test kill it mid-training."""
     feed = ctx.get_data_feed()

@@ -503,6 +503,60 @@ def test_crashed_feeding_task_is_raised_at_once_with_its_cause_first(local_spark
     assert caught - crashed < 2.0 + 1.0, f"train() raised {caught - crashed:.1f} s after the crash"
 
 
+def test_inference_failures_are_raised_as_ember_errors_with_the_cause_first(local_spark,
+                                                                            tmp_path):
+    """inference() is lazy: what fails comes out of the action on its RDD (or
+    on a narrow transformation of it).  A crashed task and a cancelled job
+    raise EmberJobError, its first line the cause, Spark's exception chained;
+    a node that raises mid-call raises its EmberNodeError with its traceback."""
+    import threading
+    import time
+
+    from ember.spark import EmberJobError, EmberNodeError
+
+    sc = local_spark.sparkContext
+    stamp = str(tmp_path / "stamp")
+    cluster = run(sc, nodefuns.double_it, {}, num_executors=2, input_mode=InputMode.SPARK,
+                  reservation_timeout=60, heartbeat_timeout=10)
+    try:
+        crashing = sc.parallelize([(i, float(i)) for i in range(400)], 2) \
+            .mapPartitionsWithIndex(nodefuns.crash_in_partition(stamp, 1, 50))
+        with pytest.raises(EmberJobError) as err:
+            cluster.inference(crashing).map(lambda r: r[1]).collect()
+        caught = time.time()
+        first = str(err.value).splitlines()[0]
+        assert re.match(r"inference call \d+: task \d+ of stage [\d.]+ failed on executor "
+                        r"driver \(host \S+\), 1 attempt\(s\): Python worker exited unexpectedly",
+                        first), first
+        assert "Job aborted due to stage failure" in str(err.value.__cause__)
+        with open(stamp) as f:
+            assert caught - float(f.read()) < 3.0
+
+        slow = sc.parallelize([(i, float(i)) for i in range(40)], 2) \
+            .mapPartitionsWithIndex(nodefuns.slow_partitions(30))
+        threading.Timer(2.0, sc.cancelAllJobs).start()
+        started = time.monotonic()
+        with pytest.raises(EmberJobError) as err:
+            cluster.inference(slow).saveAsTextFile(str(tmp_path / "never"))
+        assert time.monotonic() - started < 2.0 + 3.0
+        assert re.match(r"inference call \d+: job \d+ was cancelled", str(err.value)), err.value
+        # the nodes still serve
+        out = cluster.inference(sc.parallelize([(i, float(i)) for i in range(20)], 2)).collect()
+        assert sorted(out) == [[i, 2.0 * i] for i in range(20)]
+    finally:
+        cluster.shutdown()
+
+    cluster = run(sc, nodefuns.double_then_raise, {}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=60, heartbeat_timeout=10)
+    try:
+        with pytest.raises(EmberNodeError) as node_err:
+            cluster.inference(sc.parallelize([(i, float(i)) for i in range(4000)], 4)).count()
+        assert "RuntimeError: the model blew up after its first batch" in str(node_err.value)
+        assert str(node_err.value).startswith("ember node ")
+    finally:
+        cluster._stop_all()
+
+
 def test_dataframe_null_element_names_row_of_the_partition(local_spark, tmp_path):
     """A null element of an array<float> column in the third Arrow batch of a
     partition: named by its row in the partition and its element."""
