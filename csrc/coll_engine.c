@@ -78,6 +78,13 @@ static int io_fail(ember__coll_peer *p, const char *what, int err) {
   if (code == EMBER_ECLOSED)
     return ember__set_errno(code, err, "%s %s (the peer failed, was killed or left)", what,
                             p->desc);
+  /* The kernel gave up retransmitting (about 15 s with ember_net_tune's
+   * backoff cap): nothing crossed the network, though the peer may live. */
+  if (err == ETIMEDOUT || err == EHOSTUNREACH || err == ENETUNREACH)
+    return ember__set_errno(code, err,
+                            "%s %s (no packet got through for seconds: the network between "
+                            "the two hosts is cut, or the peer's host is down)",
+                            what, p->desc);
   return ember__set_errno(code, err, "%s %s", what, p->desc);
 }
 

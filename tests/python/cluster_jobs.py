@@ -220,7 +220,8 @@ def main() -> int:
     jobs = {"crosshost": crosshost, "transform": transform, "hostloss": hostloss,
             # the same lockstep training, slower (about 20 s), with no restart
             # allowed: faults that heal must cost nothing
-            "heal": lambda spark, out: hostloss(spark, out, pause=0.08, max_restarts=0)}
+            "heal": lambda spark, out: hostloss(spark, out, pause=0.08, max_restarts=0),
+            "partition": lambda spark, out: hostloss(spark, out, pause=0.08)}
     spark = session(master, f"ember-cluster-{job}", 3)
     try:
         jobs[job](spark, out)
