@@ -557,6 +557,28 @@ def test_inference_failures_are_raised_as_ember_errors_with_the_cause_first(loca
         cluster._stop_all()
 
 
+def test_shutdown_after_a_100_mib_record_takes_its_usual_time(local_spark, tmp_path):
+    """One record of 100 MiB among small ones: it is fed whole, and
+    shutdown() then takes its usual fraction of a second (issue 36 saw 5.1 s
+    once; 0.2-0.3 s here), not seconds."""
+    import time
+
+    sc = local_spark.sparkContext
+    big = 100 << 20
+    rdd = sc.parallelize(range(4), 2).map(lambda i: (i, b"x" * big if i == 0 else b"y"))
+    cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=60)
+    try:
+        assert cluster.train(rdd) == 4
+    finally:
+        started = time.monotonic()
+        cluster.shutdown()
+    took = time.monotonic() - started
+    assert took < 2.0, f"shutdown() took {took:.1f} s"
+    ids = sorted(i for n in read_json_files(str(tmp_path)) for i in n["ids"])
+    assert ids == [0, 1, 2, 3]
+
+
 def test_dataframe_null_element_names_row_of_the_partition(local_spark, tmp_path):
     """A null element of an array<float> column in the third Arrow batch of a
     partition: named by its row in the partition and its element."""
