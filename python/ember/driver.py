@@ -252,7 +252,54 @@ class Cluster:
                        f"({self.restarts} of max_restarts={self._max_restarts}); main_fun "
                        "resumes from its latest checkpoint")
         self._stop_all()
+        self._retire_unreachable_executors(failure)
         self._start()
+
+    def _retire_unreachable_executors(self, failure: EmberNodeError) -> None:
+        """After a node lost by silence whose executor does not answer either
+        (its host is cut off): asks Spark to replace that host's executors and
+        forget their blocks.  Spark counts them alive until
+        spark.network.timeout (120 s) and would place relaunched nodes or
+        feeding tasks there, to wait that long (a barrier stage placed there
+        fails whole).  A node lost while its executor answers (frozen, killed)
+        leaves the executors alone."""
+        if failure.kind != "lost" or "no heartbeat for" not in str(failure):
+            return
+        node = next((n for n in self.nodes if n["index"] == failure.node), None)
+        host, _, port = str(node.get("executor_id", "") if node else "").rpartition(":")
+        if not host or not port.isdigit():
+            return  # local mode's executor ("driver"), or a node on the driver
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return  # the executor answers: only the node is gone
+        except OSError:
+            pass
+        try:
+            address = socket.gethostbyname(host)
+            jsc = self.sc._jsc.sc()
+            summaries = jsc.statusStore().executorList(True)
+            ids = []
+            for i in range(summaries.size()):
+                summary = summaries.apply(i)
+                executor_host = summary.hostPort().rpartition(":")[0]
+                if summary.id() != "driver" and _resolves_to(executor_host, address):
+                    ids.append(summary.id())
+            if ids:
+                jsc.schedulerBackend().killExecutors(self.sc._jvm.PythonUtils.toSeq(ids),
+                                                     False, False, True)
+                # and forget their blocks now: Spark's ContextCleaner removes
+                # blocks blocking, and would hold stop() for spark.rpc.askTimeout
+                # asking them of an executor nobody reaches
+                blocks = jsc.env().blockManager().master()
+                for executor_id in ids:
+                    blocks.removeExecutor(executor_id)
+                logger.warning(f"host {host} does not answer: asked Spark to replace its "
+                               f"executor(s) {', '.join(ids)}, rather than wait "
+                               "spark.network.timeout for them")
+        except Exception as exc:  # py4j: a scheduler backend that cannot kill executors
+            logger.warning(f"host {host} does not answer, and Spark was not asked to replace "
+                           f"its executors ({exc}): tasks placed there wait until Spark counts "
+                           "them lost (spark.network.timeout)")
 
     # -- monitoring --------------------------------------------------------
     def _name(self, i: int) -> str:
@@ -935,6 +982,13 @@ def _inference_rdd(prev: Any, f: Callable[[int, Any], Any], cluster: Cluster, wh
     rdd = _INFERENCE_RDD(prev, f, preserves_partitioning)
     rdd._ember_cluster, rdd._ember_what = cluster, what
     return rdd
+
+
+def _resolves_to(host: str, address: str) -> bool:
+    try:
+        return socket.gethostbyname(host) == address
+    except OSError:
+        return False
 
 
 def _as_rdd(data: Any) -> Any:
