@@ -223,7 +223,9 @@ class Standalone:
         """True once the Master serves its status; False if it exited first."""
         self._spawn("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                     "--port", str(self.port), "--webui-port", str(self.ui_port),
-                    master_opts="-Dspark.port.maxRetries=0")
+                    # no REST submission server: its fixed port 6066 would be
+                    # taken by the first of two masters, failing the second
+                    master_opts="-Dspark.port.maxRetries=0 -Dspark.master.rest.enabled=false")
         master = self.procs[-1]
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
