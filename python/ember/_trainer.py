@@ -156,7 +156,7 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
     # node ends itself as the driver counts it lost, before its replacement
     # runs (it must not train alone or write checkpoints; ember/rendezvous.h)
     client.start(boot["heartbeat_interval_ms"], exit_on_loss=True,
-                 silence_ms=int(boot["heartbeat_timeout"] * 1000))
+                 silence_ms=int(boot.get("heartbeat_timeout", 0) * 1000))
     _watchdog.arm()  # from now on a node that runs no thread is frozen
     me = nodes[pos]
     os.environ.update(framework_env(nodes, me))

@@ -56,7 +56,7 @@ from ember import _ember, _jars, _log, hdfs
 from ember.yarn import _tracking
 from ember.yarn._specs import (Metrics, RunFailed, TaskResult, TaskSpec, parse_memory,
                                validate)
-from ember.yarn._topology import EXPERIMENT_FILE, RDV_ORDER, role_of
+from ember.yarn._topology import EXPERIMENT_FILE, HEARTBEAT_TIMEOUT_S, RDV_ORDER, role_of
 
 #: Java 17 closes JDK internals that Hadoop reaches into (as Spark's list;
 #: tests/python/hadoop_fixture.py passes the same to the mini clusters)
@@ -448,7 +448,7 @@ def _attempt(rm: _ResourceManager, stager: _Stager, shared: List[Dict[str, Any]]
     nodes = sum(topo[r] for r in RDV_ORDER)
     server = _ember.RendezvousServer(secret, nodes, num_ps=topo["ps"],
                                      chief=topo["chief"] > 0, evaluator=topo["evaluator"] > 0,
-                                     heartbeat_timeout_ms=30000)
+                                     heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000))
     try:
         adir = f"attempt-{attempt}"
         secret_url = stager.put_bytes(f"{adir}/{_SECRET}", secret)

@@ -10,6 +10,9 @@ from typing import Dict
 EXPERIMENT_FILE = "experiment.pkl"
 #: node roles in the reservation server's order (see csrc/include/ember/rendezvous.h)
 RDV_ORDER = ("ps", "chief", "evaluator", "worker")
+#: seconds of silence after which the client counts a task lost, and a task
+#: cut off from the client ends itself (ember/rendezvous.h)
+HEARTBEAT_TIMEOUT_S = 30.0
 
 
 def node_index(role: str, task_index: int, topo: Dict[str, int]) -> int:

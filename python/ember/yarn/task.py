@@ -39,7 +39,7 @@ import traceback
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ember import _log
-from ember.yarn._topology import EXPERIMENT_FILE, RDV_ORDER, node_index
+from ember.yarn._topology import EXPERIMENT_FILE, HEARTBEAT_TIMEOUT_S, RDV_ORDER, node_index
 
 logger = logging.getLogger("ember.yarn.task")
 
@@ -143,6 +143,7 @@ def run_node(fn: Callable[[Any], Optional[Dict[str, Any]]],
                 driver_port=int(port), secret=_secret(), reservation_timeout=timeout,
                 executor_id=os.environ.get("CONTAINER_ID", f"{kind}:{index}"),
                 heartbeat_interval_ms=int(os.environ.get("EMBER_YARN_HEARTBEAT_MS", "2000")),
+                heartbeat_timeout=HEARTBEAT_TIMEOUT_S,
                 input_mode=0, working_dir=os.getcwd(), main_fun=main_fun, args=None,
                 report_result=True, tensorboard=False)
     node = _trainer._register(boot, _Status())
