@@ -19,7 +19,7 @@ import re
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
@@ -416,6 +416,21 @@ def test_host_lost_mid_epoch_is_named_and_job_finishes_elsewhere(hosts, tmp_path
     hosts.wait_workers(len(WORKERS))
 
 
+def _lockstep_job_training(hosts: SparkOnHosts, job: str, out: str
+                           ) -> Tuple[subprocess.Popen, List[str]]:
+    """Starts cluster_jobs.py ``job`` (hostloss_node's lockstep training on 2
+    nodes) on the driver host; returns it once both nodes train, with their
+    hosts."""
+    p = hosts.driver([PY, os.path.join(REPO, "tests", "python", "cluster_jobs.py"), job,
+                      hosts.url, out], f"{job}.log")
+    deadline = time.monotonic() + 240
+    while len([f for f in os.listdir(out) if f.startswith("running-0-")]) < 2:
+        assert p.poll() is None, open(os.path.join(hosts.root, f"{job}.log")).read()[-4000:]
+        assert time.monotonic() < deadline, "the nodes never started training"
+        time.sleep(0.2)
+    return p, [json.load(open(os.path.join(out, f"running-0-{i}")))["host"] for i in range(2)]
+
+
 def test_faults_that_heal_within_heartbeat_timeout_cost_nothing(hosts, tmp_path):
     """Mid-training, the two nodes' hosts cannot reach each other for 2 s
     (the others reach both), then one node's host loses its link for 2 s
@@ -425,14 +440,7 @@ def test_faults_that_heal_within_heartbeat_timeout_cost_nothing(hosts, tmp_path)
     heartbeat, and up to 1 s before TCP retransmits it: ember_net_tune), so
     2 s stays clear of heartbeat_timeout (5 s)."""
     out = str(tmp_path)
-    p = hosts.driver([PY, os.path.join(REPO, "tests", "python", "cluster_jobs.py"), "heal",
-                      hosts.url, out], "heal.log")
-    deadline = time.monotonic() + 240
-    while len([f for f in os.listdir(out) if f.startswith("running-0-")]) < 2:
-        assert p.poll() is None, open(os.path.join(hosts.root, "heal.log")).read()[-4000:]
-        assert time.monotonic() < deadline, "the nodes never started training"
-        time.sleep(0.2)
-    a, b = (json.load(open(os.path.join(out, f"running-0-{i}")))["host"] for i in range(2))
+    p, (a, b) = _lockstep_job_training(hosts, "heal", out)
     with hosts.sim.partitioned(a, b):
         time.sleep(2)
     time.sleep(2)
@@ -474,14 +482,7 @@ def test_lasting_partition_between_nodes_is_named_and_the_job_restarts(hosts, tm
     and the cut, and the job restarts (the partition heals once the failure
     is named)."""
     out = str(tmp_path)
-    p = hosts.driver([PY, os.path.join(REPO, "tests", "python", "cluster_jobs.py"), "partition",
-                      hosts.url, out], "partition.log")
-    deadline = time.monotonic() + 240
-    while len([f for f in os.listdir(out) if f.startswith("running-0-")]) < 2:
-        assert p.poll() is None, open(os.path.join(hosts.root, "partition.log")).read()[-4000:]
-        assert time.monotonic() < deadline, "the nodes never started training"
-        time.sleep(0.2)
-    a, b = (json.load(open(os.path.join(out, f"running-0-{i}")))["host"] for i in range(2))
+    p, (a, b) = _lockstep_job_training(hosts, "partition", out)
     with hosts.sim.partitioned(a, b):
         cut_at = time.time()
         while "restarting the cluster" not in open(os.path.join(hosts.root, "partition.log")).read():
