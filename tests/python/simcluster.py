@@ -27,7 +27,7 @@ import shutil
 import signal
 import subprocess
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 SUBNET = "198.18.0"  #: hosts get .1, .2, ... of 198.18.0.0/24 (RFC 2544's range)
 NETNS_ETC = "/etc/netns"
@@ -65,10 +65,9 @@ class SimCluster:
         self._addr = {h: f"{SUBNET}.{i + 1}" for i, h in enumerate(self.hosts)}
         self._procs: List[subprocess.Popen] = []
         self._up = False
-        self._down: Set[str] = set()  # faults in force (see heal())
+        # the switch's drop rules in force (_apply_drops)
         self._partitions: List[Tuple[str, str]] = []
         self._loss: Dict[str, float] = {}
-        self._limited: Set[str] = set()
 
     # -- names -------------------------------------------------------------
     def ns(self, host: str) -> str:
@@ -155,10 +154,8 @@ class SimCluster:
                 pass
         self._procs = []
         # the faults go with the switch's and the hosts' namespaces
-        self._down.clear()
         self._partitions.clear()
         self._loss.clear()
-        self._limited.clear()
         for ns in self._namespaces():
             _ip("netns", "del", ns, check=False)
             shutil.rmtree(os.path.join(NETNS_ETC, ns), ignore_errors=True)
@@ -222,8 +219,8 @@ class SimCluster:
         self._kill_namespace(self.ns(host))
 
     # -- network faults ------------------------------------------------------
-    # Each fault is a context manager that undoes it on exit; close() undoes
-    # whatever is left.  Drops happen in the switch (a bridge-family nftables
+    # Each fault is a context manager that undoes it on exit (close() takes
+    # whatever is left with the namespaces).  Drops happen in the switch (a bridge-family nftables
     # table), so they are silent as a real network's are: no host sees an
     # error for a frame lost on the wire.  This kernel has no netem qdisc, so
     # loss is nftables' ``numgen random`` and a rate is a tbf qdisc.
@@ -231,13 +228,11 @@ class SimCluster:
     def link_down(self, host: str) -> None:
         """The host's cable is pulled: its interface goes down (processes live on)."""
         _ip("-n", self.ns(host), "link", "set", "eth0", "down")
-        self._down.add(host)
 
     def link_up(self, host: str) -> None:
         """The cable is back: the interface is up again (connections that did
         not time out meanwhile carry on)."""
         _ip("-n", self.ns(host), "link", "set", "eth0", "up")
-        self._down.discard(host)
 
     @contextlib.contextmanager
     def cut(self, host: str) -> Iterator[None]:
@@ -288,7 +283,6 @@ class SimCluster:
         burst = max(bits_per_s // 8 // 100, 65536)
         tbf = ["tbf", "rate", f"{bits_per_s}bit", "burst", str(burst), "latency", "50ms"]
         for h in chosen:
-            self._limited.add(h)
             self._tc(self.ns(h), "qdisc", "replace", "dev", "eth0", "root", *tbf)
             self._tc(self.switch, "qdisc", "replace", "dev", self._port(h), "root", *tbf)
         try:
@@ -296,16 +290,6 @@ class SimCluster:
         finally:
             for h in chosen:
                 self._unlimit(h)
-
-    def heal(self) -> None:
-        """Undoes every fault: links up, no drops, no rate limits."""
-        for h in list(self._down):
-            self.link_up(h)
-        self._partitions.clear()
-        self._loss.clear()
-        self._apply_drops()
-        for h in list(self._limited):
-            self._unlimit(h)
 
     def _port(self, host: str) -> str:
         return f"p{self.hosts.index(host)}"
@@ -318,7 +302,6 @@ class SimCluster:
     def _unlimit(self, host: str) -> None:
         self._tc(self.ns(host), "qdisc", "del", "dev", "eth0", "root", check=False)
         self._tc(self.switch, "qdisc", "del", "dev", self._port(host), "root", check=False)
-        self._limited.discard(host)
 
     def _apply_drops(self) -> None:
         """Replaces the switch's drop rules with those of the faults in force,
