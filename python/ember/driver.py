@@ -26,7 +26,7 @@ from ember._env import bind_host
 from ember.errors import (EmberError, EmberFeedError, EmberJobError, EmberNodeError,
                           find_feed_error, from_core, spark_job_cause)
 from ember.executor import FeedCall
-from ember.node import RESUME_REPORT
+from ember.node import CHECKPOINT_REPORT, RESUME_REPORT
 from ember.tensors import tensor_specs
 
 FEED_ROLES = ("chief", "worker")
@@ -140,6 +140,11 @@ class Cluster:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._feed_seq = 0
+        # train_stream's streams, by checkpoint location (ember._stream)
+        self._streams: Dict[str, Any] = {}
+        # fed node -> the first stream micro-batch its latest checkpoint lacks
+        # (ctx.checkpointed); kept across restarts, as the checkpoints are
+        self._checkpoints: Dict[int, int] = {}
         self._server: Any = None
         self._closed = True
 
@@ -157,9 +162,10 @@ class Cluster:
             host=self._driver_bind_host, **self._roles)
         self._state: Dict[int, str] = {}  # node -> running|done|failed|lost|stopping
         self._failures: List[EmberNodeError] = []
-        # fed node -> the epoch its main_fun resumes from (ctx.resume_from), 0
-        # when it read its feed without naming one (see _resume_epoch)
-        self._resume: Dict[int, int] = {}
+        # fed node -> the epoch (or stream micro-batch) its main_fun resumes
+        # from (ctx.resume_from), None when it read its feed without naming
+        # one (see _await_resume_reports)
+        self._resume: Dict[int, Optional[int]] = {}
         self._launch_error: Optional[BaseException] = None
         self._closed = False
         self._monitor = threading.Thread(target=self._watch, args=(server,),
@@ -320,10 +326,14 @@ class Cluster:
             if kind == "progress" and code == RESUME_REPORT:  # see _resume_epoch
                 named = (text or "").isdigit()
                 with self._lock:
-                    self._resume[node] = int(text) if named else 0
+                    self._resume[node] = int(text) if named else None
                     self._changed.notify_all()
                 if named:
-                    logger.info(f"{self._name(node)}: resumes from epoch {text}")
+                    logger.info(f"{self._name(node)}: resumes from {text}")
+            elif kind == "progress" and code == CHECKPOINT_REPORT:  # see ember._stream
+                if (text or "").isdigit():
+                    with self._lock:
+                        self._checkpoints[node] = int(text)
             elif kind == "progress":  # ctx.report_progress: the node's line, named
                 logger.info(f"{self._name(node)}: {text}")
             elif kind == "rejected":
@@ -371,8 +381,11 @@ class Cluster:
             self.sc.cancelJobGroup(group)
             t.join(0.5)
 
-    def _run_job(self, what: str, action: Callable[[], Any], seq: Optional[int] = None) -> Any:
-        """Runs a Spark action in a thread; cancels it if a node fails meanwhile.
+    def _run_job(self, what: str, action: Callable[[], Any], seq: Optional[int] = None,
+                 cancel_when: Optional[Callable[[], bool]] = None) -> Any:
+        """Runs a Spark action in a thread; cancels it if a node fails meanwhile,
+        or once ``cancel_when()`` (asked every half second) is true, raising
+        :class:`EmberJobError`.
 
         Raises the node's :class:`EmberNodeError` (with its traceback) in preference
         to the feeding task's error it caused.  A feeding task of call ``seq``
@@ -392,8 +405,14 @@ class Cluster:
 
         t = threading.Thread(target=target, name=f"ember-{what}", daemon=True)
         t.start()
+        asked = time.monotonic()
         while t.is_alive():
             t.join(0.1)
+            if cancel_when is not None and time.monotonic() - asked >= 0.5:
+                asked = time.monotonic()
+                if cancel_when():
+                    self._cancel(group, t)
+                    raise EmberJobError(f"{what}: cancelled, its stream was stopped")
             feed_error = self._reported_feed_error(seq)
             if feed_error is not None:  # the cause, also of a node that raised on it
                 t.join(0.2)  # a job Spark does not retry is failing by itself
@@ -512,6 +531,10 @@ class Cluster:
         if self.input_mode != InputMode.SPARK:
             raise ValueError("train() feeds data only in InputMode.SPARK; in "
                              "InputMode.TENSORFLOW the nodes read their own input")
+        if _is_dataframe(data) and data.isStreaming:
+            raise ValueError("train() got a streaming DataFrame: train on a stream with "
+                             "cluster.train_stream(df, checkpoint_location=...), which feeds "
+                             "each micro-batch exactly once for as long as the query runs")
         if num_epochs <= 0:
             logger.warning(f"train(num_epochs={num_epochs}): feeding the data once "
                            "(TensorFlowOnSpark fed 10 passes; ember.compat.tfos keeps that); "
@@ -570,6 +593,88 @@ class Cluster:
             if cached:
                 data.unpersist()
 
+    def train_stream(self, data: Any, checkpoint_location: Optional[str] = None,
+                     trigger: Optional[Dict[str, Any]] = None, feed_timeout: float = 600.0,
+                     qname: str = "input", query_name: Optional[str] = None,
+                     continuous: bool = False) -> Any:
+        """Trains on a streaming DataFrame for as long as its query runs; returns
+        the query (``pyspark.sql.streaming.StreamingQuery``).
+
+        Each micro-batch reaches the chief and worker nodes as one round of
+        their feed (``feed.micro_batches()`` on the node: see
+        :meth:`ember.node.DataFeed.micro_batches`), every node a round for
+        every micro-batch, in order.  Spark commits a micro-batch only once
+        every node has taken all of it, so a trainer slower than the stream
+        holds the next trigger back and nothing is dropped or buffered without
+        bound.  A node's failure fails the micro-batch and the query with the
+        node's error, or with ``max_restarts`` restarts the nodes and goes on.
+
+        **Exactly once.** Every record of a replayable source (files, Kafka,
+        rate: what Spark's own exactly-once needs) is trained exactly once
+        across restarts of the query (from the same ``checkpoint_location``)
+        and of the nodes, by a trainer that checkpoints between micro-batches
+        recording ``feed.next_micro_batch`` and, when it starts, names it with
+        ``ctx.resume_from``: micro-batches are fed again from there (from the
+        stream's feed log under ``checkpoint_location``, which keeps each
+        micro-batch until every fed node reports with ``ctx.checkpointed``
+        that its checkpoint holds it).
+
+        ``query.stop()`` cancels the micro-batch being fed (the query runs it
+        again when restarted; the nodes get only what they lack, while they
+        run); :meth:`shutdown` stops the query after that micro-batch instead,
+        then ends the feed.  One stream at a time per cluster.
+
+        :param checkpoint_location: the query's checkpoint directory (local or
+            ``hdfs://``); default ``spark.sql.streaming.checkpointLocation``
+            plus the query's name.
+        :param trigger: keyword arguments of ``DataStreamWriter.trigger``
+            (``{"processingTime": "5 seconds"}``, ``{"availableNow": True}``).
+        :param continuous: TensorFlowOnSpark's reading (``ember.compat.tfos``):
+            micro-batches follow each other in the node's feed with no rounds.
+        """
+        from ember._stream import LOG_DIR, FeedLog, StreamFeed
+
+        if self.input_mode != InputMode.SPARK:
+            raise ValueError("train_stream() feeds data only in InputMode.SPARK")
+        if not _is_dataframe(data) or not data.isStreaming:
+            raise ValueError("train_stream() needs a streaming DataFrame (spark.readStream...); "
+                             "train on an RDD or a DataFrame with train()")
+        spark = data.sparkSession
+        location = checkpoint_location
+        if not location:
+            base = spark.conf.get("spark.sql.streaming.checkpointLocation", None)
+            if base:
+                location = f"{base.rstrip('/')}/{query_name or 'ember-train'}"
+        if not location:
+            raise ValueError(
+                "train_stream() needs checkpoint_location (or "
+                "spark.sql.streaming.checkpointLocation): where Spark keeps the query's "
+                "progress and Ember the micro-batches the nodes' checkpoints do not hold "
+                "yet; a query restarted from it trains every record exactly once")
+        key = location.rstrip("/")
+        running = [k for k, s in self._streams.items() if s.query is not None and s.query.isActive]
+        if running:
+            raise RuntimeError(f"ember train_stream: the stream of {running[0]} is still running "
+                               "on this cluster; stop its query first (one stream at a time)")
+        failure = self._failure()
+        if failure is not None and self.restarts >= self._max_restarts:
+            raise failure
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = StreamFeed(self, len(self._streams), FeedLog(spark, f"{key}/{LOG_DIR}"),
+                                feed_timeout, qname, continuous)
+            self._streams[key] = stream
+        stream.feed_timeout, stream.qname, stream.continuous = feed_timeout, qname, continuous
+        writer = data.writeStream.foreachBatch(stream).option("checkpointLocation", key)
+        if query_name:
+            writer = writer.queryName(query_name)
+        if trigger:
+            writer = writer.trigger(**trigger)
+        stream.restart_query()
+        stream.query = writer.start()
+        logger.info(f"train_stream: query {stream.query.id} feeds the nodes (checkpoint {key})")
+        return stream.query
+
     def _epochs_of(self, data: Any, count: int) -> Any:
         """``count`` copies of ``data`` as one RDD/DataFrame, epoch-major: one Spark
         job feeds them all, reading a cached ``data``."""
@@ -581,12 +686,21 @@ class Cluster:
         return self.sc.union([data] * count) if count > 1 else data
 
     def _resume_epoch(self, epochs: int, timeout: float) -> int:
-        """After a restart in train(): the epoch to feed from.
+        """After a restart in train(): the epoch to feed from, the smallest one
+        any chief/worker names (:meth:`_await_resume_reports`), 0 when none does,
+        so no node misses data its checkpoint does not cover."""
+        named = self._await_resume_reports(timeout, "train")
+        first = max(0, min(named)) if named else 0
+        if first:
+            logger.info(f"train: feeding from epoch {first} of {epochs} (ctx.resume_from); "
+                        + ("epoch 0 is" if first == 1 else f"epochs 0..{first - 1} are")
+                        + " not fed again")
+        return first
 
-        Waits until every chief/worker node has either named its epoch
-        (``ctx.resume_from``) or started reading its feed without naming one
-        (epoch 0), or has ended; returns the smallest epoch named, so no node
-        misses data its checkpoint does not cover."""
+    def _await_resume_reports(self, timeout: float, what: str) -> List[int]:
+        """Waits until every chief/worker node has either named where it resumes
+        from (``ctx.resume_from``) or started reading its feed without naming
+        one, or has ended; returns the positions named."""
         fed = [n["index"] for n in self.nodes if n["role"] in FEED_ROLES]
         deadline = time.monotonic() + timeout
         with self._lock:
@@ -598,24 +712,31 @@ class Cluster:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
-                        f"ember train: after restart {self.restarts}, "
-                        + ", ".join(self._name(i) for i in waiting)
+                        f"ember {what}: after "
+                        + (f"restart {self.restarts}" if self.restarts else "the start")
+                        + ", " + ", ".join(self._name(i) for i in waiting)
                         + f" neither called ctx.resume_from() nor read the feed within "
                           f"{timeout:.0f} s (feed_timeout)")
                 self._changed.wait(min(left, 0.5))
-            named = [self._resume[i] for i in fed if i in self._resume]
-        first = max(0, min(named)) if named else 0
-        if first:
-            logger.info(f"train: feeding from epoch {first} of {epochs} (ctx.resume_from); "
-                        + ("epoch 0 is" if first == 1 else f"epochs 0..{first - 1} are")
-                        + " not fed again")
-        return first
+            return [p for p in (self._resume.get(i) for i in fed) if p is not None]
+
+    def _checkpointed_through(self) -> Optional[int]:
+        """The first stream micro-batch some fed node's latest checkpoint lacks
+        (``ctx.checkpointed``); None until every fed node has told one."""
+        fed = [n["index"] for n in self.nodes if n["role"] in FEED_ROLES]
+        with self._lock:
+            held = [self._checkpoints.get(i) for i in fed]
+        return None if any(h is None for h in held) else min(h for h in held if h is not None)
 
     def _feed_once(self, source: Any, epochs: int, feed_timeout: float, first_epoch: int = 0,
-                   per_epoch: int = 0, qname: str = "input", stream: bool = False) -> int:
+                   per_epoch: int = 0, qname: str = "input", stream: bool = False,
+                   seq: Optional[int] = None, micro_batch: Optional[int] = None,
+                   cancel_when: Optional[Callable[[], bool]] = None) -> int:
         """Feeds ``source``, epochs ``first_epoch..epochs-1`` of ``per_epoch``
-        partitions each: the call's partitions ``first..parts-1``, epoch-major."""
-        seq = self._next_seq()
+        partitions each: the call's partitions ``first..parts-1``, epoch-major.
+        ``seq``: the call's id (default: the next of train()'s); ``micro_batch``:
+        the stream micro-batch it is; ``cancel_when``: see :meth:`_run_job`."""
+        seq = self._next_seq() if seq is None else seq
         targets = self._feed_targets()
         start = time.monotonic()
         count = source.rdd.getNumPartitions() if _is_dataframe(source) else \
@@ -625,7 +746,7 @@ class Cluster:
         nodes, sc = len(targets), self.sc
         call = FeedCall(tuple(targets), self._secret, seq, feed_timeout, first=first,
                         parts=parts, per_epoch=per_epoch, qname=qname, stream=stream,
-                        report=self._report_channel())
+                        report=self._report_channel(), micro_batch=micro_batch)
         # One feeding task per fed node (ember._grouping), so that no node is
         # left without a feeder whatever Spark's scheduler runs first.  Grouped
         # in the job's own thread: py4j finds Ember's class through the
@@ -667,9 +788,12 @@ class Cluster:
                            "at least as many partitions as nodes)")
             self._end_feed(host, port, name)
         _warn_few_slots(sc, len(fed_nodes))
-        fed = self._run_job(f"train call {seq}", action, seq)
+        what = f"train call {seq}" if micro_batch is None else f"micro-batch {micro_batch}"
+        fed = self._run_job(what, action, seq, cancel_when)
         secs = time.monotonic() - start
-        logger.info(f"train: fed {fed} records in {secs:.1f} s "
+        logger.info(f"train: fed {fed} records" + ("" if micro_batch is None else
+                                                   f" of micro-batch {micro_batch}")
+                    + f" in {secs:.1f} s "
                     f"({fed / max(secs, 1e-9):.0f} records/s)")
         return int(fed)
 
@@ -703,6 +827,8 @@ class Cluster:
         if self._closed:
             return
         try:
+            for stream in self._streams.values():
+                stream.stop()  # after the micro-batch being fed, if any
             while True:
                 try:
                     self._finish(grace_secs, timeout)

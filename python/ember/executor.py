@@ -46,7 +46,10 @@ class FeedCall:
     :param grouped: task ``i`` feeds fed node ``i`` all its partitions of the
         call, one after the other (:mod:`ember._grouping`).
     :param qname: the node queue the data is for (``ember.compat.tfos``).
-    :param stream: the call is one micro-batch of a stream.
+    :param stream: the call is one micro-batch of a continuous stream (a
+        DStream, or ``ember.compat.tfos``): the node's reading goes on past its end.
+    :param micro_batch: the call is this micro-batch of ``Cluster.train_stream``'s
+        query: one round of the node's feed (``DataFeed.micro_batches``).
     :param report: (driver host, port, secret) of the channel where a feeding
         task reports input the feed cannot carry (:func:`report_feed_error`).
     """
@@ -63,6 +66,7 @@ class FeedCall:
     qname: str = "input"
     stream: bool = False
     report: Optional[Tuple[str, int, bytes]] = None
+    micro_batch: Optional[int] = None
 
     def target(self, p: int) -> Target:
         """The node that gets partition ``p``."""
@@ -422,7 +426,7 @@ def partition_client(call: FeedCall, p: int) -> Any:
         call_partitions=0 if call.want_results else node_share(p, call.first, call.parts,
                                                                nodes),
         tag=partition_tag(call.per_epoch, call.first, call.parts, nodes, call.qname,
-                          call.want_results, call.stream))
+                          call.want_results, call.stream, call.micro_batch))
 
 
 def node_share(p: int, first: int, parts: int, nodes: int) -> int:
@@ -433,14 +437,17 @@ def node_share(p: int, first: int, parts: int, nodes: int) -> int:
 
 
 def partition_tag(per_epoch: int, first: int, parts: int, nodes: int, qname: str,
-                  want_results: bool, stream: bool) -> bytes:
+                  want_results: bool, stream: bool, micro_batch: Optional[int] = None) -> bytes:
     """A partition's description for the node (the feed's START tag, read by
     ``DataFeed``): the node's queue, whether results are wanted, whether the
     call is one micro-batch of a stream, and in train() the plan: partitions
     per epoch (partition ``p`` is of epoch ``p // per_epoch``), the call's
     first and end partition and the number of fed nodes, so the node can tell
-    when all its partitions of an epoch have ended (``DataFeed.epochs_done``)."""
+    when all its partitions of an epoch have ended (``DataFeed.epochs_done``),
+    and the stream micro-batch the call is."""
     tag: Dict[str, Any] = {"queue": qname, "results": want_results, "stream": stream}
+    if micro_batch is not None:
+        tag["micro_batch"] = micro_batch
     if per_epoch and not want_results:
         tag["plan"] = [per_epoch, first, parts, nodes]
     return json.dumps(tag, separators=(",", ":")).encode()

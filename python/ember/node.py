@@ -17,7 +17,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -28,6 +28,10 @@ from ember.errors import FeedProducerError
 #: driver the epoch it resumes from (text: the epoch; empty: the node reads its
 #: feed without naming one).  See :meth:`NodeContext.resume_from`.
 RESUME_REPORT = 0x52534D  # "RSM"
+#: The code of the progress REPORT by which a node tells the driver that its
+#: model's checkpoint holds every micro-batch of a stream before the one named
+#: (text: that micro-batch id).  See :meth:`NodeContext.checkpointed`.
+CHECKPOINT_REPORT = 0x434B50  # "CKP"
 
 logger = logging.getLogger("ember.node")
 
@@ -66,6 +70,10 @@ class Batch(Sequence):
     def column(self, name: str) -> Any:
         """The column of field ``name`` (Row field name or tuple position)."""
         return self.columns[self.names.index(name)]
+
+
+#: _next_chunk(await_round=True)'s answer: the next call's first partition is here.
+_ROUND = object()
 
 
 class _Chunk:
@@ -133,7 +141,7 @@ class DataFeed:
 
     def __init__(self, server: Any, train_mode: bool = True, feed_timeout: float = 600.0,
                  stop_check: Any = None, node_name: str = "node",
-                 on_producer_error: str = "wait") -> None:
+                 on_producer_error: str = "wait", skip_before: Optional[int] = None) -> None:
         if on_producer_error not in ("wait", "raise"):
             raise ValueError(f"on_producer_error must be 'wait' or 'raise', not "
                              f"{on_producer_error!r}")
@@ -154,6 +162,11 @@ class DataFeed:
         self._call_ended: set = set()
         self._call_done = False
         self._call_stream = False  # one micro-batch of a stream: its end is not the data's
+        self._micro_batch: Optional[int] = None  # the stream micro-batch of the current call
+        self._read_through: Optional[int] = None  # the last micro-batch read whole
+        # a stream's micro-batches before this one are dropped (ctx.resume_from)
+        self._skip_before = skip_before
+        self._skipped: set = set()  # the calls of those micro-batches
         self._epochs: Dict[int, int] = {}  # partition -> its epoch, from the partitions' tags
         # the call's (partitions per epoch, first, end, fed nodes, this node's
         # residue): partitions first..end-1 go round-robin, from the partitions' tags
@@ -167,21 +180,27 @@ class DataFeed:
         self._awaiting: Deque[Any] = deque()  # (chunk, rows handed out), oldest first
 
     # -- reading ----------------------------------------------------------
-    def _next_chunk(self) -> Optional[_Chunk]:
+    def _next_chunk(self, await_round: bool = False) -> Any:
+        """The next chunk of data; None at the end of the call or of the feed.
+        With ``await_round``, waits (without feed_timeout) for the first
+        partition of the next call instead, and returns :data:`_ROUND` then."""
         if self._on_first_read is not None:
             hook, self._on_first_read = self._on_first_read, None
             hook()
-        deadline = time.monotonic() + self._feed_timeout
+        # a stream's micro-batches come when the query has them: no deadline
+        deadline = None if await_round or self._micro_batch is not None else \
+            time.monotonic() + self._feed_timeout
         while True:
             if self._stop_check is not None and self._stop_check():
                 self._ended = True
                 return None
             # at the end of a train() call, look without waiting for a later call's data
-            item = self._server.next(0 if self._call_done else 1.0)
-            if item is None and self._call_done:
+            done = self._call_done and not await_round
+            item = self._server.next(0 if done else 1.0)
+            if item is None and done:
                 return None
             if item is None:
-                if time.monotonic() > deadline:
+                if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(
                         f"{self._node_name}: no data arrived on the feed for "
                         f"{self._feed_timeout:.0f} s (feed_timeout); is cluster.train() running?")
@@ -201,15 +220,28 @@ class DataFeed:
                                "on_producer_error='raise' makes next_batch raise instead)")
                 continue
             kind = item.kind
+            if item.call in self._skipped:
+                continue  # a micro-batch the checkpoint resumed from already holds
             if kind == "start":  # a partition of a named call begins: its tag says how
-                self._start_call(item.call)
                 tag = partition_tag(item)
+                micro_batch = tag.get("micro_batch")
+                if micro_batch is not None and self._skip_before is not None and \
+                        micro_batch < self._skip_before:
+                    self._skipped.add(item.call)
+                    logger.info(f"{self._node_name}: dropping micro-batch {micro_batch}: its "
+                                f"checkpoint resumes from micro-batch {self._skip_before}")
+                    continue
+                new = item.call != self._call
+                self._start_call(item.call)
                 self._call_stream = bool(tag.get("stream"))
+                self._micro_batch = micro_batch
                 plan = tag.get("plan")
                 if plan:
                     per_epoch, first, end, nodes = (int(v) for v in plan)
                     self._epochs[item.partition] = item.partition // per_epoch
                     self._plan = (per_epoch, first, end, nodes, item.partition % nodes)
+                if await_round and new:
+                    return _ROUND
                 continue
             if kind == "partition_end":
                 self._start_call(item.call)
@@ -217,20 +249,28 @@ class DataFeed:
                 continue
             if kind == "call_end":
                 self._start_call(item.call)
+                if self._micro_batch is not None:
+                    self._read_through = self._micro_batch
                 if self._call_stream:
                     continue  # a stream's data goes on with its next micro-batch
                 self._call_done = True
+                if await_round:
+                    continue
                 return None
             if item.nrows == 0:
                 continue
             chunk = _Chunk(item)
             self._start_call(item.call)
             chunk.epoch = self._epochs.get(item.partition)
+            if await_round:  # data of a continuous stream's next micro-batch
+                self._chunk = chunk
+                return _ROUND
             return chunk
 
     def _start_call(self, call: int) -> None:
         if call != self._call:
             self._call, self._call_done, self._call_stream = call, False, False
+            self._micro_batch = None
             self._call_ended = set()
             self._epochs = {}
             self._plan = None
@@ -355,6 +395,65 @@ class DataFeed:
             return False
         return self._ended or self._call_done
 
+    # -- streams ------------------------------------------------------------
+    def micro_batches(self) -> Iterator[int]:
+        """The ids of a stream's micro-batches (``Cluster.train_stream``), each
+        yielded once its first data is here; ends when the feed ends
+        (``cluster.shutdown()``) or the node is asked to stop.
+
+        Read each micro-batch until :meth:`should_stop`, and checkpoint between
+        them whenever it suits, saving :attr:`next_micro_batch`::
+
+            feed = ctx.get_data_feed()
+            ctx.resume_from(saved_next_micro_batch)  # from the checkpoint; 0 when fresh
+            for micro_batch in feed.micro_batches():
+                while not feed.should_stop():
+                    train_on(feed.next_batch(64))
+                if time_to_checkpoint():
+                    save(model, next_micro_batch=feed.next_micro_batch)
+                    ctx.checkpointed(feed.next_micro_batch)
+
+        Every node gets a round for every micro-batch, possibly empty, in the
+        same order, so a synchronous trainer's nodes meet in each.  Waits for
+        the next micro-batch as long as the stream is quiet: a lost driver
+        ends the node through its heartbeats."""
+        while True:
+            if self._micro_batch is not None and not self.should_stop():
+                raise RuntimeError(
+                    f"{self._node_name}: micro-batch {self._micro_batch} was not read to its "
+                    "end (next_batch until should_stop()) before asking for the next one; "
+                    "its remaining records would be lost")
+            if self._ended or self._terminated:
+                return
+            if self._next_chunk(await_round=True) is not _ROUND:
+                return
+            if self._micro_batch is None:
+                raise RuntimeError(f"{self._node_name}: feed call {self._call} is not a "
+                                   "stream's micro-batch: micro_batches() reads only "
+                                   "Cluster.train_stream's data")
+            yield self._micro_batch
+
+    @property
+    def micro_batch(self) -> Optional[int]:
+        """The stream micro-batch being read (None outside a stream)."""
+        return self._micro_batch
+
+    @property
+    def mid_micro_batch(self) -> bool:
+        """True while a micro-batch is begun but not read whole: a checkpoint
+        taken now would hold part of it (the feed ended or the query was
+        stopped in its middle), so skip it."""
+        return self._micro_batch is not None and self._read_through != self._micro_batch
+
+    @property
+    def next_micro_batch(self) -> Optional[int]:
+        """The first micro-batch of the stream this node has not read whole: what
+        a checkpoint records, and what ``ctx.resume_from`` names after a
+        restart.  None before any micro-batch (then: the one resumed from)."""
+        if self._read_through is not None:
+            return self._read_through + 1
+        return self._skip_before
+
     # -- results ------------------------------------------------------------
     def batch_results(self, results: Any) -> None:
         """Returns one result per record of the oldest batch still awaiting results."""
@@ -412,6 +511,7 @@ class NodeContext:
     _feed: Optional[DataFeed] = None
     _collective: Any = None  # ember.collective.Collective on chief/worker nodes
     _resume_told: bool = False  # resume_from() called, or the feed read first
+    _resume_point: Optional[int] = None  # what resume_from() named
 
     @property
     def framework_port(self) -> int:
@@ -467,7 +567,8 @@ class NodeContext:
         """
         stop = self.stop_requested if self._control is not None else None
         name = name or f"node {self.worker_num} ({self.job_name}:{self.task_index})"
-        feed = DataFeed(source, train_mode, feed_timeout, stop, name, on_producer_error)
+        feed = DataFeed(source, train_mode, feed_timeout, stop, name, on_producer_error,
+                        skip_before=self._resume_point)
         if not self._resume_told:
             feed._on_first_read = lambda: self._tell_resume("")
         return feed
@@ -488,6 +589,16 @@ class NodeContext:
         once per epoch, except the records of epochs ``e`` and later that it
         trained before the failure.  Only a restart during ``train()`` uses
         it: the first run of a call is always fed whole.
+
+        In a stream (``Cluster.train_stream``) it names a micro-batch: the
+        first one this node's checkpoint does not hold (the saved
+        :attr:`DataFeed.next_micro_batch`; 0 when starting fresh).  Whenever
+        nodes start, first or after a restart, the driver feeds the stream
+        from the smallest micro-batch they name (from its feed log, for those
+        Spark has already committed), and each node drops the micro-batches
+        before the one it named: every record is trained exactly once.  A
+        node that reads its stream without naming one gets the micro-batches
+        from the query's next one on.
         """
         try:
             if isinstance(epoch, bool):
@@ -502,7 +613,26 @@ class NodeContext:
                            f"resume_from({epoch}) comes after the feed was read (or a first "
                            "resume_from): ignored; call it before reading")
             return
+        self._resume_point = epoch
+        if self._feed is not None:
+            self._feed._skip_before = epoch
         self._tell_resume(str(epoch))
+
+    def checkpointed(self, next_micro_batch: int) -> None:
+        """Tells the driver that this node's latest checkpoint holds every
+        micro-batch of its stream before ``next_micro_batch``
+        (:attr:`DataFeed.next_micro_batch` when it was saved), so the stream's
+        feed log may drop them once every fed node has said so.  Without it
+        the log keeps every micro-batch for a restart to replay."""
+        if isinstance(next_micro_batch, bool) or not isinstance(next_micro_batch, int) or \
+                next_micro_batch < 0:
+            raise ValueError(f"checkpointed: next_micro_batch must be an int >= 0, got "
+                             f"{next_micro_batch!r}")
+        if self._control is not None:
+            try:
+                self._control.report("progress", CHECKPOINT_REPORT, str(next_micro_batch), 10.0)
+            except _ember.EmberError:
+                pass  # the driver is gone: this node is ending anyway
 
     def _tell_resume(self, text: str) -> None:
         if self._resume_told:

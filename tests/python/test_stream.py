@@ -1,0 +1,150 @@
+"""Training from Structured Streaming (``Cluster.train_stream``) on the
+embedded local[4] Spark: every record of a file stream and of a rate stream
+is trained exactly once across a stopped and restarted query and across a
+SIGKILLed node restarted by ``max_restarts``, counted by the ids the nodes'
+checkpoints hold (streamfuns.checkpointed_ids)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+
+import pytest
+
+import streamfuns
+from ember.spark import EmberNodeError, InputMode, run
+
+
+def _once(ids, expected):
+    counts = collections.Counter(ids)
+    repeated = {i: c for i, c in counts.items() if c > 1}
+    assert not repeated, f"trained more than once: {sorted(repeated.items())[:20]}"
+    missing = sorted(set(expected) - set(counts))
+    assert not missing, f"never trained: {missing[:20]} ({len(missing)} in all)"
+    assert set(counts) == set(expected)
+
+
+def test_file_stream_query_stopped_mid_micro_batch_and_restarted(local_spark, tmp_path):
+    """8 files, one per micro-batch, to 2 nodes that checkpoint every 2nd
+    micro-batch.  The query is stopped while a micro-batch is being fed and
+    started again from its checkpoint location: Spark runs that micro-batch
+    again, and the running nodes get only the records they lacked."""
+    src, out, ckpt = tmp_path / "src", tmp_path / "out", str(tmp_path / "ckpt")
+    out.mkdir()
+    files, per_file = 8, 400
+    streamfuns.write_id_files(str(src), files, per_file)
+    spark = local_spark
+    df = spark.readStream.schema("id long").option("maxFilesPerTrigger", 1).json(str(src))
+    cluster = run(spark.sparkContext, streamfuns.checkpointed_ids,
+                  {"out": str(out), "step": 0.05, "batch": 25, "every": 2},
+                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60)
+    try:
+        query = cluster.train_stream(df, checkpoint_location=ckpt, feed_timeout=60)
+        # stop while micro-batch 2 is being read (its feed still running)
+        stopped_in = streamfuns.wait_for(
+            "node 0 in the middle of micro-batch 2",
+            lambda: (streamfuns.live(str(out), 0).get("micro_batch") == 2
+                     and 0 < streamfuns.live(str(out), 0).get("read", 0) < per_file / 2 - 25
+                     and 2))
+        query.stop()
+        assert not query.isActive
+        states = [streamfuns.live(str(out), i) for i in (0, 1)]
+        assert any(s.get("micro_batch") == 2 and 2 not in s["done"] for s in states), states
+        query = cluster.train_stream(df, checkpoint_location=ckpt, feed_timeout=60)
+        query.processAllAvailable()
+        batches = [p["batchId"] for p in query.recentProgress]
+        assert batches[0] == stopped_in  # Spark ran the interrupted micro-batch again
+        assert query.exception() is None
+    finally:
+        cluster.shutdown(timeout=60)
+    assert not query.isActive
+    _once(streamfuns.trained_ids(str(out), 2), range(files * per_file))
+    for i in (0, 1):  # every node had a round for every micro-batch, in order
+        assert streamfuns.live(str(out), i)["done"] == list(range(files))
+    # the feed log dropped what both nodes' checkpoints held (ctx.checkpointed)
+    logged = sorted(int(n) for n in os.listdir(os.path.join(ckpt, "ember-feed-log")))
+    assert logged and logged[0] >= 4 and logged[-1] == files - 1, logged
+
+
+def test_rate_stream_node_killed_restarts_and_resumes_from_its_checkpoint(local_spark,
+                                                                          tmp_path):
+    """A rate source, 2 nodes, max_restarts=1: node 1 is SIGKILLed while it
+    reads a micro-batch; both nodes restart from their checkpoints, the
+    micro-batches after them are fed again from the stream's feed log (Spark
+    had committed some), and every row the query produced is trained once."""
+    out, ckpt = tmp_path / "out", str(tmp_path / "ckpt")
+    out.mkdir()
+    spark = local_spark
+    df = (spark.readStream.format("rate").option("rowsPerSecond", 300)
+          .option("numPartitions", 2).load().selectExpr("value AS id"))
+    cluster = run(spark.sparkContext, streamfuns.checkpointed_ids,
+                  {"out": str(out), "step": 0.02, "batch": 20, "every": 3},
+                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60,
+                  heartbeat_timeout=4, max_restarts=1)
+    try:
+        query = cluster.train_stream(df, checkpoint_location=ckpt, feed_timeout=60,
+                                     trigger={"processingTime": "500 milliseconds"})
+        victim = streamfuns.wait_for(
+            "node 1 in a micro-batch after its checkpoint",
+            lambda: (lambda s: s if len(s.get("done", [])) >= 4 and s.get("read", 0) > 0
+                     and s["micro_batch"] not in s["done"] else None)(
+                streamfuns.live(str(out), 1)))
+        os.kill(victim["pid"], signal.SIGKILL)
+        streamfuns.wait_for("the restarted nodes to read 3 micro-batches",
+                            lambda: all(streamfuns.live(str(out), i).get("restart") == 1 and
+                                        len(streamfuns.live(str(out), i)["done"]) >= 3
+                                        for i in (0, 1)))
+        assert query.isActive and query.exception() is None
+    finally:
+        cluster.shutdown(timeout=60)
+    assert cluster.restarts == 1 and cluster.restart_causes[0].node == 1
+    restarted = [streamfuns.live(str(out), i) for i in (0, 1)]
+    # each resumed from its own checkpoint (node 0's may be its last save,
+    # when the restart stopped it between micro-batches), the killed node's
+    # from before the micro-batch it was in: fed again, from the feed log
+    assert 0 < restarted[1]["start"] <= victim["micro_batch"], json.dumps([victim, restarted])
+    assert all(s["done"][0] == s["start"] for s in restarted), restarted
+    ids = streamfuns.trained_ids(str(out), 2)
+    _once(ids, range(len(ids)))  # the rate source numbers its rows 0, 1, 2, ...
+
+
+def test_node_failure_without_restarts_fails_the_query_naming_the_node(local_spark, tmp_path):
+    out, ckpt = tmp_path / "out", str(tmp_path / "ckpt")
+    out.mkdir()
+    spark = local_spark
+    df = (spark.readStream.format("rate").option("rowsPerSecond", 200)
+          .option("numPartitions", 2).load().selectExpr("value AS id"))
+    cluster = run(spark.sparkContext, streamfuns.checkpointed_ids,
+                  {"out": str(out), "step": 0.02, "batch": 20, "every": 1000},
+                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60,
+                  heartbeat_timeout=4)
+    try:
+        query = cluster.train_stream(df, checkpoint_location=ckpt, feed_timeout=60,
+                                     trigger={"processingTime": "500 milliseconds"})
+        victim = streamfuns.wait_for("node 0 reading", lambda: (
+            lambda s: s if s.get("read", 0) > 0 else None)(streamfuns.live(str(out), 0)))
+        os.kill(victim["pid"], signal.SIGKILL)
+        with pytest.raises(Exception) as info:
+            query.awaitTermination(60)
+        assert "EmberNodeError: ember node 0 (chief:0" in str(info.value), str(info.value)
+    finally:
+        cluster.shutdown(timeout=60)  # the failure stopped the cluster: nothing left to stop
+    assert isinstance(cluster.failure(), EmberNodeError) and cluster.failure().node == 0
+
+
+def test_train_refuses_a_stream_and_train_stream_a_batch(local_spark, tmp_path):
+    spark = local_spark
+    cluster = run(spark.sparkContext, streamfuns.checkpointed_ids, {"out": str(tmp_path)},
+                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60)
+    try:
+        stream = spark.readStream.format("rate").load()
+        with pytest.raises(ValueError, match="train_stream"):
+            cluster.train(stream)
+        with pytest.raises(ValueError, match="streaming DataFrame"):
+            cluster.train_stream(spark.range(3), checkpoint_location=str(tmp_path / "c"))
+        with pytest.raises(ValueError, match="checkpoint_location"):
+            cluster.train_stream(stream)
+    finally:
+        cluster.shutdown(timeout=60)
