@@ -2,6 +2,8 @@
 
     train_spark(args, ctx)  InputMode.SPARK: records come from ctx.get_data_feed()
     train_tf(args, ctx)     InputMode.TENSORFLOW: each worker reads its TFRecord shard
+    train_stream(args, ctx) InputMode.SPARK from cluster.train_stream: micro-batch by
+                            micro-batch, every record trained once
     infer(args, ctx)        inference over the feed with the exported SavedModel
 
 Training uses tf.distribute.MultiWorkerMirroredStrategy with a custom training
@@ -209,14 +211,23 @@ class _Trainer:
         first step, and with have=True as a barrier)."""
         return int(round(float(self._ready_count(self._flag(have))))) == self.replicas
 
+    def ready_count(self, have):
+        """Collective: how many workers passed have=True."""
+        return int(round(float(self._ready_count(self._flag(have)))))
+
     def step(self, x, y, have_next=True):
         """One training step on this worker's batch (x, y); collective.
 
         have_next says whether this worker has a batch for the step after;
         returns (this worker's mean loss, whether every worker has one), the
         same answer on every worker."""
+        loss, ready = self.step_count(x, y, have_next)
+        return loss, ready == self.replicas
+
+    def step_count(self, x, y, have_next=True):
+        """step(), returning how many workers have a next batch instead."""
         loss, ready = self._train_step(x, y, self._flag(have_next))
-        return float(loss), int(round(float(ready))) == self.replicas
+        return float(loss), int(round(float(ready)))
 
     def _checkpoint_dir(self, args, chief):
         """The chief checkpoints to model_dir/checkpoint; the others must take
@@ -391,6 +402,83 @@ def train_spark(args, ctx):
     ckpt_path, export_dir = trainer.save(args, chief, step)
     if chief:
         _report(ctx, f"{who} saved checkpoint {ckpt_path} and SavedModel {export_dir}")
+    trainer.barrier()
+    trainer.cleanup()
+
+
+# ---------------------------------------------------------------- a stream
+
+def _stream_position_path(args):
+    return os.path.join(args.model_dir, "stream-position")
+
+
+def train_stream(args, ctx):
+    """main_fun of ``cluster.train_stream``: trains on each micro-batch of the
+    stream as it comes, until the feed ends (``cluster.shutdown()``).
+
+    Within a micro-batch the workers step together while any of them has
+    records left (one with none steps on an empty batch), so every record of
+    the stream is trained on, none dropped.  Every args.checkpoint_micro_batches
+    micro-batches (and at the end) the chief checkpoints with the stream's
+    position (``feed.next_micro_batch``, in model_dir/stream-position); after a
+    restart, every worker restores it and names it with ``ctx.resume_from``,
+    and Ember feeds from there: exactly once."""
+    if _not_a_trainer(ctx):
+        return
+    tf = _import_tf()
+    strategy = _make_strategy(tf, args)
+    trainer = _Trainer(tf, strategy, args)
+    chief = _is_chief(strategy)
+    who = f"{ctx.job_name}:{ctx.task_index}"
+    step = trainer.restore(args)
+    position = 0
+    if step and os.path.exists(_stream_position_path(args)):
+        with open(_stream_position_path(args)) as f:
+            position = int(f.read())
+        _report(ctx, f"{who}: resumed from the checkpoint of step {step}, micro-batch {position}")
+    ctx.resume_from(position)
+    feed = ctx.get_data_feed(train_mode=True)
+    batch_size = int(args.batch_size)
+    every = int(_arg(args, "checkpoint_micro_batches", 0))
+    empty = (np.zeros((0, NUM_PIXELS), np.float32), np.zeros((0,), np.int64))
+
+    def checkpoint():
+        trainer.checkpoint(args, chief, step)
+        if chief:
+            with open(_stream_position_path(args) + ".tmp", "w") as f:
+                f.write(str(feed.next_micro_batch))
+            os.replace(_stream_position_path(args) + ".tmp", _stream_position_path(args))
+        ctx.checkpointed(feed.next_micro_batch)
+
+    records, t0 = 0, time.time()
+    for micro_batch in feed.micro_batches():
+        batch = feed.next_batch(batch_size)
+        pending = len(batch)
+        go = trainer.ready_count(pending > 0) > 0
+        loss_sum, loss_n = 0.0, 0
+        while go:
+            x, y = _batch_arrays(batch) if pending else empty
+            x /= 255.0  # the stream carries raw pixels (main.stream_dataframe)
+            records += pending
+            batch = feed.next_batch(batch_size) if pending else batch
+            pending = len(batch)
+            loss, ready = trainer.step_count(x, y, pending > 0)
+            go = ready > 0
+            step += 1
+            loss_sum += loss
+            loss_n += 1
+        _report(ctx, f"{who} micro-batch {micro_batch}: step {step} "
+                     f"loss {loss_sum / max(1, loss_n):.4f}")
+        if every and (micro_batch + 1) % every == 0:
+            checkpoint()
+    _report(ctx, f"{who} training done: {step} steps, {records} records in "
+                 f"{time.time() - t0:.1f}s")
+    if feed.next_micro_batch is not None and not feed.mid_micro_batch:
+        ckpt_path, export_dir = trainer.save(args, chief, step)
+        if chief:
+            with open(_stream_position_path(args), "w") as f:
+                f.write(str(feed.next_micro_batch))
+            _report(ctx, f"{who} saved checkpoint {ckpt_path} and SavedModel {export_dir}")
     trainer.barrier()
     trainer.cleanup()
 

@@ -196,6 +196,8 @@ class DataFeed:
                 return None
             # at the end of a train() call, look without waiting for a later call's data
             done = self._call_done and not await_round
+            if done and self._micro_batch is not None:
+                return None  # a stream's next micro-batch starts with micro_batches()
             item = self._server.next(0 if done else 1.0)
             if item is None and done:
                 return None

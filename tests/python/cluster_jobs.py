@@ -6,7 +6,9 @@ it saw as JSON for the test to check.
 
 Jobs: ``crosshost`` (feed and collectives between hosts, bound addresses),
 ``transform`` (EmberEstimator.fit, then EmberModel.transform), ``hostloss``
-(a whole host dies mid-epoch; max_restarts=1 finishes on the other hosts).
+(a whole host dies mid-epoch; max_restarts=1 finishes on the other hosts),
+``stream`` (train_stream from a file stream: the query stopped and restarted,
+then a node SIGKILLed; every record trained once).
 """
 
 from __future__ import annotations
@@ -214,6 +216,51 @@ def hostloss(spark: Any, out: str, pause: float = 0.01, max_restarts: int = 1) -
     dump(os.path.join(out, "hostloss.json"), result)
 
 
+# --------------------------------------------------------------------------- stream
+
+def stream(spark: Any, out: str) -> None:
+    """A file stream, one file per micro-batch, to 2 nodes that checkpoint
+    every 2nd micro-batch (streamfuns.checkpointed_ids): the query is stopped
+    in the middle of micro-batch 2 and started again, then node 1 is
+    SIGKILLed in a later micro-batch (max_restarts=1); then the rest."""
+    import signal
+
+    import streamfuns
+    from ember.spark import InputMode, run
+
+    files, per_file = 8, 400
+    streamfuns.write_id_files(os.path.join(out, "src"), files, per_file)
+    df = spark.readStream.schema("id long").option("maxFilesPerTrigger", 1) \
+        .json(os.path.join(out, "src"))
+    nodes_out, ckpt = os.path.join(out, "nodes"), os.path.join(out, "ckpt")
+    os.makedirs(nodes_out)
+    cluster = run(spark.sparkContext, streamfuns.checkpointed_ids,
+                  {"out": nodes_out, "step": 0.05, "batch": 25, "every": 2},
+                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=120,
+                  heartbeat_timeout=5, max_restarts=1)
+    first_hosts = [n["host"] for n in cluster.nodes]
+    try:
+        query = cluster.train_stream(df, checkpoint_location=ckpt, feed_timeout=120)
+        streamfuns.wait_for("node 0 in the middle of micro-batch 2", lambda: (
+            lambda s: s.get("micro_batch") == 2 and 0 < s.get("read", 0) < per_file / 2 - 25)(
+            streamfuns.live(nodes_out, 0)))
+        query.stop()
+        query = cluster.train_stream(df, checkpoint_location=ckpt, feed_timeout=120)
+        victim = streamfuns.wait_for("node 1 in micro-batch 5", lambda: (
+            lambda s: s if s.get("micro_batch") == 5 and s.get("read", 0) > 0 else None)(
+            streamfuns.live(nodes_out, 1)))
+        os.kill(victim["pid"], signal.SIGKILL)
+        query.processAllAvailable()
+        replayed = [p["batchId"] for p in query.recentProgress][:1]
+    finally:
+        cluster.shutdown(timeout=120)
+    dump(os.path.join(out, "stream.json"), dict(
+        ids=streamfuns.trained_ids(nodes_out, 2), expected=files * per_file,
+        restarts=cluster.restarts, first_hosts=first_hosts, replayed=replayed,
+        hosts=[n["host"] for n in cluster.nodes], victim=victim,
+        live=[streamfuns.live(nodes_out, i) for i in (0, 1)]))
+
+
 def main() -> int:
     job, master, out = sys.argv[1:4]
     os.makedirs(out, exist_ok=True)
@@ -221,7 +268,8 @@ def main() -> int:
             # the same lockstep training, slower (about 20 s), with no restart
             # allowed: faults that heal must cost nothing
             "heal": lambda spark, out: hostloss(spark, out, pause=0.08, max_restarts=0),
-            "partition": lambda spark, out: hostloss(spark, out, pause=0.08)}
+            "partition": lambda spark, out: hostloss(spark, out, pause=0.08),
+            "stream": stream}
     spark = session(master, f"ember-cluster-{job}", 3)
     try:
         jobs[job](spark, out)

@@ -12,6 +12,7 @@ on the remaining hosts.  `make cluster-test` runs this file alone.
 
 from __future__ import annotations
 
+import collections
 import glob
 import json
 import os
@@ -293,7 +294,7 @@ def _measured(request: Any, name: str, value: float) -> None:
 def _trained_exactly_once(text: str) -> None:
     """Every record fed was trained on or drained by exactly one node, and
     no node was counted lost."""
-    fed = [int(n) for n in re.findall(r"train: fed (\d+) records", text)]
+    fed = [int(n) for n in re.findall(r"train: fed (\d+) records in", text)]
     done = re.findall(r"training done: \d+ steps, (\d+) records in .*?, (\d+) records left over",
                       text)
     assert fed == [60000 * 3] and len(done) == 2, (fed, done)
@@ -301,16 +302,20 @@ def _trained_exactly_once(text: str) -> None:
     assert "was lost" not in text and "restarting the cluster" not in text
 
 
-def test_main_job_both_modes_reaches_one_host_accuracy(hosts, tmp_path, request):
+def test_main_job_all_modes_reach_one_host_accuracy(hosts, tmp_path, request):
+    """The main job in both input modes and from a stream of its files."""
     sim = hosts.sim
-    text = _main_job(hosts, tmp_path, "main-job.log", "spark,tensorflow")
+    text = _main_job(hosts, tmp_path, "main-job.log", "spark,tensorflow,stream")
     _trained_exactly_once(text)
+    # the stream: 3 epochs of files, 4 per micro-batch, each fed once
+    streamed = [int(n) for n in re.findall(r"train: fed (\d+) records of micro-batch", text)]
+    assert sum(streamed) == 60000 * 3 and len(streamed) == 6, streamed
     _measured(request, "spark_train_records_per_s",
                     int(re.findall(r"mode=spark accuracy=\S+ train_records_per_s=(\d+)", text)[0]))
     results = dict(re.findall(r"RESULT demo mode=(\w+) accuracy=([\d.]+)", text))
-    assert set(results) == {"spark", "tensorflow"}, text[-3000:]
+    assert set(results) == {"spark", "tensorflow", "stream"}, text[-3000:]
     ready = re.findall(r"cluster ready: (.*)", text)
-    assert len(ready) == 4  # train and inference, in each mode
+    assert len(ready) == 6  # train and inference, in each mode
     assert all(float(a) >= 0.85 for a in results.values()), results
     # the nodes ran on the worker hosts (the cluster-ready lines name them)
     workers = [sim.addr(w) for w in WORKERS]
@@ -345,6 +350,25 @@ def test_ember_model_transform_on_hosts(hosts, tmp_path):
     assert result["rows"] == 2000
     assert result["accuracy"] >= 0.75, result
     assert set(result["task_hosts"]) <= set(WORKERS) and len(result["task_hosts"]) >= 2
+
+
+def test_stream_trained_exactly_once_across_query_and_node_restarts_on_hosts(hosts, tmp_path):
+    """cluster_jobs.py stream: train_stream from a file stream, nodes on two
+    worker hosts; the query is stopped mid-micro-batch and restarted, then a
+    node is SIGKILLed and the cluster restarts (max_restarts=1).  Every
+    record is in exactly one node's last checkpoint."""
+    out = str(tmp_path)
+    _job(hosts, "stream", out, 600)
+    result = json.load(open(os.path.join(out, "stream.json")))
+    counts = collections.Counter(result["ids"])
+    assert sorted(counts) == list(range(result["expected"])), sorted(set(
+        range(result["expected"])) - set(counts))[:20]
+    assert max(counts.values()) == 1, [i for i, c in counts.items() if c > 1][:20]
+    assert result["replayed"] == [2]  # the stopped micro-batch ran again
+    assert result["restarts"] == 1
+    workers = {hosts.sim.addr(w) for w in WORKERS}
+    assert set(result["first_hosts"]) <= workers and len(set(result["first_hosts"])) == 2
+    assert all(s["restart"] == 1 for s in result["live"]), result["live"]
 
 
 @pytest.mark.parametrize("fault", ["killed", "cut_off"])

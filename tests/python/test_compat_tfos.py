@@ -205,6 +205,28 @@ def test_streaming_reads_across_micro_batches(local_spark, tmp_path):
     assert all(i < 100 for i in ids) and min(ids) < 50 <= max(ids)
 
 
+def test_streaming_dataframe_reads_across_micro_batches(local_spark, tmp_path):
+    """TFCluster.train on a streaming DataFrame (Structured Streaming, Ember's
+    addition): the TFoS program reads it as it read a DStream."""
+    import streamfuns
+
+    spark = local_spark
+    streamfuns.write_id_files(str(tmp_path / "src"), 4, 50)
+    stream = spark.readStream.schema("id long").option("maxFilesPerTrigger", 1) \
+        .json(str(tmp_path / "src"))
+    out = tmp_path / "out"
+    out.mkdir()
+    cluster = TFCluster.run(spark.sparkContext, fp.streaming_count,
+                            {"out": str(out), "stop_after": 60}, 1, 0,
+                            input_mode=TFCluster.InputMode.SPARK, reservation_timeout=60)
+    assert cluster.train(stream, feed_timeout=60) is None
+    cluster.shutdown(timeout=120)
+    assert not cluster.stream_query.isActive
+    ids = _json(out)[0]["ids"]
+    assert len(ids) == 60 and len(set(ids)) == 60
+    assert all(i < 100 for i in ids) and min(ids) < 50 <= max(ids)
+
+
 def test_tfparallel_runs_independent_instances(local_spark, tmp_path):
     from ember.compat.tfos import TFParallel
 

@@ -106,18 +106,27 @@ class TFCluster:
     input_mode: Any = None
     queues: Optional[List[str]] = None
     server: Any = None  #: the underlying :class:`ember.spark.Cluster`
+    #: the query of a streaming DataFrame given to :meth:`train` (Ember's addition)
+    stream_query: Any = None
 
     # -- feeding -------------------------------------------------------------
     def train(self, dataRDD: Any, num_epochs: int = 0, feed_timeout: float = 600,
               qname: str = "input") -> Optional[int]:
-        """*InputMode.SPARK only*: feeds ``dataRDD`` (an RDD, a DataFrame or a DStream)
-        to the master/chief and worker nodes ``num_epochs`` times.
+        """*InputMode.SPARK only*: feeds ``dataRDD`` (an RDD, a DataFrame, a DStream
+        or a streaming DataFrame) to the master/chief and worker nodes
+        ``num_epochs`` times (a stream: each record once, as it comes).
 
         ``num_epochs=0`` keeps TFoS's meaning, 10 passes over the data (logged).
         ``qname`` names the node queue that receives the data: with
         ``queues=['input', 'eval', ...]`` in :func:`run`, a node reads a second
         feed (e.g. validation data) with ``ctx.get_data_feed(qname_in='eval')``.
-        Returns the number of records fed (None for a DStream).
+        Returns the number of records fed (None for a stream).
+
+        A streaming DataFrame runs as ``Cluster.train_stream`` with the node's
+        feed read as TFoS read a DStream's (one feed across micro-batches); its
+        query is :attr:`stream_query`, and its checkpoint goes under
+        ``spark.sql.streaming.checkpointLocation`` when set (a restarted query
+        then goes on where it stopped), else in a temporary directory.
         """
         if self.input_mode != InputMode.SPARK:
             raise AssertionError("TFCluster.train() requires InputMode.SPARK")
@@ -132,6 +141,20 @@ class TFCluster:
                 cluster.server.train(rdd, 1, feed_timeout, qname, stream=True)
 
             dataRDD.foreachRDD(feed_micro_batch)
+            return None
+        if getattr(dataRDD, "isStreaming", False):
+            location = None
+            if not dataRDD.sparkSession.conf.get("spark.sql.streaming.checkpointLocation",
+                                                 None):
+                import tempfile
+
+                location = tempfile.mkdtemp(prefix="ember-tfos-stream-")
+                logger.info(f"train(streaming DataFrame): its checkpoint is {location} "
+                            "(set spark.sql.streaming.checkpointLocation to restart the "
+                            "query where it stopped)")
+            self.stream_query = self.server.train_stream(
+                dataRDD, checkpoint_location=location, feed_timeout=feed_timeout,
+                qname=qname, query_name=f"tfos-{qname}", continuous=True)
             return None
         if num_epochs == 0:
             logger.info(f"train(num_epochs=0): feeding the data {TFOS_DEFAULT_EPOCHS} times "
@@ -170,6 +193,14 @@ class TFCluster:
                     break
                 if time.monotonic() > deadline:
                     ssc.stop(stopSparkContext=False, stopGraceFully=False)
+                    break
+        query = self.stream_query
+        if query is not None:  # as with ssc: until the query ends or the trainers do
+            deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
+            while query.isActive and not query.awaitTermination(1):
+                if core.failure() is not None or self._trainers_done() or \
+                        time.monotonic() > deadline:
+                    logger.info("stopping the streaming query")
                     break
         core.shutdown(grace_secs=grace_secs, timeout=timeout if timeout > 0 else float("inf"))
 
