@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ember.errors import EmberError, EmberNodeError
 
@@ -97,6 +97,10 @@ class FeedLog:
         return dropped
 
 
+class _QueryStopped(Exception):
+    """The query was stopped while its micro-batch waited for the one in flight."""
+
+
 class StreamFeed:
     """The ``foreachBatch`` function of one stream of a cluster, and what the
     cluster's current nodes have been fed of it."""
@@ -109,6 +113,8 @@ class StreamFeed:
         self.fed_through: Optional[int] = None  # the last micro-batch the nodes took whole
         self._generation: Optional[int] = None  # cluster.restarts when fed_through was set
         self._graceful = threading.Event()  # cluster.shutdown(): let a micro-batch finish
+        # the micro-batch being fed in the background: (id, thread, its error)
+        self._inflight: Optional[Tuple[int, threading.Thread, Dict[str, BaseException]]] = None
         self.records = 0  # fed by this stream, replays after restarts included
 
     # -- the query's side ------------------------------------------------------
@@ -116,32 +122,42 @@ class StreamFeed:
         micro_batch = int(batch_id)
         if not self.log.complete(micro_batch):
             # the source is replayable (as Spark's exactly-once needs), so a
-            # micro-batch Spark runs again holds the same records: written once
+            # micro-batch Spark runs again holds the same records: written
+            # once, while the nodes take the micro-batch before
             self.log.write(batch_df, micro_batch)
         cluster = self.cluster
         while True:
-            failure = cluster._failure()
+            try:
+                failure = self._settle() or cluster._failure()
+            except _QueryStopped:
+                # nothing fed of this micro-batch, and its log is whole: when
+                # Spark commits it anyway, the next query's first micro-batch
+                # feeds it first (_catch_up)
+                return
             if failure is None:
                 try:
-                    self._feed_through(micro_batch)
-                    self._drop_checkpointed()
-                    return
+                    self._catch_up(micro_batch)
+                    break
                 except EmberNodeError as exc:
                     failure = exc
             cluster._restart_or_raise(failure)  # raises once max_restarts are used
             self.fed_through, self._generation = None, None
+        self._start_feed(micro_batch)
+        self._drop_checkpointed()
 
-    def _feed_through(self, micro_batch: int) -> None:
-        """Feeds the current nodes every micro-batch up to ``micro_batch`` they lack."""
+    def _catch_up(self, micro_batch: int) -> None:
+        """Feeds the current nodes, one after the other, the micro-batches
+        before ``micro_batch`` that they lack: after they (re)started, from
+        the position they resume from, out of the log."""
         cluster = self.cluster
         if self._generation != cluster.restarts or self.fed_through is None:
             start = self._resume_point(micro_batch)
             self._generation = cluster.restarts
-            self.fed_through = start - 1 if start <= micro_batch else micro_batch
+            self.fed_through = start - 1
             if start > micro_batch:
                 logger.info(f"stream {self.number}: the nodes' checkpoints hold micro-batch "
                             f"{micro_batch} already (they resume from {start}): not fed")
-        for b in range(self.fed_through + 1, micro_batch + 1):
+        for b in range(self.fed_through + 1, micro_batch):
             if not self.log.complete(b):
                 raise EmberError(
                     f"ember train_stream: the nodes resume from micro-batch "
@@ -150,11 +166,49 @@ class StreamFeed:
                     "checkpoint the nodes restored is older than what the log keeps; "
                     "restore a newer checkpoint or restart the query from a fresh "
                     "checkpoint location")
-            if b < micro_batch:
-                logger.info(f"stream {self.number}: feeding micro-batch {b} again from the "
-                            "feed log (the nodes' checkpoints lack it)")
-            self.records += self._feed(b)
+            logger.info(f"stream {self.number}: feeding micro-batch {b} from the feed log "
+                        "(the nodes lack it)")
+            self.records += self._feed(b, cancel_when=self._stopped)
             self.fed_through = b
+
+    def _start_feed(self, micro_batch: int) -> None:
+        """Feeds ``micro_batch`` in the background, so that the query writes
+        the next one to the log meanwhile: one micro-batch in flight at most."""
+        if self.fed_through is not None and micro_batch <= self.fed_through:
+            return  # the nodes have it (a replay of a micro-batch they took)
+
+        def feed() -> None:
+            try:
+                self.records += self._feed(micro_batch)
+                self.fed_through = micro_batch
+            except BaseException as exc:  # the next micro-batch, or stop(), raises it
+                outcome["error"] = exc
+
+        outcome: Dict[str, BaseException] = {}
+        thread = threading.Thread(target=feed, name=f"ember-stream-{self.number}-{micro_batch}",
+                                  daemon=True)
+        self._inflight = (micro_batch, thread, outcome)
+        thread.start()
+
+    def _settle(self) -> Optional[EmberNodeError]:
+        """Waits for the micro-batch in flight to be taken whole.  Returns the
+        node failure that broke it, raises any other error; raises
+        :class:`_QueryStopped` when the query is stopped meanwhile (the
+        micro-batch in flight goes on: Spark committed it)."""
+        if self._inflight is None:
+            return None
+        micro_batch, thread, outcome = self._inflight
+        while thread.is_alive():
+            thread.join(0.5)
+            if thread.is_alive() and self._stopped():
+                raise _QueryStopped()
+        self._inflight = None
+        error = outcome.get("error")
+        if isinstance(error, EmberNodeError):
+            return error
+        if error is not None:
+            raise error
+        return None
 
     def _resume_point(self, micro_batch: int) -> int:
         """After nodes started: the first micro-batch any fed node's checkpoint
@@ -162,7 +216,7 @@ class StreamFeed:
         named = self.cluster._await_resume_reports(self.feed_timeout, "train_stream")
         return min(named) if named else micro_batch
 
-    def _feed(self, micro_batch: int) -> int:
+    def _feed(self, micro_batch: int, cancel_when: Any = None) -> int:
         cluster = self.cluster
         df = self.log.read(micro_batch)
         nodes = len(cluster._feed_targets())
@@ -173,12 +227,11 @@ class StreamFeed:
         return cluster._feed_once(
             df, 1, self.feed_timeout, qname=self.qname, stream=self.continuous,
             seq=call_id(self.number, micro_batch), micro_batch=micro_batch,
-            cancel_when=self._stopped)
+            cancel_when=cancel_when)
 
     def _stopped(self) -> bool:
-        """True once the query was stopped (not by cluster.shutdown(), which lets
-        the micro-batch being fed finish): its feed is cancelled, and Spark
-        runs the micro-batch again when the query restarts."""
+        """True once the query was stopped, not by cluster.shutdown() (which
+        lets the query's micro-batch finish)."""
         query = self.query
         return query is not None and not self._graceful.is_set() and not query.isActive
 
@@ -197,9 +250,18 @@ class StreamFeed:
         self.query = None
 
     def stop(self) -> None:
-        """Stops the query after the micro-batch being fed, if any, is taken whole."""
-        query = self.query
-        if query is None or not query.isActive:
-            return
+        """Stops the query after its micro-batch, and waits until the nodes have
+        taken every micro-batch it committed.  A node's failure is left to
+        the cluster to raise; any other error is logged (the micro-batch stays
+        in the feed log, and a restart of the query feeds it)."""
         self._graceful.set()
-        query.stop()
+        query = self.query
+        if query is not None and query.isActive:
+            query.stop()
+        try:
+            self._settle()
+        except _QueryStopped:
+            pass  # only while the query's own stop is not graceful: not here
+        except Exception as exc:
+            logger.warning(f"stream {self.number}: a micro-batch was not fed whole: {exc}; "
+                           "it stays in the feed log, and a restart of the query feeds it")

@@ -251,12 +251,11 @@ def stream(spark: Any, out: str) -> None:
             streamfuns.live(nodes_out, 1)))
         os.kill(victim["pid"], signal.SIGKILL)
         query.processAllAvailable()
-        replayed = [p["batchId"] for p in query.recentProgress][:1]
     finally:
         cluster.shutdown(timeout=120)
     dump(os.path.join(out, "stream.json"), dict(
         ids=streamfuns.trained_ids(nodes_out, 2), expected=files * per_file,
-        restarts=cluster.restarts, first_hosts=first_hosts, replayed=replayed,
+        restarts=cluster.restarts, first_hosts=first_hosts,
         hosts=[n["host"] for n in cluster.nodes], victim=victim,
         live=[streamfuns.live(nodes_out, i) for i in (0, 1)]))
 

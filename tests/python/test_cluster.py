@@ -364,7 +364,6 @@ def test_stream_trained_exactly_once_across_query_and_node_restarts_on_hosts(hos
     assert sorted(counts) == list(range(result["expected"])), sorted(set(
         range(result["expected"])) - set(counts))[:20]
     assert max(counts.values()) == 1, [i for i, c in counts.items() if c > 1][:20]
-    assert result["replayed"] == [2]  # the stopped micro-batch ran again
     assert result["restarts"] == 1
     workers = {hosts.sim.addr(w) for w in WORKERS}
     assert set(result["first_hosts"]) <= workers and len(set(result["first_hosts"])) == 2

@@ -26,11 +26,23 @@ def _once(ids, expected):
     assert set(counts) == set(expected)
 
 
-def test_file_stream_query_stopped_mid_micro_batch_and_restarted(local_spark, tmp_path):
+def _wait_mid(out, node, micro_batch, below):
+    """Waits until ``node`` has read some, and fewer than ``below``, records
+    of ``micro_batch``."""
+    return streamfuns.wait_for(
+        f"node {node} in the middle of micro-batch {micro_batch}",
+        lambda: (lambda s: s.get("micro_batch") == micro_batch and 0 < s.get("read", 0) < below)(
+            streamfuns.live(str(out), node)))
+
+
+def test_file_stream_query_stopped_or_failed_mid_micro_batch_and_restarted(local_spark,
+                                                                           tmp_path):
     """8 files, one per micro-batch, to 2 nodes that checkpoint every 2nd
-    micro-batch.  The query is stopped while a micro-batch is being fed and
-    started again from its checkpoint location: Spark runs that micro-batch
-    again, and the running nodes get only the records they lacked."""
+    micro-batch.  The query is stopped while node 0 reads micro-batch 2, and
+    started again from its checkpoint location.  Then the feeding job of a
+    later micro-batch fails half-way (a task raises), which fails the query;
+    started again, it feeds that micro-batch to the running nodes again, and
+    they get only the records they lacked (the feed's delivery record)."""
     src, out, ckpt = tmp_path / "src", tmp_path / "out", str(tmp_path / "ckpt")
     out.mkdir()
     files, per_file = 8, 400
@@ -42,20 +54,21 @@ def test_file_stream_query_stopped_mid_micro_batch_and_restarted(local_spark, tm
                   num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60)
     try:
         query = cluster.train_stream(df, checkpoint_location=ckpt, feed_timeout=60)
-        # stop while micro-batch 2 is being read (its feed still running)
-        stopped_in = streamfuns.wait_for(
-            "node 0 in the middle of micro-batch 2",
-            lambda: (streamfuns.live(str(out), 0).get("micro_batch") == 2
-                     and 0 < streamfuns.live(str(out), 0).get("read", 0) < per_file / 2 - 25
-                     and 2))
+        _wait_mid(out, 0, 2, per_file / 2 - 25)
         query.stop()
-        assert not query.isActive
-        states = [streamfuns.live(str(out), i) for i in (0, 1)]
-        assert any(s.get("micro_batch") == 2 and 2 not in s["done"] for s in states), states
+        assert not query.isActive and query.exception() is None
+        query = cluster.train_stream(df, checkpoint_location=ckpt, feed_timeout=60)
+        streamfuns.wait_for("node 0 to read micro-batch 3",
+                            lambda: 3 in streamfuns.live(str(out), 0).get("done", []))
+        # the next micro-batch's first feeding task raises after 50 rows
+        # (sent 25 rows at a time: 8-byte rows, 200-byte chunks)
+        cluster.chunk_bytes, cluster._fault_feed_fail_at = 200, (0, 50)
+        with pytest.raises(Exception, match="injected failure of partition 0 after 50 rows"):
+            query.awaitTermination(60)
+        cluster._fault_feed_fail_at = None
+        failed_in = max(streamfuns.live(str(out), i)["micro_batch"] for i in (0, 1))
         query = cluster.train_stream(df, checkpoint_location=ckpt, feed_timeout=60)
         query.processAllAvailable()
-        batches = [p["batchId"] for p in query.recentProgress]
-        assert batches[0] == stopped_in  # Spark ran the interrupted micro-batch again
         assert query.exception() is None
     finally:
         cluster.shutdown(timeout=60)
@@ -63,6 +76,7 @@ def test_file_stream_query_stopped_mid_micro_batch_and_restarted(local_spark, tm
     _once(streamfuns.trained_ids(str(out), 2), range(files * per_file))
     for i in (0, 1):  # every node had a round for every micro-batch, in order
         assert streamfuns.live(str(out), i)["done"] == list(range(files))
+    assert 4 <= failed_in < files
     # the feed log dropped what both nodes' checkpoints held (ctx.checkpointed)
     logged = sorted(int(n) for n in os.listdir(os.path.join(ckpt, "ember-feed-log")))
     assert logged and logged[0] >= 4 and logged[-1] == files - 1, logged
