@@ -124,6 +124,54 @@ def test_rate_stream_node_killed_restarts_and_resumes_from_its_checkpoint(local_
     _once(ids, range(len(ids)))  # the rate source numbers its rows 0, 1, 2, ...
 
 
+def test_driver_killed_mid_stream_and_started_again(tmp_path):
+    """The whole driver (Python and its JVM) is SIGKILLed while its nodes
+    read micro-batch 3; the nodes end by themselves (heartbeats).  A new
+    driver with the same checkpoint location starts new nodes, which restore
+    their checkpoints; the stream goes on from what they lack, partly from
+    the feed log (Spark had committed it).  Every record is trained once.
+    Its own driver processes, not the shared session: the test kills one."""
+    import subprocess
+    import sys
+    import time
+
+    src, out, ckpt = tmp_path / "src", tmp_path / "out", str(tmp_path / "ckpt")
+    out.mkdir()
+    files, per_file = 8, 400
+    streamfuns.write_id_files(str(src), files, per_file)
+    driver = [sys.executable, os.path.join(os.path.dirname(__file__), "stream_driver.py"),
+              str(src), str(out), ckpt]
+    with open(tmp_path / "driver-1.log", "w") as log:
+        first = subprocess.Popen(driver, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    try:
+        _wait_mid(out, 0, 3, per_file / 2 - 25)
+        killed = [streamfuns.live(str(out), i) for i in (0, 1)]
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+
+    def gone(pid):
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+
+    streamfuns.wait_for("the nodes to end without their driver",
+                        lambda: all(gone(s["pid"]) for s in killed), timeout=30)
+    started = time.monotonic()
+    with open(tmp_path / "driver-2.log", "w") as log:
+        second = subprocess.run(driver, stdout=log, stderr=subprocess.STDOUT, timeout=240)
+    assert second.returncode == 0, (tmp_path / "driver-2.log").read_text()[-4000:]
+    assert (out / "driver-done").exists() and time.monotonic() - started < 240
+    again = [streamfuns.live(str(out), i) for i in (0, 1)]
+    # each node resumed from its checkpoint (every 2nd micro-batch: 2 at most)
+    assert all(0 < s["start"] <= 3 and s["done"][0] == s["start"] for s in again), again
+    assert all(s["done"][-1] == files - 1 for s in again), again
+    _once(streamfuns.trained_ids(str(out), 2), range(files * per_file))
+
+
 def test_node_failure_without_restarts_fails_the_query_naming_the_node(local_spark, tmp_path):
     out, ckpt = tmp_path / "out", str(tmp_path / "ckpt")
     out.mkdir()
