@@ -51,8 +51,8 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
     p.add_argument("--partitions", type=int, default=8, help="partitions of the CSV data")
     p.add_argument("--modes", default="spark,tensorflow",
                    help="any of spark, tensorflow, stream")
-    p.add_argument("--files-per-trigger", dest="files_per_trigger", type=int, default=4,
-                   help="stream mode: CSV files per micro-batch")
+    p.add_argument("--files-per-trigger", dest="files_per_trigger", type=int, default=8,
+                   help="stream mode: CSV files per micro-batch (8: one epoch of --partitions)")
     p.add_argument("--threads", type=int, default=0,
                    help="TensorFlow intra/inter-op threads per node "
                         "(0 = cores / num-executors, so nodes do not oversubscribe)")
@@ -104,9 +104,15 @@ def stream_dataframe(sc: Any, args: argparse.Namespace) -> Any:
     shutil.rmtree(stream_dir, ignore_errors=True)
     os.makedirs(stream_dir)
     parts = sorted(f for f in os.listdir(source) if f.startswith("part-"))
+    past = time.time() - 3600
     for epoch in range(args.epochs):
         for part in parts:  # a file stream takes every new name once: one per epoch
-            os.link(os.path.join(source, part), os.path.join(stream_dir, f"e{epoch}-{part}"))
+            copy = os.path.join(stream_dir, f"e{epoch}-{part}")
+            shutil.copyfile(os.path.join(source, part), copy)
+            # a file stream takes files oldest first: epoch by epoch (copies,
+            # not links, which would share one time), not the same file
+            # several times in one micro-batch
+            os.utime(copy, (past + epoch, past + epoch))
     from ember.tensors import pack
 
     spark = SparkSession.builder.getOrCreate()

@@ -315,6 +315,14 @@ def _not_a_trainer(ctx):
     return True
 
 
+def _start_trainer(args, ctx):
+    """TensorFlow, the strategy's _Trainer, whether this worker is the chief,
+    and its name in reports."""
+    tf = _import_tf()
+    strategy = _make_strategy(tf, args)
+    return tf, _Trainer(tf, strategy, args), _is_chief(strategy), f"{ctx.job_name}:{ctx.task_index}"
+
+
 # ---------------------------------------------------------------- InputMode.SPARK
 
 def train_spark(args, ctx):
@@ -330,11 +338,7 @@ def train_spark(args, ctx):
     global batch size)."""
     if _not_a_trainer(ctx):
         return
-    tf = _import_tf()
-    strategy = _make_strategy(tf, args)
-    trainer = _Trainer(tf, strategy, args)
-    chief = _is_chief(strategy)
-    who = f"{ctx.job_name}:{ctx.task_index}"
+    tf, trainer, chief, who = _start_trainer(args, ctx)
     if trainer.replicas != ctx.num_workers:
         _report(ctx, f"{who}: warning: {trainer.replicas} replicas in sync but num_workers={ctx.num_workers}")
 
@@ -425,11 +429,7 @@ def train_stream(args, ctx):
     and Ember feeds from there: exactly once."""
     if _not_a_trainer(ctx):
         return
-    tf = _import_tf()
-    strategy = _make_strategy(tf, args)
-    trainer = _Trainer(tf, strategy, args)
-    chief = _is_chief(strategy)
-    who = f"{ctx.job_name}:{ctx.task_index}"
+    tf, trainer, chief, who = _start_trainer(args, ctx)
     step = trainer.restore(args)
     position = 0
     if step and os.path.exists(_stream_position_path(args)):
@@ -511,11 +511,7 @@ def train_tf(args, ctx):
     if not files:
         raise FileNotFoundError(f"no TFRecord files under {os.path.join(args.data_dir, 'tfrecords', 'train')}")
 
-    tf = _import_tf()
-    strategy = _make_strategy(tf, args)
-    trainer = _Trainer(tf, strategy, args)
-    chief = _is_chief(strategy)
-    who = f"{ctx.job_name}:{ctx.task_index}"
+    tf, trainer, chief, who = _start_trainer(args, ctx)
     if _arg(args, "steps_per_epoch"):
         spe = int(args.steps_per_epoch)
     else:

@@ -82,6 +82,19 @@ def test_file_stream_query_stopped_or_failed_mid_micro_batch_and_restarted(local
     assert logged and logged[0] >= 4 and logged[-1] == files - 1, logged
 
 
+def _rate_stream_cluster(spark, out, rows_per_s, every, max_restarts=0):
+    """A rate stream of ``id``s and 2 nodes training on it
+    (streamfuns.checkpointed_ids, a checkpoint every ``every`` micro-batches)."""
+    out.mkdir()
+    df = (spark.readStream.format("rate").option("rowsPerSecond", rows_per_s)
+          .option("numPartitions", 2).load().selectExpr("value AS id"))
+    cluster = run(spark.sparkContext, streamfuns.checkpointed_ids,
+                  {"out": str(out), "step": 0.02, "batch": 20, "every": every},
+                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60,
+                  heartbeat_timeout=4, max_restarts=max_restarts)
+    return df, cluster
+
+
 def test_rate_stream_node_killed_restarts_and_resumes_from_its_checkpoint(local_spark,
                                                                           tmp_path):
     """A rate source, 2 nodes, max_restarts=1: node 1 is SIGKILLed while it
@@ -89,14 +102,7 @@ def test_rate_stream_node_killed_restarts_and_resumes_from_its_checkpoint(local_
     micro-batches after them are fed again from the stream's feed log (Spark
     had committed some), and every row the query produced is trained once."""
     out, ckpt = tmp_path / "out", str(tmp_path / "ckpt")
-    out.mkdir()
-    spark = local_spark
-    df = (spark.readStream.format("rate").option("rowsPerSecond", 300)
-          .option("numPartitions", 2).load().selectExpr("value AS id"))
-    cluster = run(spark.sparkContext, streamfuns.checkpointed_ids,
-                  {"out": str(out), "step": 0.02, "batch": 20, "every": 3},
-                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60,
-                  heartbeat_timeout=4, max_restarts=1)
+    df, cluster = _rate_stream_cluster(local_spark, out, 300, every=3, max_restarts=1)
     try:
         query = cluster.train_stream(df, checkpoint_location=ckpt, feed_timeout=60,
                                      trigger={"processingTime": "500 milliseconds"})
@@ -174,14 +180,7 @@ def test_driver_killed_mid_stream_and_started_again(tmp_path):
 
 def test_node_failure_without_restarts_fails_the_query_naming_the_node(local_spark, tmp_path):
     out, ckpt = tmp_path / "out", str(tmp_path / "ckpt")
-    out.mkdir()
-    spark = local_spark
-    df = (spark.readStream.format("rate").option("rowsPerSecond", 200)
-          .option("numPartitions", 2).load().selectExpr("value AS id"))
-    cluster = run(spark.sparkContext, streamfuns.checkpointed_ids,
-                  {"out": str(out), "step": 0.02, "batch": 20, "every": 1000},
-                  num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60,
-                  heartbeat_timeout=4)
+    df, cluster = _rate_stream_cluster(local_spark, out, 200, every=1000)
     try:
         query = cluster.train_stream(df, checkpoint_location=ckpt, feed_timeout=60,
                                      trigger={"processingTime": "500 milliseconds"})
