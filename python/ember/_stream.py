@@ -113,9 +113,8 @@ class StreamFeed:
         self.fed_through: Optional[int] = None  # the last micro-batch the nodes took whole
         self._generation: Optional[int] = None  # cluster.restarts when fed_through was set
         self._graceful = threading.Event()  # cluster.shutdown(): let a micro-batch finish
-        # the micro-batch being fed in the background: (id, thread, its error)
-        self._inflight: Optional[Tuple[int, threading.Thread, Dict[str, BaseException]]] = None
-        self.records = 0  # fed by this stream, replays after restarts included
+        # the micro-batch being fed in the background: (thread, its error)
+        self._inflight: Optional[Tuple[threading.Thread, Dict[str, BaseException]]] = None
 
     # -- the query's side ------------------------------------------------------
     def __call__(self, batch_df: Any, batch_id: int) -> None:
@@ -168,7 +167,7 @@ class StreamFeed:
                     "checkpoint location")
             logger.info(f"stream {self.number}: feeding micro-batch {b} from the feed log "
                         "(the nodes lack it)")
-            self.records += self._feed(b, cancel_when=self._stopped)
+            self._feed(b, cancel_when=self._stopped)
             self.fed_through = b
 
     def _start_feed(self, micro_batch: int) -> None:
@@ -179,7 +178,7 @@ class StreamFeed:
 
         def feed() -> None:
             try:
-                self.records += self._feed(micro_batch)
+                self._feed(micro_batch)
                 self.fed_through = micro_batch
             except BaseException as exc:  # the next micro-batch, or stop(), raises it
                 outcome["error"] = exc
@@ -187,7 +186,7 @@ class StreamFeed:
         outcome: Dict[str, BaseException] = {}
         thread = threading.Thread(target=feed, name=f"ember-stream-{self.number}-{micro_batch}",
                                   daemon=True)
-        self._inflight = (micro_batch, thread, outcome)
+        self._inflight = (thread, outcome)
         thread.start()
 
     def _settle(self) -> Optional[EmberNodeError]:
@@ -197,7 +196,7 @@ class StreamFeed:
         micro-batch in flight goes on: Spark committed it)."""
         if self._inflight is None:
             return None
-        micro_batch, thread, outcome = self._inflight
+        thread, outcome = self._inflight
         while thread.is_alive():
             thread.join(0.5)
             if thread.is_alive() and self._stopped():
@@ -259,9 +258,7 @@ class StreamFeed:
         if query is not None and query.isActive:
             query.stop()
         try:
-            self._settle()
-        except _QueryStopped:
-            pass  # only while the query's own stop is not graceful: not here
+            self._settle()  # graceful: never _QueryStopped
         except Exception as exc:
             logger.warning(f"stream {self.number}: a micro-batch was not fed whole: {exc}; "
                            "it stays in the feed log, and a restart of the query feeds it")

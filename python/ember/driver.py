@@ -603,11 +603,13 @@ class Cluster:
         Each micro-batch reaches the chief and worker nodes as one round of
         their feed (``feed.micro_batches()`` on the node: see
         :meth:`ember.node.DataFeed.micro_batches`), every node a round for
-        every micro-batch, in order.  Spark commits a micro-batch only once
-        every node has taken all of it, so a trainer slower than the stream
-        holds the next trigger back and nothing is dropped or buffered without
-        bound.  A node's failure fails the micro-batch and the query with the
-        node's error, or with ``max_restarts`` restarts the nodes and goes on.
+        every micro-batch, in order.  Each micro-batch is written to the
+        stream's feed log, then fed from it while the query logs the next; a
+        micro-batch waits until the nodes have taken the one before (one in
+        flight at most), so a trainer slower than the stream holds the query
+        back and nothing is dropped or buffered without bound.  A node's
+        failure fails the query with the node's error, or with
+        ``max_restarts`` restarts the nodes and goes on.
 
         **Exactly once.** Every record of a replayable source (files, Kafka,
         rate: what Spark's own exactly-once needs) is trained exactly once
@@ -619,10 +621,11 @@ class Cluster:
         micro-batch until every fed node reports with ``ctx.checkpointed``
         that its checkpoint holds it).
 
-        ``query.stop()`` cancels the micro-batch being fed (the query runs it
-        again when restarted; the nodes get only what they lack, while they
-        run); :meth:`shutdown` stops the query after that micro-batch instead,
-        then ends the feed.  One stream at a time per cluster.
+        After ``query.stop()`` (or a failure), the restarted query first feeds
+        what the running nodes have not taken whole, from the log, and they
+        get only the records they lack; :meth:`shutdown` stops the query after
+        its micro-batch, waits for the nodes to take everything logged, then
+        ends the feed.  One stream at a time per cluster.
 
         :param checkpoint_location: the query's checkpoint directory (local or
             ``hdfs://``); default ``spark.sql.streaming.checkpointLocation``
