@@ -13,7 +13,7 @@ WARN   := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wno-unused-paramet
 BASE   := -std=c11 -D_GNU_SOURCE -Icsrc/include -pthread $(WARN)
 OPT    := -O2 -g -fPIC
 SAN    := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
-LIBS   := -lcrypto -lz -lcurl -lpthread
+LIBS   := -lcrypto -lz -lcurl -lgssapi_krb5 -lkrb5 -lpthread
 
 LIB_SRCS  := $(wildcard csrc/*.c)
 LIB_HDRS  := $(wildcard csrc/include/ember/*.h csrc/*.h)
@@ -24,9 +24,11 @@ FUZZERS   := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(wildcard tests/fuzz/fuz
 EXT_SRCS  := $(wildcard python/ember/_ember*.c)
 EXT_HDRS  := $(wildcard python/ember/_ember*.h)
 
-APT_PACKAGES := dataset-fashion-mnist clang libssl-dev zlib1g-dev libcurl4-openssl-dev maven libprotobuf-c-dev protobuf-c-compiler openmpi-bin libopenmpi-dev
+APT_PACKAGES := dataset-fashion-mnist clang libssl-dev zlib1g-dev libcurl4-openssl-dev libkrb5-dev maven libprotobuf-c-dev protobuf-c-compiler openmpi-bin libopenmpi-dev
 # make test-c-install builds examples/c the way a C user would, through pkg-config
 APT_PACKAGES += pkg-config
+# the Kerberized test Hadoop's users get their tickets with MIT kinit
+APT_PACKAGES += krb5-user
 # the simulated hosts' network faults (tests/python/simcluster.py): nft, tc
 APT_PACKAGES += nftables iproute2
 # the PyTorch path (.venv-torch below); Debian's torch calls libblas.so.3, which is
@@ -260,7 +262,8 @@ test-py: setup hadoop test-jvm-archive
 # PyTorch tests and example (in .venv-torch; skipped by the main venv's pytest run)
 test-torch: setup hadoop
 	$(TORCH_PY) -m pytest -q tests/python/test_torch.py tests/python/test_ml_torch.py \
-		tests/python/test_yarn_experiment_local.py tests/python/test_yarn_experiments.py
+		tests/python/test_yarn_experiment_local.py tests/python/test_yarn_experiments.py \
+		tests/python/test_kerberos.py::test_run_on_yarn_pytorch_reads_hdfs_tfrecords_on_a_kerberized_grid
 
 # Types: mypy over python/ember (pyproject.toml [tool.mypy]), then mypy's
 # stubtest, which fails when python/ember/_ember.pyi and the built extension

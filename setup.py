@@ -2,7 +2,8 @@
 
 The extension ``ember._ember`` is compiled from the C engine's sources
 (csrc/*.c) and the binding (python/ember/_ember*.c) with the project's
-warning flags, and links OpenSSL's libcrypto, zlib and libcurl.
+warning flags, and links OpenSSL's libcrypto, zlib, libcurl and MIT Kerberos's
+GSS-API (SPNEGO for Kerberized Hadoop).
 
 The package carries two jars as package data in ``ember/jars``:
 
@@ -181,7 +182,7 @@ extension = Extension(
     extra_compile_args=["-std=c11", "-pthread", "-fvisibility=hidden", "-UNDEBUG", "-O2"]
     + WARNINGS,
     extra_link_args=["-pthread"],
-    libraries=["crypto", "z", "curl"],
+    libraries=["crypto", "z", "curl", "gssapi_krb5", "krb5"],
     depends=_rel("csrc/include/ember/*.h", "csrc/*.h", "python/ember/_ember*.h"),
 )
 

@@ -6,11 +6,20 @@
  * sent only to the DataNode, errors say which side failed, and a read that
  * loses its DataNode goes back through the NameNode (which may choose
  * another replica).  One easy handle per file / writer / call keeps its
- * connections alive across the ranges of a file. */
+ * connections alive across the ranges of a file.
+ *
+ * Authentication, to the NameNode only (its redirects carry a delegation
+ * token the DataNode checks): on a simple-auth cluster the user name as a
+ * query parameter; on a Kerberized one (core-site.xml says so, or the
+ * NameNode answers 401) the HDFS delegation token from the process's
+ * Hadoop token file when it has one for this NameNode (YARN containers,
+ * Spark executors), else SPNEGO from the user's Kerberos ticket. */
 #include "ember/webhdfs.h"
 
+#include <arpa/inet.h>
 #include <curl/curl.h>
 #include <errno.h>
+#include <netdb.h>
 #include <pthread.h>
 #include <pwd.h>
 #include <stdio.h>
@@ -21,7 +30,9 @@
 
 #include "ember/error.h"
 #include "hadoop_conf.h"
+#include "hadoop_token.h"
 #include "json.h"
+#include "ember/spnego.h"
 
 #define MAX_NAMENODES 8
 /* Bodies of error replies kept for the message (a RemoteException is small). */
@@ -104,6 +115,8 @@ static void sleep_ms(int64_t ms) {
 
 /* ================================================================ endpoint */
 
+enum { AUTH_SIMPLE = 0, AUTH_TOKEN, AUTH_KERBEROS };
+
 typedef struct {
   char *bases[MAX_NAMENODES]; /* "http(s)://host:port", no trailing slash */
   size_t nbases;
@@ -116,12 +129,18 @@ typedef struct {
   int retries;
   CURL *curl;
   ember_webhdfs_stats stats;
+  int auth;                   /* AUTH_* */
+  int auth_settled;           /* Kerberos chosen (by the configuration or a 401) */
+  char *token;                /* AUTH_TOKEN: Token.encodeToUrlString() */
+  char token_desc[DISPLAY_MAX];
+  char rpc_auth[256];         /* the hdfs:// authority, for matching tokens */
 } endpoint;
 
 static void ep_free(endpoint *ep) {
   for (size_t i = 0; i < ep->nbases; i++) free(ep->bases[i]);
   free(ep->path);
   free(ep->user);
+  free(ep->token);
   if (ep->curl) curl_easy_cleanup(ep->curl);
   memset(ep, 0, sizeof *ep);
 }
@@ -246,6 +265,113 @@ static char *default_user(void) {
   return strdup(u != NULL && u[0] != '\0' ? u : "nobody");
 }
 
+/* ================================================================ auth */
+
+/* The kinds of token a NameNode's WebHDFS takes as delegation=. */
+static const char *const HDFS_TOKEN_KINDS[] = {"HDFS_DELEGATION_TOKEN", "WEBHDFS delegation",
+                                               "SWEBHDFS delegation"};
+
+/* Whether a token's service names the NameNode whose RPC authority is a
+ * ("host:port", or an HA nameservice): Hadoop writes "ip:port" (its default,
+ * hadoop.security.token.service.use_ip), "host:port", or
+ * "ha-hdfs:<nameservice>". */
+static int service_matches(const char *service, const char *a) {
+  if (a[0] == '\0') return 0;
+  if (strcmp(service, a) == 0) return 1;
+  if (strncmp(service, "ha-hdfs:", 8) == 0 && strcmp(service + 8, a) == 0) return 1;
+  const char *colon = strrchr(a, ':'), *scolon = strrchr(service, ':');
+  if (colon == NULL || scolon == NULL || strcmp(colon, scolon) != 0) return 0;
+  char host[256];
+  snprintf(host, sizeof host, "%.*s", (int)(colon - a), a);
+  struct addrinfo hints, *res = NULL;
+  memset(&hints, 0, sizeof hints);
+  hints.ai_family = AF_INET;
+  if (getaddrinfo(host, NULL, &hints, &res) != 0) return 0;
+  int match = 0;
+  size_t slen = (size_t)(scolon - service);
+  for (struct addrinfo *ai = res; ai != NULL && !match; ai = ai->ai_next) {
+    char ip[INET_ADDRSTRLEN];
+    const struct sockaddr_in *sin = (const struct sockaddr_in *)(const void *)ai->ai_addr;
+    if (inet_ntop(AF_INET, &sin->sin_addr, ip, sizeof ip) != NULL && strlen(ip) == slen &&
+        memcmp(ip, service, slen) == 0)
+      match = 1;
+  }
+  freeaddrinfo(res);
+  return match;
+}
+
+static int set_user(endpoint *ep, const char *user) {
+  char *u = strdup(user);
+  if (u == NULL) return ember__set_error(EMBER_ENOMEM, "webhdfs: out of memory");
+  free(ep->user);
+  ep->user = u;
+  return EMBER_OK;
+}
+
+/* The cluster is Kerberized: the HDFS delegation token for this NameNode
+ * from the process's Hadoop token file (what YARN gives containers and
+ * Spark its executors), else SPNEGO with the user's own ticket.  A token
+ * file with one HDFS token is taken whatever its service says (a NameNode
+ * known by another name); with several, the one for this NameNode. */
+static int use_kerberos(endpoint *ep) {
+  ep->auth_settled = 1;
+  ep->auth = AUTH_KERBEROS;
+  const char *file = getenv("HADOOP_TOKEN_FILE_LOCATION");
+  if (file == NULL || file[0] == '\0') {
+    char who[256];
+    ember_spnego_principal(who, sizeof who);
+    return who[0] ? set_user(ep, who) : EMBER_OK;
+  }
+  ember__credentials creds;
+  memset(&creds, 0, sizeof creds);
+  int rc = ember__credentials_load(&creds, file);
+  if (rc != EMBER_OK)
+    return ember__set_error(EMBER_EAUTH,
+                            "webhdfs %s: HADOOP_TOKEN_FILE_LOCATION names a token file Ember "
+                            "cannot use: %s",
+                            ep->display, ember_last_error());
+  const ember__token *pick = NULL, *only = NULL;
+  size_t nhdfs = 0;
+  for (size_t i = 0; i < creds.n; i++) {
+    const ember__token *t = &creds.tokens[i];
+    int hdfs_kind = 0;
+    for (size_t k = 0; k < sizeof HDFS_TOKEN_KINDS / sizeof *HDFS_TOKEN_KINDS; k++)
+      if (strcmp(t->kind, HDFS_TOKEN_KINDS[k]) == 0) hdfs_kind = 1;
+    if (!hdfs_kind) continue;
+    nhdfs++;
+    only = t;
+    if (pick == NULL && service_matches(t->service, ep->rpc_auth)) pick = t;
+  }
+  if (pick == NULL && nhdfs == 1) pick = only;
+  if (pick != NULL) {
+    ember__token_ident id;
+    memset(&id, 0, sizeof id);
+    int have_id = ember__token_ident_parse(pick, &id) == EMBER_OK;
+    ember_clear_error();
+    rc = ember__token_encode_url(pick, &ep->token);
+    if (rc == EMBER_OK) {
+      ep->auth = AUTH_TOKEN;
+      snprintf(ep->token_desc, sizeof ep->token_desc,
+               "the %s token for %s%s%s from HADOOP_TOKEN_FILE_LOCATION=%s", pick->kind,
+               pick->service, have_id ? " owned by " : "", have_id ? id.owner : "", file);
+      if (have_id && id.owner != NULL && id.owner[0] != '\0') rc = set_user(ep, id.owner);
+    }
+    if (have_id) ember__token_ident_free(&id);
+  } else {
+    snprintf(ep->token_desc, sizeof ep->token_desc,
+             "HADOOP_TOKEN_FILE_LOCATION=%s holds %zu HDFS token%s, none for %s", file, nhdfs,
+             nhdfs == 1 ? "" : "s", ep->rpc_auth[0] ? ep->rpc_auth : "this NameNode");
+  }
+  ember__credentials_free(&creds);
+  return rc;
+}
+
+/* Whether dir's core-site.xml says hadoop.security.authentication=kerberos. */
+static int conf_says_kerberos(const ember__conf *conf) {
+  const char *a = ember__conf_get(conf, "hadoop.security.authentication");
+  return a != NULL && strcasecmp(a, "kerberos") == 0;
+}
+
 /* Parses url, resolves the NameNode(s) and the user, creates the handle. */
 static int ep_init(endpoint *ep, const char *url, const ember_webhdfs_opts *opts_in) {
   memset(ep, 0, sizeof *ep);
@@ -289,6 +415,7 @@ static int ep_init(endpoint *ep, const char *url, const ember_webhdfs_opts *opts
   ep->path = strdup(path[0] ? path : "/");
   if (ep->path == NULL) return ember__set_error(EMBER_ENOMEM, "webhdfs: out of memory");
 
+  int kerberos = 0;
   if (opts.namenode != NULL && opts.namenode[0] != '\0') {
     const char *nn = opts.namenode, *scheme = "http";
     if (strncmp(nn, "http://", 7) == 0) nn += 7;
@@ -305,6 +432,7 @@ static int ep_init(endpoint *ep, const char *url, const ember_webhdfs_opts *opts
     const char *dir = opts.conf_dir ? opts.conf_dir : getenv("HADOOP_CONF_DIR");
     ember__conf conf = {0};
     rc = EMBER_OK;
+    kerberos = 0;
     if (dir != NULL && dir[0] != '\0') {
       rc = ember__conf_load(&conf, dir, "core-site.xml");
       if (rc == EMBER_ENOTFOUND) rc = EMBER_OK;
@@ -315,6 +443,9 @@ static int ep_init(endpoint *ep, const char *url, const ember_webhdfs_opts *opts
       auth = hdfs_authority(ember__conf_get(&conf, "fs.defaultFS"), &auth_len);
       if (auth == NULL) auth_len = 0;
     }
+    if (auth != NULL && auth_len < sizeof ep->rpc_auth)
+      snprintf(ep->rpc_auth, sizeof ep->rpc_auth, "%.*s", (int)auth_len, auth);
+    kerberos = conf_says_kerberos(&conf);
     if (rc == EMBER_OK) rc = resolve_from_conf(ep, &conf, auth ? auth : "", auth_len);
     ember__conf_free(&conf);
     if (rc == EMBER_OK && ep->nbases == 0) {
@@ -342,7 +473,7 @@ static int ep_init(endpoint *ep, const char *url, const ember_webhdfs_opts *opts
   if (ep->user == NULL) return ember__set_error(EMBER_ENOMEM, "webhdfs: out of memory");
   ep->curl = curl_easy_init();
   if (ep->curl == NULL) return ember__set_error(EMBER_ENOMEM, "webhdfs: curl_easy_init failed");
-  return EMBER_OK;
+  return kerberos ? use_kerberos(ep) : EMBER_OK;
 }
 
 /* base/webhdfs/v1<path>?op=OP&user.name=U<extra> */
@@ -353,8 +484,13 @@ static char *nn_url(const endpoint *ep, const char *base, const char *op, const 
   sb_pct(&b, ep->path, 1);
   sb_str(&b, "?op=");
   sb_str(&b, op);
-  sb_str(&b, "&user.name=");
-  sb_pct(&b, ep->user, 0);
+  if (ep->auth == AUTH_SIMPLE) {
+    sb_str(&b, "&user.name=");
+    sb_pct(&b, ep->user, 0);
+  } else if (ep->auth == AUTH_TOKEN) {
+    sb_str(&b, "&delegation=");
+    sb_str(&b, ep->token); /* URL-safe base64 already */
+  }
   if (extra) sb_str(&b, extra);
   if (b.oom) {
     free(b.p);
@@ -435,7 +571,8 @@ enum { T_STALL = 0, T_TOTAL = 1 };
  * status, in r), or the transport failure: EMBER_ETIMEDOUT / EMBER_EIO (no
  * message set; the caller names the operation) or EMBER_ENOMEM. */
 static int http_once(endpoint *ep, const char *method, const char *url, const void *body,
-                     size_t body_len, int timeout_kind, sink *s, reply *r) {
+                     size_t body_len, int timeout_kind, const char *auth_header, sink *s,
+                     reply *r) {
   CURL *c = ep->curl;
   memset(r, 0, sizeof *r);
   s->curl = c;
@@ -464,6 +601,7 @@ static int http_once(endpoint *ep, const char *method, const char *url, const vo
   /* no "Expect: 100-continue" round trip before a body */
   hdr = curl_slist_append(hdr, "Expect:");
   if (body != NULL) hdr = curl_slist_append(hdr, "Content-Type: application/octet-stream");
+  if (auth_header != NULL && hdr != NULL) hdr = curl_slist_append(hdr, auth_header);
   if (hdr == NULL) return ember__set_error(EMBER_ENOMEM, "webhdfs: out of memory");
   curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdr);
   if (strcmp(method, "PUT") == 0) {
@@ -519,6 +657,21 @@ static void sink_free(sink *s) {
 
 /* ================================================================ errors */
 
+/* A delegation token the NameNode refused: expired, cancelled, or from
+ * another NameNode. */
+static int token_error(const endpoint *ep, const char *op, const char *exc, const char *msg,
+                       ember__json *j) {
+  int rc = ember__set_error(
+      EMBER_EAUTH,
+      "webhdfs %s %s: the NameNode refused %s (%s: %s): delegation tokens expire unless renewed "
+      "(dfs.namenode.delegation.token.renew-interval, a day by default) and end at their "
+      "max-lifetime (a week); for jobs that outlive them give spark-submit --principal and "
+      "--keytab, so that Spark renews and replaces its tokens, or submit again",
+      op, ep->display, ep->token_desc, exc, msg ? msg : "");
+  ember__json_free(j);
+  return rc;
+}
+
 /* Sets the message for a reply that is not the expected success and returns
  * its code; *retry says whether trying again may help (5xx, a standby or
  * retriable exception). */
@@ -537,6 +690,12 @@ static int reply_error(const endpoint *ep, const char *op, const char *url, cons
   int code = EMBER_EIO;
   const char *what = "remote error";
   *retry = 0;
+  /* a refused token arrives as InvalidToken, or as a SecurityException
+   * "Failed to obtain user group information: ... Token has expired" */
+  if (ep->auth == AUTH_TOKEN && exc != NULL &&
+      (strstr(exc, "InvalidToken") != NULL ||
+       (strcmp(exc, "SecurityException") == 0 && msg != NULL && strstr(msg, "oken") != NULL)))
+    return token_error(ep, op, exc, msg, j);
   if (exc != NULL && strcmp(exc, "FileNotFoundException") == 0) {
     code = EMBER_ENOTFOUND;
     what = "no such file or directory";
@@ -545,10 +704,15 @@ static int reply_error(const endpoint *ep, const char *op, const char *url, cons
                              strcmp(exc, "AuthorizationException") == 0)) {
     code = EMBER_EPERM;
     what = "permission denied";
+  } else if (r->status == 401 && ep->auth == AUTH_TOKEN) {
+    return token_error(ep, op, exc ? exc : "HTTP 401", msg ? msg : "", j);
   } else if (r->status == 401) {
     code = EMBER_EAUTH;
-    what = "the cluster requires authentication (Kerberos/SPNEGO or a delegation token), "
-           "which Ember's WebHDFS client does not support";
+    what = ep->auth == AUTH_KERBEROS
+               ? "the NameNode refused the Kerberos credentials (is the service principal's key "
+                 "in the NameNode's keytab the one the KDC has?)"
+               : "the cluster requires authentication, and no Kerberos ticket or HDFS delegation "
+                 "token could be used";
   } else if (exc != NULL && strcmp(exc, "FileAlreadyExistsException") == 0) {
     code = EMBER_EINVAL;
     what = "already exists";
@@ -570,8 +734,9 @@ static int reply_error(const endpoint *ep, const char *op, const char *url, cons
     what = "redirect without a usable Location";
   }
   if (code == EMBER_EPERM)
-    ember__set_error(code, "webhdfs %s %s: %s for user '%s' (%s: %s)", op, ep->display, what,
-                     ep->user, exc, msg ? msg : "");
+    ember__set_error(code, "webhdfs %s %s: %s for %s '%s' (%s: %s)", op, ep->display, what,
+                     ep->auth == AUTH_SIMPLE ? "user" : "Kerberos user", ep->user, exc,
+                     msg ? msg : "");
   else if (exc != NULL)
     ember__set_error(code, "webhdfs %s %s: %s (%s: %s)", op, ep->display, what, exc,
                      msg ? msg : "");
@@ -592,6 +757,35 @@ static int transport_error(const endpoint *ep, const char *op, const char *role,
 
 /* ================================================================ requests */
 
+/* The Negotiate header for a NameNode at base ("http://host:port"). */
+static int spnego_for(endpoint *ep, const char *op, const char *base, char **header) {
+  char host[256], what[320];
+  host_of(base, host, sizeof host);
+  snprintf(what, sizeof what, "the NameNode %s", host);
+  char *colon = strrchr(host, ':');
+  if (colon != NULL && strchr(host, ']') == NULL) *colon = '\0';
+  if (host[0] == '[') { /* [v6]:port */
+    memmove(host, host + 1, strlen(host));
+    char *end = strchr(host, ']');
+    if (end != NULL) *end = '\0';
+  }
+  int rc = ember_spnego_header(host, what, header);
+  if (rc == EMBER_OK) return rc;
+  char msg[1024];
+  snprintf(msg, sizeof msg, "%s", ember_last_error());
+  const char *file = getenv("HADOOP_TOKEN_FILE_LOCATION");
+  /* where there is no ticket (executors, containers), the token is the way */
+  if (strstr(msg, "no Kerberos ticket") == NULL)
+    return ember__set_error(rc, "webhdfs %s %s: %s", op, ep->display, msg);
+  return ember__set_error(rc, "webhdfs %s %s: %s; %s", op, ep->display, msg,
+                          file != NULL && file[0] != '\0'
+                              ? ep->token_desc
+                              : "a Spark executor or YARN container has no ticket of its own: "
+                                "it needs an HDFS delegation token in HADOOP_TOKEN_FILE_LOCATION "
+                                "(Spark obtains one with spark.kerberos.access.hadoopFileSystems"
+                                " and --principal/--keytab or the submitter's ticket)");
+}
+
 /* Sends one request to the NameNode, trying each configured NameNode from
  * the last good one on a transport failure or a standby reply.  On
  * EMBER_OK, r holds a reply (any status) from the NameNode that took it.
@@ -603,15 +797,30 @@ static int nn_request(endpoint *ep, const char *method, const char *op, const ch
   *retry = 0;
   for (size_t k = 0; k < ep->nbases; k++) {
     size_t i = (ep->cur + k) % ep->nbases;
+    char *auth_header = NULL;
+    if (ep->auth == AUTH_KERBEROS && (rc = spnego_for(ep, op, ep->bases[i], &auth_header)) != 0)
+      return rc;
     char *url = nn_url(ep, ep->bases[i], op, extra);
-    if (url == NULL) return ember__set_error(EMBER_ENOMEM, "webhdfs: out of memory");
+    if (url == NULL) {
+      free(auth_header);
+      return ember__set_error(EMBER_ENOMEM, "webhdfs: out of memory");
+    }
     sink_reset(s);
     free(r->location);
     r->location = NULL;
-    rc = http_once(ep, method, url, NULL, 0, timeout_kind, s, r);
+    rc = http_once(ep, method, url, NULL, 0, timeout_kind, auth_header, s, r);
+    free(auth_header);
     if (rc == EMBER_ENOMEM) {
       free(url);
       return rc;
+    }
+    /* A Kerberized NameNode that our configuration (or its absence) called
+     * simple: authenticate as a Kerberos client would and ask again. */
+    if (rc == EMBER_OK && r->status == 401 && !ep->auth_settled) {
+      free(url);
+      if ((rc = use_kerberos(ep)) != EMBER_OK) return rc;
+      k--;
+      continue;
     }
     if (rc != EMBER_OK) {
       transport_error(ep, op, "NameNode", url, rc, r);
@@ -808,6 +1017,67 @@ int ember_webhdfs_mkdirs(const char *url, const ember_webhdfs_opts *opts) {
   return rc;
 }
 
+int ember_webhdfs_set_permission(const char *url, unsigned mode, const ember_webhdfs_opts *opts) {
+  if (mode > 01777)
+    return ember__set_error(EMBER_EINVAL, "webhdfs SETPERMISSION %s: mode %o is over 1777",
+                            url ? url : "(null)", mode);
+  char extra[32];
+  snprintf(extra, sizeof extra, "&permission=%o", mode);
+  endpoint ep;
+  int rc = ep_init(&ep, url, opts);
+  if (rc == EMBER_OK) rc = json_call(&ep, "PUT", "SETPERMISSION", extra, NULL);
+  ep_free(&ep);
+  return rc;
+}
+
+int ember_webhdfs_delegation_token(const char *url, const char *renewer,
+                                   const ember_webhdfs_opts *opts, char **token) {
+  *token = NULL;
+  if (renewer == NULL || renewer[0] == '\0' || strlen(renewer) > 256)
+    return ember__set_error(EMBER_EINVAL, "webhdfs GETDELEGATIONTOKEN: renewer must be a user "
+                            "name of 1 to 256 characters");
+  sbuf extra = {0};
+  sb_str(&extra, "&renewer=");
+  sb_pct(&extra, renewer, 0);
+  if (extra.oom) return ember__set_error(EMBER_ENOMEM, "webhdfs: out of memory");
+  endpoint ep;
+  ember__json *j = NULL;
+  ember__token t;
+  memset(&t, 0, sizeof t);
+  int rc = ep_init(&ep, url, opts);
+  if (rc == EMBER_OK && ep.auth == AUTH_SIMPLE)
+    rc = ember__set_error(EMBER_EINVAL,
+                          "webhdfs GETDELEGATIONTOKEN %s: the cluster does not use Kerberos "
+                          "(hadoop.security.authentication in HADOOP_CONF_DIR's core-site.xml): "
+                          "it hands out no delegation tokens",
+                          ep.display);
+  if (rc == EMBER_OK) rc = json_call(&ep, "GET", "GETDELEGATIONTOKEN", extra.p, &j);
+  const char *s = NULL;
+  if (rc == EMBER_OK) {
+    s = ember__json_get_str(ember__json_get(j, "Token"), "urlString");
+    if (s == NULL)
+      rc = ember__set_error(EMBER_EPROTO,
+                            "webhdfs GETDELEGATIONTOKEN %s: the reply holds no Token.urlString",
+                            ep.display);
+  }
+  if (rc == EMBER_OK) rc = ember__token_decode_url(&t, s, strlen(s), "the NameNode's token");
+  if (rc == EMBER_OK) {
+    char *kind = strdup("HDFS_DELEGATION_TOKEN");
+    if (kind == NULL) {
+      rc = ember__set_error(EMBER_ENOMEM, "webhdfs: out of memory");
+    } else {
+      free(t.kind);
+      t.kind = kind;
+      rc = ember__token_encode_url(&t, token);
+    }
+  }
+  ember__token_clear(&t);
+  ember__json_free(j);
+  ep_free(&ep);
+  free(extra.p);
+  return rc;
+}
+
 int ember_webhdfs_delete(const char *url, int recursive, const ember_webhdfs_opts *opts,
                          int *deleted) {
   endpoint ep;
@@ -940,7 +1210,7 @@ static int open_range(ember_webhdfs_file *f, uint64_t off, size_t want, int *ret
     char *dn = r.location;
     r.location = NULL;
     sink_reset(&s);
-    rc = http_once(ep, "GET", dn, NULL, 0, T_STALL, &s, &r);
+    rc = http_once(ep, "GET", dn, NULL, 0, T_STALL, NULL, &s, &r);
     if (rc == EMBER_ENOMEM) {
       free(dn);
       goto out;
@@ -1119,7 +1389,8 @@ static int send_chunk(ember_webhdfs_writer *w, const uint8_t *data, size_t len) 
   r.location = NULL;
   sink_reset(&s);
   /* data != NULL even for an empty body, so it is sent as a body */
-  rc = http_once(ep, method, dn, data ? (const void *)data : (const void *)"", len, T_STALL, &s, &r);
+  rc = http_once(ep, method, dn, data ? (const void *)data : (const void *)"", len, T_STALL, NULL,
+                 &s, &r);
   if (rc != EMBER_OK && rc != EMBER_ENOMEM) transport_error(ep, op, "DataNode", dn, rc, &r);
   else if (rc == EMBER_OK && r.status != want) rc = reply_error(ep, op, dn, &r, &s, &retry);
   free(dn);

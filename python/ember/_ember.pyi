@@ -214,6 +214,7 @@ class FeedServer:
         max_frame: int = 0,
         io_timeout_ms: int = 0,
         shm: bool = True,
+        encrypt: bool = False,
     ) -> Self: ...
     @property
     def port(self) -> int: ...
@@ -246,6 +247,7 @@ class FeedClient:
         call: int = 0,
         call_partitions: int = 0,
         tag: ReadableBuffer = b"",
+        encrypt: bool = False,
     ) -> Self: ...
     @property
     def resume_point(self) -> tuple[int, bool]: ...
@@ -282,6 +284,7 @@ class Communicator:
         bind_host: str | None = None,
         tcp_only: bool = False,
         small_max: int = 0,
+        encrypt: bool = False,
     ) -> Self: ...
     @property
     def rank(self) -> int: ...
@@ -336,6 +339,16 @@ def hdfs_mkdirs(
     url: str, *, namenode: str | None = None, user: str | None = None,
     conf_dir: str | None = None, timeout: float = 60.0, range_bytes: int = 0, retries: int = -1,
 ) -> None: ...
+def hdfs_set_permission(
+    url: str, mode: int, *, namenode: str | None = None, user: str | None = None,
+    conf_dir: str | None = None, timeout: float = 60.0, range_bytes: int = 0, retries: int = -1,
+) -> None: ...
+def hdfs_delegation_token(
+    url: str, renewer: str, *, namenode: str | None = None, user: str | None = None,
+    conf_dir: str | None = None, timeout: float = 60.0, range_bytes: int = 0, retries: int = -1,
+) -> str: ...
+def spnego_header(host: str, what: str | None = None) -> str: ...
+def kerberos_principal() -> str: ...
 def hdfs_delete(
     url: str, recursive: bool = False, *, namenode: str | None = None, user: str | None = None,
     conf_dir: str | None = None, timeout: float = 60.0, range_bytes: int = 0, retries: int = -1,

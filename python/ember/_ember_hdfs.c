@@ -14,6 +14,7 @@
 
 #include <string.h>
 
+#include "ember/spnego.h"
 #include "ember/webhdfs.h"
 
 #define NOTFOUND_NAME "EmberFileNotFoundError"
@@ -285,6 +286,93 @@ static PyObject *py_hdfs_mkdirs(PyObject *m, PyObject *args, PyObject *kwargs) {
   EMBPY_NOGIL(rc, &e, NULL, ember_webhdfs_mkdirs(url, &ho.o));
   if (rc != EMBER_OK) return hdfs_raise(m, &e);
   Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(hdfs_set_permission_doc,
+             "hdfs_set_permission(url, mode, *, namenode=None, ...) -> None\n\n"
+             "Sets url's permission bits (an int such as 0o700).\n\n" OPTS_DOC);
+
+static PyObject *py_hdfs_set_permission(PyObject *m, PyObject *args, PyObject *kwargs) {
+  static char *kwlist[] = {"url", "mode", OPTS_KW, NULL};
+  const char *url;
+  unsigned int mode;
+  OPTS_DECL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sI|$" OPTS_FMT ":hdfs_set_permission", kwlist,
+                                   &url, &mode, OPTS_ARGS) ||
+      OPTS_FINISH() < 0)
+    return NULL;
+  embpy_err e;
+  int rc;
+  EMBPY_NOGIL(rc, &e, NULL, ember_webhdfs_set_permission(url, mode, &ho.o));
+  if (rc != EMBER_OK) return hdfs_raise(m, &e);
+  Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(hdfs_delegation_token_doc,
+             "hdfs_delegation_token(url, renewer, *, namenode=None, ...) -> str\n\n"
+             "A new HDFS delegation token of the Kerberos user, renewable by renewer,\n"
+             "as Hadoop's Token.encodeToUrlString() (kind HDFS_DELEGATION_TOKEN): what\n"
+             "a YARN application's launch context carries.\n\n" OPTS_DOC);
+
+static PyObject *py_hdfs_delegation_token(PyObject *m, PyObject *args, PyObject *kwargs) {
+  static char *kwlist[] = {"url", "renewer", OPTS_KW, NULL};
+  const char *url, *renewer;
+  OPTS_DECL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ss|$" OPTS_FMT ":hdfs_delegation_token",
+                                   kwlist, &url, &renewer, OPTS_ARGS) ||
+      OPTS_FINISH() < 0)
+    return NULL;
+  embpy_err e;
+  int rc;
+  char *token = NULL;
+  EMBPY_NOGIL(rc, &e, NULL, ember_webhdfs_delegation_token(url, renewer, &ho.o, &token));
+  if (rc != EMBER_OK) return hdfs_raise(m, &e);
+  PyObject *out = PyUnicode_FromString(token);
+  free(token);
+  return out;
+}
+
+PyDoc_STRVAR(spnego_header_doc,
+             "spnego_header(host, what=None) -> str\n\n"
+             "The value of an Authorization header (\"Negotiate <token>\") for the\n"
+             "Kerberized web service HTTP@host, from the Kerberos ticket cache\n"
+             "(KRB5CCNAME) or a client keytab (KRB5_CLIENT_KTNAME).  Raises\n"
+             "EmberAuthError saying what to do (kinit, an expired ticket, ...);\n"
+             "what names the service in that message.");
+
+static PyObject *py_spnego_header(PyObject *m, PyObject *args, PyObject *kwargs) {
+  static char *kwlist[] = {"host", "what", NULL};
+  const char *host, *what = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|z:spnego_header", kwlist, &host, &what))
+    return NULL;
+  char name[300];
+  if (what == NULL) {
+    snprintf(name, sizeof name, "HTTP@%s", host);
+    what = name;
+  }
+  embpy_err e;
+  int rc;
+  char *header = NULL;
+  EMBPY_NOGIL(rc, &e, NULL, ember_spnego_header(host, what, &header));
+  if (rc != EMBER_OK) return hdfs_raise(m, &e);
+  /* the header line's value, after "Authorization: " */
+  const char *colon = strchr(header, ':');
+  PyObject *out = PyUnicode_FromString(colon ? colon + 2 : header);
+  free(header);
+  return out;
+}
+
+PyDoc_STRVAR(kerberos_principal_doc,
+             "kerberos_principal() -> str\n\n"
+             "The Kerberos principal this process would authenticate as\n"
+             "(\"alice@EXAMPLE.COM\"), or \"\" without usable credentials.");
+
+static PyObject *py_kerberos_principal(PyObject *m, PyObject *Py_UNUSED(ignored)) {
+  char who[512];
+  Py_BEGIN_ALLOW_THREADS;
+  ember_spnego_principal(who, sizeof who);
+  Py_END_ALLOW_THREADS;
+  return PyUnicode_FromString(who);
 }
 
 PyDoc_STRVAR(hdfs_delete_doc,
@@ -586,6 +674,13 @@ static PyMethodDef hdfs_functions[] = {
      hdfs_mkdirs_doc},
     {"hdfs_delete", (PyCFunction)(void (*)(void))py_hdfs_delete, METH_VARARGS | METH_KEYWORDS,
      hdfs_delete_doc},
+    {"hdfs_set_permission", (PyCFunction)(void (*)(void))py_hdfs_set_permission,
+     METH_VARARGS | METH_KEYWORDS, hdfs_set_permission_doc},
+    {"hdfs_delegation_token", (PyCFunction)(void (*)(void))py_hdfs_delegation_token,
+     METH_VARARGS | METH_KEYWORDS, hdfs_delegation_token_doc},
+    {"spnego_header", (PyCFunction)(void (*)(void))py_spnego_header, METH_VARARGS | METH_KEYWORDS,
+     spnego_header_doc},
+    {"kerberos_principal", py_kerberos_principal, METH_NOARGS, kerberos_principal_doc},
     {"hdfs_rename", (PyCFunction)(void (*)(void))py_hdfs_rename, METH_VARARGS | METH_KEYWORDS,
      hdfs_rename_doc},
     {NULL, NULL, 0, NULL},

@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import pytest
 
-from hadoop_fixture import hadoop_cluster, yarn  # noqa: F401  (HDFS + YARN mini clusters)
+from hadoop_fixture import hadoop_cluster, kerberized_hadoop, yarn  # noqa: F401  (mini Hadoops)
 from jvm_archive import jvm_options_for_tests
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

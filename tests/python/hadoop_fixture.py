@@ -15,7 +15,13 @@ The JVM runs until its stdin closes, so it also goes away if pytest is
 killed; teardown closes stdin, waits for a clean stop, and removes the
 cluster's temporary directory.
 
-Register it in conftest.py with ``from hadoop_fixture import hadoop_cluster``.
+``kerberized_hadoop`` is the same HDFS and YARN made a Kerberized grid
+(MiniHadoop --secure): a KDC (Hadoop's MiniKdc) in the same JVM, Kerberos on
+RPC, SPNEGO on WebHDFS and the ResourceManager's REST API, users with keytabs,
+and token files as YARN hands them to containers.  It is a second JVM, started only by the tests of secure
+Hadoop; the insecure cluster stays what every other test uses.
+
+Register them in conftest.py with ``from hadoop_fixture import hadoop_cluster``.
 """
 
 from __future__ import annotations
@@ -81,6 +87,53 @@ class HadoopCluster:
         return self.fs + path
 
 
+@dataclasses.dataclass(frozen=True)
+class KerberizedHadoop(HadoopCluster):
+    """A Kerberized HDFS and YARN (addresses name host ``localhost``, the host
+    of their ``HTTP/localhost`` SPNEGO principal) and its realm.
+
+    Attributes:
+        realm: ``EXAMPLE.COM``.
+        krb5_conf: a krb5.conf for clients (the KDC on TCP, no host name
+            canonicalisation).
+        principal, keytab: the tests' user (``<user>@EXAMPLE.COM``).
+        other_principal, other_keytab: a second user, ``alice``.
+        token_file: a Hadoop token file holding the user's HDFS delegation
+            token, as YARN gives a container.
+        expired_token_file: the same with a token the NameNode holds expired.
+    """
+
+    realm: str = ""
+    krb5_conf: str = ""
+    principal: str = ""
+    keytab: str = ""
+    other_principal: str = ""
+    other_keytab: str = ""
+    token_file: str = ""
+    expired_token_file: str = ""
+
+    def kinit(self, ccache: str, principal: Optional[str] = None,
+              keytab: Optional[str] = None, lifetime: Optional[str] = None) -> None:
+        """Fills ``ccache`` (a path) with a ticket from a keytab, as a user's
+        ``kinit -kt`` does; ``lifetime`` is kinit's ``-l`` (e.g. ``"2s"``)."""
+        cmd = ["kinit", "-c", "FILE:" + ccache]
+        if lifetime:
+            cmd += ["-l", lifetime]
+        cmd += ["-kt", keytab or self.keytab, principal or self.principal]
+        subprocess.run(cmd, env=self.client_env(ccache), check=True, timeout=30,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def client_env(self, ccache: str) -> Dict[str, str]:
+        """What a client of the grid has set: HADOOP_CONF_DIR, KRB5_CONFIG and
+        its ticket cache KRB5CCNAME."""
+        return {"HADOOP_CONF_DIR": self.conf_dir, "KRB5_CONFIG": self.krb5_conf,
+                "KRB5CCNAME": "FILE:" + ccache}
+
+    def env(self) -> Dict[str, str]:
+        """``os.environ`` plus HADOOP_CONF_DIR and KRB5_CONFIG (no ticket cache)."""
+        return dict(os.environ, HADOOP_CONF_DIR=self.conf_dir, KRB5_CONFIG=self.krb5_conf)
+
+
 def _java() -> str:
     home = os.environ.get("JAVA_HOME")
     if home and os.access(os.path.join(home, "bin", "java"), os.X_OK):
@@ -113,7 +166,8 @@ def _tail(path: str, n: int = 40) -> str:
 class MiniHadoop:
     """Owns the MiniHadoop JVM: start() waits for READY, stop() tears down."""
 
-    def __init__(self, root: Optional[str] = None) -> None:
+    def __init__(self, root: Optional[str] = None, secure: bool = False) -> None:
+        self.secure = secure
         self.root = root or tempfile.mkdtemp(prefix="ember-hadoop-")
         self.conf_dir = os.path.join(self.root, "conf")
         self.work_dir = os.path.join(self.root, "work")
@@ -138,6 +192,7 @@ class MiniHadoop:
                *JAVA17_OPENS,
                "-cp", os.pathsep.join(classpath), "org.ember.hadoop.MiniHadoop",
                "--conf-dir", self.conf_dir, "--work-dir", self.work_dir,
+               *(["--secure"] if self.secure else []),
                # Spark executors on YARN fork Python workers and Ember nodes
                # (TensorFlow: GBs of virtual memory) outside the JVM's heap:
                # no vmem/pmem kill switch in a test (as Spark's docs advise
@@ -179,9 +234,16 @@ class MiniHadoop:
                 break
         self.startup_s = time.monotonic() - t0
         fields = dict(kv.split("=", 1) for kv in line.split()[2:] if "=" in kv)
-        return HadoopCluster(fs=fields["fs"], webhdfs=fields["webhdfs"], rm=fields["rm"],
-                             rm_web=fields["rm_web"], conf_dir=fields["conf"],
-                             user=fields["user"], root=self.root, log=self.log_path)
+        common = dict(fs=fields["fs"], webhdfs=fields["webhdfs"], rm=fields["rm"],
+                      rm_web=fields["rm_web"], conf_dir=fields["conf"],
+                      user=fields["user"], root=self.root, log=self.log_path)
+        if not self.secure:
+            return HadoopCluster(**common)
+        return KerberizedHadoop(
+            **common, realm=fields["realm"], krb5_conf=fields["krb5conf"],
+            principal=fields["principal"], keytab=fields["keytab"],
+            other_principal=fields["other_principal"], other_keytab=fields["other_keytab"],
+            token_file=fields["token_file"], expired_token_file=fields["expired_token_file"])
 
     def stop(self, timeout: float = 60.0) -> None:
         p = self.proc
@@ -211,6 +273,23 @@ def hadoop_cluster() -> Iterator[HadoopCluster]:
     cluster = mh.start()
     print(f"\n[hadoop_cluster] up in {mh.startup_s:.1f}s: fs={cluster.fs} "
           f"webhdfs={cluster.webhdfs} rm={cluster.rm}")
+    try:
+        yield cluster
+    finally:
+        mh.stop()
+
+
+@pytest.fixture(scope="session")
+def kerberized_hadoop() -> Iterator[KerberizedHadoop]:
+    """A Kerberized HDFS and YARN with their KDC on localhost, shared by the session."""
+    if shutil.which("kinit") is None:
+        pytest.fail("MIT Kerberos's kinit is missing (Debian package krb5-user; `make setup` "
+                    "installs it)")
+    mh = MiniHadoop(secure=True)
+    cluster = mh.start()
+    assert isinstance(cluster, KerberizedHadoop)
+    print(f"\n[kerberized_hadoop] up in {mh.startup_s:.1f}s: fs={cluster.fs} "
+          f"webhdfs={cluster.webhdfs} realm={cluster.realm}")
     try:
         yield cluster
     finally:

@@ -89,6 +89,47 @@ def keras_tiny(model_dir: str, epochs: int = 2) -> Any:
                            lambda: x[:1536], lambda: y[:1536], lambda: (x[1536:], y[1536:]))
 
 
+def line_records(url: str, rows: int = 2048) -> None:
+    """Writes the "which side of a line" problem (8 floats, a label) as
+    TFRecords of Examples to url (local or hdfs://)."""
+    import numpy as np
+
+    from ember import tfrecord
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(rows, 8)).astype(np.float32)
+    tfrecord.write(url, {"x": x, "y": (x[:, 0] + x[:, 1] > 0).astype(np.int64)})
+
+
+def _read_line_records(url: str) -> Any:
+    import numpy as np
+
+    from ember import tfrecord
+
+    batches = list(tfrecord.reader(url, 4096, {"x": ("float32", (8,)), "y": "int64"}))
+    return (np.concatenate([b["x"] for b in batches]), np.concatenate([b["y"] for b in batches]))
+
+
+def keras_line_records(data_url: str, model_dir: str, epochs: int = 2) -> Any:
+    """keras_tiny's problem read from TFRecords (line_records), e.g. on HDFS."""
+    os.environ.pop("TF_USE_LEGACY_KERAS", None)
+    os.environ["KERAS_BACKEND"] = "tensorflow"
+    import keras
+
+    from ember.yarn.experiment import KerasExperiment
+
+    data = functools.lru_cache(None)(lambda: _read_line_records(data_url))
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return KerasExperiment(model, model_dir, {"epochs": epochs, "batch_size": 64},
+                           lambda: data()[0][:1536], lambda: data()[1][:1536],
+                           lambda: (data()[0][1536:], data()[1][1536:]))
+
+
 # ---------------------------------------------------------------- PyTorch
 
 def _torch_mlp() -> Any:
@@ -157,3 +198,39 @@ def torch_fmnist(epochs: int = 3, batch_size: int = 64, learning_rate: float = 2
         train_dataset=dataset,
         dataloader_args=DataLoaderArgs(batch_size=batch_size, shuffle=True, drop_last=True),
         n_workers_per_executor=n_workers_per_executor)
+
+
+def _torch_line_main(model: Any, trainloader: Any, device: str, rank: int, tb_writer: Any,
+                     data_url: str, epochs: int) -> Dict[str, Any]:
+    import torch
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for epoch in range(epochs):
+        trainloader.sampler.set_epoch(epoch)
+        for x, y in trainloader:
+            opt.zero_grad()
+            loss_fn(model(x.to(device)), y.to(device)).backward()
+            opt.step()
+    x, y = _read_line_records(data_url)
+    with torch.no_grad():
+        pred = model(torch.from_numpy(x[1536:]).to(device)).argmax(1).cpu().numpy()
+    return {"accuracy": float((pred == y[1536:]).mean())}
+
+
+def torch_line_records(data_url: str, epochs: int = 3) -> Any:
+    """keras_line_records for PyTorch: the TFRecords (e.g. on HDFS) read with
+    Ember's C reader into a TensorDataset."""
+    import torch
+
+    from ember.yarn.experiment import DataLoaderArgs, PytorchExperiment
+
+    torch.manual_seed(3)
+    x, y = _read_line_records(data_url)
+    dataset = torch.utils.data.TensorDataset(torch.from_numpy(x[:1536]),
+                                             torch.from_numpy(y[:1536]))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    return PytorchExperiment(
+        model=model,
+        main_fn=functools.partial(_torch_line_main, data_url=data_url, epochs=epochs),
+        train_dataset=dataset, dataloader_args=DataLoaderArgs(batch_size=64, shuffle=True))

@@ -16,11 +16,27 @@
  * "webhdfs://host:port/path" (and "swebhdfs://" for HTTPS) name the HTTP
  * address directly, as Hadoop's WebHdfsFileSystem does.  "hdfs:///path"
  * (no authority) needs 1 or 2.  Paths are taken literally (no %-decoding);
- * the request encodes them.  Requests carry user.name (simple
- * authentication): opts.user, else $HADOOP_USER_NAME, else the login name of
- * the effective user.  Kerberos (SPNEGO) is not supported: a NameNode that
- * asks for it yields EMBER_EAUTH.  Requests never go through an HTTP proxy
+ * the request encodes them.  Requests never go through an HTTP proxy
  * (http_proxy and friends are ignored, as by Hadoop's Java clients).
+ *
+ * Authentication.  On a cluster with simple authentication, requests carry
+ * user.name: opts.user, else $HADOOP_USER_NAME, else the login name of the
+ * effective user.  On a Kerberized one (hadoop.security.authentication=
+ * kerberos in the configuration's core-site.xml, or a NameNode answering
+ * 401 to a simple request) they authenticate to the NameNode, in this order,
+ * with:
+ *   1. the HDFS delegation token in the Hadoop token file named by
+ *      $HADOOP_TOKEN_FILE_LOCATION (what YARN gives every container and
+ *      Spark its executors), the one whose service is this NameNode's RPC
+ *      address, or the only HDFS token there is (delegation= parameter);
+ *   2. SPNEGO (ember/spnego.h) with the user's Kerberos ticket (KRB5CCNAME,
+ *      filled by kinit) or client keytab (KRB5_CLIENT_KTNAME).
+ * DataNodes are reached through the NameNode's redirects, which carry a
+ * delegation token of their own.  Bad credentials are EMBER_EAUTH at once,
+ * without retries, with what to do: no ticket (kinit), an expired ticket, a
+ * service principal the KDC does not know (a NameNode addressed by another
+ * name), a token the NameNode refused (expired or cancelled), a token file
+ * that cannot be read.
  *
  * Reading.  ember_webhdfs_open checks the path (GETFILESTATUS: it must be a
  * file) and learns its length.  Reads are served from one buffer of
@@ -37,7 +53,7 @@
  *    (FileNotFoundException: File does not exist: /data/x)"
  *   EMBER_ENOTFOUND   no such file or directory
  *   EMBER_EPERM       permission denied (AccessControlException), naming the user
- *   EMBER_EAUTH       the cluster requires Kerberos / a token
+ *   EMBER_EAUTH       Kerberos credentials missing, expired or refused
  *   EMBER_EINVAL      bad URL, a directory where a file is needed (or the
  *                     reverse), a file that already exists, a bad argument
  *   EMBER_ETIMEDOUT   connect or stall timeout (after the retries, for data)
@@ -148,6 +164,21 @@ void ember_webhdfs_list_free(ember_webhdfs_status *entries, size_t count);
 
 /* MKDIRS (with parents; existing directories are fine). */
 int ember_webhdfs_mkdirs(const char *url, const ember_webhdfs_opts *opts);
+
+/* SETPERMISSION: url's permission bits become mode (e.g. 0700; at most
+ * 01777). */
+int ember_webhdfs_set_permission(const char *url, unsigned mode, const ember_webhdfs_opts *opts);
+
+/* GETDELEGATIONTOKEN: a new HDFS delegation token of the authenticated user
+ * (Kerberos: see "Authentication" above), renewable by `renewer` (the short
+ * name of the ResourceManager's principal when YARN is to renew it), as
+ * Token.encodeToUrlString() in *token (malloc'd).  The token is of kind
+ * HDFS_DELEGATION_TOKEN with the NameNode's RPC service, as Hadoop's RPC
+ * client and YARN's localizer select tokens (WebHDFS answers with kind
+ * "WEBHDFS delegation"; identifier and password are the same).  This is
+ * what a YARN client puts in an application's launch context. */
+int ember_webhdfs_delegation_token(const char *url, const char *renewer,
+                                   const ember_webhdfs_opts *opts, char **token);
 
 /* DELETE; *deleted (may be NULL) says whether something was removed (a
  * missing path is not an error).  A non-empty directory needs recursive. */

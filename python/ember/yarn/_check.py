@@ -18,11 +18,11 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from typing import Any, Dict, List, NamedTuple, Optional
 
 from ember import hdfs
+from ember.yarn import _rest
 
 
 class Step(NamedTuple):
@@ -147,9 +147,9 @@ def check(conf_dir: Optional[str] = None, container: bool = True,
         return steps
     try:
         web = _rm_web(d)
-        with urllib.request.urlopen(f"{web}/ws/v1/cluster/nodes?states=RUNNING",
-                                    timeout=30) as r:
-            nodes = (json.load(r).get("nodes") or {}).get("node") or []
+        reply = _rest.http("GET", f"{web}/ws/v1/cluster/nodes?states=RUNNING",
+                           auth=_rest.GridAuth(d))[1]
+        nodes = (json.loads(reply).get("nodes") or {}).get("node") or []
         steps.append(Step("YARN", bool(nodes),
                           f"ResourceManager {web}: {len(nodes)} running NodeManager(s)"))
         if not nodes:

@@ -34,7 +34,6 @@ and carries its traceback and the tail of its container logs.
 
 from __future__ import annotations
 
-import getpass
 import io
 import json
 import logging
@@ -45,15 +44,14 @@ import shutil
 import socket
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
 import zipfile
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from ember import _ember, _jars, _log, hdfs
-from ember.yarn import _tracking
+from ember.yarn import _rest, _tracking
+from ember.yarn._rest import GridAuth
 from ember.yarn._specs import (Metrics, RunFailed, TaskResult, TaskSpec, parse_memory,
                                validate)
 from ember.yarn._topology import EXPERIMENT_FILE, HEARTBEAT_TIMEOUT_S, RDV_ORDER, role_of
@@ -86,90 +84,53 @@ _CONF = "ember_conf"  # the client's Hadoop configuration, unpacked in every con
 logger = logging.getLogger("ember.yarn")
 
 
-# --------------------------------------------------------------------------- HTTP
-
-def _http(method: str, url: str, body: Any = None, timeout: float = 30.0,
-          accept: str = "application/json") -> Tuple[int, bytes]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Accept": accept, "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        text = e.read().decode(errors="replace")
-        try:
-            text = json.loads(text)["RemoteException"]["message"]
-        except (ValueError, KeyError, TypeError):
-            pass
-        raise RuntimeError(f"{method} {url.split('?')[0]}: HTTP {e.code}: {text[:2000]}") from None
-    except urllib.error.URLError as e:
-        raise RuntimeError(f"{method} {url.split('?')[0]}: {e.reason}") from None
-
-
 class _ResourceManager:
-    """The ResourceManager REST API (``/ws/v1/cluster``), simple auth (``user.name``)."""
+    """The ResourceManager REST API (``/ws/v1/cluster``), authenticated as the
+    grid asks (:class:`ember.yarn._rest.GridAuth`)."""
 
-    def __init__(self, web: str, user: str) -> None:
+    def __init__(self, web: str, auth: GridAuth) -> None:
         self.web = web.rstrip("/")
-        self.user = user
+        self.auth = auth
+        self.user = auth.user
 
-    def _url(self, path: str) -> str:
-        return f"{self.web}/ws/v1/cluster{path}?" + urllib.parse.urlencode({"user.name": self.user})
+    def _call(self, method: str, path: str, body: Any = None,
+              accept: str = "application/json") -> bytes:
+        return _rest.http(method, f"{self.web}/ws/v1/cluster{path}", body, accept=accept,
+                          auth=self.auth)[1]
 
     def new_application(self) -> Dict[str, Any]:
-        return json.loads(_http("POST", self._url("/apps/new-application"))[1])
+        return json.loads(self._call("POST", "/apps/new-application"))
 
     def submit(self, context: Dict[str, Any]) -> None:
-        _http("POST", self._url("/apps"), context)
+        self._call("POST", "/apps", context)
 
     def app(self, app_id: str) -> Dict[str, Any]:
-        return json.loads(_http("GET", self._url(f"/apps/{app_id}"))[1])["app"]
+        return json.loads(self._call("GET", f"/apps/{app_id}"))["app"]
 
     def kill(self, app_id: str) -> None:
-        _http("PUT", self._url(f"/apps/{app_id}/state"), {"state": "KILLED"})
+        self._call("PUT", f"/apps/{app_id}/state", {"state": "KILLED"})
 
     def am_log_tail(self, app_id: str, nbytes: int = 4096) -> str:
         """The tail of the AM's stderr (best effort: the NodeManager may have
         aggregated and removed it already)."""
         try:
-            attempts = json.loads(_http("GET", self._url(f"/apps/{app_id}/appattempts"))[1])
+            attempts = json.loads(self._call("GET", f"/apps/{app_id}/appattempts"))
             last = attempts["appAttempts"]["appAttempt"][-1]
-            q = urllib.parse.urlencode({"size": -nbytes, "user.name": self.user})
             url = (f"http://{last['nodeHttpAddress']}/ws/v1/node/containerlogs/"
-                   f"{last['containerId']}/AppMaster.stderr?{q}")
-            return _http("GET", url, accept="text/plain")[1].decode(errors="replace")[-nbytes:]
+                   f"{last['containerId']}/AppMaster.stderr?size={-nbytes}")
+            text = _rest.http("GET", url, accept="text/plain", auth=self.auth)[1]
+            return text.decode(errors="replace")[-nbytes:]
         except Exception as e:  # logs gone, or no attempt started
             return f"(AppMaster.stderr not available: {e})"
 
 
 # --------------------------------------------------------------------------- staging
 
-def _namenodes_http(conf_dir: str) -> List[str]:
-    """The NameNodes' HTTP addresses from hdfs-site.xml (HA nameservices too)."""
-    props = hdfs._conf_props(os.path.join(conf_dir, "hdfs-site.xml"))
-    out = [props["dfs.namenode.http-address"]] if "dfs.namenode.http-address" in props else []
-    for ns in filter(None, props.get("dfs.nameservices", "").split(",")):
-        for nn in filter(None, props.get(f"dfs.ha.namenodes.{ns}", "").split(",")):
-            addr = props.get(f"dfs.namenode.http-address.{ns}.{nn.strip()}")
-            if addr:
-                out.append(addr)
-    return out
-
-
-def _set_permission(conf_dir: str, user: str, url: str, op: str, permission: str) -> None:
-    """MKDIRS or SETPERMISSION with a mode, over WebHDFS (ember.hdfs has no
-    permission argument); a standby NameNode's refusal moves on to the next."""
-    path = urllib.parse.urlparse(url).path
-    q = urllib.parse.urlencode({"op": op, "permission": permission, "user.name": user})
-    errors = []
-    for nn in _namenodes_http(conf_dir) or ["(no dfs.namenode.http-address)"]:
-        try:
-            _http("PUT", f"http://{nn}/webhdfs/v1{urllib.parse.quote(path)}?{q}")
-            return
-        except RuntimeError as e:
-            errors.append(str(e))
-    raise RuntimeError(f"WebHDFS {op} {url}: " + "; ".join(errors))
+def _private_dir(conf_dir: str, url: str) -> None:
+    """The directory url, created with mode 0700 (the staging directory holds
+    the job's secret)."""
+    _ember.hdfs_mkdirs(url, conf_dir=conf_dir)
+    _ember.hdfs_set_permission(url, 0o700, conf_dir=conf_dir)
 
 
 class _Stager:
@@ -342,8 +303,9 @@ def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskS
     if not rm_web:
         raise ValueError(f"{conf_dir}/yarn-site.xml has no yarn.resourcemanager.webapp.address "
                          "or yarn.resourcemanager.hostname")
-    user = os.environ.get("HADOOP_USER_NAME") or getpass.getuser()
-    rm = _ResourceManager(rm_web, user)
+    auth = GridAuth(conf_dir)  # on a Kerberized grid: needs a ticket or keytab now
+    user = auth.user
+    rm = _ResourceManager(rm_web, auth)
     files = dict(files or {})
     for fname in files:
         if not fname or "/" in fname or fname in (_SECRET, _PLAN, _AM_JAR, _CONF, "pyenv",
@@ -361,7 +323,7 @@ def run_on_yarn(experiment_fn: Callable[[], Any], task_specs: Mapping[str, TaskS
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
     staging = f"{fs.rstrip('/')}/user/{user}/.ember/{safe}-{uuid.uuid4().hex[:12]}"
     stager = _Stager(staging, conf_dir)
-    _set_permission(conf_dir, user, staging, "MKDIRS", "700")
+    _private_dir(conf_dir, staging)
     app_ids: List[str] = []
     failures: List[str] = []
     last: Optional[RunFailed] = None
@@ -452,7 +414,7 @@ def _attempt(rm: _ResourceManager, stager: _Stager, shared: List[Dict[str, Any]]
     try:
         adir = f"attempt-{attempt}"
         secret_url = stager.put_bytes(f"{adir}/{_SECRET}", secret)
-        _set_permission(stager.conf_dir, user, secret_url, "SETPERMISSION", "600")
+        _ember.hdfs_set_permission(secret_url, 0o600, conf_dir=stager.conf_dir)
         env = {k: str(v) for k, v in user_env.items()}  # ours below win
         env.update({
             "EMBER_YARN_RDV": f"{_client_host(rm_web)}:{server.port}",
@@ -524,19 +486,29 @@ def _submit(rm: _ResourceManager, app_id: str, name: str, queue: str, am_mb: int
                     "-Djava.net.preferIPv4Stack=true", *JAVA17_OPENS,
                     "org.ember.yarn.EmberAppMaster", _PLAN,
                     "1><LOG_DIR>/AppMaster.stdout", "2><LOG_DIR>/AppMaster.stderr"])
+    am_spec: Dict[str, Any] = {
+        "local-resources": {"entry": [
+            {"key": r["name"], "value": {"resource": r["uri"], "type": r["type"],
+                                         "visibility": "APPLICATION", "size": r["size"],
+                                         "timestamp": r["timestamp"]}}
+            for r in resources]},
+        "commands": {"command": cmd},
+        "environment": {"entry": [{"key": k, "value": v} for k, v in env.items()]},
+    }
+    if rm.auth.kerberos:
+        # Containers have no Kerberos ticket: they reach HDFS with a
+        # delegation token, obtained here (as skein and Spark do) for the
+        # ResourceManager to renew while the application runs and to cancel
+        # after it; the AM hands it on to every task (HADOOP_TOKEN_FILE_LOCATION).
+        token = _ember.hdfs_delegation_token(hdfs.default_fs(conf_dir), rm.auth.renewer(),
+                                             conf_dir=conf_dir)
+        am_spec["credentials"] = {"tokens": {"entry": [{"key": "ember-hdfs", "value": token}]},
+                                  "secrets": {"entry": []}}
     rm.submit({
         "application-id": app_id,
         "application-name": name,
         "queue": queue,
-        "am-container-spec": {
-            "local-resources": {"entry": [
-                {"key": r["name"], "value": {"resource": r["uri"], "type": r["type"],
-                                             "visibility": "APPLICATION", "size": r["size"],
-                                             "timestamp": r["timestamp"]}}
-                for r in resources]},
-            "commands": {"command": cmd},
-            "environment": {"entry": [{"key": k, "value": v} for k, v in env.items()]},
-        },
+        "am-container-spec": am_spec,
         "unmanaged-AM": False,
         # the client retries whole applications (fresh rendezvous and secret)
         "max-app-attempts": 1,

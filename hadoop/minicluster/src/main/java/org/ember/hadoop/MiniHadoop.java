@@ -4,7 +4,7 @@
  * NodeManager) in this one JVM, on 127.0.0.1.
  *
  *   java <--add-opens ...> -cp <jar>:<classpath> org.ember.hadoop.MiniHadoop \
- *        --conf-dir DIR [--work-dir DIR] [--no-yarn] [-Dkey=value ...]
+ *        --conf-dir DIR [--work-dir DIR] [--no-yarn] [--secure] [-Dkey=value ...]
  *
  * It writes a client configuration (core-site.xml, hdfs-site.xml,
  * yarn-site.xml) to --conf-dir, prints one line on stdout
@@ -17,6 +17,16 @@
  * that goes wrong before READY prints "EMBER-HADOOP FAILED <reason>" and
  * exits 1.  Logs go to stderr.  -Dkey=value options override the cluster
  * configuration (e.g. -Dyarn.nodemanager.resource.memory-mb=8192).
+ *
+ * With --secure the clusters are Kerberized (see SecureRealm): a KDC starts
+ * first, HDFS and YARN demand Kerberos on RPC and SPNEGO on their web
+ * endpoints, every address is "localhost" (the host of the HTTP/ principal),
+ * the configuration directory also holds krb5.conf and the keytabs, and the
+ * READY line adds
+ *
+ *   realm=EXAMPLE.COM kdc=localhost:P krb5conf=FILE principal=USER@REALM
+ *   keytab=FILE other_principal=alice@REALM other_keytab=FILE
+ *   token_file=FILE expired_token_file=FILE
  *
  * Everything listens on loopback only: an unauthenticated YARN reachable
  * from the network runs anyone's code.
@@ -53,7 +63,7 @@ public final class MiniHadoop {
   private static void usage(String why) {
     System.err.println("MiniHadoop: " + why);
     System.err.println("usage: MiniHadoop --conf-dir DIR [--work-dir DIR] [--no-yarn] "
-        + "[-Dkey=value ...]");
+        + "[--secure] [-Dkey=value ...]");
     System.exit(2);
   }
 
@@ -61,6 +71,7 @@ public final class MiniHadoop {
     File confDir = null;
     File workDir = null;
     boolean yarnOn = true;
+    boolean secure = false;
     Map<String, String> overrides = new TreeMap<>();
     for (int i = 0; i < args.length; i++) {
       String a = args[i];
@@ -70,6 +81,8 @@ public final class MiniHadoop {
         workDir = new File(args[++i]).getAbsoluteFile();
       } else if (a.equals("--no-yarn")) {
         yarnOn = false;
+      } else if (a.equals("--secure")) {
+        secure = true;
       } else if (a.startsWith("-D") && a.indexOf('=') > 2) {
         int eq = a.indexOf('=');
         overrides.put(a.substring(2, eq), a.substring(eq + 1));
@@ -82,6 +95,7 @@ public final class MiniHadoop {
 
     MiniDFSCluster dfs = null;
     MiniYARNCluster yarn = null;
+    SecureRealm realm = null;
     try {
       long t0 = System.nanoTime();
       if (!workDir.isDirectory() && !workDir.mkdirs())
@@ -89,8 +103,22 @@ public final class MiniHadoop {
       if (!confDir.isDirectory() && !confDir.mkdirs())
         throw new IOException("cannot create conf dir " + confDir);
 
+      // The OS user, before any Kerberos login makes the login user a service
+      String osUser = System.getProperty("user.name");
+      String host = LOOPBACK;
+      if (secure) {
+        realm = SecureRealm.start(new File(workDir, "kdc"), osUser);
+        host = SecureRealm.HOST;
+        log(String.format("KDC up for %s at %s:%d in %.1fs", realm.realm, SecureRealm.HOST,
+            realm.kdc.getPort(), secs(t0)));
+      }
+
       // ---------------------------------------------------------------- HDFS
       Configuration conf = new Configuration();
+      if (realm != null) {
+        realm.configureServers(conf);
+        UserGroupInformation.setConfiguration(conf);
+      }
       conf.set("hadoop.tmp.dir", new File(workDir, "tmp").getPath());
       conf.set(MiniDFSCluster.HDFS_MINIDFS_BASEDIR, new File(workDir, "dfs").getPath());
       conf.setBoolean("dfs.webhdfs.enabled", true);
@@ -116,13 +144,13 @@ public final class MiniHadoop {
       dfs.waitActive();
       int nnPort = dfs.getNameNodePort();
       InetSocketAddress nnHttp = dfs.getNameNode().getHttpAddress();
-      String fsUri = "hdfs://" + LOOPBACK + ":" + nnPort;
-      String webhdfs = "http://" + LOOPBACK + ":" + nnHttp.getPort();
+      String fsUri = "hdfs://" + host + ":" + nnPort;
+      String webhdfs = "http://" + host + ":" + nnHttp.getPort();
 
       // Directories every Hadoop client expects: a world-writable /tmp
       // (sticky, as on real grids) and the current user's home, where YARN
       // clients stage their files.
-      String user = UserGroupInformation.getCurrentUser().getShortUserName();
+      String user = secure ? osUser : UserGroupInformation.getCurrentUser().getShortUserName();
       FileSystem fs = dfs.getFileSystem();
       fs.mkdirs(new Path("/tmp"));
       fs.setPermission(new Path("/tmp"), new FsPermission((short) 01777));
@@ -183,8 +211,8 @@ public final class MiniHadoop {
               + "); the RM REST API will answer with the NodeManager's pages");
         }
         live.set(YarnConfiguration.RM_WEBAPP_ADDRESS, LOOPBACK + ":" + rmWebPort);
-        rm = LOOPBACK + ":" + portOf(live.get(YarnConfiguration.RM_ADDRESS));
-        rmWeb = "http://" + LOOPBACK + ":" + rmWebPort;
+        rm = host + ":" + portOf(live.get(YarnConfiguration.RM_ADDRESS));
+        rmWeb = "http://" + host + ":" + rmWebPort;
         clientYarn = live;
         InetAddress local = InetAddress.getLocalHost();
         if (!local.isLoopbackAddress())
@@ -194,12 +222,23 @@ public final class MiniHadoop {
         log(String.format("YARN up: RM %s (web %s) in %.1fs", rm, rmWeb, secs(t0)));
       }
 
-      writeClientConf(confDir, dfs.getConfiguration(0), clientYarn, fsUri, nnPort,
-          nnHttp.getPort());
+      writeClientConf(confDir, dfs.getConfiguration(0), clientYarn, fsUri, host, nnPort,
+          nnHttp.getPort(), realm);
+      String kerberos = "";
+      if (realm != null) {
+        File krb5 = realm.writeClientKrb5Conf(confDir);
+        kerberos = " realm=" + realm.realm + " kdc=" + SecureRealm.HOST + ":" + realm.kdc.getPort()
+            + " krb5conf=" + krb5.getPath() + " principal=" + realm.userPrincipal
+            + " keytab=" + realm.userKeytab.getPath() + " other_principal="
+            + realm.otherUserPrincipal + " other_keytab=" + realm.otherUserKeytab.getPath();
+        File[] tokens = realm.writeTokenFiles(dfs, fsUri, user, confDir);
+        kerberos += " token_file=" + tokens[0].getPath() + " expired_token_file="
+            + tokens[1].getPath();
+      }
 
       System.out.println("EMBER-HADOOP READY fs=" + fsUri + " webhdfs=" + webhdfs
           + " rm=" + rm + " rm_web=" + rmWeb + " conf=" + confDir.getPath()
-          + " user=" + user);
+          + " user=" + user + kerberos);
       System.out.flush();
 
       // Run until the parent closes our stdin (or dies, which closes it).
@@ -213,17 +252,17 @@ public final class MiniHadoop {
       System.out.println("EMBER-HADOOP FAILED " + t.toString().replace('\n', ' '));
       System.out.flush();
       t.printStackTrace();
-      stopQuietly(yarn, dfs);
+      stopQuietly(yarn, dfs, realm);
       System.exit(1);
     }
-    stopQuietly(yarn, dfs);
+    stopQuietly(yarn, dfs, realm);
     System.out.println("EMBER-HADOOP STOPPED");
     System.out.flush();
     // Hadoop leaves non-daemon threads (metrics, IPC) behind after stop().
     System.exit(0);
   }
 
-  private static void stopQuietly(MiniYARNCluster yarn, MiniDFSCluster dfs) {
+  private static void stopQuietly(MiniYARNCluster yarn, MiniDFSCluster dfs, SecureRealm realm) {
     if (yarn != null) {
       try {
         yarn.stop();
@@ -238,6 +277,7 @@ public final class MiniHadoop {
         log("stopping HDFS: " + t);
       }
     }
+    if (realm != null) realm.stop();
   }
 
   private static int portOf(String hostPort) {
@@ -258,15 +298,24 @@ public final class MiniHadoop {
    * as Spark's YARN suite writes the whole live config.
    */
   private static void writeClientConf(File dir, Configuration dfsConf, Configuration yarnConf,
-      String fsUri, int nnPort, int nnHttpPort) throws IOException {
+      String fsUri, String host, int nnPort, int nnHttpPort, SecureRealm realm)
+      throws IOException {
     Configuration core = new Configuration(false);
     core.set("fs.defaultFS", fsUri);
     core.set("hadoop.security.authentication", "simple");
+    if (realm != null) {
+      core.set("hadoop.security.authentication", "kerberos");
+      core.set("hadoop.http.authentication.type", "kerberos");
+    }
     write(core, new File(dir, "core-site.xml"));
 
     Configuration hdfs = new Configuration(false);
-    hdfs.set("dfs.namenode.rpc-address", LOOPBACK + ":" + nnPort);
-    hdfs.set("dfs.namenode.http-address", LOOPBACK + ":" + nnHttpPort);
+    hdfs.set("dfs.namenode.rpc-address", host + ":" + nnPort);
+    hdfs.set("dfs.namenode.http-address", host + ":" + nnHttpPort);
+    if (realm != null) {
+      hdfs.set("dfs.namenode.kerberos.principal", realm.servicePrincipal);
+      hdfs.set("dfs.block.access.token.enable", "true");
+    }
     hdfs.set("dfs.webhdfs.enabled", "true");
     hdfs.set("dfs.replication", "1");
     hdfs.set("dfs.blocksize", dfsConf.get("dfs.blocksize"));
@@ -281,10 +330,10 @@ public final class MiniHadoop {
       for (String k : keys) {
         String v = yarnConf.get(k);
         if (k.startsWith("yarn.resourcemanager.") && k.endsWith("address") && portOf(v) > 0)
-          v = LOOPBACK + ":" + portOf(v);
+          v = host + ":" + portOf(v);
         y.set(k, v);
       }
-      y.set("yarn.resourcemanager.hostname", LOOPBACK);
+      y.set("yarn.resourcemanager.hostname", host);
     }
     write(y, new File(dir, "yarn-site.xml"));
   }

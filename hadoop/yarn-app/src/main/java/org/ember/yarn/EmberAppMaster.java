@@ -42,6 +42,7 @@ import java.io.OutputStream;
 import java.net.HttpURLConnection;
 import java.net.URI;
 import java.net.URLEncoder;
+import java.nio.ByteBuffer;
 import java.nio.charset.StandardCharsets;
 import java.util.ArrayDeque;
 import java.util.ArrayList;
@@ -61,6 +62,11 @@ import com.fasterxml.jackson.databind.node.ObjectNode;
 import org.apache.hadoop.conf.Configuration;
 import org.apache.hadoop.fs.FileSystem;
 import org.apache.hadoop.fs.Path;
+import org.apache.hadoop.io.DataOutputBuffer;
+import org.apache.hadoop.security.Credentials;
+import org.apache.hadoop.security.UserGroupInformation;
+import org.apache.hadoop.security.token.Token;
+import org.apache.hadoop.security.token.TokenIdentifier;
 import org.apache.hadoop.yarn.api.ApplicationConstants;
 import org.apache.hadoop.yarn.api.records.Container;
 import org.apache.hadoop.yarn.api.records.ContainerExitStatus;
@@ -80,6 +86,7 @@ import org.apache.hadoop.yarn.client.api.AMRMClient.ContainerRequest;
 import org.apache.hadoop.yarn.client.api.async.AMRMClientAsync;
 import org.apache.hadoop.yarn.client.api.async.NMClientAsync;
 import org.apache.hadoop.yarn.conf.YarnConfiguration;
+import org.apache.hadoop.yarn.security.AMRMTokenIdentifier;
 
 public final class EmberAppMaster {
   /* chief, workers and evaluator decide the outcome; ps and tensorboard serve them */
@@ -118,6 +125,7 @@ public final class EmberAppMaster {
   private final List<Task> tasks = new ArrayList<>();
   private final Map<String, LocalResource> resources = new HashMap<>();
   private final CountDownLatch finished = new CountDownLatch(1);
+  private ByteBuffer taskTokens;
   private AMRMClientAsync<ContainerRequest> rm;
   private NMClientAsync nm;
   private int deciding; // chief/worker/evaluator tasks not yet exited 0
@@ -149,6 +157,7 @@ public final class EmberAppMaster {
           LocalResourceVisibility.APPLICATION, r.get("size").asLong(),
           r.get("timestamp").asLong()));
     }
+    taskTokens = tokensForTasks();
     rm = AMRMClientAsync.createAMRMClientAsync(1000, new RmCallbacks());
     rm.init(conf);
     rm.start();
@@ -207,7 +216,26 @@ public final class EmberAppMaster {
         + " 1>" + ApplicationConstants.LOG_DIR_EXPANSION_VAR + "/stdout"
         + " 2>" + ApplicationConstants.LOG_DIR_EXPANSION_VAR + "/stderr";
     return ContainerLaunchContext.newInstance(new HashMap<>(resources), env, List.of(cmd),
-        null, null, null);
+        null, taskTokens == null ? null : taskTokens.duplicate(), null);
+  }
+
+  /*
+   * The tokens a task container gets: on a Kerberized grid the client's
+   * HDFS delegation token (the tasks have no Kerberos ticket), everything
+   * this AM was given except its own ResourceManager token, as YARN's
+   * DistributedShell does.  null on a simple grid.
+   */
+  private static ByteBuffer tokensForTasks() throws IOException {
+    if (!UserGroupInformation.isSecurityEnabled()) return null;
+    Credentials mine = UserGroupInformation.getCurrentUser().getCredentials();
+    Credentials theirs = new Credentials();
+    for (Token<? extends TokenIdentifier> t : mine.getAllTokens()) {
+      if (!AMRMTokenIdentifier.KIND_NAME.equals(t.getKind())) theirs.addToken(t.getService(), t);
+    }
+    DataOutputBuffer out = new DataOutputBuffer();
+    theirs.writeTokenStorageToStream(out);
+    log("tasks get " + theirs.numberOfTokens() + " token(s)");
+    return ByteBuffer.wrap(out.getData(), 0, out.getLength());
   }
 
   private final class RmCallbacks extends AMRMClientAsync.AbstractCallbackHandler {
