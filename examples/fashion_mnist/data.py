@@ -169,11 +169,19 @@ def to_csv(sc, images, labels, out_dir, num_partitions, overwrite=True):
     (one part-NNNNN file per partition) under out_dir.  Returns the record count."""
     import shutil
 
-    local = _local_path(out_dir)
-    if os.path.exists(local):
-        if not overwrite:
-            raise FileExistsError(f"{out_dir} exists")
-        shutil.rmtree(local)
+    from ember import hdfs
+
+    if hdfs.is_hdfs(out_dir):  # Spark writes it; Ember's client clears it first
+        if hdfs.exists(out_dir):
+            if not overwrite:
+                raise FileExistsError(f"{out_dir} exists")
+            hdfs.delete(out_dir, recursive=True)
+    else:
+        local = _local_path(out_dir)
+        if os.path.exists(local):
+            if not overwrite:
+                raise FileExistsError(f"{out_dir} exists")
+            shutil.rmtree(local)
     chunks = _chunks(images, labels, num_partitions)
     sc.parallelize(chunks, len(chunks)).flatMap(_csv_lines).saveAsTextFile(out_dir)
     return int(sum(c[2].shape[0] for c in chunks))
@@ -230,8 +238,14 @@ def to_tfrecords(sc, images, labels, out_dir, num_partitions, overwrite=True):
 
 def tfrecord_files(data_dir, split):
     """Sorted TFRecord files of a split written by to_tfrecords under
-    data_dir/tfrecords/{train,test}."""
+    data_dir/tfrecords/{train,test} (data_dir local or hdfs://)."""
+    from ember import hdfs
+
     d = os.path.join(data_dir, "tfrecords", split)
+    if hdfs.is_hdfs(d):
+        if not hdfs.exists(d):
+            return []
+        return sorted(hdfs.join(d, n) for n in hdfs.listdir(d) if n.endswith(".tfrecord"))
     if not os.path.isdir(d):
         return []
     return sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".tfrecord"))

@@ -57,6 +57,11 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
                    help="TensorFlow intra/inter-op threads per node "
                         "(0 = cores / num-executors, so nodes do not oversubscribe)")
     p.add_argument("--work-dir", dest="work_dir", default="out/fashion_mnist")
+    p.add_argument("--data-dir", dest="data_dir", default="",
+                   help="where the CSV and TFRecord data go: a local directory (default "
+                        "WORK_DIR/data) or an hdfs:// URL (the trainers read it through "
+                        "Ember's WebHDFS client; a Kerberized grid works with a ticket or "
+                        "the delegation tokens Spark hands its executors)")
     p.add_argument("--train-limit", dest="train_limit", type=int, default=0,
                    help="use only the first N training images (0 = all 60,000)")
     p.add_argument("--test-limit", dest="test_limit", type=int, default=0)
@@ -200,7 +205,9 @@ def main(argv: Any = None) -> int:
                         level=logging.WARNING)
     logging.getLogger("ember").setLevel(logging.INFO)
     args.work_dir = os.path.abspath(args.work_dir)
-    args.data_dir = os.path.join(args.work_dir, "data")
+    args.data_dir = args.data_dir or os.path.join(args.work_dir, "data")
+    if args.data_dir.startswith("hdfs://") and "stream" in args.modes:
+        raise SystemExit("--modes stream reads a local --data-dir (its file stream copies files)")
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.num_executors)
     args.intra_op_threads = args.inter_op_threads = threads
     from pyspark.sql import SparkSession

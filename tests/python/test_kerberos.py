@@ -11,6 +11,7 @@ credentials are named, with what to do, within 2 seconds.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import Dict, Iterator
 
@@ -223,3 +224,66 @@ def test_run_on_yarn_pytorch_reads_hdfs_tfrecords_on_a_kerberized_grid(
     a, b = m["worker:0"].metrics, m["worker:1"].metrics
     assert a["kind"] == "pytorch" and (a["rank"], b["rank"]) == (0, 1)
     assert a["metrics"]["accuracy"] > 0.9, a
+
+
+# ---------------------------------------------------------------- Spark on YARN
+
+def test_main_job_on_spark_on_kerberized_yarn_reads_its_data_from_hdfs(
+        grid: KerberizedHadoop, tmp_path) -> None:
+    """The main job (examples/fashion_mnist/main.py) submitted to the
+    Kerberized YARN from a gateway, its data on HDFS, in both input modes:
+    Spark logs in from the user's keytab and hands its executors HDFS
+    delegation tokens; Ember's nodes in the executors' containers read the
+    TFRecords (InputMode.TENSORFLOW) and the executors write them, with those
+    tokens; the driver's own HDFS calls use the user's ticket.  Its own
+    process: a YARN driver cannot share the test session's local Spark."""
+    import subprocess
+    import sys
+
+    import pyspark
+
+    from hadoop_fixture import REPO
+
+    ccache = os.environ["KRB5CCNAME"][len("FILE:"):]
+    _kinit(grid)
+    assert not os.path.exists(f"/tmp/krb5cc_{os.getuid()}")  # containers: tokens only
+    java_home = os.path.dirname(os.path.dirname(os.path.realpath(shutil.which("java") or "")))
+    krb5 = f"-Djava.security.krb5.conf={grid.krb5_conf}"
+    data_dir = f"{grid.fs}/user/{grid.user}/fashion-mnist"
+    conf = {
+        "spark.submit.deployMode": "client",
+        "spark.kerberos.principal": grid.principal,
+        "spark.kerberos.keytab": grid.keytab,
+        "spark.kerberos.access.hadoopFileSystems": grid.fs,
+        "spark.driver.extraJavaOptions": krb5,
+        "spark.yarn.am.extraJavaOptions": krb5,
+        "spark.executor.extraJavaOptions": krb5,
+        "spark.executor.instances": "2", "spark.executor.cores": "1",
+        "spark.executor.memory": "512m", "spark.executor.memoryOverhead": "1536m",
+        "spark.yarn.am.memory": "512m", "spark.yarn.maxAppAttempts": "1",
+        "spark.yarn.jars": f"local:{os.path.dirname(pyspark.__file__)}/jars/*",
+        "spark.yarn.appMasterEnv.JAVA_HOME": java_home,
+        "spark.executorEnv.JAVA_HOME": java_home,
+        "spark.pyspark.python": sys.executable,
+        "spark.executorEnv.PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "python")]),
+        "spark.executorEnv.HADOOP_CONF_DIR": grid.conf_dir,
+        "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+        "spark.scheduler.maxRegisteredResourcesWaitingTime": "300s",
+    }
+    cmd = [sys.executable, "-m", "examples.fashion_mnist.main", "--master", "yarn",
+           "--modes", "spark,tensorflow", "--epochs", "2", "--train-limit", "6000",
+           "--test-limit", "1000", "--partitions", "4", "--require-accuracy", "0.7",
+           "--work-dir", str(tmp_path / "work"), "--data-dir", data_dir,
+           *(f"--conf={k}={v}" for k, v in conf.items())]
+    env = dict(os.environ, **grid.client_env(ccache), PYSPARK_PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "python")]))
+    p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=900)
+    print(p.stdout[-5000:])
+    assert p.returncode == 0, p.stdout[-5000:]
+    results = [line for line in p.stdout.splitlines() if line.startswith("RESULT demo")]
+    assert [r.split()[2] for r in results] == ["mode=spark", "mode=tensorflow"], results
+    # the data is on HDFS, written by the executors with their tokens
+    parts = hdfs.listdir(data_dir + "/tfrecords/train")
+    assert len([n for n in parts if n.endswith(".tfrecord")]) == 4
+    assert hdfs.stat(data_dir + "/csv/train")["owner"] == grid.user
