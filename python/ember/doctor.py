@@ -49,7 +49,8 @@ def check_extension() -> Check:
         from ember import _ember
     except ImportError as e:
         return Check(FAIL, "C extension", str(e), "reinstall Ember (pip install ember / "
-                     "`make build` in a checkout); it needs libcrypto, zlib and libcurl")
+                     "`make build` in a checkout); it needs libcrypto, zlib, libcurl and "
+                     "MIT Kerberos (libgssapi_krb5)")
     return Check(OK, "C extension", f"{_ember.__version__}, built by {_ember.COMPILER}, "
                  f"{_ember.__file__}")
 
@@ -134,8 +135,23 @@ def check_hadoop() -> Check:
     if missing:
         return Check(WARN, "Hadoop", f"HADOOP_CONF_DIR={conf} lacks {', '.join(missing)}",
                      "point HADOOP_CONF_DIR at the cluster's client configuration")
-    return Check(OK, "Hadoop", f"HADOOP_CONF_DIR={conf}, fs.defaultFS={hdfs.default_fs(conf)}"
-                 " (`ember yarn check` tests the cluster itself)")
+    where = f"HADOOP_CONF_DIR={conf}, fs.defaultFS={hdfs.default_fs(conf)}"
+    core = hdfs._conf_props(os.path.join(conf, "core-site.xml"))
+    if core.get("hadoop.security.authentication", "simple").lower() == "kerberos":
+        from ember import _ember
+
+        tokens = os.environ.get("HADOOP_TOKEN_FILE_LOCATION")
+        principal = _ember.kerberos_principal()
+        if principal:
+            where += f", Kerberos as {principal}"
+        elif tokens:
+            where += f", Kerberos through the delegation tokens in {tokens}"
+        else:
+            return Check(WARN, "Hadoop", f"{where}: the grid is Kerberized and this process "
+                         "has no Kerberos ticket, keytab or delegation token",
+                         "kinit <you>@<REALM> (or kinit -kt <keytab> <principal>, or "
+                         "KRB5_CLIENT_KTNAME=<keytab>)")
+    return Check(OK, "Hadoop", where + " (`ember yarn check` tests the cluster itself)")
 
 
 def run_checks() -> List[Check]:

@@ -164,6 +164,16 @@ def test_bad_delegation_tokens_are_named_with_what_to_do(
     assert "missing.tokens" in str(err)
 
 
+def test_ember_doctor_says_whether_kerberos_credentials_are_there(grid: KerberizedHadoop) -> None:
+    from ember import doctor
+
+    check = doctor.check_hadoop()
+    assert check.status == doctor.WARN and "kinit" in check.fix, check
+    _kinit(grid)
+    check = doctor.check_hadoop()
+    assert check.status == doctor.OK and f"Kerberos as {grid.principal}" in check.detail, check
+
+
 # ---------------------------------------------------------------- run_on_yarn
 
 def _on_yarn(grid: KerberizedHadoop, monkeypatch: pytest.MonkeyPatch) -> Dict[str, str]:
