@@ -1,7 +1,9 @@
 """hdfs:// paths through Ember's Python API, against the mini HDFS: ember.hdfs
 (rename, upload/download, Mirror, glob, default_fs/qualify), ember.tfrecord
 (write/reader/list_files/inspect/detect_compression, and Spark save/load),
-ctx.absolute_path.  Everything goes through libember's WebHDFS client."""
+ctx.absolute_path, and Spark ML inference on models in HDFS (EmberModel's
+ExportDir, TFModel's checkpoint ModelDir, the per-host model cache).
+Everything goes through libember's WebHDFS client."""
 
 from __future__ import annotations
 
@@ -179,3 +181,167 @@ def test_tfrecord_save_load_hdfs_with_spark(hconf: HadoopCluster, local_spark) -
     assert tfr.save(df.limit(10), url, mode="overwrite", compression="gzip") == 10
     assert [n for n in hdfs.listdir(url) if n.startswith("part-")] \
         and all(n.endswith(".gz") for n in hdfs.listdir(url) if n.startswith("part-"))
+
+
+# --------------------------------------------------------------------------- models on HDFS
+
+def _tiny_savedmodel(tf, scale: float) -> object:
+    """y = x @ [1, 2] * scale for x float32 [None, 2]: one tf.function, so
+    tf.saved_model.save makes it the serving_default signature (x -> y)."""
+
+    class Tiny(tf.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = tf.Variable(np.array([[1.0], [2.0]], np.float32) * scale)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.float32, name="x")])
+        def serve(self, x):
+            return {"y": tf.matmul(x, self.w)[:, 0]}
+
+    return Tiny()
+
+
+def _xy_frame(spark, n: int = 40):
+    x = np.arange(2 * n, dtype=np.float32).reshape(n, 2) / 10.0
+    df = spark.createDataFrame([(i, x[i].tolist()) for i in range(n)],
+                               "id long, x array<float>").coalesce(1)
+    return df, x
+
+
+def _ys(df) -> np.ndarray:
+    return np.array([r["y"] for r in sorted(df.collect(), key=lambda r: r["id"])])
+
+
+def _forget_cached(url: str) -> None:
+    """Removes this host's cached copies of ``url`` (the test's own model)."""
+    import shutil
+
+    from ember.ml import _model_files
+
+    shutil.rmtree(_model_files.cache_dir(url), ignore_errors=True)
+
+
+def test_ember_model_with_hdfs_export_dir(local_spark, hconf: HadoopCluster, tmp_path) -> None:
+    """EmberModel reads a SavedModel from hdfs:// as from a local directory (the
+    executors find the NameNode through the driver's HADOOP_CONF_DIR), from one
+    cached copy per version; a model rewritten on HDFS is picked up, a missing
+    one and an unreachable NameNode are named."""
+    tf = pytest.importorskip("tensorflow")
+    from ember.compat.tfos import compat
+    from ember.errors import EmberError
+    from ember.ml import EmberEstimator, EmberModel, ModelInputError, _model_files
+
+    url = _url(hconf, "export")
+    local = str(tmp_path / "export")
+    compat.export_saved_model(_tiny_savedmodel(tf, 1.0), local, is_chief=True)
+    hdfs.upload(local, url)
+    df, x = _xy_frame(local_spark)
+
+    def model(path: str) -> EmberModel:
+        return EmberModel().setExportDir(path).setInputMapping({"x": "x"}) \
+            .setOutputMapping({"y": "y"})
+
+    try:
+        want = x @ np.array([1.0, 2.0], np.float32)
+        # a Python worker (mapInArrow), as for the local directory, and the
+        # direct path's worker process
+        from_hdfs = _ys(model(url).setArrowPath("mapInArrow").transform(df))
+        np.testing.assert_allclose(from_hdfs, want, rtol=1e-6)
+        np.testing.assert_array_equal(
+            _ys(model(local).setArrowPath("mapInArrow").transform(df)), from_hdfs)
+        np.testing.assert_array_equal(_ys(model(url).transform(df)), from_hdfs)
+        base = _model_files.cache_dir(url)
+        assert len(os.listdir(base)) == 1  # one version, copied once for the whole host
+        # fit()'s model of an hdfs:// export: the signature's inputs, read there
+        made = (EmberEstimator(lambda args, ctx: None).setExportDir(url)
+                .setInputMapping({"x": "x", "label": "label"}))._make_model({})
+        assert isinstance(made, EmberModel) and made.getInputMapping() == {"x": "x"}
+
+        # the estimator side: TFoS's export call uploads to an hdfs:// export dir
+        compat.export_saved_model(_tiny_savedmodel(tf, 3.0), url, is_chief=True)
+        np.testing.assert_allclose(_ys(model(url).setArrowPath("mapInArrow").transform(df)),
+                                   3 * want, rtol=1e-6)
+        assert len(os.listdir(base)) == 2  # the first is kept while it may be in use
+        assert not [n for n in os.listdir(base) if n.startswith(".tmp")]
+
+        with pytest.raises(ModelInputError, match=f"ExportDir '{url}-missing' holds no "
+                                                  "SavedModel"):
+            model(url + "-missing").transform(df)
+        with pytest.raises(EmberError, match=r"ExportDir 'webhdfs://127.0.0.1:1/m': cannot "
+                                             r"read it from HDFS \(set HADOOP_CONF_DIR"):
+            model("webhdfs://127.0.0.1:1/m").transform(df)
+    finally:
+        _forget_cached(url)
+
+
+def test_concurrent_copies_of_one_model(hconf: HadoopCluster, tmp_path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python workers of one host copying the same model at once (threads here,
+    started together; the copies run in C without the GIL): each downloads to
+    its own temporary directory, one rename wins, everybody uses that copy."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ember.ml import _model_files
+
+    monkeypatch.setenv("EMBER_MODEL_CACHE", str(tmp_path / "cache"))
+    url = _url(hconf, "race")
+    src = tmp_path / "model"
+    (src / "variables").mkdir(parents=True)
+    (src / "saved_model.pb").write_bytes(b"pb")
+    data = src / "variables" / "variables.data-00000-of-00001"
+    data.write_bytes(os.urandom(4 << 20))
+    hdfs.upload(str(src), url)
+    start = threading.Barrier(4)
+
+    def load(_: int):
+        start.wait()
+        return _model_files.saved_model(url)
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(load, range(4)))
+    assert len({p for p, _ in got}) == 1 and len({s for _, s in got}) == 1
+    path = got[0][0]
+    with open(os.path.join(path, "variables", data.name), "rb") as f:
+        assert f.read() == data.read_bytes()
+    assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]  # no temp dir left
+
+
+def test_tfmodel_with_hdfs_model_dir_checkpoint(local_spark, hconf: HadoopCluster,
+                                                tmp_path) -> None:
+    """TensorFlowOnSpark's TFModel on a TF1 checkpoint in an hdfs:// ModelDir
+    (its 'checkpoint' file names the prefix by the absolute local path the
+    Saver wrote); a newer checkpoint uploaded there is picked up."""
+    tf = pytest.importorskip("tensorflow")
+    from ember.compat.tfos.pipeline import TFModel
+    from ember.ml import ModelInputError
+
+    url = _url(hconf, "ckpt")
+
+    def checkpoint(scale: float, step: int) -> None:
+        g = tf.Graph()
+        with g.as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [None, 2], name="x")
+            w = tf.compat.v1.get_variable(
+                "w", initializer=tf.constant(np.array([[1.0], [2.0]], np.float32) * scale))
+            tf.identity(tf.matmul(x, w)[:, 0], name="y")
+            with tf.compat.v1.Session(graph=g) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                tf.compat.v1.train.Saver().save(sess, str(tmp_path / "ckpt" / "model"),
+                                                global_step=step)
+        hdfs.upload(str(tmp_path / "ckpt"), url)
+
+    checkpoint(1.0, 3)
+    assert str(tmp_path) in hdfs.read_bytes(url + "/checkpoint").decode()  # an absolute path
+    df, x = _xy_frame(local_spark)
+    model = TFModel().setModelDir(url).setInputMapping({"x": "x"}).setOutputMapping({"y": "y"}) \
+        .setArrowPath("mapInArrow")
+    want = x @ np.array([1.0, 2.0], np.float32)
+    try:
+        np.testing.assert_allclose(_ys(model.transform(df)), want, rtol=1e-6)
+        checkpoint(2.0, 4)
+        np.testing.assert_allclose(_ys(model.transform(df)), 2 * want, rtol=1e-6)
+        with pytest.raises(ModelInputError, match=f"ModelDir '{url}-none' holds no checkpoint"):
+            model.setModelDir(url + "-none").transform(df)
+    finally:
+        _forget_cached(url)

@@ -108,6 +108,39 @@ def _small_frame(spark, n=400, parts=3):
     return df, x.astype(np.float64).astype(np.float32)
 
 
+def test_torchscript_export_dir_on_hdfs(local_spark, hadoop_cluster, monkeypatch, tmp_path):
+    """save_torchscript to an hdfs:// ExportDir (written locally, uploaded), the
+    Estimator's model of it, and EmberTorchModel reading it there (the
+    executors copy the archive once per version; they find the NameNode through
+    the driver's HADOOP_CONF_DIR)."""
+    import shutil
+    import uuid
+
+    from ember.ml import _model_files
+
+    monkeypatch.setenv("HADOOP_CONF_DIR", hadoop_cluster.conf_dir)
+    monkeypatch.setenv("HADOOP_USER_NAME", hadoop_cluster.user)
+    url = hadoop_cluster.hdfs_url(f"/test-ml-torch/export-{uuid.uuid4().hex[:8]}")
+    archive = save_torchscript(TupleOut(), url, method="trace",
+                               example_inputs=(torch.zeros(3, 4),))
+    assert archive == url + "/model.pt"
+    made = (EmberEstimator(ml_torchfuns.train_fn, {}).setExportDir(url)
+            .setInputMapping({"feats": "x", "label": "label"}))._make_model({})
+    assert isinstance(made, EmberTorchModel) and made.getInputMapping() == {"feats": "x"}
+    df, x = _small_frame(local_spark, n=100, parts=1)
+    try:
+        for path in (url, archive):  # the directory, or the archive itself
+            m = (TorchModel().setExportDir(path).setInputMapping({"feats": "x"})
+                 .setOutputMapping({"0": "y"}).setArrowPath("mapInArrow"))
+            rows = sorted(m.transform(df).collect(), key=lambda r: r["id"])
+            ids = np.array([r["id"] for r in rows])
+            np.testing.assert_allclose(np.array([r["y"] for r in rows]), x[ids] @ W, rtol=1e-5)
+        with pytest.raises(ModelInputError, match=f"ExportDir '{url}-none' holds no TorchScript"):
+            m.setExportDir(url + "-none").transform(df)
+    finally:  # this host's copy of the test's archive
+        shutil.rmtree(_model_files.cache_dir(archive), ignore_errors=True)
+
+
 @pytest.mark.parametrize("path", ["udf", "mapInArrow"])
 def test_dict_outputs_by_name_and_position(local_spark, modules, path):
     df, x = _small_frame(local_spark)

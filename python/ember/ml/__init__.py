@@ -24,6 +24,11 @@ in under its snake_case name (``batch_size``, ``epochs``, ``steps``,
 through ``mapInArrow``: the model is loaded once per worker process and
 reused by all its tasks; columns become numpy arrays without a Python object
 per value; the output columns get Spark types from the model's outputs.
+
+ExportDir and ModelDir may be ``hdfs://`` or ``webhdfs://`` URLs (the
+NameNode from ``HADOOP_CONF_DIR``; executors without it take the driver's):
+the driver and each executor host copy the model once per version into a
+local cache (:mod:`ember.ml._model_files`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Union, cast
 
@@ -41,7 +47,8 @@ from pyspark.ml.util import (DefaultParamsReadable, DefaultParamsReader, Default
                              MLReadable, MLWritable)
 
 from ember import _gpu, _log, tensors
-from ember.ml import _direct, _runtime, _torch
+from ember.errors import EmberError
+from ember.ml import _direct, _model_files, _runtime, _torch
 from ember.ml._params import (HasArrowPath, HasBatchSize, HasClusterSize, HasDriverPSNodes,
                               HasEpochs, HasExportDir, HasGpusPerNode, HasGraceSecs,
                               HasInputMapping, HasInputMode, HasMasterNode, HasMaxRestarts,
@@ -241,8 +248,9 @@ class EmberEstimator(Estimator, _EmberParams, _Persist, HasInputMapping, HasOutp
             cluster._track_end("FAILED", exc)
             raise
         export = self.getExportDir()
-        if export:
-            cluster.log_artifacts(export, "model")
+        local = _artifact_dir(export) if export and cluster._mlflow is not None else None
+        if local:
+            cluster.log_artifacts(local, "model")
         cluster._track_end("FINISHED")
         return model
 
@@ -271,7 +279,7 @@ class EmberEstimator(Estimator, _EmberParams, _Persist, HasInputMapping, HasOutp
             try:
                 mg = _runtime._meta_graph(export, _tags(self.getTagSet()))
                 sig = mg.signature_def.get(self.getSignatureDefKey())
-            except (ModelInputError, OSError) as exc:
+            except (EmberError, OSError) as exc:  # ModelInputError too
                 logger.info(f"the model keeps the whole InputMapping: signature "
                             f"{self.getSignatureDefKey()!r} of {export} could not be read "
                             f"({exc})")
@@ -299,6 +307,21 @@ class EmberEstimator(Estimator, _EmberParams, _Persist, HasInputMapping, HasOutp
         if dropped:
             logger.info(_not_fed(dropped, f"forward() of {path}", "argument"))
         return model.setInputMapping(mapping)
+
+
+def _artifact_dir(export: str) -> Optional[str]:
+    """What MLflow uploads as the model: ExportDir, or, on HDFS, this host's
+    copy of it (MLflow reads local files only); None if there is none."""
+    if not _model_files.is_remote(export):
+        return export
+    try:
+        archive = _torch.torchscript_file(export)
+        if archive:
+            return os.path.dirname(_model_files.model_file(archive)[0])
+        return _model_files.saved_model(export)[0]
+    except (EmberError, OSError) as exc:
+        logger.warning(f"not logging {export} as an artifact: {exc}")
+        return None
 
 
 def _not_fed(dropped: Dict[str, str], of: str, what: str) -> str:
@@ -333,6 +356,14 @@ class _ArrowInference(Model, _EmberParams, _Persist, HasInputMapping, HasOutputM
 
     def _inference_spec(self, dataset: Any) -> Dict[str, Any]:
         raise NotImplementedError
+
+    @staticmethod
+    def _hadoop_conf(*paths: Optional[str]) -> Optional[str]:
+        """The driver's HADOOP_CONF_DIR for the executors when a model path is on
+        HDFS (they use it where they have none of their own), else None."""
+        if any(_model_files.is_remote(p) for p in paths):
+            return os.environ.get("HADOOP_CONF_DIR")
+        return None
 
     def _check_mappings(self, dataset: Any) -> tuple:
         """(sorted input columns, sorted output keys), after the checks every
@@ -514,7 +545,8 @@ class EmberModel(_ArrowInference, HasModelDir, HasSignatureDefKey, HasTagSet):
         spec = dict(export_dir=export, checkpoint=checkpoint, signature=sig, tags=tags, feeds=feeds, fetches=fetches,
                     input_keys=[in_map[c] for c in cols], output_keys=outs, stamp=stamp,
                     columns=cols, output_columns=[out_map[o] for o in outs],
-                    keep=list(dataset.columns), batch_size=self.getBatchSize())
+                    keep=list(dataset.columns), batch_size=self.getBatchSize(),
+                    hadoop_conf_dir=self._hadoop_conf(export, checkpoint))
         p = _runtime.predictor(spec)  # loads the model on the driver once (cached)
         schema = dataset.schema
         for c, info in zip(cols, p.inputs):
@@ -638,7 +670,7 @@ class EmberTorchModel(_ArrowInference):
                     output_keys=outs, torch_inputs=[_torch.info_dict(i) for i in inputs],
                     torch_outputs=[_torch.info_dict(o) for o in outputs], columns=cols,
                     output_columns=[out_map[o] for o in outs], keep=list(dataset.columns),
-                    batch_size=self.getBatchSize(),
+                    batch_size=self.getBatchSize(), hadoop_conf_dir=self._hadoop_conf(path),
                     output_types=[_spark_type(info) for info in outputs])
 
 

@@ -12,10 +12,15 @@ is used) are resolved to graph tensors, and
 ``tensorflow.python.saved_model.load_v1_in_v2`` prunes the graph to exactly
 those feeds and fetches (outputs nobody asked for are not computed).  The same
 loader reads TF1 and TF2 SavedModels.
+
+ExportDir and ModelDir may be ``hdfs://`` / ``webhdfs://`` URLs: every reader
+here opens the local copy :mod:`ember.ml._model_files` gives (one per host
+and model version), while the spec and the messages keep the URL.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import (TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence,
@@ -23,7 +28,9 @@ from typing import (TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional
 
 import numpy as np
 
+from ember import hdfs
 from ember.errors import ModelInputError
+from ember.ml import _model_files
 
 if TYPE_CHECKING:
     from ember.ml._torch import TorchPredictor
@@ -35,8 +42,7 @@ _CACHE: Dict[Tuple[Any, ...], Union["_Predictor", "TorchPredictor"]] = {}
 _CACHE_LOCK = threading.RLock()  # checkpoint_export runs inside predictor()
 _LOADS = 0  # how many models this process loaded (tests read it through a task)
 
-
-
+logger = logging.getLogger("ember.ml")
 
 _THREADS_SET = False
 
@@ -85,13 +91,9 @@ def _tensor_name(name: str) -> str:
 
 
 def saved_model_stamp(export_dir: str) -> int:
-    """The SavedModel's modification time (ns): a re-exported model is reloaded."""
-    pb = os.path.join(export_dir, "saved_model.pb")
-    try:
-        return os.stat(pb).st_mtime_ns
-    except FileNotFoundError:
-        raise ModelInputError(f"ExportDir {export_dir!r} holds no SavedModel "
-                              f"(no saved_model.pb there)") from None
+    """The SavedModel's stamp (saved_model.pb's modification time in ns; on HDFS,
+    a stamp of its version): a re-exported model is reloaded."""
+    return _model_files.saved_model(export_dir)[1]
 
 
 def _meta_graph(export_dir: str, tags: Optional[Sequence[str]]) -> Any:
@@ -100,7 +102,8 @@ def _meta_graph(export_dir: str, tags: Optional[Sequence[str]]) -> Any:
     from tensorflow.core.protobuf import saved_model_pb2
 
     sm = saved_model_pb2.SavedModel()
-    with open(os.path.join(export_dir, "saved_model.pb"), "rb") as f:
+    local = _model_files.saved_model(export_dir)[0]
+    with open(os.path.join(local, _model_files.SAVED_MODEL_PB), "rb") as f:
         sm.ParseFromString(f.read())
     if not tags:
         if len(sm.meta_graphs) != 1:
@@ -170,7 +173,8 @@ class _Predictor:
         from tensorflow.python.saved_model import load_v1_in_v2
 
         self.tf = tf
-        self._loaded = load_v1_in_v2.load(export_dir, list(tags) if tags else None)
+        local, self.stamp = _model_files.saved_model(export_dir)
+        self._loaded = load_v1_in_v2.load(local, list(tags) if tags else None)
         try:
             self.fn = self._loaded.prune(feeds, fetches)
         except (KeyError, ValueError) as exc:
@@ -211,6 +215,8 @@ def predictor(spec: Dict[str, Any]) -> Any:
     :class:`ember.ml._torch.TorchPredictor`); both have ``inputs``,
     ``outputs`` and ``run``."""
     global _LOADS
+    # executors without HADOOP_CONF_DIR take the driver's, where it exists on their host
+    hdfs.ensure_conf_dir(spec.get("hadoop_conf_dir"))
     source = spec.get("checkpoint") or spec["export_dir"]
     key = (spec.get("format", "savedmodel"), source, spec.get("signature"),
            tuple(spec.get("tags") or ()), tuple(spec["feeds"]), tuple(spec["fetches"]),
@@ -228,6 +234,9 @@ def predictor(spec: Dict[str, Any]) -> Any:
                     else spec["export_dir"]
                 p = _Predictor(export, spec["tags"], spec["feeds"], spec["fetches"],
                                spec["input_keys"], spec["output_keys"])
+                if not spec.get("checkpoint") and p.stamp != spec["stamp"]:
+                    logger.warning(f"ExportDir {export} changed after transform() checked it "
+                                   "on the driver; running the version found now")
             _CACHE[key] = p
         return p
 
@@ -239,6 +248,7 @@ def checkpoint_export(model_dir: str) -> Tuple[str, int]:
     """The latest TF1 checkpoint in ``model_dir`` (with its ``.meta`` graph) as a
     SavedModel (tag ``serve``, no signatures) in a local temporary directory,
     made once per process; returns (its path, the checkpoint's stamp).
+    ``model_dir`` on HDFS: from the host's copy of that checkpoint.
 
     This is TensorFlowOnSpark's "checkpoint in ModelDir" style: the graph comes
     from the checkpoint's MetaGraph, so mappings name graph tensors.  A TF2
@@ -246,13 +256,15 @@ def checkpoint_export(model_dir: str) -> Tuple[str, int]:
     import tempfile
 
     tf = _import_tf()
-    ckpt = tf.train.latest_checkpoint(model_dir)
+    local, stamp = _model_files.checkpoint_dir(model_dir)
+    ckpt = tf.train.latest_checkpoint(local)
     if not ckpt:
-        raise ModelInputError(f"ModelDir {model_dir!r} holds no checkpoint (no 'checkpoint' "
-                              "index file naming one)")
+        raise _model_files.no_checkpoint(model_dir)
     meta = ckpt + ".meta"
     if not os.path.exists(meta):
-        raise ModelInputError(f"checkpoint {ckpt} has no MetaGraph ({meta}): only TF1 "
+        shown = ckpt if stamp is None else \
+            hdfs.join(model_dir.rstrip("/"), os.path.relpath(ckpt, local))
+        raise ModelInputError(f"checkpoint {shown} has no MetaGraph ({shown}.meta): only TF1 "
                               "checkpoints carry their graph; set ExportDir to a SavedModel")
     key = (ckpt, os.stat(meta).st_mtime_ns)
     with _CACHE_LOCK:
@@ -268,7 +280,7 @@ def checkpoint_export(model_dir: str) -> Tuple[str, int]:
                     builder.add_meta_graph_and_variables(sess, ["serve"])
                     builder.save()
             _CHECKPOINTS[key] = out
-    return out, key[1]
+    return out, key[1] if stamp is None else stamp
 
 
 # --------------------------------------------------------------------------- Arrow -> numpy

@@ -5,7 +5,8 @@ Spark's Python workers (the same cache, Arrow <-> numpy conversion and
 batching as a SavedModel).
 
 torch is imported here only, when a TorchScript model is used; nothing here
-imports pyspark.
+imports pyspark.  ExportDir may be on HDFS: paths (and the spec) keep the URL,
+and the archive is read from the host's copy (:mod:`ember.ml._model_files`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ember import hdfs
+from ember.ml import _model_files
 from ember.ml._runtime import ModelInputError, TensorInfo
 
 #: The file name ExportDir holds when it is a directory (``save_torchscript``
@@ -44,17 +47,25 @@ def _is_torchscript(path: str) -> bool:
 
 def torchscript_file(export_dir: str) -> Optional[str]:
     """The TorchScript archive of ``export_dir`` (the path itself when it is one,
-    else ``export_dir/model.pt``), or None when there is none."""
-    if os.path.isfile(export_dir):
-        return export_dir if _is_torchscript(export_dir) else None
-    path = os.path.join(export_dir, TORCHSCRIPT_FILE)
-    return path if os.path.isfile(path) and _is_torchscript(path) else None
+    else ``export_dir/model.pt``), or None when there is none.  On HDFS, the
+    archive's URL (checked in this host's copy)."""
+    if _model_files.isfile(export_dir):
+        path = export_dir
+    elif _model_files.is_remote(export_dir):
+        path = hdfs.join(export_dir.rstrip("/"), TORCHSCRIPT_FILE)
+    else:
+        path = os.path.join(_model_files.local_path(export_dir), TORCHSCRIPT_FILE)
+    try:
+        local = _model_files.model_file(path)[0]
+    except FileNotFoundError:
+        return None
+    return path if _is_torchscript(local) else None
 
 
 def require_file(export_dir: str) -> str:
     path = torchscript_file(export_dir)
     if path is None:
-        what = "is not a TorchScript archive" if os.path.isfile(export_dir) else \
+        what = "is not a TorchScript archive" if _model_files.isfile(export_dir) else \
             f"holds no TorchScript archive ({TORCHSCRIPT_FILE}, as torch.jit.save or " \
             "ember.ml.save_torchscript write it)"
         raise ModelInputError(f"ExportDir {export_dir!r} {what}")
@@ -62,16 +73,18 @@ def require_file(export_dir: str) -> str:
 
 
 def stamp(path: str) -> int:
-    """The archive's modification time (ns): a re-exported model is reloaded."""
-    return os.stat(path).st_mtime_ns
+    """The archive's modification time (ns; on HDFS, a stamp of its version):
+    a re-exported model is reloaded."""
+    return _model_files.model_file(path)[1]
 
 
 def load(path: str) -> Tuple[Any, Dict[str, Any]]:
     """(the module in eval mode on the CPU, its declared inputs or {})."""
     torch = _import_torch()
     extra = {META_FILE: ""}
+    local = _model_files.model_file(path)[0]
     try:
-        module = torch.jit.load(path, map_location="cpu", _extra_files=extra)
+        module = torch.jit.load(local, map_location="cpu", _extra_files=extra)
     except RuntimeError as exc:
         raise ModelInputError(f"cannot load TorchScript {path}: {str(exc).splitlines()[0]}") from exc
     module.eval()
@@ -266,7 +279,8 @@ def save_torchscript(module: Any, export_dir: str, example_inputs: Any = None,
     :param method: ``"script"`` (``torch.jit.script``) or ``"trace"``.
 
     The file is written to a temporary name and renamed, so a reader never
-    sees half of it.
+    sees half of it.  An ``hdfs://`` export_dir gets the archive the same
+    way, written locally first (returns its URL).
     """
     torch = _import_torch()
     if method not in ("script", "trace"):
@@ -295,13 +309,27 @@ def save_torchscript(module: Any, export_dir: str, example_inputs: Any = None,
         meta["inputs"] = {n: {"dtype": str(t.dtype).replace("torch.", ""),
                               "shape": [None, *[int(d) for d in t.shape[1:]]]}
                           for n, t in items}
-    if os.path.isfile(export_dir):
+    if _model_files.isfile(export_dir):
         raise ValueError(f"export_dir {export_dir!r} is a file; give a directory")
+    if _model_files.is_remote(export_dir):  # saved here, then uploaded (renamed into place)
+        import tempfile
+
+        url = hdfs.join(export_dir.rstrip("/"), TORCHSCRIPT_FILE)
+        with tempfile.TemporaryDirectory(prefix="ember-torchscript-") as tmp:
+            _jit_save(torch, module, meta, os.path.join(tmp, TORCHSCRIPT_FILE))
+            hdfs.upload(os.path.join(tmp, TORCHSCRIPT_FILE), url)
+        return url
+    export_dir = _model_files.local_path(export_dir)
     os.makedirs(export_dir, exist_ok=True)
     path = os.path.join(export_dir, TORCHSCRIPT_FILE)
+    _jit_save(torch, module, meta, path)
+    return path
+
+
+def _jit_save(torch: Any, module: Any, meta: Dict[str, Any], path: str) -> None:
+    """``torch.jit.save`` to a temporary name, then renamed over ``path``."""
     tmp = path + f".tmp{os.getpid()}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.jit.save(module, tmp, _extra_files={META_FILE: json.dumps(meta)})
     os.replace(tmp, path)
-    return path
