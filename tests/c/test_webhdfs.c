@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 
 #include "../../csrc/hadoop_conf.h"
+#include "../../csrc/hadoop_token.h"
 #include "../../csrc/json.h"
 #include "ember/io.h"
 #include "ember/tfrecord.h"
@@ -59,6 +60,11 @@ typedef struct {
   long dn_offsets[MAX_LOG];
   int ndn;
   char last_user[64];
+  /* a Kerberized NameNode: requests must carry delegation=want_token (none:
+   * 401; another or a refused one: 403 InvalidToken) */
+  char want_token[2048];
+  int token_expired;
+  char last_delegation[2048];
 } server;
 
 static void pct_decode(const char *s, size_t n, char *out, size_t cap) {
@@ -217,15 +223,34 @@ static void handle(server *s, int fd) {
     return;
   }
   const char *q = strchr(t, '?');
-  char path[1024], op[32], user[64], tmp[64];
+  char path[1024], op[32], user[64], tmp[64], token[2048];
   pct_decode(t + 11, q ? (size_t)(q - (t + 11)) : strlen(t + 11), path, sizeof path);
   param(q ? q + 1 : "", "op", op, sizeof op);
   param(q ? q + 1 : "", "user.name", user, sizeof user);
+  param(q ? q + 1 : "", "delegation", token, sizeof token);
 
   pthread_mutex_lock(&s->mu);
   snprintf(s->last_user, sizeof s->last_user, "%s", user);
+  snprintf(s->last_delegation, sizeof s->last_delegation, "%s", token);
   if (dn) s->dn_requests++;
   else s->nn_requests++;
+  if (!dn && s->want_token[0] != '\0') {
+    int ok = strcmp(token, s->want_token) == 0 && !s->token_expired;
+    pthread_mutex_unlock(&s->mu);
+    if (token[0] == '\0') {
+      respond_json(fd, 401, "Unauthorized", "{}");
+    } else if (!ok) {
+      remote_exc(fd, 403, "Forbidden", "SecurityException",
+                 "Failed to obtain user group information: org.apache.hadoop.security.token."
+                 "SecretManager$InvalidToken: token (HDFS_DELEGATION_TOKEN token 7 for alice) "
+                 "is expired");
+    }
+    if (!ok) {
+      free(body);
+      return;
+    }
+    pthread_mutex_lock(&s->mu);
+  }
   if (!dn && s->standby) {
     pthread_mutex_unlock(&s->mu);
     remote_exc(fd, 403, "Forbidden", "StandbyException",
@@ -1164,6 +1189,105 @@ TEST(tfrecord_writer_and_reader_over_webhdfs) {
   server_stop(&s);
 }
 
+/* ================================================================ Kerberos */
+
+static void token_data(char *out, size_t cap, const char *name) {
+  const char *f = __FILE__, *slash = strrchr(f, '/');
+  snprintf(out, cap, "%.*sdata/%s", slash ? (int)(slash - f + 1) : 0, f, name);
+}
+
+/* A Kerberized NameNode, and a process with no ticket: the configuration or
+ * the NameNode's 401 turns the client to Kerberos; the HDFS token of the
+ * token file (Hadoop-written, tests/c/data) goes on every NameNode request,
+ * without user.name; a refused or unreadable token, or none and no ticket,
+ * is EMBER_EAUTH at once (one request, no retries) saying what to do. */
+TEST(kerberized_namenode_takes_the_delegation_token) {
+  char tokens[1024];
+  token_data(tokens, sizeof tokens, "tokens-writable.bin");
+  ember__credentials creds = {0};
+  CHECK_OK(ember__credentials_load(&creds, tokens));
+  const ember__token *hdfs_token =
+      ember__credentials_find(&creds, "HDFS_DELEGATION_TOKEN", "127.0.0.1:8020");
+  CHECK(hdfs_token != NULL);
+  char *want = NULL;
+  CHECK_OK(ember__token_encode_url(hdfs_token, &want));
+  ember__credentials_free(&creds);
+
+  server s;
+  server_start(&s);
+  snprintf(s.want_token, sizeof s.want_token, "%s", want);
+  add_file(&s, "/d/f", "hello", 5);
+  char dir[64], xml[2048];
+  make_conf_dir(dir, sizeof dir);
+  snprintf(xml, sizeof xml,
+           "<configuration><property><name>dfs.namenode.rpc-address</name>"
+           "<value>127.0.0.1:8020</value></property><property><name>dfs.namenode.http-address"
+           "</name><value>127.0.0.1:%u</value></property></configuration>", s.port);
+  write_conf(dir, "hdfs-site.xml", xml);
+  write_conf(dir, "core-site.xml", "<configuration><property><name>fs.defaultFS</name>"
+             "<value>hdfs://127.0.0.1:8020</value></property></configuration>");
+  setenv("KRB5CCNAME", "FILE:/nonexistent/ember-test-ccache", 1);
+  unsetenv("KRB5_CLIENT_KTNAME");
+  ember_webhdfs_opts o = quick_opts(0);
+  o.conf_dir = dir;
+  o.user = NULL;
+  char got[8];
+  ember_webhdfs_file *f;
+
+  /* simple-auth configuration, no token file: the 401 turns to Kerberos,
+   * which has no ticket */
+  unsetenv("HADOOP_TOKEN_FILE_LOCATION");
+  CHECK_EQ_INT(ember_webhdfs_open(&f, "hdfs:///d/f", &o), EMBER_EAUTH);
+  CHECK(strstr(ember_last_error(), "no Kerberos ticket") != NULL);
+  CHECK(strstr(ember_last_error(), "kinit") != NULL);
+  CHECK(strstr(ember_last_error(), "HADOOP_TOKEN_FILE_LOCATION") != NULL);
+
+  /* the token file: the 401 turns to its token, which the NameNode takes */
+  setenv("HADOOP_TOKEN_FILE_LOCATION", tokens, 1);
+  CHECK_OK(ember_webhdfs_open(&f, "hdfs:///d/f", &o));
+  CHECK_EQ_INT(ember_webhdfs_read(f, got, sizeof got), 5);
+  CHECK(memcmp(got, "hello", 5) == 0);
+  ember_webhdfs_close(f);
+  CHECK(strcmp(s.last_delegation, want) == 0);
+  CHECK(s.last_user[0] == '\0'); /* no user.name beside a token */
+
+  /* core-site.xml says kerberos: the token from the first request on */
+  write_conf(dir, "core-site.xml", "<configuration><property><name>fs.defaultFS</name>"
+             "<value>hdfs://127.0.0.1:8020</value></property><property><name>hadoop."
+             "security.authentication</name><value>kerberos</value></property>"
+             "</configuration>");
+  int before = s.nn_requests;
+  CHECK_OK(ember_webhdfs_mkdirs("hdfs:///d/new", &o));
+  CHECK_EQ_INT(s.nn_requests - before, 1);
+
+  /* a refused token: named, with its owner and file, once, without retries */
+  s.token_expired = 1;
+  before = s.nn_requests;
+  CHECK_EQ_INT(ember_webhdfs_open(&f, "hdfs:///d/f", &o), EMBER_EAUTH);
+  CHECK_EQ_INT(s.nn_requests - before, 1);
+  const char *m = ember_last_error();
+  CHECK(strstr(m, "refused the HDFS_DELEGATION_TOKEN token for 127.0.0.1:8020 owned by alice")
+        != NULL);
+  CHECK(strstr(m, tokens) != NULL && strstr(m, "--keytab") != NULL);
+  s.token_expired = 0;
+
+  /* a token file that is not one, and one that is missing */
+  char bad[128];
+  snprintf(bad, sizeof bad, "%s/garbage.tokens", dir);
+  write_conf(dir, "garbage.tokens", "HDTS\x00\x05not a token");
+  setenv("HADOOP_TOKEN_FILE_LOCATION", bad, 1);
+  CHECK_EQ_INT(ember_webhdfs_open(&f, "hdfs:///d/f", &o), EMBER_EAUTH);
+  CHECK(strstr(ember_last_error(), "token file Ember cannot use") != NULL);
+  setenv("HADOOP_TOKEN_FILE_LOCATION", "/nonexistent/x.tokens", 1);
+  CHECK_EQ_INT(ember_webhdfs_open(&f, "hdfs:///d/f", &o), EMBER_EAUTH);
+  CHECK(strstr(ember_last_error(), "/nonexistent/x.tokens") != NULL);
+  unsetenv("HADOOP_TOKEN_FILE_LOCATION");
+  unlink(bad);
+  rm_conf_dir(dir);
+  free(want);
+  server_stop(&s);
+}
+
 RUN_TESTS(T(json_parses_webhdfs_replies), T(json_rejects_malformed),
           T(hadoop_conf_parses_site_files), T(read_in_ranges),
           T(resume_after_lost_datanode_connection), T(gives_up_after_retries),
@@ -1172,4 +1296,5 @@ RUN_TESTS(T(json_parses_webhdfs_replies), T(json_rejects_malformed),
           T(ha_nameservice_skips_the_standby), T(list_directory_of_part_files),
           T(mkdirs_and_delete), T(write_small_file_is_one_create),
           T(writer_creates_then_appends), T(tfrecord_reader_over_webhdfs),
-          T(rename_file_atomically), T(tfrecord_writer_and_reader_over_webhdfs))
+          T(rename_file_atomically), T(tfrecord_writer_and_reader_over_webhdfs),
+          T(kerberized_namenode_takes_the_delegation_token))
