@@ -39,6 +39,11 @@ the order rotated from round to round), all in GB/s = 1e9 bytes/s:
   feed     Ember's feed: a FeedServer on one host, a FeedClient on another
            (shared memory off), 4 MiB chunks (one float32 column of 1024 x
            1024), timed on the server from the first batch to the last
+  ember_enc, feed_enc
+           the same two with encrypt=True (AES-256-GCM records, secure.h),
+           in the same rounds as their clear runs; the report gives each
+           encrypted median over the clear one (feed_enc_vs_clear, and
+           allreduce_enc_vs_clear: the lowest over rank counts and sizes)
 
 Each side runs in its best configuration here: Open MPI with ``--bind-to
 none`` (each simulated host's daemon would otherwise pin its rank to core 0,
@@ -65,7 +70,9 @@ The last line is
 RESULT bench-cluster vs_best_min=<x> vs_best_min_2r=<x> vs_best_min_4r=<x>
   vs_stream_2r_max=<x> vs_stream_4r_max=<x> vs_streams_2r_max=<x> vs_streams_4r_max=<x>
   stream_gbs=<x> streams_2r_gbs=<x> streams_4r_gbs=<x> feed_tcp_gbs=<x> feed_vs_stream=<x>
-  allreduce_<n>r_<size>_gbs=<x> mpi_<n>r_<size>_gbs=<x> gloo_<n>r_<size>_gbs=<x> ...
+  feed_enc_vs_clear=<x> allreduce_enc_vs_clear=<x> feed_enc_gbs=<x>
+  allreduce_<n>r_<size>_gbs=<x> mpi_<n>r_<size>_gbs=<x> gloo_<n>r_<size>_gbs=<x>
+  allreduce_enc_<n>r_<size>_gbs=<x> ...
   [not_measured=mpi,gloo]  (a peer not installed here; its keys are nan)
 where vs_best_min_<n>r is the smallest, over sizes, of Ember's median busbw
 over the better of Open MPI's and gloo's medians (the like-for-like ratio;
@@ -112,21 +119,23 @@ GLOO_PYTHON = "/usr/bin/python3"
 
 # ---------------------------------------------------------------- workers (one per host)
 
-def worker_ember(rank: int, addresses: List[str], plan: List[List[int]]) -> None:
+def worker_ember(rank: int, addresses: List[str], plan: List[List[int]],
+                 encrypt: bool = False) -> None:
     sys.path.insert(0, os.path.join(REPO, "python"))
     from ember import _ember as E
 
     host = addresses[rank].rsplit(":", 1)[0]
-    comm = E.Communicator(rank, addresses, SECRET, 120.0, bind_host=host, tcp_only=True)
+    comm = E.Communicator(rank, addresses, SECRET, 120.0, bind_host=host, tcp_only=True,
+                          encrypt=encrypt)
     time_ember(comm, rank, plan)
 
 
-def worker_feed_server(host: str, chunks: int) -> None:
+def worker_feed_server(host: str, chunks: int, encrypt: bool = False) -> None:
     """Pops `chunks` batches; times the first to the last (bytes of the column)."""
     sys.path.insert(0, os.path.join(REPO, "python"))
     from ember import _ember as E
 
-    srv = E.FeedServer(SECRET, host=host, port=FEED_PORT, shm=False)
+    srv = E.FeedServer(SECRET, host=host, port=FEED_PORT, shm=False, encrypt=encrypt)
     print("ready", flush=True)
     got, nbytes, t0 = 0, 0, 0.0
     while got < chunks:
@@ -147,14 +156,15 @@ def worker_feed_server(host: str, chunks: int) -> None:
     srv.close()
 
 
-def worker_feed_client(host: str, chunks: int) -> None:
+def worker_feed_client(host: str, chunks: int, encrypt: bool = False) -> None:
     sys.path.insert(0, os.path.join(REPO, "python"))
     import numpy as np
     from ember import _ember as E
 
     x = np.ones((1024, 1024), dtype=np.float32)
     assert x.nbytes == CHUNK
-    with E.FeedClient(host, FEED_PORT, SECRET, 0, timeout_s=60.0, shm=False) as c:
+    with E.FeedClient(host, FEED_PORT, SECRET, 0, timeout_s=60.0, shm=False,
+                      encrypt=encrypt) as c:
         for _ in range(chunks):
             c.send([("x", E.DT_F32, 1024, x, None)], 1024, 60.0)
         c.end_partition(60.0)
@@ -279,11 +289,12 @@ class Bench:
             return max(self._stream(w) for w in STREAM_WRITES)
         return max(sum(got) / len(got) for got in (self._ring(n, w) for w in STREAM_WRITES))
 
-    def ember(self, n: int, sizes: Sequence[int]) -> Dict[int, float]:
+    def ember(self, n: int, sizes: Sequence[int], encrypt: bool = False) -> Dict[int, float]:
         addrs = ",".join("%s:%d" % (self.sim.addr(h), EMBER_PORT) for h in HOSTS[:n])
         procs = [self.sim.popen(HOSTS[r], [sys.executable, os.path.abspath(__file__),
                                            "--worker", "ember", "--rank", str(r),
-                                           "--addresses", addrs, "--plan", self._plan(sizes)],
+                                           "--addresses", addrs, "--plan", self._plan(sizes)]
+                                + (["--encrypt"] if encrypt else []),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(n)]
         out = self._collect(procs, self.args.timeout)
@@ -292,6 +303,9 @@ class Bench:
                 d = json.loads(line)
                 self.ember_algorithm[(n, d["size"])] = d["algorithm"]
         return self._by_size(out)
+
+    def ember_enc(self, n: int, sizes: Sequence[int]) -> Dict[int, float]:
+        return self.ember(n, sizes, encrypt=True)
 
     def gloo(self, n: int, sizes: Sequence[int]) -> Dict[int, float]:
         env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0")
@@ -325,18 +339,19 @@ class Bench:
                 res[int(parts[1])] = float(parts[2])
         return res
 
-    def feed(self) -> float:
+    def feed(self, encrypt: bool = False) -> float:
         chunks = self.args.feed_chunks
+        enc = ["--encrypt"] if encrypt else []
         srv = self.sim.popen("h1", [sys.executable, os.path.abspath(__file__), "--worker",
                                     "feed_server", "--host", self.sim.addr("h1"),
-                                    "--chunks", str(chunks)],
+                                    "--chunks", str(chunks)] + enc,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert srv.stdout is not None
         if srv.stdout.readline().strip() != "ready":
             raise RuntimeError("feed server did not start: %s" % srv.stderr.read()[-1500:])
         cli = self.sim.popen("h0", [sys.executable, os.path.abspath(__file__), "--worker",
                                     "feed_client", "--host", self.sim.addr("h1"),
-                                    "--chunks", str(chunks)],
+                                    "--chunks", str(chunks)] + enc,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out = self._collect([srv, cli], self.args.timeout)
         d = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
@@ -357,7 +372,7 @@ def main() -> int:
     ap.add_argument("--stream-seconds", type=float, default=0.5 if quick else 2.0)
     ap.add_argument("--feed-chunks", type=int, default=64 if quick else 512)
     ap.add_argument("--mpi-extra", default="", help="more mpirun options, e.g. '--mca btl_tcp_links 2'")
-    ap.add_argument("--sides", default="stream,ember,mpi,gloo,feed")
+    ap.add_argument("--sides", default="stream,ember,ember_enc,mpi,gloo,feed,feed_enc")
     ap.add_argument("--timeout", type=float, default=600.0)
     # worker modes (internal)
     ap.add_argument("--worker", choices=["ember", "gloo", "feed_server", "feed_client"])
@@ -368,20 +383,21 @@ def main() -> int:
     ap.add_argument("--plan")
     ap.add_argument("--host")
     ap.add_argument("--chunks", type=int)
+    ap.add_argument("--encrypt", action="store_true")
     args = ap.parse_args()
 
     if args.worker == "ember":
-        worker_ember(args.rank, args.addresses.split(","), json.loads(args.plan))
+        worker_ember(args.rank, args.addresses.split(","), json.loads(args.plan), args.encrypt)
         return 0
     if args.worker == "gloo":
         worker_gloo(args.rank, args.world, "tcp://%s:%d" % (args.master, GLOO_PORT),
                     json.loads(args.plan))
         return 0
     if args.worker == "feed_server":
-        worker_feed_server(args.host, args.chunks)
+        worker_feed_server(args.host, args.chunks, args.encrypt)
         return 0
     if args.worker == "feed_client":
-        worker_feed_client(args.host, args.chunks)
+        worker_feed_client(args.host, args.chunks, args.encrypt)
         return 0
 
     sys.path.insert(0, os.path.join(REPO, "tests", "python"))
@@ -414,10 +430,12 @@ def main() -> int:
         not_measured.append("gloo")
 
     # results[side][n][size] -> list over rounds; stream and feed: list over rounds
-    coll = {s: {n: {z: [] for z in sizes} for n in ranks} for s in ("ember", "mpi", "gloo")}
+    coll = {s: {n: {z: [] for z in sizes} for n in ranks}
+            for s in ("ember", "ember_enc", "mpi", "gloo")}
     stream: List[float] = []
     ring_streams: Dict[int, List[float]] = {n: [] for n in ranks}
     feed: List[float] = []
+    feed_enc: List[float] = []
     t_start = time.monotonic()
     with simcluster.SimCluster(HOSTS[:max(max(ranks), 2)], prefix=PREFIX) as sim:
         bench = Bench(sim, args)
@@ -430,8 +448,10 @@ def main() -> int:
                     jobs["%d streams" % n] = lambda n=n: ring_streams[n].append(bench.stream(n))
             if "feed" in sides:
                 jobs["feed"] = lambda: feed.append(bench.feed())
+            if "feed_enc" in sides:
+                jobs["feed_enc"] = lambda: feed_enc.append(bench.feed(encrypt=True))
             for n in ranks:
-                for side in ("ember", "mpi", "gloo"):
+                for side in ("ember", "ember_enc", "mpi", "gloo"):
                     if side in sides:
                         def run(side=side, n=n) -> None:
                             got = getattr(bench, side)(n, sizes)
@@ -461,11 +481,14 @@ def main() -> int:
         print("a ring of TCP streams over %d hosts, per link: %s" % (n, cell(ring_streams[n], 20)))
     if feed:
         print("Ember feed h0 -> h1 (TCP, 4 MiB chunks): %s" % cell(feed, 20))
+    if feed_enc:
+        print("Ember feed h0 -> h1 encrypted (AES-256-GCM): %s" % cell(feed_enc, 20))
     result = {}
     best_min: Dict[int, Optional[float]] = {}
     stream_max: Dict[int, Optional[float]] = {}
     ring_max: Dict[int, Optional[float]] = {}
     ring_gbs: Dict[int, Optional[float]] = {}
+    enc_ratios: List[float] = []  # encrypted over clear allreduce, every (n, size)
     for n in ranks:
         print("\n== allreduce, %d ranks on %d hosts: busbw GB/s" % (n, n))
         print("%8s  %-20s %-20s %-20s %9s %9s %10s %10s  %s" % (
@@ -496,6 +519,15 @@ def main() -> int:
             if e is not None and r_med:
                 vs_ring.append(e / r_med)
         best_min[n] = min(ratios) if ratios else None
+        if "ember_enc" in sides:
+            print("   encrypted (encrypt=True) vs clear, the same rounds:")
+            for z in sizes:
+                e, x = med(coll["ember"][n][z]), med(coll["ember_enc"][n][z])
+                print("%8s  %s %s" % (human(z), cell(coll["ember_enc"][n][z], 20),
+                                      rt(x, e)))
+                result["allreduce_enc_%dr_%s_gbs" % (n, human(z))] = x
+                if e and x is not None:
+                    enc_ratios.append(x / e)
         stream_max[n] = max(vs_stream) if vs_stream else None
         ring_max[n] = max(vs_ring) if vs_ring else None
         ring_gbs[n] = r_med
@@ -510,6 +542,11 @@ def main() -> int:
     head += ["streams_%dr_gbs=%s" % (n, kv(ring_gbs[n])) for n in ranks]
     head += ["feed_tcp_gbs=%s" % kv(f_med),
              "feed_vs_stream=%s" % kv(f_med / s_med if f_med is not None and s_med else None)]
+    fe_med = med(feed_enc)
+    head += ["feed_enc_vs_clear=%s" % kv(fe_med / f_med if fe_med is not None and f_med
+                                          else None),
+             "allreduce_enc_vs_clear=%s" % kv(min(enc_ratios) if enc_ratios else None),
+             "feed_enc_gbs=%s" % kv(fe_med)]
     tail = ["%s=%s" % (k, kv(v)) for k, v in result.items()]
     if not_measured:
         tail.append("not_measured=" + ",".join(not_measured))

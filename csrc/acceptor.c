@@ -28,6 +28,7 @@
 #include "ember/auth.h"
 #include "ember/error.h"
 #include "ember/net.h"
+#include "ember/secure.h"
 
 #define DEFAULT_PREAUTH_MS 3000u
 #define DEFAULT_MAX_PENDING 512u
@@ -54,6 +55,7 @@ typedef struct pending {
   uint8_t buf[EMBER_WIRE_HEADER_LEN + AUTH_LEN]; /* its header (and AUTH's payload) */
   ember_frame_header fh; /* decoded once have >= EMBER_WIRE_HEADER_LEN */
   uint8_t *payload;    /* the first frame's payload */
+  ember_sec *sec;      /* the record layer, once authenticated (encrypt) */
   size_t out_len, out_off;
   uint8_t out[OUT_CAP];
   int shut;            /* P_LINGER: our side is shut */
@@ -300,6 +302,17 @@ static void on_auth(ember__acceptor *a, pending *p) {
   int rc = ember_auth_server_check(&p->auth, a->secret, a->cfg.secret_len, p->fh.type,
                                    well_formed ? p->buf + EMBER_WIRE_HEADER_LEN : NULL,
                                    p->fh.length, p->out, sizeof p->out, &reply_len);
+  if (rc == EMBER_OK && a->cfg.encrypt) {
+    rc = ember_sec_create(&p->sec, a->secret, a->cfg.secret_len, p->auth.server_nonce,
+                          p->auth.client_nonce, EMBER_SEC_SERVER, p->peer);
+    if (rc != EMBER_OK) {
+      char reason[REASON_MAX];
+      snprintf(reason, sizeof reason, "%s", ember_last_error());
+      report(a, p, 1, reason);
+      pend_close(a, p);
+      return;
+    }
+  }
   if (rc == EMBER_OK) {
     pool_unlink(a, p);
     p->state = P_FIRST;
@@ -360,8 +373,10 @@ static void hand_over(ember__acceptor *a, pending *p) {
   acc.accepted_ms = p->accepted;
   acc.first = p->fh;
   acc.payload = p->payload;
+  acc.sec = p->sec;
   p->fd = -1;
   p->payload = NULL;
+  p->sec = NULL;
   p->state = P_DONE;
   a->cfg.ready(a->cfg.arg, &acc);
 }
@@ -384,7 +399,23 @@ static void pend_read(ember__acceptor *a, pending *p) {
     dst = p->payload + (p->have - EMBER_WIRE_HEADER_LEN);
     want = EMBER_WIRE_HEADER_LEN + p->fh.length - p->have;
   }
-  ssize_t n = recv(p->fd, dst, want, MSG_DONTWAIT);
+  ssize_t n;
+  if (p->sec != NULL && p->state == P_FIRST) {
+    /* The first frame comes in an encrypted record: what the record holds
+     * beyond the frame stays in p->sec, for the server. */
+    long r = ember_sec_recv(p->sec, p->fd, dst, want);
+    if (r == 0) return;
+    if (r < 0 && r != EMBER_ECLOSED) {
+      char reason[REASON_MAX];
+      snprintf(reason, sizeof reason, "%s", ember_last_error());
+      report(a, p, 1, reason);
+      pend_close(a, p);
+      return;
+    }
+    n = r < 0 ? 0 : (ssize_t)r;
+  } else {
+    n = recv(p->fd, dst, want, MSG_DONTWAIT);
+  }
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
   if (p->state == P_LINGER) {
     if (n <= 0) pend_close(a, p); /* the peer has read our reason and gone */
@@ -408,7 +439,10 @@ static void pend_read(ember__acceptor *a, pending *p) {
   if (p->have >= EMBER_WIRE_HEADER_LEN && p->have == EMBER_WIRE_HEADER_LEN + p->fh.length) {
     if (p->state == P_AUTH) on_auth(a, p);
     else hand_over(a, p);
+    return;
   }
+  /* Decrypted bytes of the frame may wait with nothing more on the socket. */
+  if (p->state == P_FIRST && ember_sec_pending(p->sec) > 0) pend_read(a, p);
 }
 
 /* Closes the oldest unauthenticated connection to make room.  0 if there is
@@ -476,6 +510,7 @@ static void accept_batch(ember__acceptor *a) {
       ember_net_close(fd);
       continue;
     }
+    if (a->cfg.encrypt) p->auth.flags = EMBER_AUTH_ENCRYPT;
     p->fd = fd;
     p->state = P_AUTH;
     p->accepted = ember_now_ms();
@@ -548,6 +583,7 @@ void ember__acceptor_run(ember__acceptor *a, const struct pollfd *pfds) {
     pending *p = a->v[i];
     if (p->state != P_DONE) continue;
     free(p->payload);
+    ember_sec_destroy(p->sec);
     free(p);
     a->v[i] = a->v[--a->n];
   }
@@ -565,6 +601,7 @@ void ember__acceptor_destroy(ember__acceptor *a) {
   for (size_t i = 0; i < a->n; i++) {
     ember_net_close(a->v[i]->fd);
     free(a->v[i]->payload);
+    ember_sec_destroy(a->v[i]->sec);
     free(a->v[i]);
   }
   free(a->v);
@@ -654,14 +691,34 @@ fail:
 
 int ember__connect_auth(const char *host, uint16_t port, const uint8_t *secret,
                         size_t secret_len, int64_t deadline_ms, int *out_fd) {
+  return ember__connect_auth_ex(host, port, secret, secret_len, 0, deadline_ms, out_fd, NULL);
+}
+
+int ember__connect_auth_ex(const char *host, uint16_t port, const uint8_t *secret,
+                           size_t secret_len, uint32_t flags, int64_t deadline_ms,
+                           int *out_fd, ember_sec **out_sec) {
   int64_t backoff = 10;
   if (out_fd == NULL) return ember__set_error(EMBER_EINVAL, "connect_auth: out_fd is NULL");
   *out_fd = -1;
+  if (out_sec != NULL) *out_sec = NULL;
+  if ((flags & EMBER_AUTH_ENCRYPT) && out_sec == NULL)
+    return ember__set_error(EMBER_EINVAL, "connect_auth: encryption needs out_sec");
   for (;;) {
     int fd = -1;
+    ember_auth_result res;
     int rc = ember_net_connect(host, port, deadline_ms, &fd);
     if (rc != EMBER_OK) return rc;
-    rc = ember_auth_client(fd, secret, secret_len, deadline_ms);
+    rc = ember_auth_client_ex(fd, secret, secret_len, flags, deadline_ms, &res);
+    if (rc == EMBER_OK && (flags & EMBER_AUTH_ENCRYPT)) {
+      char peer[96];
+      ember_net_peer_name(fd, peer, sizeof peer);
+      rc = ember_sec_create(out_sec, secret, secret_len, res.server_nonce, res.client_nonce,
+                            EMBER_SEC_CLIENT, peer);
+      if (rc != EMBER_OK) {
+        ember_net_close(fd);
+        return rc;
+      }
+    }
     if (rc == EMBER_OK) {
       *out_fd = fd;
       return EMBER_OK;

@@ -65,6 +65,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ember/secure.h"
 #include "ember/wire.h"
 
 typedef struct ember__acceptor ember__acceptor;
@@ -78,6 +79,10 @@ typedef struct {
   ember_frame_header first; /* of type first_type, at most first_max bytes */
   uint8_t *payload;         /* first.length bytes (malloc'd, owned by the
                                server from here on; NULL when empty) */
+  ember_sec *sec;           /* the connection's record layer when the acceptor
+                               encrypts (owned by the server from here on;
+                               it may hold decrypted bytes after the first
+                               frame); NULL in clear */
 } ember__accepted;
 
 typedef struct {
@@ -92,6 +97,9 @@ typedef struct {
   uint32_t expected;
   const uint8_t *secret; /* the job secret (copied) */
   size_t secret_len;
+  int encrypt;           /* 1: the handshake asks for EMBER_AUTH_ENCRYPT and
+                            the first frame and all after it are records
+                            (secure.h); a peer in the other mode is refused */
   uint32_t preauth_timeout_ms; /* the server config's; 0: environment, 3 s */
   uint32_t preauth_cap_ms;     /* the deadline never exceeds this; 0: no cap */
   uint32_t max_pending;        /* the server config's; 0: environment, 512 */
@@ -155,6 +163,13 @@ void ember__acceptor_destroy(ember__acceptor *a);
  * final.  *out_fd is the authenticated connection. */
 int ember__connect_auth(const char *host, uint16_t port, const uint8_t *secret,
                         size_t secret_len, int64_t deadline_ms, int *out_fd);
+
+/* ember__connect_auth with auth flags: with EMBER_AUTH_ENCRYPT, *out_sec is
+ * the connection's record layer (client side), to be destroyed by the
+ * caller; else NULL. */
+int ember__connect_auth_ex(const char *host, uint16_t port, const uint8_t *secret,
+                           size_t secret_len, uint32_t flags, int64_t deadline_ms,
+                           int *out_fd, ember_sec **out_sec);
 
 /* The log sink of the feed and collective servers when their config names
  * none: "[ember] <line>\n" to stderr in one write. */

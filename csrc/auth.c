@@ -25,6 +25,10 @@
 
 #define CLIENT_LABEL "ember-auth-v1 client"
 #define SERVER_LABEL "ember-auth-v1 server"
+#define ENC_CLIENT_LABEL "ember-auth-v1 client aes-256-gcm"
+#define ENC_SERVER_LABEL "ember-auth-v1 server aes-256-gcm"
+#define CLABEL(f) ((f) & EMBER_AUTH_ENCRYPT ? ENC_CLIENT_LABEL : CLIENT_LABEL)
+#define SLABEL(f) ((f) & EMBER_AUTH_ENCRYPT ? ENC_SERVER_LABEL : SERVER_LABEL)
 #define AUTH_PAYLOAD_LEN (EMBER_NONCE_LEN + EMBER_MAC_LEN)
 /* A REFUSED frame from a server is small; bound what the client reads. */
 #define REFUSED_MAX 4096u
@@ -150,6 +154,7 @@ int ember_auth_server_begin(ember_auth_pending *st, uint8_t *out, size_t cap,
   if (st == NULL || out == NULL || out_len == NULL ||
       cap < EMBER_WIRE_HEADER_LEN + EMBER_NONCE_LEN)
     return ember__set_error(EMBER_EINVAL, "auth_server_begin: bad arguments");
+  memset(st, 0, sizeof *st);
   int rc = ember_auth_random(st->server_nonce, EMBER_NONCE_LEN);
   if (rc != EMBER_OK) return rc;
   ember_wire_encode_header(out, EMBER_MSG_CHALLENGE, EMBER_NONCE_LEN);
@@ -158,7 +163,7 @@ int ember_auth_server_begin(ember_auth_pending *st, uint8_t *out, size_t cap,
   return EMBER_OK;
 }
 
-int ember_auth_server_check(const ember_auth_pending *st, const uint8_t *secret,
+int ember_auth_server_check(ember_auth_pending *st, const uint8_t *secret,
                             size_t secret_len, uint16_t frame_type,
                             const uint8_t *payload, uint32_t payload_len,
                             uint8_t *reply, size_t reply_cap, size_t *reply_len) {
@@ -185,15 +190,29 @@ int ember_auth_server_check(const ember_auth_pending *st, const uint8_t *secret,
   if (payload == NULL)
     return ember__set_error(EMBER_EINVAL, "auth_server_check: NULL payload");
   const uint8_t *cn = payload, *mac = payload + EMBER_NONCE_LEN;
-  rc = ember_auth_hmac(secret, secret_len, CLIENT_LABEL, strlen(CLIENT_LABEL),
+  rc = ember_auth_hmac(secret, secret_len, CLABEL(st->flags), strlen(CLABEL(st->flags)),
                        st->server_nonce, EMBER_NONCE_LEN, cn, EMBER_NONCE_LEN, expect);
   if (rc != EMBER_OK) return rc;
   /* Constant time: a timing side channel must not reveal a MAC prefix. */
   if (CRYPTO_memcmp(expect, mac, EMBER_MAC_LEN) != 0) {
-    snprintf(reason, sizeof reason, "bad MAC (the peer does not know the job secret)");
+    /* The other mode's label: the secret is right, the modes differ. */
+    uint32_t other = st->flags ^ EMBER_AUTH_ENCRYPT;
+    rc = ember_auth_hmac(secret, secret_len, CLABEL(other), strlen(CLABEL(other)),
+                         st->server_nonce, EMBER_NONCE_LEN, cn, EMBER_NONCE_LEN, expect);
+    if (rc != EMBER_OK) return rc;
+    if (CRYPTO_memcmp(expect, mac, EMBER_MAC_LEN) == 0)
+      snprintf(reason, sizeof reason, "%s",
+               st->flags & EMBER_AUTH_ENCRYPT
+                   ? "encryption mismatch: the peer sends in clear but this server "
+                     "encrypts its data plane (encrypt=True); both ends must agree"
+                   : "encryption mismatch: the peer encrypts its data plane "
+                     "(encrypt=True) but this server runs in clear; both ends must agree");
+    else
+      snprintf(reason, sizeof reason, "bad MAC (the peer does not know the job secret)");
     goto refuse;
   }
-  rc = ember_auth_hmac(secret, secret_len, SERVER_LABEL, strlen(SERVER_LABEL), cn,
+  memcpy(st->client_nonce, cn, EMBER_NONCE_LEN);
+  rc = ember_auth_hmac(secret, secret_len, SLABEL(st->flags), strlen(SLABEL(st->flags)), cn,
                        EMBER_NONCE_LEN, st->server_nonce, EMBER_NONCE_LEN, proof);
   if (rc != EMBER_OK) return rc;
   ember_wire_encode_header(reply, EMBER_MSG_AUTH_OK, EMBER_MAC_LEN);
@@ -218,6 +237,11 @@ static void send_quietly(int fd, const uint8_t *buf, size_t len, int64_t deadlin
 
 int ember_auth_server(int fd, const uint8_t *secret, size_t secret_len,
                       int64_t deadline_ms) {
+  return ember_auth_server_ex(fd, secret, secret_len, 0, deadline_ms, NULL);
+}
+
+int ember_auth_server_ex(int fd, const uint8_t *secret, size_t secret_len, uint32_t flags,
+                         int64_t deadline_ms, ember_auth_result *res) {
   ember_auth_pending st;
   uint8_t out[EMBER_WIRE_HEADER_LEN + 256];
   uint8_t h[EMBER_WIRE_HEADER_LEN], payload[AUTH_PAYLOAD_LEN];
@@ -229,6 +253,7 @@ int ember_auth_server(int fd, const uint8_t *secret, size_t secret_len,
 
   rc = ember_auth_server_begin(&st, out, sizeof out, &n);
   if (rc != EMBER_OK) return rc;
+  st.flags = flags;
   rc = ember_net_send_all(fd, out, n, deadline_ms);
   if (rc != EMBER_OK) return rc;
 
@@ -255,7 +280,13 @@ int ember_auth_server(int fd, const uint8_t *secret, size_t secret_len,
   }
   rc = ember_auth_server_check(&st, secret, secret_len, hdr.type, body, hdr.length, out,
                                sizeof out, &n);
-  if (rc == EMBER_OK) return ember_net_send_all(fd, out, n, deadline_ms);
+  if (rc == EMBER_OK) {
+    if (res != NULL) {
+      memcpy(res->server_nonce, st.server_nonce, EMBER_NONCE_LEN);
+      memcpy(res->client_nonce, st.client_nonce, EMBER_NONCE_LEN);
+    }
+    return ember_net_send_all(fd, out, n, deadline_ms);
+  }
   if (rc == EMBER_EAUTH) {
     ember_net_peer_name(fd, peer, sizeof peer);
     ember__set_error(EMBER_EAUTH, "auth from %s: %s", peer, ember_last_error());
@@ -266,6 +297,11 @@ int ember_auth_server(int fd, const uint8_t *secret, size_t secret_len,
 
 int ember_auth_client(int fd, const uint8_t *secret, size_t secret_len,
                       int64_t deadline_ms) {
+  return ember_auth_client_ex(fd, secret, secret_len, 0, deadline_ms, NULL);
+}
+
+int ember_auth_client_ex(int fd, const uint8_t *secret, size_t secret_len, uint32_t flags,
+                         int64_t deadline_ms, ember_auth_result *res) {
   ember_frame_header hdr;
   uint8_t *payload = NULL;
   uint8_t cn[EMBER_NONCE_LEN], msg[AUTH_PAYLOAD_LEN], expect[EMBER_MAC_LEN];
@@ -296,7 +332,7 @@ int ember_auth_client(int fd, const uint8_t *secret, size_t secret_len,
   rc = ember_auth_random(cn, sizeof cn);
   if (rc != EMBER_OK) goto out;
   memcpy(msg, cn, EMBER_NONCE_LEN);
-  rc = ember_auth_hmac(secret, secret_len, CLIENT_LABEL, strlen(CLIENT_LABEL), sn,
+  rc = ember_auth_hmac(secret, secret_len, CLABEL(flags), strlen(CLABEL(flags)), sn,
                        EMBER_NONCE_LEN, cn, EMBER_NONCE_LEN, msg + EMBER_NONCE_LEN);
   if (rc != EMBER_OK) goto out;
   rc = ember_net_send_frame(fd, EMBER_MSG_AUTH, msg, sizeof msg, deadline_ms);
@@ -317,7 +353,7 @@ int ember_auth_client(int fd, const uint8_t *secret, size_t secret_len,
                           peer, ember_wire_type_name(hdr.type), (unsigned)hdr.length);
     goto out;
   }
-  rc = ember_auth_hmac(secret, secret_len, SERVER_LABEL, strlen(SERVER_LABEL), cn,
+  rc = ember_auth_hmac(secret, secret_len, SLABEL(flags), strlen(SLABEL(flags)), cn,
                        EMBER_NONCE_LEN, sn, EMBER_NONCE_LEN, expect);
   if (rc != EMBER_OK) goto out;
   if (CRYPTO_memcmp(expect, payload, EMBER_MAC_LEN) != 0)
@@ -325,6 +361,10 @@ int ember_auth_client(int fd, const uint8_t *secret, size_t secret_len,
                           "server %s failed to prove the job secret (impostor or stale "
                           "server?)",
                           peer);
+  else if (res != NULL) {
+    memcpy(res->server_nonce, sn, EMBER_NONCE_LEN);
+    memcpy(res->client_nonce, cn, EMBER_NONCE_LEN);
+  }
 out:
   free(payload);
   return rc;

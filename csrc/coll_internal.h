@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "ember/collective.h"
+#include "ember/secure.h"
 #include "ember/shm_ring.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -71,6 +72,8 @@ _Static_assert(ATOMIC_LLONG_LOCK_FREE == 2 && ATOMIC_INT_LOCK_FREE == 2,
 typedef struct {
   uint32_t rank;
   int fd;
+  ember_sec *sec; /* the record layer over fd when the job encrypts (secure.h);
+                     NULL in clear.  Shared memory never goes through it. */
   char host[COLL_HOST_CAP];
   uint16_t port;
   char desc[COLL_ADDR_CAP + 32]; /* "rank 2 (127.0.0.1:5002)" */

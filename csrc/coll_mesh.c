@@ -74,18 +74,18 @@ int ember__coll_parse_address(const char *s, uint32_t idx, char *host, size_t ca
  * on a real network they grow to what its bandwidth-delay product needs. */
 static void tune_socket(int fd) { (void)ember_net_tune(fd); }
 
-static int send_hello(int fd, const ember_comm *c, int64_t deadline) {
+static int send_hello(int fd, ember_sec *sec, const ember_comm *c, int64_t deadline) {
   uint8_t b[8];
   ember_wire_put_u32(b, c->rank);
   ember_wire_put_u32(b + 4, c->size);
-  return ember_net_send_frame(fd, EMBER_MSG_COLL_HELLO, b, sizeof b, deadline);
+  return ember_sec_send_frame(sec, fd, EMBER_MSG_COLL_HELLO, b, sizeof b, deadline);
 }
 
-static int recv_hello(int fd, const ember_comm *c, const char *peer, uint32_t *rank,
-                      int64_t deadline) {
+static int recv_hello(int fd, ember_sec *sec, const ember_comm *c, const char *peer,
+                      uint32_t *rank, int64_t deadline) {
   ember_frame_header hdr;
   uint8_t *pl = NULL;
-  int rc = ember_net_recv_frame(fd, SET_UP_FRAME_MAX, &hdr, &pl, deadline);
+  int rc = ember_sec_recv_frame(sec, fd, SET_UP_FRAME_MAX, &hdr, &pl, deadline);
   if (rc != EMBER_OK) return rc;
   if (hdr.type != EMBER_MSG_COLL_HELLO || hdr.length != 8) {
     rc = ember__set_error(EMBER_EPROTO, "comm: %s sent %s of %u bytes, expected COLL_HELLO",
@@ -118,12 +118,14 @@ static int connect_lower(ember_comm *c, const ember_comm_config *cfg, int64_t de
     uint32_t got = 0;
     /* Retries a connection the peer evicted from its pending pool (a flood
      * of strangers there); a refusal of our proof is final. */
-    int rc = ember__connect_auth(p->host, p->port, cfg->secret, cfg->secret_len, deadline,
-                                 &p->fd);
+    int rc = ember__connect_auth_ex(p->host, p->port, cfg->secret, cfg->secret_len,
+                                    cfg->encrypt ? EMBER_AUTH_ENCRYPT : 0, deadline, &p->fd,
+                                    &p->sec);
     if (rc != EMBER_OK)
       return ember__set_error(rc, "comm: connecting to %s: %s", p->desc, ember_last_error());
-    rc = send_hello(p->fd, c, deadline);
-    if (rc == EMBER_OK) rc = recv_hello(p->fd, c, p->desc, &got, deadline);
+    ember_sec_set_peer(p->sec, p->desc);
+    rc = send_hello(p->fd, p->sec, c, deadline);
+    if (rc == EMBER_OK) rc = recv_hello(p->fd, p->sec, c, p->desc, &got, deadline);
     if (rc == EMBER_OK && got != j)
       rc = ember__set_error(EMBER_EPROTO, "comm: the address of rank %u (%s:%u) is served "
                             "by rank %u", j, p->host, (unsigned)p->port, (unsigned)got);
@@ -167,8 +169,14 @@ static void on_log(void *arg, const char *line, uint64_t count) {
 
 /* One non-blocking send of a small frame: a connection's first few dozen
  * bytes always fit its socket buffer, so anything short of all is a failure. */
-static int send_small(int fd, const uint8_t *b, size_t len) {
+static int send_small(int fd, ember_sec *sec, const uint8_t *b, size_t len) {
   ssize_t w;
+  if (sec != NULL) {
+    struct iovec iov = {.iov_base = (void *)(uintptr_t)b, .iov_len = len};
+    long k = ember_sec_send(sec, fd, &iov, 1);
+    if (k == 0) errno = EAGAIN;
+    return k == (long)len ? EMBER_OK : EMBER_EIO;
+  }
   do {
     w = send(fd, b, len, MSG_NOSIGNAL | MSG_DONTWAIT);
   } while (w < 0 && errno == EINTR);
@@ -200,14 +208,17 @@ static void on_hello(void *arg, ember__accepted *a) {
     ember_wire_encode_header(f, EMBER_MSG_COLL_HELLO, 8);
     ember_wire_put_u32(f + EMBER_WIRE_HEADER_LEN, c->rank);
     ember_wire_put_u32(f + EMBER_WIRE_HEADER_LEN + 4, c->size);
-    if (send_small(a->fd, f, sizeof f) == EMBER_OK) {
+    if (send_small(a->fd, a->sec, f, sizeof f) == EMBER_OK) {
       c->peers[got].fd = a->fd;
+      c->peers[got].sec = a->sec;
+      ember_sec_set_peer(a->sec, c->peers[got].desc);
       m->missing--;
       return;
     }
     snprintf(why, sizeof why, "sending COLL_HELLO failed: %s", strerror(errno));
   }
   ember_net_close(a->fd);
+  ember_sec_destroy(a->sec);
   note_rejected(m, a->peer, why);
 }
 
@@ -274,6 +285,7 @@ int ember__coll_build_mesh(ember_comm *c, const ember_comm_config *cfg, int list
   ember__acceptor_config acfg = {
       .listen_fd = listen_fd, .bind_host = cfg->bind_host, .port = c->peers[c->rank].port,
       .expected = m.missing, .secret = cfg->secret, .secret_len = cfg->secret_len,
+      .encrypt = cfg->encrypt,
       .preauth_timeout_ms = cfg->preauth_timeout_ms, .max_pending = cfg->max_pending,
       .first_type = EMBER_MSG_COLL_HELLO, .first_max = SET_UP_FRAME_MAX, .name = name,
       .arg = &m, .ready = on_hello, .rejected = on_rejected, .log = on_log};
@@ -295,7 +307,7 @@ static size_t ring_cap_for(const ember_comm *c, uint32_t from) {
 
 /* COLL_SHM: our inbox's name ("" = no shared memory), its token, and the
  * descriptor of the ring we created for the peer to send into. */
-static int send_shm_offer(int fd, const char *name, const uint8_t *token,
+static int send_shm_offer(int fd, ember_sec *sec, const char *name, const uint8_t *token,
                           const ember_shm_ring *in, int64_t deadline) {
   ember_shm_ring_desc d;
   uint8_t desc[EMBER_SHM_RING_DESC_WIRE_LEN];
@@ -308,7 +320,8 @@ static int send_shm_offer(int fd, const char *name, const uint8_t *token,
   ember_wire_write_raw(&w, token, 32);
   ember_wire_write_raw(&w, desc, sizeof desc);
   int rc = w.err ? w.err
-                 : ember_net_send_frame(fd, EMBER_MSG_COLL_SHM, w.buf, (uint32_t)w.len, deadline);
+                 : ember_sec_send_frame(sec, fd, EMBER_MSG_COLL_SHM, w.buf, (uint32_t)w.len,
+                                        deadline);
   ember_wire_writer_free(&w);
   return rc;
 }
@@ -402,7 +415,8 @@ static int create_shm(ember_comm *c, char name[SHM_NAME_CAP], uint8_t token[32])
  * (malloc'd, NULL when empty) is the caller's to free. */
 static int recv_setup(ember_comm *c, uint32_t j, uint16_t type, ember_frame_header *hdr,
                       uint8_t **pl, int64_t deadline) {
-  int rc = ember_net_recv_frame(c->peers[j].fd, SET_UP_FRAME_MAX, hdr, pl, deadline);
+  int rc = ember_sec_recv_frame(c->peers[j].sec, c->peers[j].fd, SET_UP_FRAME_MAX, hdr, pl,
+                                deadline);
   if (rc == EMBER_OK && hdr->type != type)
     rc = ember__set_error(EMBER_EPROTO, "comm: %s sent %s, expected %s", c->peers[j].desc,
                           ember_wire_type_name(hdr->type), ember_wire_type_name(type));
@@ -419,7 +433,8 @@ int ember__coll_setup_shm(ember_comm *c, uint32_t flags, int64_t deadline) {
   if (!(flags & EMBER_COMM_TCP_ONLY)) rc = create_shm(c, name, token);
   for (uint32_t j = 0; j < c->size && rc == EMBER_OK; j++) {
     if (j == c->rank) continue;
-    rc = send_shm_offer(c->peers[j].fd, c->inbox ? name : "", token, c->peers[j].in, deadline);
+    rc = send_shm_offer(c->peers[j].fd, c->peers[j].sec, c->inbox ? name : "", token,
+                        c->peers[j].in, deadline);
   }
   for (uint32_t j = 0; j < c->size && rc == EMBER_OK; j++) {
     if (j == c->rank) continue;
@@ -437,7 +452,8 @@ int ember__coll_setup_shm(ember_comm *c, uint32_t flags, int64_t deadline) {
     if (j == c->rank) continue;
     uint8_t b[4];
     ember_wire_put_u32(b, ok[j]);
-    rc = ember_net_send_frame(c->peers[j].fd, EMBER_MSG_COLL_SHM_ACK, b, 4, deadline);
+    rc = ember_sec_send_frame(c->peers[j].sec, c->peers[j].fd, EMBER_MSG_COLL_SHM_ACK, b, 4,
+                              deadline);
   }
   for (uint32_t j = 0; j < c->size && rc == EMBER_OK; j++) {
     if (j == c->rank) continue;

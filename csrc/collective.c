@@ -158,6 +158,7 @@ void ember_comm_destroy(ember_comm *c) {
     for (uint32_t j = 0; j < c->size; j++) {
       ember__coll_peer *p = &c->peers[j];
       ember_net_close(p->fd);
+      ember_sec_destroy(p->sec);
       ember_shm_ring_destroy(p->in);
       ember_shm_ring_destroy(p->out);
       if (p->peer_ib != NULL) munmap(p->peer_ib, COLL_INBOX_LEN);

@@ -42,6 +42,7 @@ typedef struct pending_result {
 
 struct ember_feed_client {
   int fd;
+  ember_sec *sec; /* the record layer when encrypting; NULL in clear */
   uint32_t partition, flags;
   uint64_t rows_sent;
   uint64_t resume_records; /* FEED_RESUME: records the node already holds */
@@ -83,6 +84,7 @@ void ember_feed_client_destroy(ember_feed_client *c) {
    * (after any END already written), then the socket close. */
   ember_shm_ring_destroy(c->ring);
   ember_net_close(c->fd);
+  ember_sec_destroy(c->sec);
   for (p = c->res_head; p; p = nx) {
     nx = p->next;
     free(p->data);
@@ -148,7 +150,9 @@ int ember_feed_client_connect_ex(ember_feed_client **out, const char *host, uint
     c->shm_wanted = mode == EMBER_FEED_SHM_ON || (mode == EMBER_FEED_SHM_AUTO && ember__feed_env_shm_enabled());
     c->shm_bytes = opts && opts->shm_bytes ? opts->shm_bytes : ember__feed_env_ring_bytes();
   }
-  rc = ember__connect_auth(host, port, secret, secret_len, deadline, &c->fd);
+  rc = ember__connect_auth_ex(host, port, secret, secret_len,
+                              opts && opts->encrypt ? EMBER_AUTH_ENCRYPT : 0, deadline, &c->fd,
+                              &c->sec);
   if (rc != EMBER_OK) goto cleanup;
   (void)ember_net_tune(c->fd);
   ember_net_peer_name(c->fd, c->peer, sizeof c->peer);
@@ -158,7 +162,7 @@ int ember_feed_client_connect_ex(ember_feed_client **out, const char *host, uint
   ember_wire_put_u32(hello + 16, opts ? opts->call_partitions : 0);
   ember_wire_put_u32(hello + 20, (uint32_t)tag_len);
   if (tag_len > 0) memcpy(hello + 24, opts->tag, tag_len);
-  rc = ember_net_send_frame(c->fd, EMBER_MSG_FEED_HELLO, hello, (uint32_t)(24 + tag_len),
+  rc = ember_sec_send_frame(c->sec, c->fd, EMBER_MSG_FEED_HELLO, hello, (uint32_t)(24 + tag_len),
                             deadline);
   if (rc != EMBER_OK) goto cleanup;
   if (flags & EMBER_FEED_RESUME) {
@@ -205,7 +209,7 @@ static int client_usable(ember_feed_client *c, const char *what) {
 /* Receives the next frame; RESULTS are returned to the caller as-is. */
 static int client_recv(ember_feed_client *c, ember_frame_header *fh, uint8_t **payload,
                        int64_t deadline, const char *what) {
-  int rc = ember_net_recv_frame(c->fd, FEED_CLIENT_MAX_FRAME, fh, payload, deadline);
+  int rc = ember_sec_recv_frame(c->sec, c->fd, FEED_CLIENT_MAX_FRAME, fh, payload, deadline);
   if (rc != EMBER_OK && rc != EMBER_ETIMEDOUT) c->broken = 1;
   if (rc == EMBER_ECLOSED)
     rc = ember__set_error(EMBER_ECLOSED, "feed %s: node %s closed the connection (partition %u)",
@@ -295,7 +299,7 @@ static int client_ring_failed(ember_feed_client *c, int rc, int64_t deadline, co
   for (;;) {
     ember_frame_header fh;
     uint8_t *payload = NULL;
-    int r = ember_net_recv_frame(c->fd, FEED_CLIENT_MAX_FRAME, &fh, &payload, d);
+    int r = ember_sec_recv_frame(c->sec, c->fd, FEED_CLIENT_MAX_FRAME, &fh, &payload, d);
     if (r == EMBER_ECLOSED)
       return ember__set_error(EMBER_ECLOSED, "feed %s: node %s closed the connection "
                               "(partition %u; %s)", what, c->peer, c->partition, ringmsg);
@@ -326,8 +330,18 @@ static int client_check_refused(ember_feed_client *c, int64_t deadline) {
   uint8_t *payload = NULL;
   ssize_t n;
   int rc = EMBER_OK;
-  if (poll(&pfd, 1, 0) <= 0) goto cleanup;
-  n = recv(c->fd, hdr, sizeof hdr, MSG_PEEK | MSG_DONTWAIT);
+  if (ember_sec_pending(c->sec) == 0 && poll(&pfd, 1, 0) <= 0) goto cleanup;
+  if (c->sec != NULL) {
+    long k = ember_sec_peek(c->sec, c->fd, hdr, sizeof hdr);
+    if (k < 0 && k != EMBER_ECLOSED) {
+      c->broken = 1;
+      rc = (int)k; /* altered in transit: the message names the server */
+      goto cleanup;
+    }
+    n = k == EMBER_ECLOSED ? 0 : k == 0 ? -1 : (ssize_t)k;
+  } else {
+    n = recv(c->fd, hdr, sizeof hdr, MSG_PEEK | MSG_DONTWAIT);
+  }
   if (n == 0) {
     c->broken = 1;
     rc = ember__set_error(EMBER_ECLOSED, "feed send to %s (partition %u): server closed the "
@@ -340,7 +354,7 @@ static int client_check_refused(ember_feed_client *c, int64_t deadline) {
   if (ember_wire_get_u32(hdr) != EMBER_WIRE_MAGIC) goto cleanup;
   fh.type = (uint16_t)(hdr[6] | hdr[7] << 8);
   if (fh.type != EMBER_MSG_REFUSED && fh.type != EMBER_MSG_ACK) goto cleanup;
-  rc = ember_net_recv_frame(c->fd, FEED_CTL_MAX, &fh, &payload, deadline);
+  rc = ember_sec_recv_frame(c->sec, c->fd, FEED_CTL_MAX, &fh, &payload, deadline);
   if (rc != EMBER_OK) {
     c->broken = 1;
     goto cleanup;
@@ -370,7 +384,7 @@ static int client_offer_shm(ember_feed_client *c, int64_t deadline) {
   ember_shm_ring_describe(ring, &d);
   ember__feed_host_id(req);
   ember_shm_ring_desc_encode(&d, req + 16);
-  rc = ember_net_send_frame(c->fd, EMBER_MSG_FEED_SHM, req, sizeof req, deadline);
+  rc = ember_sec_send_frame(c->sec, c->fd, EMBER_MSG_FEED_SHM, req, sizeof req, deadline);
   if (rc != EMBER_OK) {
     c->broken = 1;
     goto cleanup;
@@ -521,7 +535,7 @@ int ember_feed_client_send(ember_feed_client *c, const ember_column *cols, uint3
   }
   for (size_t at = 0; at < niov; at += FEED_IOV_CHUNK) {
     size_t cnt = niov - at < FEED_IOV_CHUNK ? niov - at : FEED_IOV_CHUNK;
-    rc = ember_net_sendv_all(c->fd, c->iov + at, (int)cnt, deadline);
+    rc = ember_sec_sendv_all(c->sec, c->fd, c->iov + at, (int)cnt, deadline);
     if (rc != EMBER_OK) {
       /* Part of a frame may be out: the stream cannot be resumed. */
       c->broken = 1;
@@ -614,7 +628,7 @@ int ember_feed_client_commit_batch(ember_feed_client *c, int64_t timeout_ms) {
   } else {
     uint8_t *frame = c->pending_buf - EMBER_WIRE_HEADER_LEN;
     ember_wire_encode_header(frame, EMBER_MSG_BATCH, (uint32_t)c->pending_total);
-    rc = ember_net_send_all(c->fd, frame, EMBER_WIRE_HEADER_LEN + c->pending_total, deadline);
+    rc = ember_sec_send_all(c->sec, c->fd, frame, EMBER_WIRE_HEADER_LEN + c->pending_total, deadline);
     if (rc != EMBER_OK) {
       c->broken = 1; /* part of a frame may be out: the stream cannot be resumed */
       goto cleanup;
@@ -684,7 +698,7 @@ cleanup:
 static int client_request(ember_feed_client *c, uint16_t type, const uint8_t *p, uint32_t len,
                           int64_t timeout_ms, const char *what) {
   int64_t deadline = ember__feed_deadline(timeout_ms);
-  int rc = ember_net_send_frame(c->fd, type, p, len, deadline);
+  int rc = ember_sec_send_frame(c->sec, c->fd, type, p, len, deadline);
   if (rc != EMBER_OK) {
     c->broken = 1;
     goto cleanup;
@@ -788,7 +802,7 @@ int ember_feed_client_fail(ember_feed_client *c, const char *reason, int64_t tim
       for (;;) {
         ember_frame_header fh;
         uint8_t *payload = NULL;
-        int r = ember_net_recv_frame(c->fd, FEED_CLIENT_MAX_FRAME, &fh, &payload, deadline);
+        int r = ember_sec_recv_frame(c->sec, c->fd, FEED_CLIENT_MAX_FRAME, &fh, &payload, deadline);
         free(payload);
         if (r != EMBER_OK) break;
       }
@@ -800,7 +814,7 @@ int ember_feed_client_fail(ember_feed_client *c, const char *reason, int64_t tim
     ember_wire_writer_init(&w);
     ember_wire_write_str(&w, cut);
     rc = w.err ? ember__set_error(w.err, "feed fail: out of memory")
-               : ember_net_send_frame(c->fd, EMBER_MSG_FEED_ERROR, w.buf, (uint32_t)w.len,
+               : ember_sec_send_frame(c->sec, c->fd, EMBER_MSG_FEED_ERROR, w.buf, (uint32_t)w.len,
                                       deadline);
     ember_wire_writer_free(&w);
   }

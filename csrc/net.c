@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "ember/error.h"
+#include "iov.h"
 
 /* Peer names are "[v6addr]:port" at most ~56 bytes. */
 #define EMBER__PEER_CAP 96
@@ -436,18 +437,8 @@ int ember_net_sendv_all(int fd, struct iovec *iov, int iovcnt, int64_t deadline_
       }
       return io_error(fd, "send", "to", errno);
     }
-    size_t left = (size_t)n;
-    done += left;
-    /* Advance the caller's iovec past what was written. */
-    while (iovcnt > 0 && left >= iov[0].iov_len) {
-      left -= iov[0].iov_len;
-      iov++;
-      iovcnt--;
-    }
-    if (iovcnt > 0 && left > 0) {
-      iov[0].iov_base = (char *)iov[0].iov_base + left;
-      iov[0].iov_len -= left;
-    }
+    done += (size_t)n;
+    ember__iov_advance(&iov, &iovcnt, (size_t)n);
   }
   return EMBER_OK;
 }

@@ -106,7 +106,7 @@ static int get_writable(PyObject *obj, Py_buffer *v, int flags, const char *what
 
 static PyObject *Comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
   static char *kwlist[] = {"rank",     "addresses", "secret",    "timeout", "listen_fd",
-                           "bind_host", "tcp_only", "small_max", NULL};
+                           "bind_host", "tcp_only", "small_max", "encrypt", NULL};
   ember_state *st = embpy_state_of_type(type);
   if (st == NULL)
     return NULL;
@@ -114,11 +114,11 @@ static PyObject *Comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
   PyObject *addresses, *fast = NULL;
   Py_buffer secret;
   int64_t ms = 60000;
-  int listen_fd = -1, tcp_only = 0;
+  int listen_fd = -1, tcp_only = 0, encrypt = 0;
   const char *bind_host = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nOy*|O&$izpn:Communicator", kwlist, &rank,
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nOy*|O&$izpnp:Communicator", kwlist, &rank,
                                    &addresses, &secret, embpy_timeout_conv, &ms, &listen_fd,
-                                   &bind_host, &tcp_only, &small_max))
+                                   &bind_host, &tcp_only, &small_max, &encrypt))
     return NULL;
   CommObject *self = NULL;
   const char **addrs = NULL;
@@ -179,7 +179,8 @@ static PyObject *Comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
                            .listen_fd = listen_fd,
                            .bind_host = bind_host,
                            .flags = tcp_only ? EMBER_COMM_TCP_ONLY : 0u,
-                           .small_max = (size_t)small_max};
+                           .small_max = (size_t)small_max,
+                           .encrypt = encrypt};
   listen_fd = -1; /* ember_comm_create owns it now, whatever happens */
   ember_comm *c = NULL;
   embpy_err e;
@@ -491,7 +492,9 @@ static PyMethodDef Comm_methods[] = {
 
 PyDoc_STRVAR(Comm_doc,
              "Communicator(rank, addresses, secret, timeout=60.0, *, listen_fd=-1,\n"
-             "             bind_host=None, tcp_only=False, small_max=0)\n\n"
+             "             bind_host=None, tcp_only=False, small_max=0, encrypt=False)\n\n"
+             "encrypt=True: the TCP connections between ranks carry AES-256-GCM\n"
+             "records (every rank must agree; shared memory stays in clear).\n"
              "Collectives between the ranks of a job.  addresses lists 'host:port'\n"
              "for every rank ('[v6]:port' for IPv6); this rank listens on its own\n"
              "port (or on listen_fd, a bound socket it takes over, e.g. from\n"

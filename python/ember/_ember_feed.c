@@ -293,7 +293,7 @@ static void feed_server_destroy(void *p) { ember_feed_server_destroy(p); }
 static PyObject *FeedServer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
   static char *kwlist[] = {"secret",      "listen_fd", "host",          "port",
                            "queue_bytes", "max_frame", "io_timeout_ms", "shm",
-                           NULL};
+                           "encrypt",     NULL};
   ember_state *st = embpy_state_of_type(type);
   if (st == NULL)
     return NULL;
@@ -302,10 +302,10 @@ static PyObject *FeedServer_new(PyTypeObject *type, PyObject *args, PyObject *kw
   const char *host = "";
   uint16_t port = 0;
   Py_ssize_t queue_bytes = 0, max_frame = 0, io_ms = 0;
-  int shm = 1;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|$isO&nnnp:FeedServer", kwlist,
+  int shm = 1, encrypt = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|$isO&nnnpp:FeedServer", kwlist,
                                    &secret, &listen_fd, &host, embpy_port_conv, &port,
-                                   &queue_bytes, &max_frame, &io_ms, &shm))
+                                   &queue_bytes, &max_frame, &io_ms, &shm, &encrypt))
     return NULL;
   FeedServerObject *self = NULL;
   ember_feed_server_config cfg;
@@ -324,6 +324,7 @@ static PyObject *FeedServer_new(PyTypeObject *type, PyObject *args, PyObject *kw
   cfg.port = port;
   cfg.queue_bytes = (size_t)queue_bytes;
   cfg.disable_shm = !shm;
+  cfg.encrypt = encrypt;
 
   self = (FeedServerObject *)type->tp_alloc(type, 0);
   if (self == NULL)
@@ -550,7 +551,10 @@ static PyGetSetDef FeedServer_getset[] = {
 
 PyDoc_STRVAR(FeedServer_doc,
              "FeedServer(secret, *, listen_fd=-1, host='', port=0, queue_bytes=0,\n"
-             "           max_frame=0, io_timeout_ms=0, shm=True)\n\n"
+             "           max_frame=0, io_timeout_ms=0, shm=True, encrypt=False)\n\n"
+             "encrypt=True: producers' TCP connections carry AES-256-GCM records\n"
+             "(libember's secure.h); producers must pass encrypt=True too, and one\n"
+             "that does not is refused (and vice versa).  Rings stay in clear.\n"
              "A node's feed endpoint.  listen_fd (e.g. from reserve_port) is taken\n"
              "over and closed by the server; otherwise it binds host:port.  0 picks\n"
              "libember's defaults (64 MiB queue, 256 MiB frames, 600 s I/O timeout).\n"
@@ -593,7 +597,7 @@ static PyObject *FeedClient_new(PyTypeObject *type, PyObject *args, PyObject *kw
   static char *kwlist[] = {"host",         "port",      "secret", "partition",
                            "want_results", "timeout_s", "shm",    "shm_bytes",
                            "resume",       "call",      "call_partitions", "tag",
-                           NULL};
+                           "encrypt",      NULL};
   ember_state *st = embpy_state_of_type(type);
   if (st == NULL)
     return NULL;
@@ -609,10 +613,12 @@ static PyObject *FeedClient_new(PyTypeObject *type, PyObject *args, PyObject *kw
   unsigned long long call = 0;
   Py_ssize_t call_partitions = 0;
   Py_buffer tag = {0};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO&y*n|$pO&OnpKny*:FeedClient", kwlist,
+  int encrypt = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sO&y*n|$pO&OnpKny*p:FeedClient", kwlist,
                                    &host, embpy_port_conv, &port, &secret, &partition,
                                    &want_results, embpy_timeout_conv, &ms, &shm,
-                                   &shm_bytes, &resume, &call, &call_partitions, &tag))
+                                   &shm_bytes, &resume, &call, &call_partitions, &tag,
+                                   &encrypt))
     return NULL;
   FeedClientObject *self = NULL;
   uint32_t part;
@@ -626,6 +632,7 @@ static PyObject *FeedClient_new(PyTypeObject *type, PyObject *args, PyObject *kw
     goto err;
   }
   opts.call = (uint64_t)call;
+  opts.encrypt = encrypt;
   opts.tag = tag.buf;
   opts.tag_len = tag.buf != NULL ? (size_t)tag.len : 0;
   if (shm == Py_None) {
@@ -972,7 +979,9 @@ static PyMethodDef FeedClient_methods[] = {
 PyDoc_STRVAR(FeedClient_doc,
              "FeedClient(host, port, secret, partition, *, want_results=False,\n"
              "           timeout_s=60.0, shm=None, shm_bytes=0, resume=False,\n"
-             "           call=0, call_partitions=0, tag=b'')\n\n"
+             "           call=0, call_partitions=0, tag=b'', encrypt=False)\n\n"
+             "encrypt: the TCP connection carries AES-256-GCM records; must match\n"
+             "the server's (a mismatch is refused with EmberAuthError).\n"
              "A producer's connection to a node's feed server; connects,\n"
              "authenticates and sends FEED_HELLO at once.  Calls are serialized\n"
              "by a per-object lock.\n"

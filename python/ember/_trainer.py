@@ -162,7 +162,8 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
     os.environ.update(framework_env(nodes, me))
     feed_server = None
     if boot["input_mode"] == 1 and me["role"] in FEED_ROLES:
-        feed_server = _ember.FeedServer(boot["secret"], listen_fd=feed_fd)
+        feed_server = _ember.FeedServer(boot["secret"], listen_fd=feed_fd,
+                                        encrypt=bool(boot.get("encrypt")))
     else:
         os.close(feed_fd)
     ctx = NodeContext(
@@ -176,7 +177,7 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
     if me["role"] in FEED_ROLES:
         addresses = trainer_addresses(nodes)
         ctx._collective = Collective(int(os.environ["RANK"]), addresses, boot["secret"],
-                                     listen_fd=coll_fd)
+                                     listen_fd=coll_fd, encrypt=bool(boot.get("encrypt")))
     else:
         os.close(coll_fd)
     tensorboard = None

@@ -100,7 +100,7 @@ class Collective:
 
     def __init__(self, rank: int, addresses: List[str], secret: bytes,
                  listen_fd: int = -1, timeout: Optional[float] = None,
-                 tcp_only: bool = False) -> None:
+                 tcp_only: bool = False, encrypt: bool = False) -> None:
         if not 0 <= rank < len(addresses):
             raise ValueError(f"rank {rank} is not in 0..{len(addresses) - 1}")
         self.rank = rank
@@ -111,6 +111,7 @@ class Collective:
         self._secret = secret
         self._listen_fd = listen_fd
         self._tcp_only = tcp_only
+        self._encrypt = encrypt  # TCP between ranks as AES-256-GCM records
         self._comm: Any = None
         self._closed = False
         self._lock = threading.Lock()
@@ -127,7 +128,8 @@ class Collective:
                 fd, self._listen_fd = self._listen_fd, -1
                 self._comm = _ember.Communicator(self.rank, self.addresses, self._secret,
                                                  self.timeout, listen_fd=fd,
-                                                 tcp_only=self._tcp_only)
+                                                 tcp_only=self._tcp_only,
+                                                 encrypt=self._encrypt)
             return self._comm
 
     @property

@@ -105,8 +105,12 @@ class Cluster:
                  num_nodes: int, roles: Dict[str, Any], input_mode: InputMode,
                  reservation_timeout: float, heartbeat_timeout: float, max_restarts: int,
                  env: Dict[str, str], driver_ps_nodes: bool = False,
-                 tensorboard: bool = False, log_dir: Optional[str] = None) -> None:
+                 tensorboard: bool = False, log_dir: Optional[str] = None,
+                 encrypt: Optional[bool] = None) -> None:
         self.sc = sc
+        #: the data plane (feed and collectives over TCP) is encrypted with
+        #: AES-256-GCM; None until started: then ``spark.network.crypto.enabled``
+        self.encrypt = encrypt
         #: node index -> the GPU addresses Spark assigned to its barrier task
         #: (``TaskContext.resources()["gpu"]``, also the node's CUDA_VISIBLE_DEVICES)
         self.gpus: Dict[int, List[str]] = {}
@@ -156,6 +160,9 @@ class Cluster:
         # where the driver's servers listen, and the host nodes connect to
         self._driver_bind_host = _driver_bind(conf)
         self._driver_host = conf.get("spark.driver.host", socket.gethostname())
+        if self.encrypt is None:  # Spark's own RPC encryption asks for ours too
+            self.encrypt = str(conf.get("spark.network.crypto.enabled", "false")
+                               ).strip().lower() == "true"
         self._secret = _ember.random_secret()
         self._server = server = _ember.RendezvousServer(
             self._secret, n, heartbeat_timeout_ms=int(self._heartbeat_timeout * 1000),
@@ -173,6 +180,7 @@ class Cluster:
         self._monitor.start()
         driver_host = self._driver_host
         boot = dict(driver_host=driver_host, driver_port=server.port, secret=self._secret,
+                    encrypt=bool(self.encrypt),
                     main_fun=self._main_fun, args=self._args, input_mode=int(self.input_mode),
                     reservation_timeout=float(self._reservation_timeout),
                     heartbeat_interval_ms=max(100, int(self._heartbeat_timeout * 1000 / 5)),
@@ -470,8 +478,10 @@ class Cluster:
         if self._reports is None:
             secret = _ember.random_secret()
             # a report is one FEED_ERROR of at most 1 KiB: small limits
+            # encrypted with the job: a report may quote the input it refuses
             self._reports = (_ember.FeedServer(secret, shm=False, queue_bytes=1 << 20,
-                                               max_frame=1 << 16, host=self._driver_bind_host),
+                                               max_frame=1 << 16, host=self._driver_bind_host,
+                                               encrypt=bool(self.encrypt)),
                              secret, self._driver_host)
         server, secret, host = self._reports
         return host, server.port, secret
@@ -747,7 +757,8 @@ class Cluster:
         per_epoch = per_epoch or count
         first, parts = first_epoch * per_epoch, epochs * per_epoch
         nodes, sc = len(targets), self.sc
-        call = FeedCall(tuple(targets), self._secret, seq, feed_timeout, first=first,
+        call = FeedCall(tuple(targets), self._secret, seq, feed_timeout,
+                        encrypt=bool(self.encrypt), first=first,
                         parts=parts, per_epoch=per_epoch, qname=qname, stream=stream,
                         report=self._report_channel(), micro_batch=micro_batch)
         # One feeding task per fed node (ember._grouping), so that no node is
@@ -814,7 +825,8 @@ class Cluster:
             raise failure
         seq = self._next_seq()
         call = FeedCall(tuple(self._feed_targets()), self._secret, seq,
-                        feed_timeout, want_results=True, qname=qname)
+                        feed_timeout, want_results=True, qname=qname,
+                        encrypt=bool(self.encrypt))
         fn = executor.rdd_feeder(call, self.chunk_rows)
         return _inference_rdd(_as_rdd(data), lambda _index, it: fn(it), self,
                               f"inference call {seq}:")
@@ -942,7 +954,8 @@ class Cluster:
                 while True:
                     try:
                         client = _ember.FeedClient(
-                            host, port, self._secret, key, timeout_s=max(
+                            host, port, self._secret, key, encrypt=bool(self.encrypt),
+                            timeout_s=max(
                                 0.05, min(_CONNECT_ATTEMPT, deadline - time.monotonic())))
                         break
                     except _ember.EmberTimeout:
@@ -1140,7 +1153,8 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
         log_dir: Optional[str] = None, driver_ps_nodes: bool = False,
         master_node: Optional[str] = "chief", reservation_timeout: float = 600,
         eval_node: bool = False, heartbeat_timeout: float = 10.0, max_restarts: int = 0,
-        env: Optional[Dict[str, str]] = None, gpus_per_node: int = 0) -> Cluster:
+        env: Optional[Dict[str, str]] = None, gpus_per_node: int = 0,
+        encrypt: Optional[bool] = None) -> Cluster:
     """Starts ``main_fun(args, ctx)`` on ``num_executors`` nodes and returns the cluster.
 
     :param sc: the SparkContext.
@@ -1178,6 +1192,14 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
         cannot hold every node at once.  Spark holds the GPU only while the
         barrier task launches the node: keep other GPU tasks off these executors
         while the cluster runs.
+    :param encrypt: encrypt and authenticate the data plane between hosts: the
+        feed's and the collectives' TCP connections carry AES-256-GCM records,
+        keyed per job and per connection (a changed, dropped, replayed or
+        truncated record is refused, naming the peer).  Shared memory within a
+        host stays in clear; the rendezvous/control channel stays authenticated
+        (HMAC) as always.  None (default): on when the Spark conf has
+        ``spark.network.crypto.enabled=true``.  Costs throughput: see
+        docs/architecture.md ("secure").
 
     With ``MLFLOW_TRACKING_URI`` set, the job is one MLflow run: these
     arguments and ``args`` as params, the nodes' ``ctx.log_metrics``, restarts
@@ -1197,7 +1219,8 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
     roles = dict(num_ps=num_ps, chief=master_node is not None, evaluator=eval_node)
     cluster = Cluster(sc, main_fun, args, num_executors, roles, InputMode(input_mode),
                       reservation_timeout, heartbeat_timeout, max_restarts, dict(env or {}),
-                      driver_ps_nodes=driver_ps_nodes, tensorboard=tensorboard, log_dir=log_dir)
+                      driver_ps_nodes=driver_ps_nodes, tensorboard=tensorboard, log_dir=log_dir,
+                      encrypt=encrypt)
     if gpus_per_node:
         on_executors = num_executors - (num_ps if driver_ps_nodes else 0)
         cluster._profile = _gpu.node_profile(sc, on_executors, gpus_per_node)
@@ -1210,7 +1233,7 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
              driver_ps_nodes=driver_ps_nodes, master_node=master_node,
              reservation_timeout=reservation_timeout, eval_node=eval_node,
              heartbeat_timeout=heartbeat_timeout, max_restarts=max_restarts,
-             gpus_per_node=gpus_per_node, **_mlflow.args_params(args)),
+             gpus_per_node=gpus_per_node, encrypt=encrypt, **_mlflow.args_params(args)),
         {"ember.job_id": cluster.job_id, "ember.spark.master": sc.master,
          "ember.spark.app_id": sc.applicationId})
     if cluster._mlflow is not None:

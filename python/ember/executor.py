@@ -52,6 +52,7 @@ class FeedCall:
         query: one round of the node's feed (``DataFeed.micro_batches``).
     :param report: (driver host, port, secret) of the channel where a feeding
         task reports input the feed cannot carry (:func:`report_feed_error`).
+    :param encrypt: the nodes' feed servers take encrypted connections only.
     """
 
     targets: Tuple[Target, ...]
@@ -67,6 +68,7 @@ class FeedCall:
     stream: bool = False
     report: Optional[Tuple[str, int, bytes]] = None
     micro_batch: Optional[int] = None
+    encrypt: bool = False
 
     def target(self, p: int) -> Target:
         """The node that gets partition ``p``."""
@@ -389,13 +391,13 @@ def _partition_failed(call: FeedCall, client: Any, p: int, sent: int, exc: BaseE
     partition's failure notice (:func:`_fail_partition`) unless ``tell_node``
     is false."""
     if isinstance(exc, EmberFeedError):
-        report_feed_error(call.report, call.seq, p, exc)
+        report_feed_error(call.report, call.seq, p, exc, encrypt=call.encrypt)
     if tell_node:
         _fail_partition(client, p, sent, exc, call.timeout)
 
 
 def report_feed_error(report: Optional[Tuple[str, int, bytes]], seq: int, p: int,
-                      exc: BaseException) -> None:
+                      exc: BaseException, encrypt: bool = False) -> None:
     """Tells the driver at once that this partition holds input the feed cannot
     carry (its report channel, see ``Cluster._report_channel``).  Such an
     error is deterministic, so the driver cancels the job instead of waiting
@@ -404,7 +406,8 @@ def report_feed_error(report: Optional[Tuple[str, int, bytes]], seq: int, p: int
         return
     host, port, secret = report
     try:
-        client = _ember.FeedClient(host, port, secret, p, call=seq, timeout_s=5.0, shm=False)
+        client = _ember.FeedClient(host, port, secret, p, call=seq, timeout_s=5.0, shm=False,
+                                   encrypt=encrypt)
         try:
             client.fail(str(exc)[:1000], 5.0)
         finally:
@@ -422,6 +425,7 @@ def partition_client(call: FeedCall, p: int) -> Any:
     nodes = len(call.targets)
     return _ember.FeedClient(
         host, port, call.secret, p, want_results=call.want_results, timeout_s=call.timeout,
+        encrypt=call.encrypt,
         resume=not call.want_results, call=call.seq,
         call_partitions=0 if call.want_results else node_share(p, call.first, call.parts,
                                                                nodes),

@@ -8,7 +8,9 @@ Jobs: ``crosshost`` (feed and collectives between hosts, bound addresses),
 ``transform`` (EmberEstimator.fit, then EmberModel.transform), ``hostloss``
 (a whole host dies mid-epoch; max_restarts=1 finishes on the other hosts),
 ``stream`` (train_stream from a file stream: the query stopped and restarted,
-then a node SIGKILLed; every record trained once).
+then a node SIGKILLed; every record trained once), ``encrypted`` (the same
+marker bytes fed and allreduced by a job in clear, then by one with
+encrypt=True, each phase's wall-clock span written for the packet capture).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [REPO, HERE]  # examples.*, ml_fashion
 
 
-def session(master: str, app: str, cores: int) -> Any:
+def session(master: str, app: str, cores: int, conf: Dict[str, str] = {}) -> Any:  # noqa: B006
     """A SparkSession on this (driver) host: Spark binds and advertises the
     host's own name, which every simulated host resolves."""
     from pyspark.sql import SparkSession
@@ -44,6 +46,7 @@ def session(master: str, app: str, cores: int) -> Any:
              .config("spark.pyspark.python", sys.executable)
              .config("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures", "1")
              .config("spark.executorEnv.PYTHONPATH", os.pathsep.join([REPO, HERE]))
+             .config(map=dict(conf) or {"spark.ui.enabled": "false"})
              .getOrCreate())
     spark.sparkContext.setLogLevel("WARN")
     deadline = time.monotonic() + 120
@@ -260,6 +263,56 @@ def stream(spark: Any, out: str) -> None:
         live=[streamfuns.live(nodes_out, i) for i in (0, 1)]))
 
 
+# --------------------------------------------------------------------------- encrypted
+
+# What the encryption test looks for in the captured traffic: 16 distinctive
+# bytes fed in every record, and 4 floats (16 bytes) allreduced by every rank.
+FEED_MARKER = b"EMBER<>clear:FED"
+FLOATS = [1.2345678e-3, 9.87654e5, 3.1415927, -2.7182817]
+
+
+def encrypted_node(args: Any, ctx: Any) -> None:
+    """Reads the whole feed, then allreduces the float marker (tiled)."""
+    import numpy as np
+
+    feed = ctx.get_data_feed()
+    rows = 0
+    while True:
+        batch = feed.next_batch(256)
+        rows += len(batch)
+        if not len(batch) and feed.ended:
+            break
+        if not len(batch):
+            time.sleep(0.05)
+    total = ctx.allreduce(np.tile(np.array(FLOATS, dtype=np.float32), 1 << 16))
+    size = ctx.collective.size
+    dump(os.path.join(args.out, f"{args.phase}-node-{ctx.worker_num}.json"), dict(
+        rows=rows, transports=[ctx.collective.communicator().transport(p) for p in range(size)],
+        allreduce_ok=bool(np.allclose(total[:4], np.array(FLOATS, dtype=np.float32) * size)),
+        encrypt=args.encrypt))
+
+
+def encrypted(spark: Any, out: str) -> None:
+    from ember.spark import InputMode, run
+
+    sc = spark.sparkContext
+    phases = {}
+    for phase, encrypt in (("clear", False), ("encrypted", True)):
+        start = time.time()
+        args = argparse.Namespace(out=out, phase=phase, encrypt=encrypt)
+        cluster = run(sc, encrypted_node, args, num_executors=2, input_mode=InputMode.SPARK,
+                      master_node=None, reservation_timeout=120, encrypt=encrypt)
+        # made on the executors: the task carries the marker reversed, so it
+        # crosses the network only in what Ember feeds (no shuffle either)
+        rev = FEED_MARKER[::-1]
+        rdd = sc.parallelize(range(2000), 6).map(lambda i: (i, rev[::-1] * 8))
+        fed = cluster.train(rdd, 1)
+        cluster.shutdown()
+        phases[phase] = dict(start=start, end=time.time(), fed=fed,
+                             encrypt=bool(cluster.encrypt))
+    dump(os.path.join(out, "driver.json"), phases)
+
+
 def main() -> int:
     job, master, out = sys.argv[1:4]
     os.makedirs(out, exist_ok=True)
@@ -268,8 +321,10 @@ def main() -> int:
             # allowed: faults that heal must cost nothing
             "heal": lambda spark, out: hostloss(spark, out, pause=0.08, max_restarts=0),
             "partition": lambda spark, out: hostloss(spark, out, pause=0.08),
-            "stream": stream}
-    spark = session(master, f"ember-cluster-{job}", 3)
+            "stream": stream, "encrypted": encrypted}
+    # encrypted: every partition crosses a host over TCP (no shared-memory rings)
+    conf = {"spark.executorEnv.EMBER_FEED_SHM": "0"} if job == "encrypted" else {}
+    spark = session(master, f"ember-cluster-{job}", 3, conf)
     try:
         jobs[job](spark, out)
     finally:

@@ -268,6 +268,75 @@ def test_feed_and_collectives_cross_hosts_over_tcp(hosts, tmp_path):
     assert list(driver["listening"].values()) == [hosts.sim.addr("driver")]
 
 
+# Captures every frame the simulated switch forwards (all its ports), run in
+# the switch's network namespace: "<out file> <stop file>"; each frame is
+# written as f64 time, u32 length, bytes.
+_CAPTURE = """
+import os, socket, struct, sys, time
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+s.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE: beyond rmem_max
+s.settimeout(0.2)
+out, stop = open(sys.argv[1], "wb"), sys.argv[2]
+print("ready", flush=True)
+while not os.path.exists(stop):
+    try:
+        frame = s.recv(1 << 17)
+    except socket.timeout:
+        continue
+    out.write(struct.pack("<dI", time.time(), len(frame)) + frame)
+out.close()
+"""
+
+
+def _captured(path: str, start: float, end: float) -> bytes:
+    """The frames captured between start and end, concatenated."""
+    import struct
+
+    data, frames, at = open(path, "rb").read(), [], 0
+    while at + 12 <= len(data):
+        t, n = struct.unpack_from("<dI", data, at)
+        if start <= t <= end:
+            frames.append(data[at + 12:at + 12 + n])
+        at += 12 + n
+    return b"".join(frames)
+
+
+def test_encrypted_data_plane_hides_fed_and_allreduced_bytes(hosts, tmp_path):
+    """With encrypt=True, neither the bytes fed through train() nor the floats
+    of an allreduce cross the simulated network in clear; the same job in
+    clear shows both (so the capture would see a leak).  Every partition is
+    fed over TCP from another host (EMBER_FEED_SHM=0 on the executors) and the
+    two ranks are on hosts of their own."""
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(REPO, "tests", "python"))
+    import cluster_jobs
+
+    out, cap, stop = str(tmp_path / "out"), str(tmp_path / "frames.bin"), str(tmp_path / "stop")
+    sniffer = subprocess.Popen(["ip", "netns", "exec", hosts.sim.switch, PY, "-c", _CAPTURE,
+                                cap, stop], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sniffer.stdout is not None and sniffer.stdout.readline().strip() == "ready"
+        _job(hosts, "encrypted", out, 300)
+    finally:
+        open(stop, "w").close()
+        sniffer.wait(30)
+    phases = json.load(open(os.path.join(out, "driver.json")))
+    floats = np.array(cluster_jobs.FLOATS, dtype=np.float32).tobytes()
+    found = {}
+    for phase, span in phases.items():
+        assert span["fed"] == 2000 and span["encrypt"] == (phase == "encrypted")
+        for i in range(2):
+            node = json.load(open(os.path.join(out, f"{phase}-node-{i}.json")))
+            assert node["rows"] > 0 and node["allreduce_ok"], node
+            assert "tcp" in node["transports"], node
+        wire = _captured(cap, span["start"], span["end"])
+        assert len(wire) > 4 << 20, f"{phase}: only {len(wire)} bytes captured"
+        found[phase] = (cluster_jobs.FEED_MARKER in wire, floats in wire)
+    assert found["clear"] == (True, True), f"the capture must see the clear job's data: {found}"
+    assert found["encrypted"] == (False, False), found
+
+
 def _main_job(hosts: SparkOnHosts, tmp_path: Any, log: str, modes: str) -> str:
     sim = hosts.sim
     return hosts.run_driver(

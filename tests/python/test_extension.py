@@ -733,6 +733,31 @@ def test_feed_wrong_secret():
         assert srv.stats()["producers_rejected"] == 1
 
 
+def test_feed_encrypted_round_trip_report_and_mode_mismatch():
+    """encrypt=True on both ends: batches and a producer's failure report
+    arrive as in clear; an end in the other mode is refused, and told why."""
+    secret = E.random_secret()
+    with E.FeedServer(secret, host=HOST, shm=False, encrypt=True) as srv:
+        with E.FeedClient(HOST, srv.port, secret, 0, shm=False, encrypt=True) as c:
+            c.send([("x", E.DT_I64, 1, np.arange(300_000, dtype=np.int64), None)], 300_000,
+                   10.0)
+            item = srv.next(10.0)
+            assert item is not None and item.nrows == 300_000
+            assert int(column_array(item, item.columns[0], np.int64)[-1]) == 299_999
+            item.release()
+        with E.FeedClient(HOST, srv.port, secret, 1, shm=False, encrypt=True, call=7) as c:
+            c.fail("bad input", 5.0)
+        item = srv.next(10.0)
+        while item is not None and item.kind != "error":  # the partition's start first
+            item = srv.next(10.0)
+        assert item is not None and "bad input" in bytes(item).decode()
+        with pytest.raises(E.EmberAuthError, match="the peer sends in clear"):
+            E.FeedClient(HOST, srv.port, secret, 2, shm=False, timeout_s=5.0)
+    with E.FeedServer(secret, host=HOST, shm=False) as srv:
+        with pytest.raises(E.EmberAuthError, match="the peer encrypts"):
+            E.FeedClient(HOST, srv.port, secret, 0, shm=False, encrypt=True, timeout_s=5.0)
+
+
 def test_feed_item_buffer_lifetime():
     secret = E.random_secret()
     with E.FeedServer(secret, host=HOST) as srv:

@@ -127,6 +127,11 @@ typedef struct {
   ember_log_fn log_fn;           /* rejected strangers, rate-limited (net.h);
                                     NULL: stderr */
   void *log_arg;
+  int encrypt;                   /* 1: the TCP connections between ranks carry
+                                    AES-256-GCM records (secure.h); every rank
+                                    must agree (a rank in the other mode is
+                                    refused).  Shared memory between ranks on
+                                    one host stays in clear. */
 } ember_comm_config;
 
 typedef struct ember_comm ember_comm;

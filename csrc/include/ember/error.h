@@ -39,7 +39,8 @@ extern "C" {
   X(ENODE, -15, "a node failed")                                    \
   X(ETRUNCATED, -16, "truncated data (input ended inside a record)")\
   X(ESCHEMA, -17, "data does not match the expected schema")      \
-  X(EPERM, -18, "permission denied")
+  X(EPERM, -18, "permission denied")                              \
+  X(ETAMPERED, -19, "data altered in transit (failed authentication)")
 
 typedef enum {
 #define EMBER__ERR_ENUM(name, value, desc) EMBER_##name = (value),

@@ -161,8 +161,14 @@ typedef struct {
                            is evicted for a new one; 0 = EMBER_PREAUTH_MAX_PENDING
                            or 512.  Authenticated producers are counted apart
                            (at most 1024) and never evicted. */
-  ember_log_fn log_fn;  /* rejected strangers, rate-limited (net.h); NULL: stderr */
+  ember_log_fn log_fn;  /* rejected strangers, rate-limited (net.h), and a
+                           producer dropped because its data was altered in
+                           transit; NULL: stderr */
   void *log_arg;
+  int encrypt;          /* 1: producers' TCP connections are encrypted and
+                           authenticated records (secure.h); a producer in
+                           clear is refused, and so is an encrypting one
+                           when 0.  Shared-memory rings stay in clear. */
 } ember_feed_server_config;
 
 typedef struct ember_feed_server ember_feed_server;
@@ -222,6 +228,8 @@ typedef struct {
                                not counted (no CALL_END) */
   const uint8_t *tag; /* the partition's description (PARTITION_START) */
   size_t tag_len;     /* 0..EMBER_FEED_TAG_MAX */
+  int encrypt;        /* 1: the connection is encrypted (secure.h); must
+                         match the server's ember_feed_server_config.encrypt */
 } ember_feed_client_options;
 
 /* ember_feed_client_connect with options (opts NULL = defaults).  The ring is

@@ -228,7 +228,7 @@ def run(sc: Any, map_fun: Callable[[Any, Any], Any], tf_args: Any, num_executors
         log_dir: Optional[str] = None, driver_ps_nodes: bool = False,
         master_node: Optional[str] = None, reservation_timeout: float = 600,
         queues: List[str] = ["input", "output", "error"], eval_node: bool = False,  # noqa: B006
-        release_port: bool = True) -> TFCluster:
+        release_port: bool = True, encrypt: Optional[bool] = None) -> TFCluster:
     """Starts ``map_fun(tf_args, ctx)`` on ``num_executors`` nodes (TFoS's ``TFCluster.run``).
 
     :param num_ps: how many nodes are parameter servers (``ps``).
@@ -242,6 +242,8 @@ def run(sc: Any, map_fun: Callable[[Any, Any], Any], tf_args: Any, num_executors
     :param queues: the node queues ``train``/``inference`` may name (``qname``).
     :param release_port: accepted; Ember holds the TF port so that gRPC can bind it
         at any time, and ``ctx.release_port()`` drops the hold.
+    :param encrypt: Ember's addition: encrypt the feed and the collectives between
+        hosts (see :func:`ember.spark.run`); None: per ``spark.network.crypto.enabled``.
 
     Roles go in TFoS's order: ps, then master/chief, then evaluator, then workers.
     Progress is logged to the ``ember.compat.tfos`` and ``ember.spark`` loggers
@@ -285,7 +287,7 @@ def run(sc: Any, map_fun: Callable[[Any, Any], Any], tf_args: Any, num_executors
                           log_dir=log_dir, driver_ps_nodes=driver_ps_nodes,
                           master_node="chief" if master_node else None,
                           reservation_timeout=reservation_timeout, eval_node=eval_node,
-                          env=_node_env(sc))
+                          env=_node_env(sc), encrypt=encrypt)
     except (TimeoutError, RuntimeError) as exc:
         if isinstance(exc, EmberNodeError):
             raise
