@@ -44,6 +44,13 @@ the order rotated from round to round), all in GB/s = 1e9 bytes/s:
            in the same rounds as their clear runs; the report gives each
            encrypted median over the clear one (feed_enc_vs_clear, and
            allreduce_enc_vs_clear: the lowest over rank counts and sizes)
+           With --link-gbit G (default 10), the encrypted and clear runs
+           are also made with every link limited to G Gbit/s (tbf at both
+           ends, as a real NIC's rate): feed_enc_vs_clear_<G>g and
+           allreduce_enc_vs_clear_<G>g.  Unlimited, the simulated hosts'
+           links run at what the shared cores can copy, and the cipher
+           competes with those copies; at a NIC's rate it competes only with
+           whatever else the cores do.
 
 Each side runs in its best configuration here: Open MPI with ``--bind-to
 none`` (each simulated host's daemon would otherwise pin its rank to core 0,
@@ -71,6 +78,7 @@ RESULT bench-cluster vs_best_min=<x> vs_best_min_2r=<x> vs_best_min_4r=<x>
   vs_stream_2r_max=<x> vs_stream_4r_max=<x> vs_streams_2r_max=<x> vs_streams_4r_max=<x>
   stream_gbs=<x> streams_2r_gbs=<x> streams_4r_gbs=<x> feed_tcp_gbs=<x> feed_vs_stream=<x>
   feed_enc_vs_clear=<x> allreduce_enc_vs_clear=<x> feed_enc_gbs=<x>
+  feed_enc_vs_clear_<G>g=<x> allreduce_enc_vs_clear_<G>g=<x>
   allreduce_<n>r_<size>_gbs=<x> mpi_<n>r_<size>_gbs=<x> gloo_<n>r_<size>_gbs=<x>
   allreduce_enc_<n>r_<size>_gbs=<x> ...
   [not_measured=mpi,gloo]  (a peer not installed here; its keys are nan)
@@ -374,6 +382,9 @@ def main() -> int:
     ap.add_argument("--mpi-extra", default="", help="more mpirun options, e.g. '--mca btl_tcp_links 2'")
     ap.add_argument("--sides", default="stream,ember,ember_enc,mpi,gloo,feed,feed_enc")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--link-gbit", dest="link_gbit", type=float, default=10.0,
+                    help="also measure the encrypted sides against clear with every link "
+                         "limited to this many Gbit/s (a real NIC's rate; 0: not)")
     # worker modes (internal)
     ap.add_argument("--worker", choices=["ember", "gloo", "feed_server", "feed_client"])
     ap.add_argument("--rank", type=int)
@@ -431,11 +442,14 @@ def main() -> int:
 
     # results[side][n][size] -> list over rounds; stream and feed: list over rounds
     coll = {s: {n: {z: [] for z in sizes} for n in ranks}
-            for s in ("ember", "ember_enc", "mpi", "gloo")}
+            for s in ("ember", "ember_enc", "mpi", "gloo", "ember_link", "ember_enc_link")}
     stream: List[float] = []
     ring_streams: Dict[int, List[float]] = {n: [] for n in ranks}
     feed: List[float] = []
     feed_enc: List[float] = []
+    feed_link: List[float] = []
+    feed_enc_link: List[float] = []
+    link_bits = int(args.link_gbit * 1e9)
     t_start = time.monotonic()
     with simcluster.SimCluster(HOSTS[:max(max(ranks), 2)], prefix=PREFIX) as sim:
         bench = Bench(sim, args)
@@ -450,6 +464,13 @@ def main() -> int:
                 jobs["feed"] = lambda: feed.append(bench.feed())
             if "feed_enc" in sides:
                 jobs["feed_enc"] = lambda: feed_enc.append(bench.feed(encrypt=True))
+            if "feed_enc" in sides and link_bits > 0:
+                # a NIC's rate: the regime where the cipher has cores to spare
+                def limited_feed(out: List[float], encrypt: bool) -> None:
+                    with sim.rate_limited(link_bits):
+                        out.append(bench.feed(encrypt=encrypt))
+                jobs["feed @link"] = lambda: limited_feed(feed_link, False)
+                jobs["feed_enc @link"] = lambda: limited_feed(feed_enc_link, True)
             for n in ranks:
                 for side in ("ember", "ember_enc", "mpi", "gloo"):
                     if side in sides:
@@ -460,6 +481,16 @@ def main() -> int:
                                 coll[side][n][z].append(z * 2.0 * (n - 1) / n / sec / 1e9
                                                         if sec else float("nan"))
                         jobs["%s %d ranks" % (side, n)] = run
+                if "ember_enc" in sides and link_bits > 0:
+                    for side, enc in (("ember_link", False), ("ember_enc_link", True)):
+                        def run_link(side=side, n=n, enc=enc) -> None:
+                            with sim.rate_limited(link_bits):
+                                got = bench.ember(n, sizes, encrypt=enc)
+                            for z in sizes:
+                                sec = got.get(z)
+                                coll[side][n][z].append(z * 2.0 * (n - 1) / n / sec / 1e9
+                                                        if sec else float("nan"))
+                        jobs["%s %d ranks" % (side, n)] = run_link
 
             def report(r: int, name: str, _: None, secs: float) -> None:
                 print("round %d: %-14s %5.1f s" % (r + 1, name, secs), flush=True)
@@ -483,12 +514,16 @@ def main() -> int:
         print("Ember feed h0 -> h1 (TCP, 4 MiB chunks): %s" % cell(feed, 20))
     if feed_enc:
         print("Ember feed h0 -> h1 encrypted (AES-256-GCM): %s" % cell(feed_enc, 20))
+    if feed_enc_link:
+        print("links at %g Gbit/s: Ember feed h0 -> h1 clear %s, encrypted %s"
+              % (args.link_gbit, cell(feed_link, 20), cell(feed_enc_link, 20)))
     result = {}
     best_min: Dict[int, Optional[float]] = {}
     stream_max: Dict[int, Optional[float]] = {}
     ring_max: Dict[int, Optional[float]] = {}
     ring_gbs: Dict[int, Optional[float]] = {}
     enc_ratios: List[float] = []  # encrypted over clear allreduce, every (n, size)
+    enc_link_ratios: List[float] = []  # the same with the links rate-limited
     for n in ranks:
         print("\n== allreduce, %d ranks on %d hosts: busbw GB/s" % (n, n))
         print("%8s  %-20s %-20s %-20s %9s %9s %10s %10s  %s" % (
@@ -528,6 +563,15 @@ def main() -> int:
                 result["allreduce_enc_%dr_%s_gbs" % (n, human(z))] = x
                 if e and x is not None:
                     enc_ratios.append(x / e)
+            if link_bits > 0:
+                print("   at %g Gbit/s links: clear, encrypted, encrypted/clear:" % args.link_gbit)
+                for z in sizes:
+                    e = med(coll["ember_link"][n][z])
+                    x = med(coll["ember_enc_link"][n][z])
+                    print("%8s  %s %s %s" % (human(z), cell(coll["ember_link"][n][z], 20),
+                                             cell(coll["ember_enc_link"][n][z], 20), rt(x, e)))
+                    if e and x is not None:
+                        enc_link_ratios.append(x / e)
         stream_max[n] = max(vs_stream) if vs_stream else None
         ring_max[n] = max(vs_ring) if vs_ring else None
         ring_gbs[n] = r_med
@@ -547,6 +591,13 @@ def main() -> int:
                                           else None),
              "allreduce_enc_vs_clear=%s" % kv(min(enc_ratios) if enc_ratios else None),
              "feed_enc_gbs=%s" % kv(fe_med)]
+    if link_bits > 0:
+        fl, fel = med(feed_link), med(feed_enc_link)
+        tag = "%gg" % args.link_gbit
+        head += ["feed_enc_vs_clear_%s=%s" % (tag, kv(fel / fl if fel is not None and fl
+                                                      else None)),
+                 "allreduce_enc_vs_clear_%s=%s" % (tag, kv(min(enc_link_ratios)
+                                                           if enc_link_ratios else None))]
     tail = ["%s=%s" % (k, kv(v)) for k, v in result.items()]
     if not_measured:
         tail.append("not_measured=" + ",".join(not_measured))
