@@ -235,48 +235,63 @@ int ember__conf_parse(ember__conf *conf, const char *xml, size_t len, const char
   return EMBER_OK;
 }
 
-int ember__conf_load(ember__conf *conf, const char *dir, const char *file) {
-  char path[4096];
-  int n = snprintf(path, sizeof path, "%s/%s", dir, file);
-  if (n < 0 || (size_t)n >= sizeof path)
-    return ember__set_error(EMBER_EINVAL, "configuration path too long: %s/%s", dir, file);
+int ember__read_bounded_file(const char *path, size_t max, const char *what, char **buf,
+                             size_t *len) {
+  *buf = NULL;
+  *len = 0;
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     int e = errno;
-    return ember__set_errno(e == ENOENT ? EMBER_ENOTFOUND : EMBER_ESYS, e, "open %s", path);
+    return ember__set_errno(e == ENOENT ? EMBER_ENOTFOUND : EMBER_ESYS, e, "open %s", what);
   }
   struct stat st;
-  char *buf = NULL;
-  int rc;
+  char *b = NULL;
+  int rc = EMBER_OK;
   if (fstat(fd, &st) < 0) {
-    rc = ember__set_errno(EMBER_ESYS, errno, "stat %s", path);
+    rc = ember__set_errno(EMBER_ESYS, errno, "stat %s", what);
     goto out;
   }
-  if (st.st_size < 0 || (uint64_t)st.st_size > EMBER__CONF_MAX_BYTES) {
-    rc = ember__set_error(EMBER_ETOOBIG, "%s: %lld bytes, more than the %u accepted", path,
-                          (long long)st.st_size, EMBER__CONF_MAX_BYTES);
+  if (st.st_size < 0 || (uint64_t)st.st_size > max) {
+    rc = ember__set_error(EMBER_ETOOBIG, "%s: %lld bytes, more than the %zu accepted", what,
+                          (long long)st.st_size, max);
     goto out;
   }
   size_t size = (size_t)st.st_size, got = 0;
-  buf = malloc(size + 1);
-  if (buf == NULL) {
-    rc = ember__set_error(EMBER_ENOMEM, "%s: out of memory", path);
+  if ((b = malloc(size + 1)) == NULL) {
+    rc = ember__set_error(EMBER_ENOMEM, "%s: out of memory", what);
     goto out;
   }
   while (got < size) {
-    ssize_t r = read(fd, buf + got, size - got);
+    ssize_t r = read(fd, b + got, size - got);
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) {
-      rc = ember__set_errno(EMBER_ESYS, errno, "read %s", path);
+      rc = ember__set_errno(EMBER_ESYS, errno, "read %s", what);
       goto out;
     }
     if (r == 0) break; /* shrank meanwhile: parse what is there */
     got += (size_t)r;
   }
-  rc = ember__conf_parse(conf, buf, got, path);
+  b[got] = '\0';
+  *buf = b;
+  *len = got;
+  b = NULL;
 out:
-  free(buf);
+  free(b);
   close(fd);
+  return rc;
+}
+
+int ember__conf_load(ember__conf *conf, const char *dir, const char *file) {
+  char path[4096];
+  int n = snprintf(path, sizeof path, "%s/%s", dir, file);
+  if (n < 0 || (size_t)n >= sizeof path)
+    return ember__set_error(EMBER_EINVAL, "configuration path too long: %s/%s", dir, file);
+  char *buf;
+  size_t len;
+  int rc = ember__read_bounded_file(path, EMBER__CONF_MAX_BYTES, path, &buf, &len);
+  if (rc != EMBER_OK) return rc;
+  rc = ember__conf_parse(conf, buf, len, path);
+  free(buf);
   return rc;
 }
 

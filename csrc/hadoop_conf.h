@@ -35,6 +35,13 @@ int ember__conf_parse(ember__conf *conf, const char *xml, size_t len, const char
  * (and leaves *conf as it was). */
 int ember__conf_load(ember__conf *conf, const char *dir, const char *file);
 
+/* Reads the whole file at path (at most max bytes, else EMBER_ETOOBIG) into
+ * *buf (malloc'd, NUL-terminated after *len bytes).  A missing file is
+ * EMBER_ENOTFOUND; `what` names the file in messages.  Shared by the
+ * readers of Hadoop's files (configuration, token files). */
+int ember__read_bounded_file(const char *path, size_t max, const char *what, char **buf,
+                             size_t *len);
+
 /* The value of name (the last definition, also across layered files), or
  * NULL.  Linear in the number of properties. */
 const char *ember__conf_get(const ember__conf *conf, const char *name);

@@ -8,16 +8,13 @@
  * does, so a field cannot reach past its parent. */
 #include "hadoop_token.h"
 
-#include <errno.h>
-#include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "ember/error.h"
+#include "hadoop_conf.h"
 
 /* ================================================================ reader */
 
@@ -511,41 +508,10 @@ int ember__credentials_load(ember__credentials *out, const char *path) {
   char *what = malloc(wlen);
   if (what == NULL) return oom(path);
   snprintf(what, wlen, "token file %s", path);
-  uint8_t *buf = NULL;
-  int rc, fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    int e = errno;
-    rc = ember__set_errno(e == ENOENT ? EMBER_ENOTFOUND : EMBER_ESYS, e, "open %s", what);
-    goto out;
-  }
-  struct stat st;
-  if (fstat(fd, &st) < 0) {
-    rc = ember__set_errno(EMBER_ESYS, errno, "stat %s", what);
-    goto out;
-  }
-  if (st.st_size < 0 || (uint64_t)st.st_size > EMBER__TOKEN_FILE_MAX_BYTES) {
-    rc = ember__set_error(EMBER_ETOOBIG, "%s: %lld bytes, more than the %u accepted", what,
-                          (long long)st.st_size, EMBER__TOKEN_FILE_MAX_BYTES);
-    goto out;
-  }
-  size_t size = (size_t)st.st_size, got = 0;
-  if ((buf = malloc(size + 1)) == NULL) {
-    rc = oom(what);
-    goto out;
-  }
-  while (got < size) {
-    ssize_t n = read(fd, buf + got, size - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      rc = ember__set_errno(EMBER_ESYS, errno, "read %s", what);
-      goto out;
-    }
-    if (n == 0) break; /* shrank meanwhile: parse what is there */
-    got += (size_t)n;
-  }
-  rc = ember__credentials_parse(out, buf, got, what);
-out:
-  if (fd >= 0) close(fd);
+  char *buf = NULL;
+  size_t len = 0;
+  int rc = ember__read_bounded_file(path, EMBER__TOKEN_FILE_MAX_BYTES, what, &buf, &len);
+  if (rc == EMBER_OK) rc = ember__credentials_parse(out, (const uint8_t *)buf, len, what);
   free(buf);
   free(what);
   return rc;

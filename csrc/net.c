@@ -24,7 +24,7 @@
 #include <unistd.h>
 
 #include "ember/error.h"
-#include "iov.h"
+#include "net_internal.h"
 
 /* Peer names are "[v6addr]:port" at most ~56 bytes. */
 #define EMBER__PEER_CAP 96
@@ -477,9 +477,8 @@ int ember_net_recv_all(int fd, void *buf, size_t len, int64_t deadline_ms) {
   return EMBER_OK;
 }
 
-int ember_net_send_frame(int fd, uint16_t type, const void *payload, uint32_t len,
-                         int64_t deadline_ms) {
-  uint8_t hdr[EMBER_WIRE_HEADER_LEN];
+int ember__frame_iov(uint8_t *hdr, uint16_t type, const void *payload, uint32_t len,
+                     struct iovec iov[2], int *iovcnt) {
   if (payload == NULL && len > 0)
     return ember__set_error(EMBER_EINVAL, "send_frame: NULL payload");
   if (len > EMBER_WIRE_ABSOLUTE_MAX)
@@ -487,9 +486,21 @@ int ember_net_send_frame(int fd, uint16_t type, const void *payload, uint32_t le
                             ember_wire_type_name(type), (unsigned)len,
                             (unsigned)EMBER_WIRE_ABSOLUTE_MAX);
   ember_wire_encode_header(hdr, type, len);
-  struct iovec iov[2] = {{.iov_base = hdr, .iov_len = sizeof hdr},
-                         {.iov_base = (void *)payload, .iov_len = len}};
-  return ember_net_sendv_all(fd, iov, len > 0 ? 2 : 1, deadline_ms);
+  iov[0].iov_base = hdr;
+  iov[0].iov_len = EMBER_WIRE_HEADER_LEN;
+  iov[1].iov_base = (void *)(uintptr_t)payload;
+  iov[1].iov_len = len;
+  *iovcnt = len > 0 ? 2 : 1;
+  return EMBER_OK;
+}
+
+int ember_net_send_frame(int fd, uint16_t type, const void *payload, uint32_t len,
+                         int64_t deadline_ms) {
+  uint8_t hdr[EMBER_WIRE_HEADER_LEN];
+  struct iovec iov[2];
+  int n = 0;
+  int rc = ember__frame_iov(hdr, type, payload, len, iov, &n);
+  return rc != EMBER_OK ? rc : ember_net_sendv_all(fd, iov, n, deadline_ms);
 }
 
 int ember_net_recv_frame(int fd, uint32_t max_payload, ember_frame_header *hdr,

@@ -20,7 +20,7 @@
 
 #include "ember/error.h"
 #include "ember/net.h"
-#include "iov.h"
+#include "net_internal.h"
 
 #define KEY_LEN 32u
 #define IV_LEN 12u
@@ -479,16 +479,10 @@ int ember_sec_send_frame(ember_sec *s, int fd, uint16_t type, const void *payloa
                          uint32_t len, int64_t deadline_ms) {
   uint8_t hdr[EMBER_WIRE_HEADER_LEN];
   if (s == NULL) return ember_net_send_frame(fd, type, payload, len, deadline_ms);
-  if (payload == NULL && len > 0)
-    return ember__set_error(EMBER_EINVAL, "send_frame: NULL payload");
-  if (len > EMBER_WIRE_ABSOLUTE_MAX)
-    return ember__set_error(EMBER_ETOOBIG, "send_frame: %s payload of %u bytes exceeds %u",
-                            ember_wire_type_name(type), (unsigned)len,
-                            (unsigned)EMBER_WIRE_ABSOLUTE_MAX);
-  ember_wire_encode_header(hdr, type, len);
-  struct iovec iov[2] = {{.iov_base = hdr, .iov_len = sizeof hdr},
-                         {.iov_base = (void *)(uintptr_t)payload, .iov_len = len}};
-  return ember_sec_sendv_all(s, fd, iov, len > 0 ? 2 : 1, deadline_ms);
+  struct iovec iov[2];
+  int n = 0;
+  int rc = ember__frame_iov(hdr, type, payload, len, iov, &n);
+  return rc != EMBER_OK ? rc : ember_sec_sendv_all(s, fd, iov, n, deadline_ms);
 }
 
 int ember_sec_recv_frame(ember_sec *s, int fd, uint32_t max_payload, ember_frame_header *hdr,

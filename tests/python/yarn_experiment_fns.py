@@ -72,33 +72,40 @@ def keras_tiny(model_dir: str, epochs: int = 2) -> Any:
     os.environ.pop("TF_USE_LEGACY_KERAS", None)
     os.environ["KERAS_BACKEND"] = "tensorflow"
     import keras
-    import numpy as np
 
     from ember.yarn.experiment import KerasExperiment
 
+    x, y = _line_data()
+    return KerasExperiment(_line_model(keras), model_dir, {"epochs": epochs, "batch_size": 64},
+                           lambda: x[:1536], lambda: y[:1536], lambda: (x[1536:], y[1536:]))
+
+
+def _line_data(rows: int = 2048) -> Any:
+    """(x, y): 8 normal floats per row, label 1 where x0 + x1 > 0."""
+    import numpy as np
+
     rng = np.random.default_rng(7)
-    x = rng.normal(size=(2048, 8)).astype(np.float32)
-    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
+    x = rng.normal(size=(rows, 8)).astype(np.float32)
+    return x, (x[:, 0] + x[:, 1] > 0).astype(np.int64)
+
+
+def _line_model(keras: Any) -> Any:
     keras.utils.set_random_seed(3)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(2)])
     model.compile(optimizer=keras.optimizers.Adam(1e-2),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
-    return KerasExperiment(model, model_dir, {"epochs": epochs, "batch_size": 64},
-                           lambda: x[:1536], lambda: y[:1536], lambda: (x[1536:], y[1536:]))
+    return model
 
 
 def line_records(url: str, rows: int = 2048) -> None:
     """Writes the "which side of a line" problem (8 floats, a label) as
     TFRecords of Examples to url (local or hdfs://)."""
-    import numpy as np
-
     from ember import tfrecord
 
-    rng = np.random.default_rng(7)
-    x = rng.normal(size=(rows, 8)).astype(np.float32)
-    tfrecord.write(url, {"x": x, "y": (x[:, 0] + x[:, 1] > 0).astype(np.int64)})
+    x, y = _line_data(rows)
+    tfrecord.write(url, {"x": x, "y": y})
 
 
 def _read_line_records(url: str) -> Any:
@@ -119,13 +126,7 @@ def keras_line_records(data_url: str, model_dir: str, epochs: int = 2) -> Any:
     from ember.yarn.experiment import KerasExperiment
 
     data = functools.lru_cache(None)(lambda: _read_line_records(data_url))
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(2)])
-    model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return KerasExperiment(model, model_dir, {"epochs": epochs, "batch_size": 64},
+    return KerasExperiment(_line_model(keras), model_dir, {"epochs": epochs, "batch_size": 64},
                            lambda: data()[0][:1536], lambda: data()[1][:1536],
                            lambda: (data()[0][1536:], data()[1][1536:]))
 
