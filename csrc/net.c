@@ -394,15 +394,22 @@ static int io_timeout(int fd, const char *op, const char *dir, size_t done,
                           dir, peer, done, total);
 }
 
-int ember_net_sendv_all(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms) {
-  size_t total = 0, done = 0;
+int ember__iov_total(const struct iovec *iov, int iovcnt, size_t *total) {
+  *total = 0;
   if (iovcnt < 0 || (iov == NULL && iovcnt > 0))
     return ember__set_error(EMBER_EINVAL, "sendv: bad iovec");
   for (int i = 0; i < iovcnt; i++) {
-    if (iov[i].iov_len > SIZE_MAX - total)
+    if (iov[i].iov_len > SIZE_MAX - *total)
       return ember__set_error(EMBER_ETOOBIG, "sendv: total size overflows");
-    total += iov[i].iov_len;
+    *total += iov[i].iov_len;
   }
+  return EMBER_OK;
+}
+
+int ember_net_sendv_all(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms) {
+  size_t total = 0, done = 0;
+  int rc = ember__iov_total(iov, iovcnt, &total);
+  if (rc != EMBER_OK) return rc;
   while (iovcnt > 0 && iov[0].iov_len == 0) {
     iov++;
     iovcnt--;
@@ -430,7 +437,7 @@ int ember_net_sendv_all(int fd, struct iovec *iov, int iovcnt, int64_t deadline_
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        int rc = wait_fd(fd, POLLOUT, deadline_ms);
+        rc = wait_fd(fd, POLLOUT, deadline_ms);
         if (rc == EMBER_ETIMEDOUT) return io_timeout(fd, "send", "to", done, total);
         if (rc != EMBER_OK) return io_error(fd, "send", "to", errno);
         continue;

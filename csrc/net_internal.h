@@ -7,6 +7,10 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
+/* *total = the bytes of iov[0..iovcnt): EMBER_EINVAL for a bad array,
+ * EMBER_ETOOBIG if the sum overflows. */
+int ember__iov_total(const struct iovec *iov, int iovcnt, size_t *total);
+
 /* A frame as two iovecs (header, payload) after checking its arguments:
  * hdr receives the encoded header; *iovcnt is 1 for an empty payload.
  * EMBER_EINVAL for a NULL payload with a length, EMBER_ETOOBIG above

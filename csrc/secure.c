@@ -421,13 +421,8 @@ int ember_sec_sendv_all(ember_sec *s, int fd, struct iovec *iov, int iovcnt,
                         int64_t deadline_ms) {
   size_t total = 0, done = 0;
   if (s == NULL) return ember_net_sendv_all(fd, iov, iovcnt, deadline_ms);
-  if (iovcnt < 0 || (iov == NULL && iovcnt > 0))
-    return ember__set_error(EMBER_EINVAL, "sendv: bad iovec");
-  for (int i = 0; i < iovcnt; i++) {
-    if (iov[i].iov_len > SIZE_MAX - total)
-      return ember__set_error(EMBER_ETOOBIG, "sendv: total size overflows");
-    total += iov[i].iov_len;
-  }
+  int rc = ember__iov_total(iov, iovcnt, &total);
+  if (rc != EMBER_OK) return rc;
   while (iovcnt > 0) {
     if (iov[0].iov_len == 0) {
       iov++;
@@ -437,7 +432,7 @@ int ember_sec_sendv_all(ember_sec *s, int fd, struct iovec *iov, int iovcnt,
     long n = ember_sec_send(s, fd, iov, iovcnt);
     if (n < 0) return (int)n;
     if (n == 0) {
-      int rc = wait_fd(s, fd, POLLOUT, deadline_ms, "send to", done, total);
+      rc = wait_fd(s, fd, POLLOUT, deadline_ms, "send to", done, total);
       if (rc != EMBER_OK) return rc;
       continue;
     }
