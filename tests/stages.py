@@ -14,6 +14,8 @@ At the end: each stage's duration, and a warning when the whole run took
 longer than WARN_MINUTES, so that growth is seen long before CI's limit (90
 minutes; the suite's ceiling is 45).  The exit status is 0 only if every
 stage passed; a stage whose prerequisite failed is not run, and says so.
+Each failed stage's failures (pytest's FAILED lines, else its log's last
+lines) are repeated after the table, where a truncated CI log still has them.
 
     python3 tests/stages.py                 # what make test runs
     python3 tests/stages.py --only pytest   # one stage and what it needs
@@ -32,6 +34,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGS = os.path.join(REPO, "build", "test-logs")
 WARN_MINUTES = 40
+FAILURE_LINES = 25  #: lines of a failed stage's log repeated at the end
 MAKE = ["make", "--no-print-directory"]
 PY = os.path.join(REPO, ".venv", "bin", "python")
 TORCH_PY = os.path.join(REPO, ".venv-torch", "bin", "python")
@@ -159,11 +162,30 @@ class Runner:
         failed = [n for n, r in self.results.items() if r.status != "ok"]
         print(f"  {'total':12s} {total:7.0f} s  ({total / 60:.1f} min)"
               + (f"  FAILED: {', '.join(failed)}" if failed else "  all stages passed"))
+        for name in failed:
+            self._print_failure(name)
         if total > WARN_MINUTES * 60:
             print(f"WARNING: make test took {total / 60:.1f} min, more than {WARN_MINUTES} min: "
                   "the suite's ceiling is 45 min and CI stops at 90; see docs/testing.md "
                   "for where the time goes and how to cut it")
         return 1 if failed else 0
+
+
+    def _print_failure(self, name: str) -> None:
+        """What a failed stage said last, so that the end of the output (all
+        CI may keep) names the failing tests: pytest's FAILED/ERROR summary
+        lines where there are some, else the log's last lines."""
+        path = os.path.join(LOGS, f"{name}.log")
+        try:
+            with open(path, errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return
+        summary = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+        shown = summary[:FAILURE_LINES] if summary else lines[-FAILURE_LINES:]
+        print(f"\n{name} failed; from {os.path.relpath(path, REPO)}:")
+        for ln in shown:
+            print(f"  {ln[:400]}")
 
 
 def _needed(names: Sequence[str]) -> List[Stage]:

@@ -16,12 +16,13 @@ encrypt=True, each phase's wall-clock span written for the packet capture).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -121,6 +122,16 @@ def crosshost_node(args: Any, ctx: Any) -> None:
         address=socket.gethostbyname(socket.gethostname())))
 
 
+def _noting_feeder_host(out: str, p: int, rows: Iterator[Any]) -> Iterator[Any]:
+    """Partition ``p``'s rows, after noting the host of the task that feeds
+    them (the same task: a narrow transformation); partition 0 after 3 s."""
+    with open(os.path.join(out, f"feeder-{p}.host"), "w") as f:
+        f.write(socket.gethostname())
+    if p == 0:
+        time.sleep(3)
+    return rows
+
+
 def crosshost(spark: Any, out: str) -> None:
     from ember.spark import InputMode, run
 
@@ -131,8 +142,15 @@ def crosshost(spark: Any, out: str) -> None:
                   master_node=None, reservation_timeout=120)
     placed = [dict(index=n["index"], host=n["host"], executor=n["executor_id"])
               for n in cluster.nodes]
-    rdd = sc.parallelize([(i, float(i)) for i in range(per_call)], 12)
+    # Partition p goes to node p % 3 wherever Spark runs its task.  Partition
+    # 0 holds its executor for 3 s, so the other two executors feed every
+    # later partition, among them those of the node on the held executor's
+    # host: some cross hosts, whatever order Spark offers its executors in.
+    rdd = (sc.parallelize([(i, float(i)) for i in range(per_call)], 12)
+           .mapPartitionsWithIndex(functools.partial(_noting_feeder_host, out)))
     fed_rdd = cluster.train(rdd, 1)
+    feeders = {int(f[len("feeder-"):-len(".host")]): open(os.path.join(out, f)).read()
+               for f in os.listdir(out) if f.startswith("feeder-")}
     df = spark.createDataFrame([(per_call + i, float(i)) for i in range(per_call)],
                                "id long, x double").repartition(12)
     fed_df = cluster.train(df, 1)
@@ -140,7 +158,7 @@ def crosshost(spark: Any, out: str) -> None:
     listening = {str(k): v for k, v in _listening([port]).items()}
     cluster.shutdown()
     dump(os.path.join(out, "driver.json"), dict(
-        placed=placed, fed=[fed_rdd, fed_df], driver_host=socket.gethostname(),
+        placed=placed, fed=[fed_rdd, fed_df], feeders=feeders, driver_host=socket.gethostname(),
         listening=listening, rendezvous_port=port))
 
 
