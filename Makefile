@@ -13,7 +13,7 @@ WARN   := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wno-unused-paramet
 BASE   := -std=c11 -D_GNU_SOURCE -Icsrc/include -pthread $(WARN)
 OPT    := -O2 -g -fPIC
 SAN    := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
-LIBS   := -lcrypto -lz -lcurl -lgssapi_krb5 -lkrb5 -lpthread
+LIBS   := -lcrypto -lz -lcurl -lgssapi_krb5 -lkrb5 -lpthread -lm
 
 LIB_SRCS  := $(wildcard csrc/*.c)
 LIB_HDRS  := $(wildcard csrc/include/ember/*.h csrc/*.h)

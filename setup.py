@@ -182,7 +182,7 @@ extension = Extension(
     extra_compile_args=["-std=c11", "-pthread", "-fvisibility=hidden", "-UNDEBUG", "-O2"]
     + WARNINGS,
     extra_link_args=["-pthread"],
-    libraries=["crypto", "z", "curl", "gssapi_krb5", "krb5"],
+    libraries=["crypto", "z", "curl", "gssapi_krb5", "krb5", "m"],
     depends=_rel("csrc/include/ember/*.h", "csrc/*.h", "python/ember/_ember*.h"),
 )
 

@@ -45,6 +45,13 @@ int ember_wire_known_type(uint16_t type) {
   case EMBER_MSG_COLL_HELLO:
   case EMBER_MSG_COLL_SHM:
   case EMBER_MSG_COLL_SHM_ACK:
+  case EMBER_MSG_PS_HELLO:
+  case EMBER_MSG_PS_DECLARE:
+  case EMBER_MSG_PS_PULL:
+  case EMBER_MSG_PS_PUSH:
+  case EMBER_MSG_PS_CLOCK:
+  case EMBER_MSG_PS_SAVE:
+  case EMBER_MSG_PS_REPLY:
     return 1;
   default:
     return 0;
@@ -75,6 +82,13 @@ const char *ember_wire_type_name(uint16_t type) {
   case EMBER_MSG_COLL_HELLO: return "COLL_HELLO";
   case EMBER_MSG_COLL_SHM: return "COLL_SHM";
   case EMBER_MSG_COLL_SHM_ACK: return "COLL_SHM_ACK";
+  case EMBER_MSG_PS_HELLO: return "PS_HELLO";
+  case EMBER_MSG_PS_DECLARE: return "PS_DECLARE";
+  case EMBER_MSG_PS_PULL: return "PS_PULL";
+  case EMBER_MSG_PS_PUSH: return "PS_PUSH";
+  case EMBER_MSG_PS_CLOCK: return "PS_CLOCK";
+  case EMBER_MSG_PS_SAVE: return "PS_SAVE";
+  case EMBER_MSG_PS_REPLY: return "PS_REPLY";
   default: return "UNKNOWN";
   }
 }

@@ -1,6 +1,7 @@
 /* python/ember/_ember.c - module ember._ember: init, state, exceptions,
  * shared helpers (errors, timeouts, handles, column specs) and the
- * module-level functions.  The types live in _ember_rdv.c and _ember_feed.c.
+ * module-level functions.  The types live in _ember_rdv.c, _ember_feed.c,
+ * _ember_coll.c, _ember_tfrecord.c, _ember_hdfs.c and _ember_ps.c.
  */
 #include "_ember.h"
 
@@ -852,6 +853,8 @@ static int module_exec(PyObject *m) {
     return -1;
   if (embpy_records_exec(m, st) < 0)
     return -1;
+  if (embpy_ps_exec(m, st) < 0) /* after tfrecord's: ps errors use EmberSchemaError */
+    return -1;
   return 0;
 }
 
@@ -873,7 +876,10 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
   Py_VISIT(st->TFRecordReader_Type);
   Py_VISIT(st->TFRecordWriter_Type);
   Py_VISIT(st->Communicator_Type);
+  Py_VISIT(st->PsServer_Type);
+  Py_VISIT(st->PsClient_Type);
   Py_VISIT(st->np_types);
+  Py_VISIT(st->np_empty);
   return 0;
 }
 
@@ -895,7 +901,10 @@ static int module_clear(PyObject *m) {
   Py_CLEAR(st->TFRecordReader_Type);
   Py_CLEAR(st->TFRecordWriter_Type);
   Py_CLEAR(st->Communicator_Type);
+  Py_CLEAR(st->PsServer_Type);
+  Py_CLEAR(st->PsClient_Type);
   Py_CLEAR(st->np_types);
+  Py_CLEAR(st->np_empty);
   return 0;
 }
 

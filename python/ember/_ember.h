@@ -64,6 +64,10 @@ typedef struct {
   PyTypeObject *ExampleDecoder_Type;
   PyTypeObject *TFRecordReader_Type;
   PyTypeObject *TFRecordWriter_Type;
+  /* _ember_ps.c */
+  PyTypeObject *PsServer_Type;
+  PyTypeObject *PsClient_Type;
+  PyObject *np_empty; /* numpy.empty, imported on the first PsClient.pull (NULL before) */
   /* _ember_records.c: numpy's ndarray and scalar types, imported on the first
    * records_to_columns() call (NULL before; see records_np_types there) */
   PyObject *np_types;
@@ -253,6 +257,7 @@ int embpy_coll_exec(PyObject *m, ember_state *st);
 int embpy_tfrecord_exec(PyObject *m, ember_state *st);
 int embpy_hdfs_exec(PyObject *m, ember_state *st);
 int embpy_records_exec(PyObject *m, ember_state *st);
+int embpy_ps_exec(PyObject *m, ember_state *st);
 
 /* A chunk of records planned for conversion to feed columns
  * (_ember_records.c): plan, lay out the batch from the columns, write into

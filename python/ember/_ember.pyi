@@ -13,9 +13,10 @@
 import builtins
 import os
 from collections.abc import Sequence
-from typing import Any, Final, Literal, SupportsIndex, TypeAlias, TypeVar, final
+from typing import Any, Final, Literal, SupportsIndex, TypeAlias, TypeVar, final, overload
 
-from _typeshed import ReadableBuffer, WriteableBuffer
+import numpy as np
+from _typeshed import ReadableBuffer, StrOrBytesPath, WriteableBuffer
 from numpy.typing import NDArray
 from typing_extensions import Self
 
@@ -303,6 +304,101 @@ class Communicator:
     def transport(self, peer: int, /) -> Literal["self", "shm", "tcp"]: ...
     def algorithm(self, buf: _Readable, /) -> str: ...
     def abort(self) -> None: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *args: object) -> Literal[False]: ...
+
+# ---------------------------------------------------------------- parameter server
+
+PS_ASYNC: Final = 4294967295  # PsServer staleness: never wait (what None means)
+PS_NAME_MAX: Final = 128  # bytes of a table name, NUL included
+PS_MAX_SHARDS: Final = 1024
+PS_MAX_COLS: Final = 1048576
+
+# Row ids: a C-contiguous buffer of uint64 or int64 (a numpy array) or a
+# sequence of ints; None (where allowed) is every row of a dense table.
+_RowIds: TypeAlias = _Readable | Sequence[int]
+
+# layout 'dense' or 'sparse' (ValueError otherwise)
+def ps_shard_of_row(layout: str, rows: int, row: int, num_shards: int, /) -> int: ...
+
+@final
+class PsServer:
+    def __new__(
+        cls,
+        secret: ReadableBuffer,
+        shard: int,
+        num_shards: int,
+        num_workers: int,
+        *,
+        staleness: int | None = None,
+        host: str = "",
+        port: int = 0,
+        listen_fd: int = -1,
+        encrypt: bool = False,
+    ) -> Self: ...
+    @property
+    def port(self) -> int: ...
+    # tables, rows_held, pulls, pushes, rows_pulled, rows_pushed,
+    # bytes_received, bytes_sent, requests_refused, stale_waits, min_clock
+    def stats(self) -> dict[str, int]: ...
+    def save(self, dir: StrOrBytesPath, /) -> None: ...
+    def restore(self, dir: StrOrBytesPath, /) -> None: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *args: object) -> Literal[False]: ...
+
+@final
+class PsClient:
+    def __new__(
+        cls,
+        hosts: Sequence[str],
+        ports: Sequence[int],
+        secret: ReadableBuffer,
+        worker: int,
+        num_workers: int,
+        *,
+        timeout_s: float = 600.0,
+        encrypt: bool = False,
+    ) -> Self: ...
+    @property
+    def worker(self) -> int: ...
+    @property
+    def num_workers(self) -> int: ...
+    @property
+    def num_shards(self) -> int: ...
+    # layout 'dense' or 'sparse'; optimizer 'sgd', 'momentum', 'adagrad' or
+    # 'adam'; init 'zeros', 'uniform' or 'normal' (ValueError otherwise)
+    def declare(
+        self,
+        name: str,
+        layout: str,
+        rows: int,
+        cols: int,
+        optimizer: str,
+        learning_rate: float,
+        *,
+        momentum: float = 0.0,
+        beta1: float = 0.0,
+        beta2: float = 0.0,
+        epsilon: float = 0.0,
+        initial_accumulator: float = 0.0,
+        init: str = "zeros",
+        init_scale: float = 0.0,
+        seed: int = 0,
+    ) -> None: ...
+    # a new (len(ids), cols) float32 array, or out filled in place
+    @overload
+    def pull(
+        self, table: str, ids: _RowIds | None, cols: int, out: None = None
+    ) -> NDArray[np.float32]: ...
+    @overload
+    def pull(self, table: str, ids: _RowIds | None, cols: int, out: _W) -> _W: ...
+    def push(self, table: str, ids: _RowIds | None, grads: _Readable) -> None: ...
+    def clock(self) -> None: ...
+    def finish(self) -> None: ...
+    def save(self, dir: StrOrBytesPath, /) -> None: ...
+    def bytes(self) -> tuple[int, int]: ...  # (sent, received)
     def close(self) -> None: ...
     def __enter__(self) -> Self: ...
     def __exit__(self, *args: object) -> Literal[False]: ...

@@ -75,7 +75,16 @@ typedef enum {
                                  none), its 32-byte token, then the ring
                                  for the receiver to send into: u32 pid,
                                  u32 fd, u64 bytes, 32-byte token */
-  EMBER_MSG_COLL_SHM_ACK = 50 /* both ways: u32 1 if the segment was mapped */
+  EMBER_MSG_COLL_SHM_ACK = 50, /* both ways: u32 1 if the segment was mapped */
+
+  /* parameter server (see ps.h): worker->server requests, each answered PS_REPLY */
+  EMBER_MSG_PS_HELLO = 64,   /* u32 worker, u32 num_workers, u32 shard, u32 num_shards */
+  EMBER_MSG_PS_DECLARE = 65, /* a table spec */
+  EMBER_MSG_PS_PULL = 66,    /* str table, u64 clock, u32 wait_ms, u8 whole, u32 n, rows */
+  EMBER_MSG_PS_PUSH = 67,    /* str table, u8 whole, u32 n, u32 cols, rows, n x cols f32 */
+  EMBER_MSG_PS_CLOCK = 68,   /* u64 steps done (UINT64_MAX: the worker finished) */
+  EMBER_MSG_PS_SAVE = 69,    /* str directory */
+  EMBER_MSG_PS_REPLY = 70    /* server->worker: u32 status, str reason, body */
 } ember_msg_type;
 
 typedef struct {

@@ -1,0 +1,484 @@
+/* test_ps.c - the parameter server (ps.h) on loopback: shards and workers in
+ * one process, dense and sparse tables, the server-side optimizer, bounded
+ * staleness, checkpoints, and peers that send garbage or the wrong shapes. */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ember/auth.h"
+#include "ember/net.h"
+#include "ember/ps.h"
+#include "ember/wire.h"
+#include "harness.h"
+
+static const uint8_t SECRET[32] = "0123456789abcdef0123456789abcdef";
+
+typedef struct {
+  ember_ps_server *srv[4];
+  uint16_t ports[4];
+  const char *hosts[4];
+  uint32_t shards;
+} ps_cluster;
+
+static char log_seen[2048];
+static void capture_log(void *arg, const char *line) {
+  (void)arg;
+  snprintf(log_seen, sizeof log_seen, "%s", line);
+}
+
+static void start(ps_cluster *p, uint32_t shards, uint32_t workers, uint32_t staleness,
+                  int encrypt) {
+  memset(p, 0, sizeof *p);
+  p->shards = shards;
+  for (uint32_t k = 0; k < shards; k++) {
+    ember_ps_server_config cfg = {.listen_fd = -1, .bind_host = "127.0.0.1", .secret = SECRET,
+                                  .secret_len = sizeof SECRET, .encrypt = encrypt, .shard = k,
+                                  .num_shards = shards, .num_workers = workers,
+                                  .staleness = staleness, .log_fn = capture_log};
+    CHECK_OK(ember_ps_server_create(&p->srv[k], &cfg));
+    p->ports[k] = ember_ps_server_port(p->srv[k]);
+    p->hosts[k] = "127.0.0.1";
+  }
+}
+
+static void stop(ps_cluster *p) {
+  for (uint32_t k = 0; k < p->shards; k++) ember_ps_server_destroy(p->srv[k]);
+}
+
+static ember_ps_client *worker(ps_cluster *p, uint32_t w, uint32_t workers, int encrypt,
+                               int64_t timeout_ms) {
+  ember_ps_client *c = NULL;
+  ember_ps_client_config cfg = {.hosts = p->hosts, .ports = p->ports, .num_shards = p->shards,
+                                .secret = SECRET, .secret_len = sizeof SECRET,
+                                .encrypt = encrypt, .worker = w, .num_workers = workers,
+                                .timeout_ms = timeout_ms};
+  CHECK_OK(ember_ps_client_create(&c, &cfg));
+  return c;
+}
+
+static ember_ps_table_spec dense(const char *name, uint64_t rows, uint32_t cols, uint32_t opt,
+                                 float lr) {
+  ember_ps_table_spec s = {.name = name, .layout = EMBER_PS_DENSE, .rows = rows, .cols = cols,
+                           .optimizer = {.kind = opt, .learning_rate = lr},
+                           .init = EMBER_PS_INIT_UNIFORM, .init_scale = 0.5f, .seed = 7};
+  return s;
+}
+
+static int near(float a, float b) { return fabsf(a - b) <= 1e-5f * (1 + fabsf(b)); }
+
+/* ------------------------------------------------------------ dense */
+
+TEST(dense_table_split_over_shards_pulls_whole_and_applies_sgd) {
+  ps_cluster p;
+  start(&p, 3, 1, EMBER_PS_ASYNC, 0);
+  ember_ps_client *c = worker(&p, 0, 1, 0, 10000);
+  ember_ps_table_spec spec = dense("w", 10, 4, EMBER_PS_SGD, 0.5f);
+  CHECK_OK(ember_ps_client_declare(c, &spec));
+  CHECK_OK(ember_ps_client_declare(c, &spec)); /* the same spec again: a no-op */
+  float w0[40], g[40], w1[40], rows[8];
+  CHECK_OK(ember_ps_client_pull(c, "w", NULL, 10, 4, w0));
+  int nonzero = 0;
+  for (int i = 0; i < 40; i++) {
+    CHECK(w0[i] >= -0.5f && w0[i] < 0.5f);
+    nonzero += w0[i] != 0;
+    g[i] = (float)i / 10;
+  }
+  CHECK(nonzero > 30);
+  CHECK_OK(ember_ps_client_push(c, "w", NULL, 10, 4, g));
+  CHECK_OK(ember_ps_client_pull(c, "w", NULL, 10, 4, w1));
+  for (int i = 0; i < 40; i++) CHECK(near(w1[i], w0[i] - 0.5f * g[i]));
+  /* named rows of a dense table, in the order asked, across shards */
+  uint64_t ids[2] = {9, 0};
+  CHECK_OK(ember_ps_client_pull(c, "w", ids, 2, 4, rows));
+  CHECK(memcmp(rows, w1 + 36, 16) == 0 && memcmp(rows + 4, w1, 16) == 0);
+  ember_ps_stats st;
+  uint64_t held = 0;
+  for (int k = 0; k < 3; k++) {
+    ember_ps_server_stats(p.srv[k], &st);
+    CHECK_EQ_INT(st.tables, 1);
+    held += st.rows_held;
+  }
+  CHECK_EQ_INT(held, 10);
+  ember_ps_client_destroy(c);
+  stop(&p);
+}
+
+TEST(two_workers_share_updates_and_momentum_state_lives_on_the_server) {
+  ps_cluster p;
+  start(&p, 2, 2, EMBER_PS_ASYNC, 0);
+  ember_ps_client *a = worker(&p, 0, 2, 0, 10000), *b = worker(&p, 1, 2, 0, 10000);
+  ember_ps_table_spec spec = dense("m", 3, 2, EMBER_PS_MOMENTUM, 0.1f);
+  spec.optimizer.momentum = 0.9f;
+  spec.init = EMBER_PS_INIT_ZEROS;
+  CHECK_OK(ember_ps_client_declare(a, &spec));
+  CHECK_OK(ember_ps_client_declare(b, &spec));
+  float g[6] = {1, 1, 1, 1, 1, 1}, w[6];
+  CHECK_OK(ember_ps_client_push(a, "m", NULL, 3, 2, g)); /* v = -0.1, w = -0.1 */
+  CHECK_OK(ember_ps_client_push(b, "m", NULL, 3, 2, g)); /* v = -0.19, w = -0.29 */
+  CHECK_OK(ember_ps_client_pull(a, "m", NULL, 3, 2, w));
+  for (int i = 0; i < 6; i++) CHECK(near(w[i], -0.29f));
+  ember_ps_client_destroy(a);
+  ember_ps_client_destroy(b);
+  stop(&p);
+}
+
+/* ------------------------------------------------------------ sparse */
+
+TEST(sparse_rows_materialise_when_touched_and_bytes_follow_the_rows) {
+  ps_cluster p;
+  start(&p, 2, 1, EMBER_PS_ASYNC, 0);
+  ember_ps_client *c = worker(&p, 0, 1, 0, 10000);
+  ember_ps_table_spec spec = {.name = "emb", .layout = EMBER_PS_SPARSE, .rows = 1000000000ull,
+                              .cols = 16, .optimizer = {.kind = EMBER_PS_ADAGRAD,
+                                                        .learning_rate = 0.1f,
+                                                        .initial_accumulator = 0.1f},
+                              .init = EMBER_PS_INIT_NORMAL, .init_scale = 0.01f, .seed = 3};
+  CHECK_OK(ember_ps_client_declare(c, &spec));
+  uint64_t ids[64];
+  float rows[64 * 16], again[64 * 16], g[64 * 16];
+  for (int i = 0; i < 64; i++) ids[i] = (uint64_t)i * 15485863ull;
+  uint64_t sent0, recv0, sent1, recv1;
+  ember_ps_client_bytes(c, &sent0, &recv0);
+  CHECK_OK(ember_ps_client_pull(c, "emb", ids, 64, 16, rows));
+  ember_ps_client_bytes(c, &sent1, &recv1);
+  /* 64 rows of 16 floats back, 64 ids out, plus small headers */
+  CHECK(recv1 - recv0 >= 64 * 16 * 4 && recv1 - recv0 < 64 * 16 * 4 + 256);
+  CHECK(sent1 - sent0 >= 64 * 8 && sent1 - sent0 < 64 * 8 + 256);
+  ember_ps_stats s0, s1;
+  ember_ps_server_stats(p.srv[0], &s0);
+  ember_ps_server_stats(p.srv[1], &s1);
+  CHECK_EQ_INT(s0.rows_held + s1.rows_held, 64);
+  CHECK(s0.rows_held > 10 && s1.rows_held > 10); /* hashed over both shards */
+  CHECK_OK(ember_ps_client_pull(c, "emb", ids, 64, 16, again));
+  CHECK(memcmp(rows, again, sizeof rows) == 0);
+  for (int i = 0; i < 64 * 16; i++) g[i] = 1.0f;
+  CHECK_OK(ember_ps_client_push(c, "emb", ids, 64, 16, g));
+  CHECK_OK(ember_ps_client_pull(c, "emb", ids, 64, 16, again));
+  /* Adagrad: a = 0.1 + 1, w -= 0.1 * 1 / (sqrt(1.1) + 1e-7) */
+  for (int i = 0; i < 64 * 16; i++) CHECK(near(again[i], rows[i] - 0.1f / sqrtf(1.1f)));
+  ember_ps_server_stats(p.srv[0], &s0);
+  ember_ps_server_stats(p.srv[1], &s1);
+  CHECK_EQ_INT(s0.rows_held + s1.rows_held, 64);
+  CHECK_EQ_INT(s0.rows_pushed + s1.rows_pushed, 64);
+  ember_ps_client_destroy(c);
+  stop(&p);
+}
+
+/* ------------------------------------------------------------ careless users */
+
+TEST(wrong_shapes_unknown_tables_and_conflicting_specs_are_named) {
+  ps_cluster p;
+  start(&p, 2, 1, EMBER_PS_ASYNC, 0);
+  ember_ps_client *c = worker(&p, 0, 1, 0, 10000);
+  ember_ps_table_spec spec = dense("w", 4, 8, EMBER_PS_ADAM, 0.001f);
+  CHECK_OK(ember_ps_client_declare(c, &spec));
+  float buf[64] = {0};
+  CHECK_EQ_INT(ember_ps_client_push(c, "w", NULL, 4, 4, buf), EMBER_ESCHEMA);
+  CHECK(strstr(ember_last_error(), "'w'") && strstr(ember_last_error(), "4") &&
+        strstr(ember_last_error(), "8"));
+  CHECK_EQ_INT(ember_ps_client_pull(c, "nope", NULL, 4, 8, buf), EMBER_ENOTFOUND);
+  CHECK(strstr(ember_last_error(), "'nope'") != NULL);
+  uint64_t far = 4;
+  CHECK_EQ_INT(ember_ps_client_pull(c, "w", &far, 1, 8, buf), EMBER_EINVAL);
+  CHECK(strstr(ember_last_error(), "row 4 out of range") != NULL);
+  ember_ps_table_spec other = dense("w", 4, 16, EMBER_PS_ADAM, 0.001f);
+  CHECK_EQ_INT(ember_ps_client_declare(c, &other), EMBER_ESCHEMA);
+  CHECK(strstr(ember_last_error(), "'w'") && strstr(ember_last_error(), "declared differently"));
+  /* the client is still usable */
+  CHECK_OK(ember_ps_client_pull(c, "w", NULL, 4, 8, buf));
+  ember_ps_client_destroy(c);
+  stop(&p);
+}
+
+/* A worker that speaks the protocol by hand: authenticated, then frames. */
+static int raw_peer(uint16_t port, uint32_t shard, uint32_t shards) {
+  int fd = -1;
+  uint8_t hello[16];
+  ember_frame_header h;
+  uint8_t *payload = NULL;
+  CHECK_OK(ember_net_connect("127.0.0.1", port, ember_deadline_after(5000), &fd));
+  CHECK_OK(ember_auth_client(fd, SECRET, sizeof SECRET, ember_deadline_after(5000)));
+  ember_wire_put_u32(hello, 0);
+  ember_wire_put_u32(hello + 4, 1);
+  ember_wire_put_u32(hello + 8, shard);
+  ember_wire_put_u32(hello + 12, shards);
+  CHECK_OK(ember_net_send_frame(fd, EMBER_MSG_PS_HELLO, hello, 16, ember_deadline_after(5000)));
+  CHECK_OK(ember_net_recv_frame(fd, 4096, &h, &payload, ember_deadline_after(5000)));
+  CHECK(h.type == EMBER_MSG_PS_REPLY || h.type == EMBER_MSG_REFUSED);
+  int refused = h.type == EMBER_MSG_REFUSED;
+  if (refused) snprintf(log_seen, sizeof log_seen, "%.*s", (int)h.length - 8, payload + 8);
+  free(payload);
+  if (refused) {
+    ember_net_close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+static int32_t raw_request(int fd, uint16_t type, const void *p, uint32_t len, char *reason,
+                           size_t cap) {
+  ember_frame_header h;
+  uint8_t *payload = NULL;
+  CHECK_OK(ember_net_send_frame(fd, type, p, len, ember_deadline_after(5000)));
+  CHECK_OK(ember_net_recv_frame(fd, 1 << 20, &h, &payload, ember_deadline_after(5000)));
+  CHECK(h.type == EMBER_MSG_PS_REPLY && h.length >= 8);
+  int32_t status = (int32_t)ember_wire_get_u32(payload);
+  uint32_t n = ember_wire_get_u32(payload + 4);
+  CHECK(n <= h.length - 8);
+  snprintf(reason, cap, "%.*s", (int)n, payload + 8);
+  free(payload);
+  return status;
+}
+
+TEST(hostile_worker_gets_named_refusals_and_others_keep_being_served) {
+  ps_cluster p;
+  start(&p, 1, 1, EMBER_PS_ASYNC, 0);
+  ember_ps_client *good = worker(&p, 0, 1, 0, 10000);
+  ember_ps_table_spec spec = dense("w", 4, 8, EMBER_PS_SGD, 0.1f);
+  CHECK_OK(ember_ps_client_declare(good, &spec));
+  /* the wrong shard */
+  CHECK(raw_peer(p.ports[0], 1, 2) < 0);
+  CHECK(strstr(log_seen, "shard 0 of 1") != NULL);
+  int fd = raw_peer(p.ports[0], 0, 1);
+  CHECK(fd >= 0);
+  char why[512];
+  /* a push of rows of 4 floats to a table of rows of 8 */
+  ember_wire_writer w;
+  ember_wire_writer_init(&w);
+  ember_wire_write_str(&w, "w");
+  ember_wire_write_u8(&w, 0);
+  ember_wire_write_u32(&w, 1);
+  ember_wire_write_u32(&w, 4);
+  ember_wire_write_u64(&w, 2);
+  for (int i = 0; i < 4; i++) ember_wire_write_u32(&w, 0);
+  CHECK_EQ_INT(raw_request(fd, EMBER_MSG_PS_PUSH, w.buf, (uint32_t)w.len, why, sizeof why),
+               EMBER_ESCHEMA);
+  CHECK(strstr(why, "'w'") && strstr(why, "shard 0 of 1") && strstr(why, "(1, 4)") &&
+        strstr(why, "(4, 8)"));
+  /* a count that claims more rows than the frame holds */
+  w.len = 0;
+  ember_wire_write_str(&w, "w");
+  ember_wire_write_u64(&w, 0);
+  ember_wire_write_u32(&w, 0);
+  ember_wire_write_u8(&w, 0);
+  ember_wire_write_u32(&w, 1000000);
+  CHECK_EQ_INT(raw_request(fd, EMBER_MSG_PS_PULL, w.buf, (uint32_t)w.len, why, sizeof why),
+               EMBER_EPROTO);
+  /* an unknown table */
+  w.len = 0;
+  ember_wire_write_str(&w, "ghost");
+  ember_wire_write_u8(&w, 1);
+  ember_wire_write_u32(&w, 0);
+  ember_wire_write_u32(&w, 8);
+  CHECK_EQ_INT(raw_request(fd, EMBER_MSG_PS_PUSH, w.buf, (uint32_t)w.len, why, sizeof why),
+               EMBER_ENOTFOUND);
+  CHECK(strstr(why, "'ghost'") && strstr(why, "declared: w"));
+  ember_wire_writer_free(&w);
+  /* garbage bytes: the connection is dropped, the good worker is not */
+  CHECK_OK(ember_net_send_all(fd, "GARBAGE-GARBAGE!", 16, ember_deadline_after(1000)));
+  float buf[32];
+  CHECK_OK(ember_ps_client_pull(good, "w", NULL, 4, 8, buf));
+  ember_net_close(fd);
+  ember_ps_stats st;
+  ember_ps_server_stats(p.srv[0], &st);
+  CHECK(st.requests_refused >= 4);
+  /* a wrong secret never gets in */
+  ember_ps_client *bad = NULL;
+  static const uint8_t WRONG[32] = "fedcba9876543210fedcba9876543210";
+  ember_ps_client_config cfg = {.hosts = p.hosts, .ports = p.ports, .num_shards = 1,
+                                .secret = WRONG, .secret_len = sizeof WRONG, .worker = 0,
+                                .num_workers = 1, .timeout_ms = 3000};
+  CHECK_EQ_INT(ember_ps_client_create(&bad, &cfg), EMBER_EAUTH);
+  CHECK_OK(ember_ps_client_pull(good, "w", NULL, 4, 8, buf));
+  ember_ps_client_destroy(good);
+  stop(&p);
+}
+
+/* ------------------------------------------------------------ staleness */
+
+TEST(bounded_staleness_holds_the_leader_and_names_the_straggler) {
+  ps_cluster p;
+  start(&p, 2, 2, 1, 0);
+  ember_ps_client *fast = worker(&p, 0, 2, 0, 400), *slow = worker(&p, 1, 2, 0, 400);
+  ember_ps_table_spec spec = dense("w", 4, 2, EMBER_PS_SGD, 0.1f);
+  CHECK_OK(ember_ps_client_declare(fast, &spec));
+  CHECK_OK(ember_ps_client_declare(slow, &spec));
+  float buf[8];
+  CHECK_OK(ember_ps_client_clock(fast)); /* fast at 1, slow at 0: within 1 */
+  CHECK_OK(ember_ps_client_pull(fast, "w", NULL, 4, 2, buf));
+  CHECK_OK(ember_ps_client_clock(fast)); /* fast at 2: 2 ahead */
+  int64_t t0 = ember_now_ms();
+  CHECK_EQ_INT(ember_ps_client_pull(fast, "w", NULL, 4, 2, buf), EMBER_ETIMEDOUT);
+  CHECK(ember_now_ms() - t0 >= 350);
+  CHECK(strstr(ember_last_error(), "worker 1 is at step 0") != NULL);
+  ember_ps_client_destroy(fast); /* its connection's state after a timeout is not trusted */
+  fast = worker(&p, 0, 2, 0, 5000);
+  CHECK_OK(ember_ps_client_declare(fast, &spec));
+  CHECK_OK(ember_ps_client_clock(fast));
+  CHECK_OK(ember_ps_client_clock(fast));
+  CHECK_OK(ember_ps_client_clock(slow)); /* slow at 1: fast at 2 may read */
+  CHECK_OK(ember_ps_client_pull(fast, "w", NULL, 4, 2, buf));
+  CHECK_OK(ember_ps_client_clock(fast));
+  CHECK_OK(ember_ps_client_finish(slow)); /* a finished worker holds nobody */
+  CHECK_OK(ember_ps_client_pull(fast, "w", NULL, 4, 2, buf));
+  ember_ps_stats st;
+  ember_ps_server_stats(p.srv[0], &st);
+  CHECK(st.stale_waits >= 1);
+  ember_ps_client_destroy(fast);
+  ember_ps_client_destroy(slow);
+  stop(&p);
+}
+
+typedef struct {
+  ember_ps_client *c;
+  int rc;
+} pull_args;
+
+static void *pull_whole(void *arg) {
+  pull_args *a = arg;
+  float buf[4];
+  a->rc = ember_ps_client_pull(a->c, "w", NULL, 2, 2, buf);
+  return NULL;
+}
+
+TEST(abort_from_another_thread_ends_a_staleness_wait_at_once) {
+  ps_cluster p;
+  start(&p, 1, 2, 0, 0);
+  ember_ps_client *c = worker(&p, 0, 2, 0, 30000);
+  ember_ps_table_spec spec = dense("w", 2, 2, EMBER_PS_SGD, 0.1f);
+  CHECK_OK(ember_ps_client_declare(c, &spec));
+  CHECK_OK(ember_ps_client_clock(c)); /* worker 1 never comes: a pull waits */
+  pull_args a = {.c = c, .rc = 1};
+  pthread_t t;
+  CHECK(pthread_create(&t, NULL, pull_whole, &a) == 0);
+  usleep(200 * 1000);
+  int64_t t0 = ember_now_ms();
+  ember_ps_client_abort(c);
+  CHECK(pthread_join(t, NULL) == 0);
+  CHECK(ember_now_ms() - t0 < 1000);
+  CHECK_EQ_INT(a.rc, EMBER_EABORTED);
+  CHECK_EQ_INT(ember_ps_client_clock(c), EMBER_ESTATE);
+  ember_ps_client_destroy(c);
+  stop(&p);
+}
+
+TEST(asynchronous_mode_never_waits) {
+  ps_cluster p;
+  start(&p, 1, 2, EMBER_PS_ASYNC, 0);
+  ember_ps_client *fast = worker(&p, 0, 2, 0, 1000);
+  ember_ps_table_spec spec = dense("w", 2, 2, EMBER_PS_SGD, 0.1f);
+  CHECK_OK(ember_ps_client_declare(fast, &spec));
+  float buf[4];
+  for (int i = 0; i < 50; i++) {
+    CHECK_OK(ember_ps_client_clock(fast));
+    CHECK_OK(ember_ps_client_pull(fast, "w", NULL, 2, 2, buf));
+  }
+  ember_ps_client_destroy(fast);
+  stop(&p);
+}
+
+/* ------------------------------------------------------------ checkpoints */
+
+TEST(checkpoint_restores_values_and_optimizer_state_and_refuses_corruption) {
+  char dir[] = "/tmp/ember-ps-XXXXXX";
+  CHECK(mkdtemp(dir) != NULL);
+  ps_cluster p;
+  start(&p, 2, 1, EMBER_PS_ASYNC, 0);
+  ember_ps_client *c = worker(&p, 0, 1, 0, 10000);
+  ember_ps_table_spec d = dense("w", 5, 3, EMBER_PS_ADAM, 0.01f);
+  ember_ps_table_spec s = {.name = "emb", .layout = EMBER_PS_SPARSE, .rows = 1u << 30, .cols = 4,
+                           .optimizer = {.kind = EMBER_PS_ADAM, .learning_rate = 0.01f},
+                           .init = EMBER_PS_INIT_UNIFORM, .init_scale = 0.1f, .seed = 9};
+  CHECK_OK(ember_ps_client_declare(c, &d));
+  CHECK_OK(ember_ps_client_declare(c, &s));
+  float g[15], gs[8], w_before[15], e_before[8], w_after[15], e_after[8];
+  uint64_t ids[2] = {12345, 678};
+  for (int i = 0; i < 15; i++) g[i] = 0.1f * (float)(i + 1);
+  for (int i = 0; i < 8; i++) gs[i] = -0.2f;
+  CHECK_OK(ember_ps_client_push(c, "w", NULL, 5, 3, g));
+  CHECK_OK(ember_ps_client_push(c, "emb", ids, 2, 4, gs));
+  CHECK_OK(ember_ps_client_save(c, dir));
+  /* one more step from the checkpointed state, on the live servers */
+  CHECK_OK(ember_ps_client_push(c, "w", NULL, 5, 3, g));
+  CHECK_OK(ember_ps_client_push(c, "emb", ids, 2, 4, gs));
+  CHECK_OK(ember_ps_client_pull(c, "w", NULL, 5, 3, w_before));
+  CHECK_OK(ember_ps_client_pull(c, "emb", ids, 2, 4, e_before));
+  ember_ps_client_destroy(c);
+  stop(&p);
+  /* new servers from the checkpoint, the same step again: the same values
+   * (Adam's moments and step counts came back too) */
+  start(&p, 2, 1, EMBER_PS_ASYNC, 0);
+  for (int k = 0; k < 2; k++) CHECK_OK(ember_ps_server_restore(p.srv[k], dir));
+  c = worker(&p, 0, 1, 0, 10000);
+  CHECK_OK(ember_ps_client_declare(c, &d));
+  CHECK_OK(ember_ps_client_declare(c, &s));
+  CHECK_OK(ember_ps_client_push(c, "w", NULL, 5, 3, g));
+  CHECK_OK(ember_ps_client_push(c, "emb", ids, 2, 4, gs));
+  CHECK_OK(ember_ps_client_pull(c, "w", NULL, 5, 3, w_after));
+  CHECK_OK(ember_ps_client_pull(c, "emb", ids, 2, 4, e_after));
+  CHECK(memcmp(w_before, w_after, sizeof w_after) == 0);
+  CHECK(memcmp(e_before, e_after, sizeof e_after) == 0);
+  ember_ps_client_destroy(c);
+  /* restoring twice, or into a server that has tables, is refused */
+  CHECK_EQ_INT(ember_ps_server_restore(p.srv[0], dir), EMBER_ESTATE);
+  stop(&p);
+  /* another shard count */
+  start(&p, 3, 1, EMBER_PS_ASYNC, 0);
+  CHECK_EQ_INT(ember_ps_server_restore(p.srv[0], dir), EMBER_ENOTFOUND);
+  stop(&p);
+  /* a flipped byte */
+  char path[512];
+  snprintf(path, sizeof path, "%s/ps-1-of-2.ckpt", dir);
+  FILE *f = fopen(path, "r+b");
+  CHECK(f != NULL);
+  CHECK(fseek(f, 40, SEEK_SET) == 0);
+  int ch = fgetc(f);
+  CHECK(fseek(f, 40, SEEK_SET) == 0);
+  fputc(ch ^ 0x10, f);
+  fclose(f);
+  start(&p, 2, 1, EMBER_PS_ASYNC, 0);
+  CHECK_EQ_INT(ember_ps_server_restore(p.srv[1], dir), EMBER_ECORRUPT);
+  CHECK(strstr(ember_last_error(), "ps-1-of-2.ckpt") != NULL);
+  CHECK_OK(ember_ps_server_restore(p.srv[0], dir));
+  stop(&p);
+  snprintf(path, sizeof path, "rm -rf %s", dir);
+  CHECK(system(path) == 0);
+}
+
+/* ------------------------------------------------------------ encryption */
+
+TEST(encrypted_shards_serve_encrypting_workers_only) {
+  ps_cluster p;
+  start(&p, 2, 1, EMBER_PS_ASYNC, 1);
+  ember_ps_client *c = worker(&p, 0, 1, 1, 10000);
+  ember_ps_table_spec spec = dense("w", 6, 5, EMBER_PS_SGD, 1.0f);
+  CHECK_OK(ember_ps_client_declare(c, &spec));
+  float w0[30], g[30], w1[30];
+  for (int i = 0; i < 30; i++) g[i] = 1.0f;
+  CHECK_OK(ember_ps_client_pull(c, "w", NULL, 6, 5, w0));
+  CHECK_OK(ember_ps_client_push(c, "w", NULL, 6, 5, g));
+  CHECK_OK(ember_ps_client_pull(c, "w", NULL, 6, 5, w1));
+  for (int i = 0; i < 30; i++) CHECK(near(w1[i], w0[i] - 1.0f));
+  ember_ps_client *clear = NULL;
+  ember_ps_client_config cfg = {.hosts = p.hosts, .ports = p.ports, .num_shards = 2,
+                                .secret = SECRET, .secret_len = sizeof SECRET, .worker = 0,
+                                .num_workers = 1, .timeout_ms = 3000};
+  CHECK(ember_ps_client_create(&clear, &cfg) != EMBER_OK);
+  ember_ps_client_destroy(c);
+  stop(&p);
+}
+
+RUN_TESTS(T(dense_table_split_over_shards_pulls_whole_and_applies_sgd),
+          T(two_workers_share_updates_and_momentum_state_lives_on_the_server),
+          T(sparse_rows_materialise_when_touched_and_bytes_follow_the_rows),
+          T(wrong_shapes_unknown_tables_and_conflicting_specs_are_named),
+          T(hostile_worker_gets_named_refusals_and_others_keep_being_served),
+          T(bounded_staleness_holds_the_leader_and_names_the_straggler),
+          T(abort_from_another_thread_ends_a_staleness_wait_at_once),
+          T(asynchronous_mode_never_waits),
+          T(checkpoint_restores_values_and_optimizer_state_and_refuses_corruption),
+          T(encrypted_shards_serve_encrypting_workers_only))
