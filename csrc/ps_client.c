@@ -387,31 +387,33 @@ out:
   return rc;
 }
 
-int ember_ps_client_push(ember_ps_client *c, const char *table, const uint64_t *ids, size_t n,
-                         uint32_t cols, const float *grads) {
+/* PS_PUSH and PS_ASSIGN: rows with a float row each, bucketed by shard. */
+static int send_rows(ember_ps_client *c, uint16_t type, const char *table, const uint64_t *ids,
+                     size_t n, uint32_t cols, const float *grads) {
   const ember_ps_table_spec *t;
   uint32_t *shard_of = NULL, *slot = NULL;
   size_t row_bytes = (size_t)cols * sizeof(float);
-  int rc = table_for(c, table, cols, ids, "push", &t);
+  const char *what = type == EMBER_MSG_PS_PUSH ? "push" : "assign";
+  int rc = table_for(c, table, cols, ids, what, &t);
   if (rc != EMBER_OK) return rc;
   if (grads == NULL && (ids == NULL || n))
-    return ember__set_error(EMBER_EINVAL, "ps push: NULL gradients");
+    return ember__set_error(EMBER_EINVAL, "ps %s: NULL rows", what);
   if (ids == NULL) {
     for (uint32_t k = 0; k < c->num_shards; k++) {
       uint64_t b = ember__ps_dense_begin(t->rows, k, c->num_shards);
       uint64_t e = ember__ps_dense_begin(t->rows, k + 1, c->num_shards);
       if (e - b > UINT32_MAX)
-        return ember__set_error(EMBER_ETOOBIG, "ps push to table '%s': too many rows", table);
+        return ember__set_error(EMBER_ETOOBIG, "ps %s to table '%s': too many rows", what, table);
       c->count[k] = (uint32_t)(e - b);
       begin_push(&c->req[k], table, 1, c->count[k], cols);
       ember__ps_write_floats(&c->req[k], grads + b * cols, (size_t)(e - b) * cols);
     }
-    return exchange(c, EMBER_MSG_PS_PUSH, NULL, NULL);
+    return exchange(c, type, NULL, NULL);
   }
   shard_of = malloc((n ? n : 1) * sizeof *shard_of);
   slot = malloc((n ? n : 1) * sizeof *slot);
   if (shard_of == NULL || slot == NULL) {
-    rc = ember__set_error(EMBER_ENOMEM, "ps push: out of memory");
+    rc = ember__set_error(EMBER_ENOMEM, "ps %s: out of memory", what);
     goto out;
   }
   if ((rc = bucket(c, t, ids, n, shard_of, slot)) != EMBER_OK) goto out;
@@ -421,11 +423,21 @@ int ember_ps_client_push(ember_ps_client *c, const char *table, const uint64_t *
   /* the gradients follow all the ids of each request, in the ids' order */
   for (size_t i = 0; i < n; i++)
     ember_wire_write_raw(&c->req[shard_of[i]], (const uint8_t *)grads + i * row_bytes, row_bytes);
-  rc = exchange(c, EMBER_MSG_PS_PUSH, NULL, NULL);
+  rc = exchange(c, type, NULL, NULL);
 out:
   free(shard_of);
   free(slot);
   return rc;
+}
+
+int ember_ps_client_push(ember_ps_client *c, const char *table, const uint64_t *ids, size_t n,
+                         uint32_t cols, const float *grads) {
+  return send_rows(c, EMBER_MSG_PS_PUSH, table, ids, n, cols, grads);
+}
+
+int ember_ps_client_assign(ember_ps_client *c, const char *table, const uint64_t *ids,
+                           size_t n, uint32_t cols, const float *values) {
+  return send_rows(c, EMBER_MSG_PS_ASSIGN, table, ids, n, cols, values);
 }
 
 static int send_clock(ember_ps_client *c, uint64_t clock) {

@@ -320,7 +320,11 @@ out:
   free(out);
 }
 
-static void handle_push(ember_ps_server *s, const uint8_t *p, size_t len, ps_reply *r) {
+/* PS_PUSH (gradients through the optimizer) and PS_ASSIGN (values), which
+ * share their layout. */
+static void handle_push(ember_ps_server *s, int assign, const uint8_t *p, size_t len,
+                        ps_reply *r) {
+  const char *op = assign ? "assign" : "push";
   ember__ps_push_req q;
   uint64_t *ids = NULL;
   float *grads = NULL;
@@ -334,17 +338,18 @@ static void handle_push(ember_ps_server *s, const uint8_t *p, size_t len, ps_rep
   if (e == NULL) {
     char names[256];
     table_names(s, names, sizeof names);
-    refuse(r, EMBER_ENOTFOUND, "push to unknown table '%s' on ps shard %u of %u (declared: %s); "
-           "declare it first", q.table, s->shard, s->num_shards, names);
+    refuse(r, EMBER_ENOTFOUND, "%s to unknown table '%s' on ps shard %u of %u (declared: %s); "
+           "declare it first", op, q.table, s->shard, s->num_shards, names);
   }
   pthread_mutex_unlock(&s->mu);
   if (e == NULL) return;
   const ember_ps_table_spec *spec = ember__ps_table_spec(e->table);
   if (q.cols != spec->cols) {
     refuse(r, EMBER_ESCHEMA,
-           "push to table '%s' on ps shard %u of %u: gradient of shape (%u, %u), the table's "
+           "%s to table '%s' on ps shard %u of %u: %s of shape (%u, %u), the table's "
            "rows are of shape (%llu, %u): %u floats a row, not %u",
-           spec->name, s->shard, s->num_shards, q.n, q.cols, (unsigned long long)spec->rows,
+           op, spec->name, s->shard, s->num_shards, assign ? "values" : "gradient", q.n, q.cols,
+           (unsigned long long)spec->rows,
            spec->cols, spec->cols, q.cols);
     return;
   }
@@ -357,16 +362,19 @@ static void handle_push(ember_ps_server *s, const uint8_t *p, size_t len, ps_rep
   }
   memcpy(grads, q.grads, floats * sizeof *grads); /* aligned, and little-endian hosts only */
   pthread_mutex_lock(&e->mu);
-  rc = ember__ps_table_push(e->table, ids, q.n, grads);
+  rc = assign ? ember__ps_table_assign(e->table, ids, q.n, grads)
+              : ember__ps_table_push(e->table, ids, q.n, grads);
   pthread_mutex_unlock(&e->mu);
   if (rc != EMBER_OK) {
     refuse(r, rc, "%s", ember_last_error());
     goto out;
   }
-  pthread_mutex_lock(&s->mu);
-  s->stats.pushes++;
-  s->stats.rows_pushed += q.n;
-  pthread_mutex_unlock(&s->mu);
+  if (!assign) {
+    pthread_mutex_lock(&s->mu);
+    s->stats.pushes++;
+    s->stats.rows_pushed += q.n;
+    pthread_mutex_unlock(&s->mu);
+  }
 out:
   free(ids);
   free(grads);
@@ -450,7 +458,8 @@ static void *conn_main(void *arg) {
     switch (h.type) {
     case EMBER_MSG_PS_DECLARE: handle_declare(s, payload, h.length, &r); break;
     case EMBER_MSG_PS_PULL: handle_pull(s, c, payload, h.length, &r); break;
-    case EMBER_MSG_PS_PUSH: handle_push(s, payload, h.length, &r); break;
+    case EMBER_MSG_PS_PUSH: handle_push(s, 0, payload, h.length, &r); break;
+    case EMBER_MSG_PS_ASSIGN: handle_push(s, 1, payload, h.length, &r); break;
     case EMBER_MSG_PS_CLOCK: handle_clock(s, c, payload, h.length, &r); break;
     case EMBER_MSG_PS_SAVE: handle_save(s, payload, h.length, &r); break;
     default:

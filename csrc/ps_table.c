@@ -638,6 +638,21 @@ int ember__ps_table_push(ember__ps_table *t, const uint64_t *ids, size_t n, cons
   return EMBER_OK;
 }
 
+int ember__ps_table_assign(ember__ps_table *t, const uint64_t *ids, size_t n,
+                           const float *values) {
+  int rc = check_rows(t, ids, n, values, "assign");
+  if (rc != EMBER_OK) return rc;
+  size_t s, cols = t->spec.cols;
+  if (t->spec.layout == EMBER_PS_SPARSE) /* all rows first, as in push */
+    for (size_t i = 0; i < n; i++)
+      if ((rc = slot_of(t, ids[i], &s)) != EMBER_OK) return rc;
+  for (size_t i = 0; i < n; i++) {
+    (void)slot_of(t, ids[i], &s);
+    memcpy(t->vals + s * t->stride, values + i * cols, cols * sizeof *values);
+  }
+  return EMBER_OK;
+}
+
 /* ================================================================ checkpoint */
 
 static void write_f32(ember_wire_writer *w, float f) {

@@ -52,6 +52,7 @@ int ember_wire_known_type(uint16_t type) {
   case EMBER_MSG_PS_CLOCK:
   case EMBER_MSG_PS_SAVE:
   case EMBER_MSG_PS_REPLY:
+  case EMBER_MSG_PS_ASSIGN:
     return 1;
   default:
     return 0;
@@ -89,6 +90,7 @@ const char *ember_wire_type_name(uint16_t type) {
   case EMBER_MSG_PS_CLOCK: return "PS_CLOCK";
   case EMBER_MSG_PS_SAVE: return "PS_SAVE";
   case EMBER_MSG_PS_REPLY: return "PS_REPLY";
+  case EMBER_MSG_PS_ASSIGN: return "PS_ASSIGN";
   default: return "UNKNOWN";
   }
 }

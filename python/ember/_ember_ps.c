@@ -817,31 +817,37 @@ done:
 }
 
 PyDoc_STRVAR(PsClient_push_doc,
-             "push(table, ids, grads) -> None\n\n"
+             "push(table, ids, rows) -> None\n\n"
              "Gradients for the rows `ids` (as pull takes them; None: every row of a\n"
-             "dense table): grads is a C-contiguous float32 buffer of len(ids) rows\n"
+             "dense table): rows, the gradients, is a C-contiguous float32 buffer of len(ids) rows\n"
              "of the table's cols (a numpy array of shape (len(ids), cols), or flat).\n"
              "The shards apply them with the table's optimizer; a row named twice\n"
              "gets both gradients, in order.  Gradients of another shape raise\n"
              "EmberSchemaError naming the table and both shapes.");
 
-static PyObject *PsClient_push(PyObject *op, PyObject *args, PyObject *kwargs) {
-  static char *kwlist[] = {"table", "ids", "grads", NULL};
+/* push and assign share this shape: rows and a float32 row for each.  `what`
+ * names the rows in messages ("gradients", "values"). */
+typedef int (*rows_fn)(ember_ps_client *, const char *, const uint64_t *, size_t, uint32_t,
+                       const float *);
+
+static PyObject *send_rows(PyObject *op, PyObject *args, PyObject *kwargs, const char *verb,
+                           const char *what, rows_fn fn) {
+  static char *kwlist[] = {"table", "ids", "rows", NULL};
   PsClientObject *self = (PsClientObject *)op;
   const char *table;
   PyObject *ids_obj, *grads_obj;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOO:push", kwlist, &table, &ids_obj,
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOO", kwlist, &table, &ids_obj,
                                    &grads_obj))
     return NULL;
   Py_buffer grads;
   if (PyObject_GetBuffer(grads_obj, &grads, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
     embpy_chain(PyExc_TypeError,
-                "grads must be a C-contiguous float32 buffer (a numpy array), not %.100s",
+                "%s must be a C-contiguous float32 buffer (a numpy array), not %.100s", what,
                 Py_TYPE(grads_obj)->tp_name);
     return NULL;
   }
   if (!is_float32(&grads)) {
-    PyErr_Format(PyExc_TypeError, "grads must be float32, got format '%s' (itemsize %zd)",
+    PyErr_Format(PyExc_TypeError, "%s must be float32, got format '%s' (itemsize %zd)", what,
                  grads.format ? grads.format : "B", grads.itemsize);
     PyBuffer_Release(&grads);
     return NULL;
@@ -853,8 +859,8 @@ static PyObject *PsClient_push(PyObject *op, PyObject *args, PyObject *kwargs) {
   }
   PyObject *result = NULL;
   size_t n = ids.n;
-  const ps_declared *t = declared_table(self, table, "push");
-  if (t == NULL || (ids.ids == NULL && whole_table_rows(self, t, "push", &n) < 0))
+  const ps_declared *t = declared_table(self, table, verb);
+  if (t == NULL || (ids.ids == NULL && whole_table_rows(self, t, verb, &n) < 0))
     goto done;
   /* 2-D gradients say their rows' width; flat ones take the table's */
   size_t cols = grads.ndim == 2 ? (size_t)grads.shape[1] : t->cols, floats = 0;
@@ -863,21 +869,35 @@ static PyObject *PsClient_push(PyObject *op, PyObject *args, PyObject *kwargs) {
     char shape[96];
     shape_str(&grads, shape, sizeof shape);
     raise_status(Py_TYPE(op), EMBER_ESCHEMA,
-                 "ps push to table '%s': gradients of shape %s do not fit %zu rows of %u "
+                 "ps %s to table '%s': %s of shape %s do not fit %zu rows of %u "
                  "floats: expected (%zu, %u) (table shape (%llu, %u))",
-                 table, shape, n, t->cols, n, t->cols, (unsigned long long)t->rows, t->cols);
+                 verb, table, what, shape, n, t->cols, n, t->cols, (unsigned long long)t->rows, t->cols);
     goto done;
   }
   int ok;
   EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
-                    ember_ps_client_push(self->h.ptr, table, ids.ids, n, (uint32_t)cols,
-                                         (const float *)grads.buf));
+                    fn(self->h.ptr, table, ids.ids, n, (uint32_t)cols,
+                       (const float *)grads.buf));
   if (ok == 0)
     result = Py_NewRef(Py_None);
 done:
   row_ids_release(&ids);
   PyBuffer_Release(&grads);
   return result;
+}
+
+static PyObject *PsClient_push(PyObject *op, PyObject *args, PyObject *kwargs) {
+  return send_rows(op, args, kwargs, "push", "gradients", ember_ps_client_push);
+}
+
+PyDoc_STRVAR(PsClient_assign_doc,
+             "assign(table, ids, rows) -> None\n\n"
+             "Sets the rows `ids` (as push takes them) to `rows`, keeping their\n"
+             "optimizer state: how the chief puts its model's initial weights on the\n"
+             "servers before the workers pull them.");
+
+static PyObject *PsClient_assign(PyObject *op, PyObject *args, PyObject *kwargs) {
+  return send_rows(op, args, kwargs, "assign", "values", ember_ps_client_assign);
 }
 
 /* clock / finish share this shape: fn(client). */
@@ -986,6 +1006,8 @@ static PyMethodDef PsClient_methods[] = {
      PsClient_pull_doc},
     {"push", (PyCFunction)(void (*)(void))PsClient_push, METH_VARARGS | METH_KEYWORDS,
      PsClient_push_doc},
+    {"assign", (PyCFunction)(void (*)(void))PsClient_assign, METH_VARARGS | METH_KEYWORDS,
+     PsClient_assign_doc},
     {"clock", PsClient_clock, METH_NOARGS, PsClient_clock_doc},
     {"finish", PsClient_finish, METH_NOARGS, PsClient_finish_doc},
     {"save", PsClient_save, METH_O, PsClient_save_doc},

@@ -173,7 +173,8 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
         host=me["host"], ports=list(me["ports"]), input_mode=boot["input_mode"],
         working_dir=boot.get("working_dir") or os.getcwd(), nodes=nodes,
         gpus=list(boot.get("gpus") or []),
-        _feed_server=feed_server, _control=client, _reserved_fds=held[:1])
+        _feed_server=feed_server, _control=client, _reserved_fds=held[:1],
+        _secret=boot["secret"], _encrypt=bool(boot.get("encrypt")))
     if me["role"] in FEED_ROLES:
         addresses = trainer_addresses(nodes)
         ctx._collective = Collective(int(os.environ["RANK"]), addresses, boot["secret"],
@@ -189,10 +190,15 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
         ctx.report_progress(f"TensorBoard at http://{me['host']}:{me['ports'][2]} ({log_dir})")
     name = f"node {me['index']} ({me['role']}:{me['task_index']} on {socket.gethostname()})"
     code, text = 0, ""
+    serves = me["role"] == "ps" and boot.get("parameter_servers") is not None
     try:
         if _fault(boot, "raise"):
             raise RuntimeError(f"injected failure in {name}")
-        result = boot["main_fun"](boot["args"], ctx)
+        if serves:  # Ember's parameter server instead of main_fun (ember.ps)
+            text = _serve_parameters(boot, nodes, me, ctx, client)
+            result = None
+        else:
+            result = boot["main_fun"](boot["args"], ctx)
         if boot.get("report_result") and isinstance(result, str):
             text = result  # ember.yarn.task: the task's metrics (JSON) travel in DONE
     except SystemExit as exc:
@@ -200,6 +206,8 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
         text = "" if code == 0 else f"{name}: main_fun called sys.exit({exc.code!r})"
     except BaseException:
         code, text = 1, f"{name}: main_fun raised:\n{traceback.format_exc()}"
+    if ctx._ps_client is not None:
+        ctx._ps_client.finish_and_close(code == 0)  # the servers stop waiting for this worker
     if ctx._collective is not None:
         ctx._collective.close()  # peers still in a collective fail now, not at their timeout
     sys.stdout.flush()
@@ -216,6 +224,20 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
         tensorboard.terminate()
         tensorboard.wait(10)
     return code
+
+
+def _serve_parameters(boot: Dict[str, Any], nodes: List[Dict[str, Any]], me: Dict[str, Any],
+                      ctx: Any, client: Any) -> str:
+    """A ps node's life under Ember's parameter server: its shard served on
+    the framework port until every worker finished or the driver stops it."""
+    from ember import ps
+
+    listen_fd = ctx._reserved_fds.pop(0)  # the server takes the bound socket over
+    ctx.report_progress(f"serving parameter-server shard {me['task_index']} on port "
+                        f"{me['ports'][0]}")
+    why = ps.serve(nodes, me, boot["secret"], listen_fd, boot["parameter_servers"],
+                   bool(boot.get("encrypt")), lambda: client.stop_state() != 0)
+    return f"parameter-server shard {me['task_index']}: {why}"
 
 
 def _linger(client: Any, feed_server: Any) -> None:

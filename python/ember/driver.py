@@ -106,8 +106,11 @@ class Cluster:
                  reservation_timeout: float, heartbeat_timeout: float, max_restarts: int,
                  env: Dict[str, str], driver_ps_nodes: bool = False,
                  tensorboard: bool = False, log_dir: Optional[str] = None,
-                 encrypt: Optional[bool] = None) -> None:
+                 encrypt: Optional[bool] = None, parameter_servers: Any = None) -> None:
         self.sc = sc
+        #: how the ps nodes serve Ember's parameter server (ember.ps.ParameterServers),
+        #: None: they run main_fun like every node (TensorFlow's own ps servers)
+        self.parameter_servers = parameter_servers
         #: the data plane (feed and collectives over TCP) is encrypted with
         #: AES-256-GCM; None until started: then ``spark.network.crypto.enabled``
         self.encrypt = encrypt
@@ -188,6 +191,7 @@ class Cluster:
                     env=dict(self._env, EMBER_RESTART=str(self.restarts)),
                     working_dir=os.getcwd(), job_id=self.job_id,
                     index_offset=self._driver_nodes, tensorboard=self._tensorboard,
+                    parameter_servers=self.parameter_servers,
                     tensorboard_node=self._tensorboard_node(),
                     log_dir=self._log_dir or os.path.join(os.getcwd(), "tensorboard"))
         group = f"ember-{self.job_id}-launch-{self.restarts}"
@@ -1154,7 +1158,7 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
         master_node: Optional[str] = "chief", reservation_timeout: float = 600,
         eval_node: bool = False, heartbeat_timeout: float = 10.0, max_restarts: int = 0,
         env: Optional[Dict[str, str]] = None, gpus_per_node: int = 0,
-        encrypt: Optional[bool] = None) -> Cluster:
+        encrypt: Optional[bool] = None, parameter_servers: Any = None) -> Cluster:
     """Starts ``main_fun(args, ctx)`` on ``num_executors`` nodes and returns the cluster.
 
     :param sc: the SparkContext.
@@ -1200,6 +1204,13 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
         (HMAC) as always.  None (default): on when the Spark conf has
         ``spark.network.crypto.enabled=true``.  Costs throughput: see
         docs/architecture.md ("secure").
+    :param parameter_servers: an :class:`ember.ps.ParameterServers`: the
+        ``num_ps`` ps nodes serve Ember's parameter server (asynchronous or
+        bounded-staleness training; ``ctx.parameter_servers()`` on the chief
+        and workers) instead of running ``main_fun``, and end when every
+        worker finished.  None (default): ps nodes run ``main_fun`` like the
+        others (e.g. TensorFlow's ``tf.distribute.Server`` for
+        ParameterServerStrategy).  The data plane's ``encrypt`` applies.
 
     With ``MLFLOW_TRACKING_URI`` set, the job is one MLflow run: these
     arguments and ``args`` as params, the nodes' ``ctx.log_metrics``, restarts
@@ -1216,11 +1227,13 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
     if num_ps + (1 if eval_node else 0) >= num_executors:
         raise ValueError(f"num_executors={num_executors} leaves no chief/worker after "
                          f"num_ps={num_ps} and eval_node={eval_node}")
+    if parameter_servers is not None and num_ps < 1:
+        raise ValueError("parameter_servers needs ps nodes to serve them: pass num_ps >= 1")
     roles = dict(num_ps=num_ps, chief=master_node is not None, evaluator=eval_node)
     cluster = Cluster(sc, main_fun, args, num_executors, roles, InputMode(input_mode),
                       reservation_timeout, heartbeat_timeout, max_restarts, dict(env or {}),
                       driver_ps_nodes=driver_ps_nodes, tensorboard=tensorboard, log_dir=log_dir,
-                      encrypt=encrypt)
+                      encrypt=encrypt, parameter_servers=parameter_servers)
     if gpus_per_node:
         on_executors = num_executors - (num_ps if driver_ps_nodes else 0)
         cluster._profile = _gpu.node_profile(sc, on_executors, gpus_per_node)
@@ -1233,7 +1246,8 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
              driver_ps_nodes=driver_ps_nodes, master_node=master_node,
              reservation_timeout=reservation_timeout, eval_node=eval_node,
              heartbeat_timeout=heartbeat_timeout, max_restarts=max_restarts,
-             gpus_per_node=gpus_per_node, encrypt=encrypt, **_mlflow.args_params(args)),
+             gpus_per_node=gpus_per_node, encrypt=encrypt,
+             parameter_servers=repr(parameter_servers), **_mlflow.args_params(args)),
         {"ember.job_id": cluster.job_id, "ember.spark.master": sc.master,
          "ember.spark.app_id": sc.applicationId})
     if cluster._mlflow is not None:

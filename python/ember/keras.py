@@ -219,3 +219,200 @@ def distribute(model: Any, ctx: Any, root: int = 0, **callback_kwargs: Any) -> L
         raise ValueError("distribute() needs a compiled model: call model.compile() first")
     DistributedOptimizer(model.optimizer, ctx)
     return [EmberCallback(ctx, root=root, **callback_kwargs)]
+
+
+# ---------------------------------------------------------------- parameter servers
+
+#: Keras optimizers the parameter servers apply themselves (ember/ps.h)
+_PS_OPTIMIZERS = {"SGD": "sgd", "Adagrad": "adagrad", "Adam": "adam"}
+
+
+def _ps_optimizer(optimizer: Any) -> Dict[str, Any]:
+    """The parameter servers' version of a Keras optimizer: what ``declare``
+    takes, or ValueError naming what the servers cannot apply."""
+    name = type(optimizer).__name__
+    kind = _PS_OPTIMIZERS.get(name)
+    if kind is None:
+        raise ValueError(f"the parameter servers apply SGD (with momentum), Adagrad and Adam; "
+                         f"the model's optimizer is {name}")
+    cfg = optimizer.get_config()
+    for key in ("weight_decay", "clipnorm", "global_clipnorm", "clipvalue",
+                "gradient_accumulation_steps", "loss_scale_factor"):
+        if cfg.get(key):
+            raise ValueError(f"{name}({key}={cfg[key]!r}) is applied on the workers by Keras, "
+                             "not by the parameter servers: leave it unset")
+    if cfg.get("use_ema") or cfg.get("nesterov") or cfg.get("amsgrad"):
+        raise ValueError(f"{name}: EMA, Nesterov momentum and AMSGrad are not applied by the "
+                         "parameter servers")
+    lr = cfg["learning_rate"]
+    if not isinstance(lr, (int, float)):
+        raise ValueError(f"{name}: a learning-rate schedule is not applied by the parameter "
+                         "servers; give a number")
+    out: Dict[str, Any] = dict(optimizer=kind, learning_rate=float(lr))
+    if kind == "sgd" and cfg.get("momentum"):
+        out.update(optimizer="momentum", momentum=float(cfg["momentum"]))
+    elif kind == "adagrad":
+        out.update(initial_accumulator=float(cfg["initial_accumulator_value"]),
+                   epsilon=float(cfg["epsilon"]))
+    elif kind == "adam":
+        out.update(beta1=float(cfg["beta_1"]), beta2=float(cfg["beta_2"]),
+                   epsilon=float(cfg["epsilon"]))
+    return out
+
+
+def _table_shape(shape: Sequence[int]) -> tuple:
+    """A variable's shape as the servers' rows x cols (the first axis the rows)."""
+    dims = [int(d) for d in shape]
+    if not dims:
+        return 1, 1
+    return dims[0], int(np.prod(dims[1:])) if len(dims) > 1 else 1
+
+
+class PsEmbedding(keras.layers.Layer):
+    """An embedding table that lives on the parameter servers, row-sparse.
+
+    A drop-in for ``keras.layers.Embedding`` in a model trained with
+    :func:`parameter_servers`: a batch pulls only the rows its ids name and
+    pushes only their gradients, so the table may be far larger than a
+    worker's memory (``input_dim`` of 10**9 costs the rows a job touches).
+    The servers apply ``optimizer`` to it (Adagrad, the usual choice for
+    embeddings; also "sgd", "momentum", "adam") and initialise each row from
+    a normal distribution of standard deviation ``init_scale``.
+    """
+
+    def __init__(self, input_dim: int, output_dim: int, optimizer: str = "adagrad",
+                 learning_rate: float = 0.05, init_scale: float = 0.05, seed: int = 0,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.input_dim, self.output_dim = int(input_dim), int(output_dim)
+        self.ps_optimizer = dict(optimizer=optimizer, learning_rate=float(learning_rate))
+        self.init_scale, self.seed = float(init_scale), int(seed)
+        self._client: Any = None  # set by parameter_servers()
+        # The gradient tape computes a gradient only along a path from a
+        # trainable variable: this scalar (always 0) puts the pulled rows on
+        # one, so the backward pass reaches the push.  The servers never see it.
+        self.anchor = self.add_weight(shape=(), initializer="zeros", trainable=True,
+                                      name="ps_anchor")
+        self.anchor._ember_ps_skip = True
+
+    @property
+    def table(self) -> str:
+        return f"{self.name}/embeddings"
+
+    def bind(self, client: Any) -> None:
+        """Declares the table on the servers (idempotent) and pulls through ``client``."""
+        client.declare(self.table, "sparse", self.input_dim, self.output_dim,
+                       init="normal", init_scale=self.init_scale, seed=self.seed,
+                       **self.ps_optimizer)
+        self._client = client
+
+    def call(self, ids: Any) -> Any:
+        import tensorflow as tf
+
+        if self._client is None:
+            raise RuntimeError(f"{self.name}: call ember.keras.parameter_servers(model, ctx) "
+                               "before training or predicting")
+        ids = tf.cast(ids, tf.int64)
+        unique, where = tf.unique(tf.reshape(ids, [-1]))
+        client, table, dim = self._client, self.table, self.output_dim
+
+        def pull(rows: np.ndarray) -> np.ndarray:
+            return client.pull(table, np.ascontiguousarray(rows, dtype=np.uint64), dim)
+
+        def push(rows: np.ndarray, grads: np.ndarray) -> np.int64:
+            client.push(table, np.ascontiguousarray(rows, dtype=np.uint64),
+                        np.ascontiguousarray(grads, dtype=np.float32))
+            return np.int64(0)
+
+        @tf.custom_gradient
+        def lookup(rows_ids: Any, anchor: Any) -> Any:
+            values = tf.numpy_function(pull, [rows_ids], tf.float32, stateful=True,
+                                       name="ember_ps_pull")
+            values.set_shape([None, dim])
+
+            def grad(upstream: Any) -> Any:
+                done = tf.numpy_function(push, [rows_ids, tf.cast(upstream, tf.float32)],
+                                         tf.int64, stateful=True, name="ember_ps_push")
+                with tf.control_dependencies([done]):
+                    return None, tf.zeros_like(anchor)
+            return values + tf.cast(anchor, tf.float32), grad
+
+        rows = lookup(unique, self.anchor)
+        out = tf.gather(rows, where)
+        return tf.reshape(out, tf.concat([tf.shape(ids), [dim]], 0))
+
+    def compute_output_shape(self, input_shape: Any) -> Any:
+        return (*input_shape, self.output_dim)
+
+
+def parameter_servers(model: Any, ctx: Any, client: Any = None) -> List[Any]:
+    """Makes a compiled Keras 3 model train asynchronously on the cluster's
+    parameter servers (``run(..., num_ps=k, parameter_servers=...)``);
+    returns the callbacks to pass to ``model.fit``.
+
+    Every trainable variable becomes a dense table on the servers, split
+    over them by rows, and every :class:`PsEmbedding` a row-sparse one.  The
+    chief puts its initial weights there; then each step of every worker
+    pushes its gradients (the servers apply the model's optimizer: SGD with
+    or without momentum, Adagrad or Adam, with their state kept per row on
+    the servers), counts a step (bounded staleness, if configured) and
+    pulls the current weights, without waiting for the other workers.
+
+    :param model: a compiled ``keras.Model`` (TensorFlow backend).
+    :param ctx: the node's ``ctx`` (the chief or a worker).
+    :param client: an :class:`ember.ps.Client` (default ``ctx.parameter_servers()``).
+    """
+    import tensorflow as tf
+
+    _check_backend()
+    if getattr(model, "optimizer", None) is None:
+        raise ValueError("parameter_servers() needs a compiled model: call model.compile() first")
+    client = client if client is not None else ctx.parameter_servers()
+    coll = collective_of(ctx)
+    spec = _ps_optimizer(model.optimizer)
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, PsEmbedding):
+            layer.bind(client)
+    variables = [v for v in model.trainable_variables if not getattr(v, "_ember_ps_skip", False)]
+    tables = []
+    for v in variables:
+        rows, cols = _table_shape(v.shape)
+        name = f"{model.name}/{v.path}"
+        client.declare(name, "dense", rows, cols, **spec)
+        tables.append((name, rows, cols, tuple(int(d) for d in v.shape)))
+    if client.worker == 0:  # the chief's initial weights are the model's
+        for v, (name, rows, cols, _) in zip(variables, tables):
+            value = np.asarray(keras.ops.convert_to_numpy(v), dtype=np.float32)
+            client.assign(name, None, value.reshape(rows, cols))
+    coll.barrier()
+    for v, (name, _, cols, shape) in zip(variables, tables):
+        v.assign(client.pull(name, None, cols).reshape(shape))
+
+    def step(*grads: np.ndarray) -> List[np.ndarray]:
+        for (name, rows, cols, _), g in zip(tables, grads):
+            client.push(name, None, np.ascontiguousarray(g, dtype=np.float32).reshape(rows, cols))
+        client.clock()
+        return [client.pull(name, None, cols).reshape(shape) for name, _, cols, shape in tables]
+
+    optimizer = model.optimizer
+    base = type(optimizer)
+
+    def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        given = {v.path: g for g, v in zip(grads, trainable_variables or variables)}
+        # in the tables' order; a variable without a gradient pushes zeros
+        dense = [tf.cast(tf.convert_to_tensor(given[v.path]), tf.float32)
+                 if given.get(v.path) is not None else tf.zeros(v.shape, tf.float32)
+                 for v in variables]
+        new = tf.numpy_function(step, dense, [tf.float32] * len(dense), stateful=True,
+                                name="ember_ps_step")
+        for v, value in zip(variables, new):
+            v.assign(tf.cast(tf.reshape(value, v.shape), v.dtype))
+        self.iterations.assign_add(1)
+
+    cls = type(base.__name__, (base,), {"apply": apply, "__module__": base.__module__,
+                                        "__doc__": base.__doc__})
+    optimizer.__class__ = cls
+    if getattr(model, "jit_compile", False):  # the step calls out to the servers
+        model.jit_compile = False
+    model.make_train_function(force=True)
+    return []

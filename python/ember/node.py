@@ -514,6 +514,9 @@ class NodeContext:
     _collective: Any = None  # ember.collective.Collective on chief/worker nodes
     _resume_told: bool = False  # resume_from() called, or the feed read first
     _resume_point: Optional[int] = None  # what resume_from() named
+    _secret: bytes = b""  # the job secret (authenticates the parameter servers' clients)
+    _encrypt: bool = False  # run(encrypt=...)
+    _ps_client: Any = None  # ember.ps.Client, once parameter_servers() was called
 
     @property
     def framework_port(self) -> int:
@@ -734,6 +737,22 @@ class NodeContext:
     def barrier(self, timeout: Optional[float] = None) -> None:
         """Returns once every chief/worker node has entered the barrier."""
         self.collective.barrier(timeout)
+
+    def parameter_servers(self, timeout: float = 600.0) -> Any:
+        """This worker's :class:`ember.ps.Client` to the cluster's parameter
+        servers (``run(..., num_ps=k, parameter_servers=ParameterServers())``),
+        connected on the first call and the same object after.  When
+        ``main_fun`` returns, Ember tells the servers this worker finished
+        (so bounded staleness holds nobody back for it) and closes it.
+
+        :param timeout: seconds each call may take (a pull that waits for a
+            slower worker included) before it raises, naming the worker."""
+        if self._ps_client is None:
+            from ember import ps
+
+            me = next(n for n in self.nodes if n["index"] == self.worker_num)
+            self._ps_client = ps.connect(self.nodes, me, self._secret, self._encrypt, timeout)
+        return self._ps_client
 
     def release_port(self) -> None:
         """Closes Ember's hold on the framework port.

@@ -126,6 +126,39 @@ TEST(two_workers_share_updates_and_momentum_state_lives_on_the_server) {
   stop(&p);
 }
 
+TEST(assign_sets_values_and_the_optimizer_goes_on_from_them) {
+  ps_cluster p;
+  start(&p, 2, 1, EMBER_PS_ASYNC, 0);
+  ember_ps_client *c = worker(&p, 0, 1, 0, 10000);
+  ember_ps_table_spec spec = dense("w", 5, 2, EMBER_PS_SGD, 0.5f);
+  ember_ps_table_spec emb = {.name = "e", .layout = EMBER_PS_SPARSE, .rows = 1000, .cols = 2,
+                             .optimizer = {.kind = EMBER_PS_SGD, .learning_rate = 1.0f}};
+  CHECK_OK(ember_ps_client_declare(c, &spec));
+  CHECK_OK(ember_ps_client_declare(c, &emb));
+  float v[10], g[10], w[10];
+  for (int i = 0; i < 10; i++) {
+    v[i] = (float)i;
+    g[i] = 1.0f;
+  }
+  CHECK_OK(ember_ps_client_assign(c, "w", NULL, 5, 2, v));
+  CHECK_OK(ember_ps_client_pull(c, "w", NULL, 5, 2, w));
+  CHECK(memcmp(v, w, sizeof v) == 0);
+  CHECK_OK(ember_ps_client_push(c, "w", NULL, 5, 2, g));
+  CHECK_OK(ember_ps_client_pull(c, "w", NULL, 5, 2, w));
+  for (int i = 0; i < 10; i++) CHECK(near(w[i], (float)i - 0.5f));
+  uint64_t ids[3] = {999, 3, 500};
+  CHECK_OK(ember_ps_client_assign(c, "e", ids, 3, 2, v));
+  CHECK_OK(ember_ps_client_pull(c, "e", ids, 3, 2, w));
+  CHECK(memcmp(v, w, 6 * sizeof *v) == 0);
+  CHECK_EQ_INT(ember_ps_client_assign(c, "e", ids, 3, 3, v), EMBER_ESCHEMA);
+  ember_ps_stats a, b;
+  ember_ps_server_stats(p.srv[0], &a);
+  ember_ps_server_stats(p.srv[1], &b);
+  CHECK_EQ_INT(a.pushes + b.pushes, 2); /* assigns are not pushes: one dense push, 2 shards */
+  ember_ps_client_destroy(c);
+  stop(&p);
+}
+
 /* ------------------------------------------------------------ sparse */
 
 TEST(sparse_rows_materialise_when_touched_and_bytes_follow_the_rows) {
@@ -474,6 +507,7 @@ TEST(encrypted_shards_serve_encrypting_workers_only) {
 
 RUN_TESTS(T(dense_table_split_over_shards_pulls_whole_and_applies_sgd),
           T(two_workers_share_updates_and_momentum_state_lives_on_the_server),
+          T(assign_sets_values_and_the_optimizer_goes_on_from_them),
           T(sparse_rows_materialise_when_touched_and_bytes_follow_the_rows),
           T(wrong_shapes_unknown_tables_and_conflicting_specs_are_named),
           T(hostile_worker_gets_named_refusals_and_others_keep_being_served),

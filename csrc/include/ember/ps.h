@@ -40,6 +40,7 @@
  *               that shard, no ids; wait_ms: the longest staleness wait)
  *   PS_PUSH     str table, u8 whole, u32 n, u32 cols, n x u64 row (unless
  *               whole), n x cols f32
+ *   PS_ASSIGN   as PS_PUSH, with values to set instead of gradients
  *   PS_CLOCK    u64 clock (the worker finished that many steps)
  *   PS_SAVE     str dir: the shard writes its checkpoint file there
  * The server keeps serving every other worker whatever one sends: a
@@ -184,6 +185,12 @@ int ember_ps_client_pull(ember_ps_client *c, const char *table, const uint64_t *
  * table: the whole table's gradient. */
 int ember_ps_client_push(ember_ps_client *c, const char *table, const uint64_t *ids,
                          size_t n, uint32_t cols, const float *grads);
+
+/* Sets rows ids[0..n) to values (n x cols floats; ids NULL with a DENSE
+ * table: the whole table), keeping their optimizer state: how the chief
+ * puts its model's initial weights on the servers before training. */
+int ember_ps_client_assign(ember_ps_client *c, const char *table, const uint64_t *ids,
+                           size_t n, uint32_t cols, const float *values);
 
 /* This worker finished another step (bounded staleness). */
 int ember_ps_client_clock(ember_ps_client *c);

@@ -84,7 +84,8 @@ typedef enum {
   EMBER_MSG_PS_PUSH = 67,    /* str table, u8 whole, u32 n, u32 cols, rows, n x cols f32 */
   EMBER_MSG_PS_CLOCK = 68,   /* u64 steps done (UINT64_MAX: the worker finished) */
   EMBER_MSG_PS_SAVE = 69,    /* str directory */
-  EMBER_MSG_PS_REPLY = 70    /* server->worker: u32 status, str reason, body */
+  EMBER_MSG_PS_REPLY = 70,   /* server->worker: u32 status, str reason, body */
+  EMBER_MSG_PS_ASSIGN = 71   /* as PS_PUSH, values instead of gradients */
 } ember_msg_type;
 
 typedef struct {

@@ -1,0 +1,160 @@
+"""Asynchronous training on parameter servers, in Ember's engine (``ember/ps.h``).
+
+The ``ps`` nodes of a cluster started with ``run(..., num_ps=k,
+parameter_servers=ParameterServers())`` serve Ember's parameter server
+instead of running ``main_fun``: each holds one shard of every table, applies
+the optimizer to the gradients workers push, and ends when every worker
+finished or at ``cluster.shutdown()``.  The chief and workers reach the
+servers through :meth:`ember.node.NodeContext.parameter_servers`::
+
+    def main_fun(args, ctx):
+        ps = ctx.parameter_servers()                 # an ember.ps.Client
+        ps.declare("emb", "sparse", 10**6, 64, "adagrad", 0.05, init="normal",
+                   init_scale=0.01)
+        for ids, ... in batches:
+            rows = ps.pull("emb", ids, 64)           # only the rows this batch uses
+            ...
+            ps.push("emb", ids, grads)               # the servers apply Adagrad
+            ps.clock()                               # one step (bounded staleness)
+        ps.finish()
+
+Keras 3 models train on them with one call (:func:`ember.keras.parameter_servers`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ember import _ember
+
+logger = logging.getLogger("ember.ps")
+
+#: the roles that train (and so are the parameter servers' workers)
+WORKER_ROLES = ("chief", "worker")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterServers:
+    """How the ``ps`` nodes serve (``run(..., parameter_servers=...)``).
+
+    :param staleness: None for fully asynchronous training; ``s`` to hold a
+        worker that is more than ``s`` steps (``Client.clock`` calls) ahead
+        of the slowest unfinished worker (bounded staleness).
+    :param checkpoint_dir: a directory on the ps nodes' hosts: a shard that
+        finds its checkpoint file there when it starts restores it (a
+        restarted job goes on from the last ``Client.save``).
+    """
+
+    staleness: Optional[int] = None
+    checkpoint_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.staleness is not None and not 0 <= self.staleness < 2**32 - 1:
+            raise ValueError(f"staleness must be None or 0..2**32-2, got {self.staleness}")
+
+
+class Client:
+    """A worker's connection to every parameter-server shard of its job.
+
+    A thin wrapper of :class:`ember._ember.PsClient` (the calls are
+    ``declare``, ``pull``, ``push``, ``assign``, ``clock``, ``finish``,
+    ``save``, ``bytes``): what it adds is the job's layout, so a node says
+    ``ctx.parameter_servers()`` and nothing else.  Not thread-safe.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.worker: int = client.worker
+        self.num_workers: int = client.num_workers
+        self.num_shards: int = client.num_shards
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def finish_and_close(self, finished: bool) -> None:
+        """The end of this worker's main_fun: tells the servers it finished
+        (when it did) and closes; a failure here is logged, not raised."""
+        try:
+            if finished:
+                self._client.finish()
+        except _ember.EmberError as e:
+            logger.warning(f"worker {self.worker}: telling the parameter servers it "
+                           f"finished failed: {e}")
+        finally:
+            self._client.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def shard_addresses(nodes: Sequence[Dict[str, Any]]) -> List[Tuple[str, int]]:
+    """(host, port) of each ps node, by task index: the port is the node's
+    framework port, which a ps node of Ember's parameter server serves on."""
+    ps = sorted((n for n in nodes if n["role"] == "ps"), key=lambda n: n["task_index"])
+    return [(n["host"], int(n["ports"][0])) for n in ps]
+
+
+def worker_rank(nodes: Sequence[Dict[str, Any]], me: Dict[str, Any]) -> Tuple[int, int]:
+    """(this node's worker number, the number of workers): the chief first,
+    then the workers by task index (the collective's ranks)."""
+    trainers = sorted((n for n in nodes if n["role"] in WORKER_ROLES),
+                      key=lambda n: (n["role"] != "chief", n["task_index"]))
+    indexes = [n["index"] for n in trainers]
+    if me["index"] not in indexes:
+        raise ValueError(f"a {me['role']} node is not a parameter-server worker: only the "
+                         f"chief and the workers push and pull")
+    return indexes.index(me["index"]), len(indexes)
+
+
+def connect(nodes: Sequence[Dict[str, Any]], me: Dict[str, Any], secret: bytes,
+            encrypt: bool = False, timeout: float = 600.0) -> Client:
+    """A :class:`Client` for node ``me`` of the job whose nodes are ``nodes``."""
+    shards = shard_addresses(nodes)
+    if not shards:
+        raise ValueError("this cluster has no ps nodes: start it with run(..., num_ps=k, "
+                         "parameter_servers=ember.ps.ParameterServers())")
+    worker, workers = worker_rank(nodes, me)
+    client = _ember.PsClient([h for h, _ in shards], [p for _, p in shards], secret, worker,
+                             workers, timeout_s=timeout, encrypt=encrypt)
+    return Client(client)
+
+
+def serve(nodes: Sequence[Dict[str, Any]], me: Dict[str, Any], secret: bytes, listen_fd: int,
+          config: ParameterServers, encrypt: bool, stop_requested: Any) -> str:
+    """Runs this ps node's shard on ``listen_fd`` (its framework port) until
+    every worker finished or ``stop_requested()``; returns what ended it."""
+    shard = me["task_index"]
+    num_shards = len(shard_addresses(nodes))
+    workers = sum(1 for n in nodes if n["role"] in WORKER_ROLES)
+    staleness = config.staleness
+    server = _ember.PsServer(secret, shard, num_shards, workers, staleness=staleness,
+                             listen_fd=listen_fd, encrypt=encrypt)
+    try:
+        where = f"ps shard {shard} of {num_shards}"
+        ckpt = config.checkpoint_dir
+        if ckpt and os.path.exists(os.path.join(ckpt, f"ps-{shard}-of-{num_shards}.ckpt")):
+            server.restore(ckpt)
+            logger.info(f"{where}: restored {server.stats()['rows_held']} rows from {ckpt}")
+        logger.info(f"{where}: serving {workers} workers on port {server.port} "
+                    f"({'asynchronous' if staleness is None else f'staleness {staleness}'})")
+        while True:
+            if stop_requested():
+                return "stopped by the driver"
+            stats = server.stats()
+            # every worker finished (min_clock is then the finished mark)
+            if stats["min_clock"] == 2**64 - 1:
+                return (f"every worker finished: {stats['pushes']} pushes, "
+                        f"{stats['pulls']} pulls, {stats['rows_held']} rows held")
+            time.sleep(0.2)
+    finally:
+        server.close()

@@ -1,0 +1,87 @@
+"""Node functions of the parameter-server tests (test_ps_spark.py): they run in
+the nodes of an ``ember.spark.run(..., parameter_servers=...)`` cluster and
+write what they saw to ``<out>/<role>-<task>.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict
+
+import numpy as np
+
+
+def _keras() -> Any:
+    os.environ.pop("TF_USE_LEGACY_KERAS", None)  # Keras 3, not tf_keras
+    os.environ["KERAS_BACKEND"] = "tensorflow"
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import keras
+
+    return keras
+
+
+def _write(args: Dict[str, Any], ctx: Any, info: Dict[str, Any]) -> None:
+    path = os.path.join(args["out"], f"{ctx.job_name}-{ctx.task_index}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(dict(info, role=ctx.job_name, task=ctx.task_index, pid=os.getpid()), f)
+    os.replace(path + ".tmp", path)
+
+
+def keras_async(args: Dict[str, Any], ctx: Any) -> None:
+    """A Fashion-MNIST MLP trained asynchronously with Adam on the parameter
+    servers (each worker its own shard), then a click model whose 1,000,000-row
+    embedding table lives on them row-sparse; writes the accuracies and the
+    bytes each part moved."""
+    keras = _keras()
+    import ember.keras
+    from examples.fashion_mnist.data import load_split
+
+    ps = ctx.parameter_servers(timeout=120)
+    rank, size = ps.worker, ps.num_workers
+    n = args["n"]
+    images, labels = load_split("train")
+    x = images[:n].reshape(n, -1).astype(np.float32) / 255.0
+    y = labels[:n].astype(np.int64)
+    x, y = x[rank::size], y[rank::size]
+    keras.utils.set_random_seed(100 + rank)  # different starts: the chief's must win
+    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(10)], name="mlp")
+    model.compile(optimizer=keras.optimizers.Adam(2e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    ember.keras.parameter_servers(model, ctx)
+    start = [float(np.sum(keras.ops.convert_to_numpy(w))) for w in model.trainable_weights]
+    history = model.fit(x, y, batch_size=64, epochs=args["epochs"], verbose=0)
+    test_x, test_y = load_split("test")
+    test_x = test_x[:2000].reshape(2000, -1).astype(np.float32) / 255.0
+    _, accuracy = model.evaluate(test_x, test_y[:2000].astype(np.int64), verbose=0)
+    mlp_bytes = ps.bytes()
+
+    # clicks: the label is whether the item id is even; only a sparse
+    # embedding of the id can learn it
+    rows, dim, batches, batch = 1_000_000, 8, 60, 128
+    rng = np.random.default_rng(rank)
+    items = rng.integers(0, 2000, size=batches * batch) * 499  # 2,000 ids spread over 1M
+    clicks = (items % 2 == 0).astype(np.float32)
+    clicker = keras.Sequential([keras.Input((1,), dtype="int64"),
+                                ember.keras.PsEmbedding(rows, dim, learning_rate=0.3,
+                                                        name="items"),
+                                keras.layers.Flatten(), keras.layers.Dense(1)], name="clicks")
+    clicker.compile(optimizer=keras.optimizers.SGD(0.1),
+                    loss=keras.losses.BinaryCrossentropy(from_logits=True), metrics=["accuracy"])
+    ember.keras.parameter_servers(clicker, ctx)
+    before = ps.bytes()
+    clicks_history = clicker.fit(items.reshape(-1, 1), clicks, batch_size=batch, epochs=3,
+                                 verbose=0)
+    after = ps.bytes()
+    _write(args, ctx, dict(
+        rank=rank, size=size, shards=ps.num_shards, start=start,
+        loss=history.history["loss"], accuracy=float(accuracy), mlp_bytes=list(mlp_bytes),
+        clicks_accuracy=float(clicks_history.history["accuracy"][-1]),
+        clicks_received=after[1] - before[1], clicks_sent=after[0] - before[0],
+        clicks_steps=3 * batches, distinct_items=int(len(np.unique(items))),
+        table_bytes=rows * dim * 4, at=time.time()))
