@@ -100,6 +100,12 @@ class EmberFeedError(EmberError, ValueError):
 #: than its cause.
 PEER_VANISHED = "failed, was killed or left)"
 
+#: How the frameworks word the same: TensorFlow's collectives (MultiWorker-
+#: MirroredStrategy) abort every later op once a peer is gone, and gloo
+#: (torch.distributed) sees the peer's connection close.
+FRAMEWORK_PEER_VANISHED = ("Collective ops is aborted by", "Restart your program to reset",
+                           "Connection closed by peer")
+
 
 class EmberNodeError(EmberError, RuntimeError):
     """A node failed (its main_fun raised, it exited, or it was lost); raised on
@@ -120,7 +126,9 @@ class EmberNodeError(EmberError, RuntimeError):
     @property
     def peer_vanished(self) -> bool:
         """True when the node failed only because a peer vanished under it."""
-        return self.kind == "failed" and PEER_VANISHED in str(self)
+        text = str(self)
+        return self.kind == "failed" and any(
+            marker in text for marker in (PEER_VANISHED, *FRAMEWORK_PEER_VANISHED))
 
 
 class FeedProducerError(EmberError, RuntimeError):
