@@ -53,15 +53,25 @@ struct ember_ps_client {
 
 /* ------------------------------------------------------------ one exchange */
 
+/* A failed exchange with shard k: the connection is of no more use.  A
+ * dropped connection is worded as the collectives word a vanished peer, so
+ * the driver counts this worker's failure as the ps node's casualty. */
+static int link_failed(ember_ps_client *c, uint32_t k, int rc) {
+  c->broken = 1;
+  if (atomic_load(&c->aborted))
+    return ember__set_error(EMBER_EABORTED, "%s: the client was aborted", c->links[k].where);
+  if (rc == EMBER_ECLOSED || rc == EMBER_EIO)
+    return ember__set_error(rc, "%s: %s (the ps node failed, was killed or left)",
+                            c->links[k].where, ember_last_error());
+  return ember__set_error(rc, "%s: %s", c->links[k].where, ember_last_error());
+}
+
 static int send_req(ember_ps_client *c, uint32_t k, uint16_t type, const ember_wire_writer *w) {
   ps_link *l = &c->links[k];
   if (w->err) return ember__set_error(EMBER_ENOMEM, "%s: out of memory for a request", l->where);
   int rc = ember_sec_send_frame(l->sec, l->fd, type, w->buf, (uint32_t)w->len,
                                 ember_deadline_after(c->timeout_ms));
-  if (rc != EMBER_OK) {
-    c->broken = 1;
-    return ember__set_error(rc, "%s: %s", l->where, ember_last_error());
-  }
+  if (rc != EMBER_OK) return link_failed(c, k, rc);
   c->sent += w->len;
   return EMBER_OK;
 }
@@ -79,12 +89,7 @@ static int recv_reply(ember_ps_client *c, uint32_t k, void *body, size_t body_le
   int rc = ember_sec_recv_frame(l->sec, l->fd, max > EMBER_WIRE_ABSOLUTE_MAX ?
                                 EMBER_WIRE_ABSOLUTE_MAX : (uint32_t)max, &h, &p,
                                 ember_deadline_after(c->timeout_ms + PS_REPLY_SLACK_MS));
-  if (rc != EMBER_OK) {
-    c->broken = 1;
-    if (atomic_load(&c->aborted))
-      return ember__set_error(EMBER_EABORTED, "%s: the client was aborted", l->where);
-    return ember__set_error(rc, "%s: %s", l->where, ember_last_error());
-  }
+  if (rc != EMBER_OK) return link_failed(c, k, rc);
   c->received += h.length;
   ember_wire_reader_init(&r, p, h.length);
   uint32_t status = ember_wire_read_u32(&r);

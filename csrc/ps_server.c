@@ -57,6 +57,7 @@ typedef struct ps_conn {
   pthread_t thread;
   int started;
   int done; /* its thread has ended (under s->mu): reaped at the next accept */
+  int counted; /* in stats.workers_connected */
 } ps_conn;
 
 struct ember_ps_server {
@@ -390,7 +391,9 @@ static void handle_clock(ember_ps_server *s, ps_conn *c, const uint8_t *p, size_
     return;
   }
   pthread_mutex_lock(&s->mu);
-  if (clock > s->clocks[c->worker] || clock == UINT64_MAX) s->clocks[c->worker] = clock;
+  /* a finished worker that clocks again trains again (a second fit) */
+  if (clock > s->clocks[c->worker] || clock == UINT64_MAX || s->clocks[c->worker] == UINT64_MAX)
+    s->clocks[c->worker] = clock;
   pthread_cond_broadcast(&s->clock_cond);
   pthread_mutex_unlock(&s->mu);
 }
@@ -478,6 +481,8 @@ static void *conn_main(void *arg) {
   }
   pthread_mutex_lock(&s->mu);
   c->done = 1;
+  if (c->counted) s->stats.workers_connected--;
+  c->counted = 0;
   pthread_mutex_unlock(&s->mu);
   return NULL;
 }
@@ -552,10 +557,13 @@ static void on_accepted(void *arg, ember__accepted *a) {
   }
   if (s->clocks[worker] == UINT64_MAX) s->clocks[worker] = 0; /* a worker back after finishing */
   /* its thread answers the HELLO: replies count bytes under s->mu, held here */
-  if (pthread_create(&c->thread, NULL, conn_main, c) == 0)
+  if (pthread_create(&c->thread, NULL, conn_main, c) == 0) {
     c->started = 1;
-  else
+    c->counted = 1;
+    s->stats.workers_connected++;
+  } else {
     c->done = 1;
+  }
 }
 
 static void on_rejected(void *arg, const char *peer, int authed, const char *reason) {

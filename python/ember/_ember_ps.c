@@ -360,7 +360,8 @@ PyDoc_STRVAR(PsServer_stats_doc,
              "pulls, pushes, rows_pulled, rows_pushed, bytes_received, bytes_sent\n"
              "(request and reply payloads), requests_refused, stale_waits (pulls\n"
              "that waited for a slower worker) and min_clock (the slowest live\n"
-             "worker's clock; 2**64-1 once every worker finished).");
+             "worker's clock; 2**64-1 once every worker finished) and\n"
+             "workers_connected (worker connections open now).");
 
 static PyObject *PsServer_stats(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   PsServerObject *self = (PsServerObject *)op;
@@ -371,13 +372,14 @@ static PyObject *PsServer_stats(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   if (ok < 0)
     return NULL;
   return Py_BuildValue(
-      "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tables", (unsigned long long)s.tables,
+      "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tables", (unsigned long long)s.tables,
       "rows_held", (unsigned long long)s.rows_held, "pulls", (unsigned long long)s.pulls,
       "pushes", (unsigned long long)s.pushes, "rows_pulled", (unsigned long long)s.rows_pulled,
       "rows_pushed", (unsigned long long)s.rows_pushed, "bytes_received",
       (unsigned long long)s.bytes_received, "bytes_sent", (unsigned long long)s.bytes_sent,
       "requests_refused", (unsigned long long)s.requests_refused, "stale_waits",
-      (unsigned long long)s.stale_waits, "min_clock", (unsigned long long)s.min_clock);
+      (unsigned long long)s.stale_waits, "min_clock", (unsigned long long)s.min_clock,
+      "workers_connected", (unsigned long long)s.workers_connected);
 }
 
 /* save / restore share this shape: fn(server, dir). */

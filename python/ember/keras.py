@@ -348,7 +348,8 @@ class PsEmbedding(keras.layers.Layer):
 def parameter_servers(model: Any, ctx: Any, client: Any = None) -> List[Any]:
     """Makes a compiled Keras 3 model train asynchronously on the cluster's
     parameter servers (``run(..., num_ps=k, parameter_servers=...)``);
-    returns the callbacks to pass to ``model.fit``.
+    returns the callbacks to pass to ``model.fit`` (a :class:`PsCallback`:
+    at the end every worker holds the servers' final weights).
 
     Every trainable variable becomes a dense table on the servers, split
     over them by rows, and every :class:`PsEmbedding` a row-sparse one.  The
@@ -415,4 +416,24 @@ def parameter_servers(model: Any, ctx: Any, client: Any = None) -> List[Any]:
     if getattr(model, "jit_compile", False):  # the step calls out to the servers
         model.jit_compile = False
     model.make_train_function(force=True)
-    return []
+    return [PsCallback(client, coll, variables, tables)]
+
+
+class PsCallback(keras.callbacks.Callback):
+    """The end of ``model.fit`` on the parameter servers: this worker tells
+    them it finished (so bounded staleness holds nobody back for it), waits
+    for the other workers, and pulls the final weights, so that every worker
+    ends with the model the servers hold (what an asynchronous job trained),
+    not with the weights of its own last step.  Made by
+    :func:`parameter_servers`."""
+
+    def __init__(self, client: Any, coll: Any, variables: List[Any], tables: List[Any]) -> None:
+        super().__init__()
+        self._client, self._coll = client, coll
+        self._variables, self._tables = variables, tables
+
+    def on_train_end(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        self._client.finish()
+        self._coll.barrier()
+        for v, (name, _, cols, shape) in zip(self._variables, self._tables):
+            v.assign(self._client.pull(name, None, cols).reshape(shape))

@@ -132,7 +132,8 @@ def connect(nodes: Sequence[Dict[str, Any]], me: Dict[str, Any], secret: bytes,
 def serve(nodes: Sequence[Dict[str, Any]], me: Dict[str, Any], secret: bytes, listen_fd: int,
           config: ParameterServers, encrypt: bool, stop_requested: Any) -> str:
     """Runs this ps node's shard on ``listen_fd`` (its framework port) until
-    every worker finished or ``stop_requested()``; returns what ended it."""
+    every worker finished and disconnected, or ``stop_requested()``;
+    returns what ended it."""
     shard = me["task_index"]
     num_shards = len(shard_addresses(nodes))
     workers = sum(1 for n in nodes if n["role"] in WORKER_ROLES)
@@ -151,8 +152,10 @@ def serve(nodes: Sequence[Dict[str, Any]], me: Dict[str, Any], secret: bytes, li
             if stop_requested():
                 return "stopped by the driver"
             stats = server.stats()
-            # every worker finished (min_clock is then the finished mark)
-            if stats["min_clock"] == 2**64 - 1:
+            # every worker finished (min_clock is then the finished mark) and
+            # left: a worker's main_fun returning finishes and closes its client,
+            # while a finish between two fits keeps it connected
+            if stats["min_clock"] == 2**64 - 1 and stats["workers_connected"] == 0:
                 return (f"every worker finished: {stats['pushes']} pushes, "
                         f"{stats['pulls']} pulls, {stats['rows_held']} rows held")
             time.sleep(0.2)

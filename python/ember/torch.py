@@ -29,13 +29,25 @@ parameters::
 Ranks are the chief and workers in ``RANK`` order (``ctx.collective.rank``
 is the same number).  Tensors must be on the CPU (the collective works on
 host memory in place).
+
+Or asynchronously on the cluster's parameter servers (``run(..., num_ps=k,
+parameter_servers=ember.ps.ParameterServers())``): the optimizer runs on the
+servers, and an embedding table may live there row-sparse::
+
+        emb = ember.torch.PsEmbedding(10**9, 16, ctx, name="items")  # on the servers
+        model = torch.nn.Sequential(emb, torch.nn.Flatten(), torch.nn.Linear(16, 1))
+        opt = ember.torch.ParameterServerOptimizer(model, ctx, "adam", 1e-3)
+        for x, y in my_batches:                          # no step count to agree on
+            opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
-from typing import Any, Dict, List, Optional
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -43,7 +55,10 @@ import torch
 from ember.collective import collective_of
 
 __all__ = ["init_process_group", "allreduce_hook", "allreduce_gradients",
-           "DistributedOptimizer", "broadcast_parameters"]
+           "DistributedOptimizer", "broadcast_parameters", "ParameterServerOptimizer",
+           "PsEmbedding"]
+
+logger = logging.getLogger("ember.torch")
 
 _WIRE = {torch.float32: np.float32, torch.float64: np.float64,
          torch.int32: np.int32, torch.int64: np.int64}
@@ -236,3 +251,344 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, ctx: Any) -> torch.op
     optimizer.__class__ = cls
     optimizer._ember_collective = coll
     return optimizer
+
+
+# ---------------------------------------------------------------- parameter servers
+
+#: the update rules the parameter servers apply (ember/ps.h)
+_PS_KINDS = ("sgd", "momentum", "adagrad", "adam")
+
+
+def _ps_spec(kind: str, learning_rate: float, momentum: float, beta1: float, beta2: float,
+             epsilon: float, initial_accumulator: float) -> Dict[str, Any]:
+    """What ``declare`` takes for an optimizer named by a string."""
+    kind = kind.lower()
+    if kind not in _PS_KINDS:
+        raise ValueError(f"the parameter servers apply {', '.join(map(repr, _PS_KINDS))}, "
+                         f"not {kind!r}")
+    if kind == "sgd" and momentum:
+        kind = "momentum"
+    spec: Dict[str, Any] = dict(optimizer=kind, learning_rate=float(learning_rate))
+    if kind == "momentum":
+        spec["momentum"] = float(momentum)
+    elif kind == "adagrad":
+        spec.update(initial_accumulator=float(initial_accumulator), epsilon=float(epsilon))
+    elif kind == "adam":
+        spec.update(beta1=float(beta1), beta2=float(beta2), epsilon=float(epsilon))
+    return spec
+
+
+def _ps_optimizer(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The parameter servers' version of a torch optimizer: what ``declare``
+    takes, or ValueError naming what the servers cannot apply."""
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.SGD):
+        kind = "sgd"
+    elif isinstance(optimizer, torch.optim.Adagrad):
+        kind = "adagrad"
+    elif isinstance(optimizer, torch.optim.Adam):
+        kind = "adam"
+    else:
+        raise ValueError(f"the parameter servers apply torch.optim.SGD (with momentum), Adagrad "
+                         f"and Adam, not {name}")
+    if len(optimizer.param_groups) != 1:
+        raise ValueError(f"{name} has {len(optimizer.param_groups)} param groups: the parameter "
+                         "servers apply one set of hyper-parameters to every table")
+    group = optimizer.param_groups[0]
+    keys = ["weight_decay", "nesterov", "amsgrad", "maximize", "lr_decay",
+            "decoupled_weight_decay"]
+    if group.get("momentum"):  # torch ignores dampening without momentum
+        keys.append("dampening")
+    unsupported = [f"{k}={group[k]!r}" for k in keys if group.get(k)]
+    if unsupported:
+        raise ValueError(f"{name}({', '.join(unsupported)}): not applied by the parameter "
+                         "servers; leave it unset")
+    lr = float(group["lr"])  # a tensor lr (torch 2) reads as its value
+    if kind == "sgd":
+        return _ps_spec("sgd", lr, float(group.get("momentum", 0.0)), 0.0, 0.0, 0.0, 0.0)
+    if kind == "adagrad":
+        return _ps_spec("adagrad", lr, 0.0, 0.0, 0.0, float(group["eps"]),
+                        float(group["initial_accumulator_value"]))
+    beta1, beta2 = group["betas"]
+    return _ps_spec("adam", lr, 0.0, float(beta1), float(beta2), float(group["eps"]), 0.0)
+
+
+def _table_shape(shape: Any) -> Tuple[int, int]:
+    """A parameter's shape as the servers' rows x cols (the first axis the rows)."""
+    dims = [int(d) for d in shape]
+    if not dims:
+        return 1, 1
+    return dims[0], int(np.prod(dims[1:])) if len(dims) > 1 else 1
+
+
+def _claim(client: Any, table: str, owner: Any, hint: str) -> None:
+    """Records that ``owner`` trains ``table`` through ``client``; refuses a
+    second live owner.  Declaring an existing table with the same spec is a
+    no-op on the servers, so two models or embeddings given one name would
+    otherwise share one table without a word."""
+    claims = getattr(client, "_ember_torch_tables", None)
+    if claims is None:
+        claims = {}
+        try:
+            client._ember_torch_tables = claims
+        except AttributeError:  # a bare PsClient takes no attributes: no check
+            return
+    held = claims.get(table)
+    holder = held() if held is not None else None
+    if holder is not None and holder is not owner:
+        raise ValueError(f"table {table!r} is already trained by another {hint} in this "
+                         f"process: give each its own name")
+    claims[table] = weakref.ref(owner)
+
+
+def _host_rows(t: torch.Tensor, rows: int, cols: int) -> np.ndarray:
+    """``t`` as a (rows, cols) float32 numpy array (a view when it already is
+    a contiguous float32 CPU tensor, else a copy)."""
+    if t.is_sparse:
+        t = t.to_dense()
+    return t.detach().to("cpu", torch.float32).contiguous().numpy().reshape(rows, cols)
+
+
+def _client_of(ctx_or_client: Any) -> Any:
+    if hasattr(ctx_or_client, "parameter_servers"):
+        return ctx_or_client.parameter_servers()
+    if all(hasattr(ctx_or_client, m) for m in ("declare", "pull", "push")):
+        return ctx_or_client
+    raise TypeError(f"expected a node's ctx or an ember.ps.Client, not "
+                    f"{type(ctx_or_client).__name__}")
+
+
+class ParameterServerOptimizer:
+    """Trains a model asynchronously on the cluster's parameter servers
+    (``run(..., num_ps=k, parameter_servers=ember.ps.ParameterServers())``).
+
+    Used like a ``torch.optim.Optimizer`` (``zero_grad()``, ``step()``).  At
+    creation every parameter of ``model`` becomes a dense table
+    ``f"{prefix}/{name}"`` on the servers (rows: the first axis), split over
+    them by rows; the chief (worker 0) puts its initial values there, every
+    node waits for it (``ctx.collective.barrier()``) and copies them into its
+    model.  Each ``step()`` then pushes every parameter's ``.grad`` (zeros
+    for a parameter without one), counts a step (bounded staleness, if
+    configured) and pulls every table into the parameters, without waiting
+    for the other workers.  The servers apply the update rule and keep its
+    state per row: this object holds no state, and has no ``state_dict`` or
+    ``load_state_dict`` (the servers' state is checkpointed with
+    ``ctx.parameter_servers().save(dir)``).  LR schedulers do not apply: the
+    learning rate is fixed when the tables are declared.
+
+    :class:`PsEmbedding` modules of the model are left out: their tables are
+    row-sparse and pushed from their backward pass.  Buffers (BatchNorm's
+    running statistics) stay local to each node.
+
+    The update rules are Keras's (``ember/ps.h``).  SGD, with or without
+    momentum, is torch's exactly (torch's momentum buffer is Keras's velocity
+    divided by ``-learning_rate``).  Adagrad and Adam put ``epsilon`` where
+    Keras does: Adagrad divides by ``sqrt(accumulator + epsilon)`` (torch:
+    ``sqrt(accumulator) + eps``); Adam by ``sqrt(v) + epsilon`` with the
+    bias correction folded into the step size, so it behaves as torch's Adam
+    with ``eps = epsilon / sqrt(1 - beta2**t)`` at step ``t`` (an epsilon
+    31 times larger at the first step with beta2 = 0.999, the same after a
+    few thousand); with ``epsilon`` far below the gradients' scale the two
+    agree to float rounding.  An epsilon of 0 means Keras's 1e-7.
+
+    :param model: the ``torch.nn.Module`` to train; its parameters may be on
+        any device and of any float dtype (they travel as float32).
+    :param ctx: the node's ``ctx`` (the chief or a worker), or None with
+        ``client`` given (no barrier: one worker).
+    :param optimizer: ``"sgd"``, ``"momentum"``, ``"adagrad"`` or ``"adam"``,
+        or a ``torch.optim.SGD``, ``Adagrad`` or ``Adam`` whose (single) param
+        group gives the kind and hyper-parameters (then the keyword
+        arguments below are ignored); weight decay, Nesterov, AMSGrad,
+        ``maximize``, ``dampening``, ``lr_decay`` and several param groups
+        raise ValueError.
+    :param learning_rate: the step size.
+    :param momentum: SGD's momentum (``"sgd"`` with a momentum is ``"momentum"``).
+    :param beta1: Adam's first-moment decay.
+    :param beta2: Adam's second-moment decay.
+    :param epsilon: Adagrad's and Adam's epsilon (torch's default for Adam).
+    :param initial_accumulator: Adagrad's initial accumulator (torch's 0).
+    :param prefix: the tables' name prefix: two models trained in one job
+        need different prefixes.
+    :param client: an :class:`ember.ps.Client` (default ``ctx.parameter_servers()``).
+    """
+
+    def __init__(self, model: torch.nn.Module, ctx: Any,
+                 optimizer: Union[str, torch.optim.Optimizer] = "adam",
+                 learning_rate: float = 1e-3, *, momentum: float = 0.0, beta1: float = 0.9,
+                 beta2: float = 0.999, epsilon: float = 1e-8, initial_accumulator: float = 0.0,
+                 prefix: str = "model", client: Any = None) -> None:
+        if isinstance(optimizer, str):
+            spec = _ps_spec(optimizer, learning_rate, momentum, beta1, beta2, epsilon,
+                            initial_accumulator)
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            spec = _ps_optimizer(optimizer)
+        else:
+            raise TypeError(f"optimizer: expected a name or a torch.optim.Optimizer, not "
+                            f"{type(optimizer).__name__}")
+        self.client = client if client is not None else _client_of(ctx)
+        self.spec = spec
+        self.steps = 0
+        skip = {id(p) for m in model.modules() if isinstance(m, PsEmbedding)
+                for p in m.parameters()}
+        # (table, parameter, rows, cols), in named_parameters order (shared
+        # parameters once)
+        self._tables: List[Tuple[str, torch.Tensor, int, int]] = []
+        for name, p in model.named_parameters():
+            if id(p) in skip or p.numel() == 0:
+                continue
+            rows, cols = _table_shape(p.shape)
+            table = f"{prefix}/{name}"
+            _claim(self.client, table, p, "parameter (ParameterServerOptimizer prefix=)")
+            self.client.declare(table, "dense", rows, cols, **spec)
+            self._tables.append((table, p, rows, cols))
+        if self.client.worker == 0:  # the chief's initial weights are the model's
+            for table, p, rows, cols in self._tables:
+                self.client.assign(table, None, _host_rows(p, rows, cols))
+        if ctx is not None:  # None: a client= of one worker, nobody to wait for
+            getattr(ctx, "collective", ctx).barrier()
+        self._pull()
+        floats = sum(rows * cols for _, _, rows, cols in self._tables)
+        logger.info(f"worker {self.client.worker}: {len(self._tables)} tables ({floats} floats) "
+                    f"of {prefix!r} on {self.client.num_shards} parameter-server shards, "
+                    f"{spec['optimizer']} lr {spec['learning_rate']}")
+
+    @property
+    def tables(self) -> List[str]:
+        """The names of the model's dense tables."""
+        return [t for t, _, _, _ in self._tables]
+
+    def _pull(self) -> None:
+        with torch.no_grad():
+            for table, p, _, cols in self._tables:
+                if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
+                    # straight into the parameter's memory (checked every step:
+                    # model.to() may have moved it)
+                    self.client.pull(table, None, cols, out=p.detach().numpy())
+                else:
+                    value = self.client.pull(table, None, cols)
+                    p.copy_(torch.from_numpy(value).reshape(p.shape))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the parameters' gradients (torch.optim.Optimizer.zero_grad)."""
+        for _, p, _, _ in self._tables:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Pushes the gradients, counts a step and pulls the new weights;
+        returns ``closure()`` (computed first, with gradients on) if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for table, p, rows, cols in self._tables:
+            grad = (_host_rows(p.grad, rows, cols) if p.grad is not None
+                    else np.zeros((rows, cols), dtype=np.float32))
+            self.client.push(table, None, grad)
+        self.client.clock()
+        self._pull()
+        self.steps += 1
+        return loss
+
+    def __repr__(self) -> str:
+        return (f"ParameterServerOptimizer({len(self._tables)} tables, "
+                f"{self.spec['optimizer']}, lr={self.spec['learning_rate']})")
+
+
+class _PsLookup(torch.autograd.Function):
+    """The gather of a batch's pulled rows, whose backward pushes each
+    distinct row's summed gradient to the servers (and returns none: the
+    pulled rows are a throw-away copy)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, inverse: torch.Tensor, unique: torch.Tensor,
+                push: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+        ctx.save_for_backward(inverse, unique)
+        ctx.push = push
+        return rows.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        inverse, unique = ctx.saved_tensors
+        summed = torch.zeros((unique.shape[0], grad.shape[1]), dtype=torch.float32)
+        summed.index_add_(0, inverse, grad.to("cpu", torch.float32))
+        ctx.push(unique, summed)
+        return None, None, None, None
+
+
+class PsEmbedding(torch.nn.Module):
+    """An embedding table that lives on the parameter servers, row-sparse.
+
+    ``forward(ids)`` pulls the rows of the batch's distinct ids and gathers
+    them (output: ``ids.shape + (embedding_dim,)``, float32, on ``ids``'s
+    device); the backward pass pushes one summed gradient per distinct id
+    (a repeated id's gradients added up), and the servers apply
+    ``optimizer`` to those rows.  Nothing is held locally but the current
+    batch's rows, so ``num_embeddings`` may be far beyond a worker's memory
+    (10**9 costs the rows a job touches), and the module has no parameters
+    or state dict.  Rows start normal with standard deviation
+    ``init_scale``, the same on every node and shard for a given ``seed``.
+    Under ``torch.no_grad()`` nothing is pushed.
+
+    Put it in a model trained by :class:`ParameterServerOptimizer` (which
+    leaves it out of its dense tables) or any other optimizer: its updates
+    happen at ``backward()``.
+
+    :param num_embeddings: the rows (ids are ``0..num_embeddings-1``).
+    :param embedding_dim: the floats of a row.
+    :param ctx_or_client: the node's ``ctx``, or an :class:`ember.ps.Client`.
+    :param optimizer: ``"adagrad"`` (the usual choice for embeddings),
+        ``"sgd"``, ``"momentum"`` or ``"adam"``, applied by the servers.
+    :param learning_rate: its step size.
+    :param init_scale: the initial rows' standard deviation.
+    :param seed: the initial rows' seed.
+    :param name: the table is ``f"{name}/embeddings"``: two embeddings of one
+        job need different names.
+    :param optimizer_options: ``momentum``, ``beta1``, ``beta2``, ``epsilon``,
+        ``initial_accumulator`` for the servers (``PsClient.declare``; 0: Keras's
+        defaults, except Adagrad's accumulator, which stays 0).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, ctx_or_client: Any,
+                 optimizer: str = "adagrad", learning_rate: float = 0.05,
+                 init_scale: float = 0.05, seed: int = 0, name: str = "embedding",
+                 **optimizer_options: float) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        self.name = name
+        self.table = f"{name}/embeddings"
+        self.optimizer, self.learning_rate = optimizer, float(learning_rate)
+        client = _client_of(ctx_or_client)
+        _claim(client, self.table, self, "PsEmbedding (name=)")
+        client.declare(self.table, "sparse", self.num_embeddings, self.embedding_dim,
+                       optimizer, self.learning_rate, init="normal",
+                       init_scale=float(init_scale), seed=int(seed), **optimizer_options)
+        self._client = client  # a plain attribute: not a parameter, not saved
+
+    def _push(self, unique: torch.Tensor, grads: torch.Tensor) -> None:
+        if unique.numel():
+            self._client.push(self.table, unique.numpy(), grads.numpy())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"{self.name}: ids must be integers, not {ids.dtype}")
+        flat = ids.detach().reshape(-1).to("cpu", torch.int64)
+        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        if unique.numel() and (int(unique[0]) < 0 or int(unique[-1]) >= self.num_embeddings):
+            bad = int(unique[0]) if int(unique[0]) < 0 else int(unique[-1])
+            raise IndexError(f"{self.name}: id {bad} is not in 0..{self.num_embeddings - 1}")
+        rows = torch.from_numpy(self._client.pull(self.table, unique.numpy(), self.embedding_dim))
+        if torch.is_grad_enabled():
+            out = _PsLookup.apply(rows.requires_grad_(), inverse, unique, self._push)
+        else:
+            out = rows.index_select(0, inverse)
+        return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}, "
+                f"optimizer={self.optimizer!r}, learning_rate={self.learning_rate}")

@@ -103,7 +103,16 @@ TEST(dense_table_split_over_shards_pulls_whole_and_applies_sgd) {
     held += st.rows_held;
   }
   CHECK_EQ_INT(held, 10);
+  CHECK_EQ_INT(st.workers_connected, 1);
   ember_ps_client_destroy(c);
+  /* the worker's connection ends on the server soon after (ember.ps ends a
+   * ps node once every worker finished and left) */
+  int64_t until = ember_now_ms() + 5000;
+  do {
+    usleep(10 * 1000);
+    ember_ps_server_stats(p.srv[0], &st);
+  } while (st.workers_connected != 0 && ember_now_ms() < until);
+  CHECK_EQ_INT(st.workers_connected, 0);
   stop(&p);
 }
 
@@ -399,6 +408,24 @@ TEST(abort_from_another_thread_ends_a_staleness_wait_at_once) {
   stop(&p);
 }
 
+TEST(a_shard_gone_mid_job_is_named_as_a_vanished_peer) {
+  ps_cluster p;
+  start(&p, 2, 1, EMBER_PS_ASYNC, 0);
+  ember_ps_client *c = worker(&p, 0, 1, 0, 5000);
+  ember_ps_table_spec spec = dense("w", 4, 2, EMBER_PS_SGD, 0.1f);
+  CHECK_OK(ember_ps_client_declare(c, &spec));
+  ember_ps_server_destroy(p.srv[1]); /* as a killed ps node's kernel closes its sockets */
+  p.shards = 1;
+  float buf[8];
+  int rc = ember_ps_client_pull(c, "w", NULL, 4, 2, buf);
+  CHECK(rc == EMBER_ECLOSED || rc == EMBER_EIO);
+  CHECK(strstr(ember_last_error(), "ps shard 1 of 2") != NULL);
+  CHECK(strstr(ember_last_error(), "failed, was killed or left)") != NULL);
+  CHECK_EQ_INT(ember_ps_client_pull(c, "w", NULL, 4, 2, buf), EMBER_ESTATE);
+  ember_ps_client_destroy(c);
+  stop(&p);
+}
+
 TEST(asynchronous_mode_never_waits) {
   ps_cluster p;
   start(&p, 1, 2, EMBER_PS_ASYNC, 0);
@@ -513,6 +540,7 @@ RUN_TESTS(T(dense_table_split_over_shards_pulls_whole_and_applies_sgd),
           T(hostile_worker_gets_named_refusals_and_others_keep_being_served),
           T(bounded_staleness_holds_the_leader_and_names_the_straggler),
           T(abort_from_another_thread_ends_a_staleness_wait_at_once),
+          T(a_shard_gone_mid_job_is_named_as_a_vanished_peer),
           T(asynchronous_mode_never_waits),
           T(checkpoint_restores_values_and_optimizer_state_and_refuses_corruption),
           T(encrypted_shards_serve_encrypting_workers_only))

@@ -237,6 +237,75 @@ def hostloss(spark: Any, out: str, pause: float = 0.01, max_restarts: int = 1) -
     dump(os.path.join(out, "hostloss.json"), result)
 
 
+# --------------------------------------------------------------------------- ps
+
+def _freeze(out: str, phase: str, rank: int, after: float, seconds: float) -> Dict[str, float]:
+    """SIGSTOPs worker `rank` of `phase` `after` s after its 10th step, for
+    `seconds`; returns when (wall clock) it was stopped and continued."""
+    import signal
+
+    pid_file = os.path.join(out, f"pid-{phase}-{rank}")
+    started = os.path.join(out, f"started-{phase}-{rank}")  # after its 10th step
+    deadline = time.monotonic() + 120
+    while not os.path.exists(started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(after)
+    pid = int(open(pid_file).read())
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.time()
+    time.sleep(seconds)
+    os.kill(pid, signal.SIGCONT)
+    return dict(stopped=stopped, continued=time.time())
+
+
+def ps(spark: Any, out: str) -> None:
+    """Fashion-MNIST on 2 parameter servers (on the driver's host) with the
+    chief and 2 workers on the worker hosts, asynchronous then with
+    staleness 2; in each, worker 2 is frozen (SIGSTOP) for 5 s mid-training.
+    Then a ps node is SIGKILLed mid-training: the error must name it."""
+    import signal
+    import threading
+
+    import psfuns
+    from ember.ps import ParameterServers
+    from ember.spark import InputMode, run
+
+    sc = spark.sparkContext
+    result: Dict[str, Any] = {}
+    for phase, staleness in (("async", None), ("bounded", 2)):
+        args = {"out": out, "phase": phase, "n": 60000, "epochs": 3}
+        cluster = run(sc, psfuns.fmnist_steps, args, num_executors=5, num_ps=2,
+                      driver_ps_nodes=True, parameter_servers=ParameterServers(staleness),
+                      input_mode=InputMode.TENSORFLOW, reservation_timeout=120)
+        frozen: Dict[str, float] = {}
+        freezer = threading.Thread(target=lambda: frozen.update(
+            _freeze(out, phase, 2, 1.0, 5.0)))
+        freezer.start()
+        cluster.shutdown(timeout=600)
+        freezer.join()
+        result[phase] = dict(frozen, hosts={n["role"] + str(n["task_index"]): n["host"]
+                                            for n in cluster.nodes})
+    # a ps node killed mid-training
+    args = {"out": out, "phase": "pskill", "n": 30000, "epochs": 3}
+    cluster = run(sc, psfuns.fmnist_steps, args, num_executors=5, num_ps=2, driver_ps_nodes=True,
+                  parameter_servers=ParameterServers(), input_mode=InputMode.TENSORFLOW,
+                  reservation_timeout=120)
+    victim = next(n for n in cluster.nodes if n["role"] == "ps" and n["task_index"] == 1)
+    while not os.path.exists(os.path.join(out, "started-pskill-2")):
+        time.sleep(0.1)
+    time.sleep(1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        cluster.shutdown(timeout=120)
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test reads what was raised
+        error = dict(type=type(e).__name__, text=str(e), node=getattr(e, "node", None),
+                     seconds=time.monotonic() - killed)
+    result["pskill"] = dict(error=error, victim=victim["index"])
+    dump(os.path.join(out, "ps.json"), result)
+
+
 # --------------------------------------------------------------------------- stream
 
 def stream(spark: Any, out: str) -> None:
@@ -339,7 +408,7 @@ def main() -> int:
             # allowed: faults that heal must cost nothing
             "heal": lambda spark, out: hostloss(spark, out, pause=0.08, max_restarts=0),
             "partition": lambda spark, out: hostloss(spark, out, pause=0.08),
-            "stream": stream, "encrypted": encrypted}
+            "stream": stream, "encrypted": encrypted, "ps": ps}
     # encrypted: every partition crosses a host over TCP (no shared-memory rings)
     conf = {"spark.executorEnv.EMBER_FEED_SHM": "0"} if job == "encrypted" else {}
     spark = session(master, f"ember-cluster-{job}", 3, conf)

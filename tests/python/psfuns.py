@@ -53,9 +53,11 @@ def keras_async(args: Dict[str, Any], ctx: Any) -> None:
     model.compile(optimizer=keras.optimizers.Adam(2e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
-    ember.keras.parameter_servers(model, ctx)
+    callbacks = ember.keras.parameter_servers(model, ctx)
     start = [float(np.sum(keras.ops.convert_to_numpy(w))) for w in model.trainable_weights]
-    history = model.fit(x, y, batch_size=64, epochs=args["epochs"], verbose=0)
+    history = model.fit(x, y, batch_size=64, epochs=args["epochs"], callbacks=callbacks,
+                        verbose=0)
+    final = [float(np.sum(keras.ops.convert_to_numpy(w))) for w in model.trainable_weights]
     test_x, test_y = load_split("test")
     test_x = test_x[:2000].reshape(2000, -1).astype(np.float32) / 255.0
     _, accuracy = model.evaluate(test_x, test_y[:2000].astype(np.int64), verbose=0)
@@ -73,15 +75,61 @@ def keras_async(args: Dict[str, Any], ctx: Any) -> None:
                                 keras.layers.Flatten(), keras.layers.Dense(1)], name="clicks")
     clicker.compile(optimizer=keras.optimizers.SGD(0.1),
                     loss=keras.losses.BinaryCrossentropy(from_logits=True), metrics=["accuracy"])
-    ember.keras.parameter_servers(clicker, ctx)
+    callbacks = ember.keras.parameter_servers(clicker, ctx)
     before = ps.bytes()
     clicks_history = clicker.fit(items.reshape(-1, 1), clicks, batch_size=batch, epochs=3,
-                                 verbose=0)
+                                 callbacks=callbacks, verbose=0)
     after = ps.bytes()
     _write(args, ctx, dict(
-        rank=rank, size=size, shards=ps.num_shards, start=start,
+        rank=rank, size=size, shards=ps.num_shards, start=start, final=final,
         loss=history.history["loss"], accuracy=float(accuracy), mlp_bytes=list(mlp_bytes),
         clicks_accuracy=float(clicks_history.history["accuracy"][-1]),
         clicks_received=after[1] - before[1], clicks_sent=after[0] - before[0],
         clicks_steps=3 * batches, distinct_items=int(len(np.unique(items))),
         table_bytes=rows * dim * 4, at=time.time()))
+
+
+def fmnist_steps(args: Dict[str, Any], ctx: Any) -> None:
+    """Fashion-MNIST (the main job's 784-256-128-10 model, Adam) trained on
+    the parameter servers, each worker its shard; notes its pid first (so
+    the test can freeze it) and the wall-clock time of every step, then its
+    test accuracy, in ``<out>/<phase>-<rank>.json``."""
+    keras = _keras()
+    import ember.keras
+    from examples.fashion_mnist.data import load_split
+
+    ps = ctx.parameter_servers(timeout=120)
+    rank, size = ps.worker, ps.num_workers
+    phase = args["phase"]
+    with open(os.path.join(args["out"], f"pid-{phase}-{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    n = args["n"]
+    images, labels = load_split("train")
+    x = images[:n].reshape(n, -1).astype(np.float32) / 255.0
+    y = labels[:n].astype(np.int64)
+    x, y = x[rank::size], y[rank::size]
+    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
+                              keras.layers.Dense(128, activation="relu"),
+                              keras.layers.Dense(10)], name="fmnist")
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    callbacks = ember.keras.parameter_servers(model, ctx)
+    steps: list = []
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            steps.append(time.time())
+            if len(steps) == 10:  # training runs: the test may freeze this worker now
+                open(os.path.join(args["out"], f"started-{phase}-{rank}"), "w").close()
+
+    model.fit(x, y, batch_size=64, epochs=args["epochs"], callbacks=[Steps(), *callbacks],
+              verbose=0)
+    test_x, test_y = load_split("test")
+    test_x = test_x.reshape(len(test_x), -1).astype(np.float32) / 255.0
+    _, accuracy = model.evaluate(test_x, test_y.astype(np.int64), batch_size=1000, verbose=0)
+    info = dict(rank=rank, accuracy=float(accuracy), steps=steps)
+    path = os.path.join(args["out"], f"{phase}-{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(info, f)
+    os.replace(path + ".tmp", path)

@@ -641,3 +641,42 @@ def test_tfos_keras_example_trains_3_epochs_on_hosts(hosts, tmp_path):
         hosts.sim.addr(w) for w in WORKERS}, ready
     assert glob.glob(str(tmp_path / "export" / "*" / "saved_model.pb")), text[-3000:]
     assert glob.glob(str(tmp_path / "model" / "weights-*")), text[-3000:]
+
+
+def _steps_between(steps: List[float], start: float, end: float) -> int:
+    return sum(1 for t in steps if start <= t <= end)
+
+
+def test_parameter_servers_async_and_bounded_with_a_frozen_worker_then_a_killed_ps(
+        hosts, tmp_path):
+    """Two ps nodes (on the driver's host) and the chief and two workers on
+    the three worker hosts train Fashion-MNIST with Keras 3 on Ember's
+    parameter servers.  Worker 2 is frozen for 5 s: asynchronous training
+    goes on without it, bounded staleness (2) holds the others within 2
+    steps of it; both reach the main job's accuracy bar.  Then a ps node is
+    SIGKILLed mid-training and the error names it."""
+    out = str(tmp_path)
+    _job(hosts, "ps", out, 900)
+    result = json.load(open(os.path.join(out, "ps.json")))
+    for phase in ("async", "bounded"):
+        nodes = [json.load(open(os.path.join(out, f"{phase}-{r}.json"))) for r in range(3)]
+        hosts_of = result[phase]["hosts"]
+        assert sorted(hosts_of[k] for k in ("chief0", "worker0", "worker1")) == \
+            sorted(hosts.sim.addr(w) for w in WORKERS)
+        assert hosts_of["ps0"] == hosts_of["ps1"] == "driver"  # driver_ps_nodes: by name
+        # every worker ends with the servers' final weights (PsCallback)
+        assert len({n["accuracy"] for n in nodes}) == 1, nodes
+        assert nodes[0]["accuracy"] >= 0.85, (phase, nodes[0]["accuracy"])
+        # while worker 2 was frozen (allowing 0.5 s for the signal to land)
+        start, end = result[phase]["stopped"] + 0.5, result[phase]["continued"]
+        assert _steps_between(nodes[2]["steps"], start, end) == 0
+        during = [_steps_between(n["steps"], start, end) for n in nodes[:2]]
+        if phase == "async":
+            assert min(during) >= 20, during
+        else:
+            assert max(during) <= 3, during
+    error = result["pskill"]["error"]
+    assert error is not None, "killing a ps node raised nothing"
+    assert error["type"] == "EmberNodeError" and error["node"] == result["pskill"]["victim"], error
+    assert "ps:1" in error["text"] and "was lost" in error["text"], error["text"][:500]
+    assert error["seconds"] < 30, error

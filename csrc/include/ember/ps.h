@@ -26,7 +26,8 @@
  * the job reached at least c - S (bounded staleness: no worker more than S
  * steps ahead of the slowest), or fails naming the slowest worker when that
  * takes longer than the client's timeout.  EMBER_PS_ASYNC: never waits.  A
- * worker that ends (ember_ps_client_finish) no longer holds anyone back.
+ * worker that ends (ember_ps_client_finish) no longer holds anyone back,
+ * until it clocks again.
  *
  * Wire.  Every connection is authenticated with the job secret (auth.h, the
  * servers' one accept path), optionally encrypted (secure.h), and carries
@@ -142,6 +143,7 @@ typedef struct {
   uint64_t bytes_received, bytes_sent;     /* request and reply payloads */
   uint64_t requests_refused, stale_waits;  /* pulls that waited for a slower worker */
   uint64_t min_clock;                      /* slowest live worker's clock */
+  uint64_t workers_connected;              /* worker connections open now */
 } ember_ps_stats;
 void ember_ps_server_stats(ember_ps_server *s, ember_ps_stats *out);
 
