@@ -158,6 +158,7 @@ def test_keras_experiment_hdfs_model_dir(hadoop_cluster, monkeypatch):
 
     class Ctx:
         task_index = 0
+        cluster_spec = {"chief": ["127.0.0.1:1"]}  # no ps: the collective's path
 
         def __init__(self, job_name):
             self.job_name = job_name

@@ -68,3 +68,27 @@ def test_pytorch_ddp_fashion_mnist_two_workers(yarn: HadoopCluster) -> None:
     print(f"\n[pytorch on YARN] accuracy {a['metrics']['accuracy']:.4f}, {m.wall_s:.0f} s")
     assert a["metrics"]["accuracy"] >= 0.85, a["metrics"]
     assert m["worker:0"].container != m["worker:1"].container
+
+
+def test_keras_on_ps_strategy_topology_trains_on_embers_parameter_servers(
+        yarn: HadoopCluster) -> None:
+    """tf-yarn's ps_strategy_topology: the ps task serves a shard of Ember's
+    parameter server and the chief and worker train on it asynchronously,
+    ending with the same (the servers') weights."""
+    pytest.importorskip("tensorflow", reason="the Keras path runs in the main .venv")
+    import yarn_experiment_fns as fns
+
+    from ember.yarn import ps_strategy_topology
+
+    model_dir = yarn.hdfs_url(f"/user/{yarn.user}/yarn-keras-ps")
+    m = run_on_yarn(functools.partial(fns.keras_fmnist, model_dir, 2),
+                    ps_strategy_topology(nb_workers=1, nb_ps=1, memory=2048, vcores=1),
+                    env=ENV, name="ember-test-keras-ps", timeout=900)
+    chief, worker = m["chief:0"].metrics, m["worker:0"].metrics
+    assert (chief["rank"], worker["rank"], chief["size"]) == (0, 1, 2)
+    # different seeds, asynchronous steps: equal only through the servers
+    assert chief["weights_sha256"] == worker["weights_sha256"]
+    assert chief["history"]["loss"][-1] < chief["history"]["loss"][0]
+    assert chief["history"]["accuracy"][-1] > 0.8, chief["history"]
+    assert hdfs.isfile(model_dir + "/export/model.keras")
+    assert "ps:0" in m.tasks

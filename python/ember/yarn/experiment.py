@@ -48,9 +48,15 @@ PyTorch, ``chief`` / ``worker``
     ``n_workers_per_executor`` > 1 starts that many processes per task
     (global rank ``RANK * n + local``, as tf-yarn's ``task_id * n + n``).
 ``ps``
-    Ember's collective needs no parameter server: the task logs that and
-    returns (no TensorFlow server is started; ParameterServerStrategy is not
-    implemented).
+    In ``run_on_yarn`` (tf-yarn's ``ps_strategy_topology``) a ps task serves
+    a shard of Ember's parameter server (:mod:`ember.ps`) and never reaches
+    ``run_task``; a Keras experiment's chief and workers then train
+    asynchronously on it (:func:`ember.keras.parameter_servers`; bounded
+    staleness with ``EMBER_YARN_PS_STALENESS`` in ``env``), each ending
+    with the servers' final weights.  Without ps tasks they average
+    gradients on Ember's collective.  A ps node that does reach
+    ``run_task`` (a Spark cluster started without ``parameter_servers=``)
+    has nothing to serve: it logs that and returns.
 
 :func:`run_task` returns a JSON-able dict: ``task``, ``kind``, ``metrics``
 (the final metrics of this task), ``timings`` (seconds) and kind-specific
@@ -546,7 +552,10 @@ def _keras_train(exp: KerasExperiment, ctx: Any, task: str, mdir: _ModelDir,
         coll.broadcast(initial, 0)
         initial_epoch = int(initial[0])
 
-        callbacks = ember.keras.distribute(model, ctx) + user_callbacks
+        # with ps tasks, asynchronous on Ember's parameter servers; else
+        # data-parallel on the collective
+        callbacks = (ember.keras.parameter_servers(model, ctx) if ctx.cluster_spec.get("ps")
+                     else ember.keras.distribute(model, ctx)) + user_callbacks
         if chief:
             callbacks.append(_checkpointer(keras, mdir, tmp, task))
         t_fit = time.monotonic()

@@ -145,9 +145,23 @@ def run_node(fn: Callable[[Any], Optional[Dict[str, Any]]],
                 heartbeat_interval_ms=int(os.environ.get("EMBER_YARN_HEARTBEAT_MS", "2000")),
                 heartbeat_timeout=HEARTBEAT_TIMEOUT_S,
                 input_mode=0, working_dir=os.getcwd(), main_fun=main_fun, args=None,
-                report_result=True, tensorboard=False)
+                report_result=True, tensorboard=False,
+                # ps tasks serve Ember's parameter server (ember.ps) until the
+                # workers are done or the AM stops them
+                parameter_servers=_parameter_servers() if topo["ps"] else None)
     node = _trainer._register(boot, _Status())
     return _trainer._run(boot, *node)
+
+
+def _parameter_servers() -> Any:
+    """How ps tasks serve: asynchronous, or bounded staleness when
+    EMBER_YARN_PS_STALENESS (run_on_yarn's env=) says how many steps."""
+    from ember.ps import ParameterServers
+
+    raw = os.environ.get("EMBER_YARN_PS_STALENESS", "")
+    if raw and not raw.isdigit():
+        raise RuntimeError(f"EMBER_YARN_PS_STALENESS is {raw!r}; give a number of steps")
+    return ParameterServers(staleness=int(raw) if raw else None)
 
 
 def _experiment_task(ctx: Any) -> Optional[Dict[str, Any]]:
