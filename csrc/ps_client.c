@@ -398,7 +398,8 @@ static int send_rows(ember_ps_client *c, uint16_t type, const char *table, const
   const ember_ps_table_spec *t;
   uint32_t *shard_of = NULL, *slot = NULL;
   size_t row_bytes = (size_t)cols * sizeof(float);
-  const char *what = type == EMBER_MSG_PS_PUSH ? "push" : "assign";
+  const char *what = type == EMBER_MSG_PS_PUSH ? "push" : type == EMBER_MSG_PS_INIT ? "init"
+                                                                                  : "assign";
   int rc = table_for(c, table, cols, ids, what, &t);
   if (rc != EMBER_OK) return rc;
   if (grads == NULL && (ids == NULL || n))
@@ -443,6 +444,11 @@ int ember_ps_client_push(ember_ps_client *c, const char *table, const uint64_t *
 int ember_ps_client_assign(ember_ps_client *c, const char *table, const uint64_t *ids,
                            size_t n, uint32_t cols, const float *values) {
   return send_rows(c, EMBER_MSG_PS_ASSIGN, table, ids, n, cols, values);
+}
+
+int ember_ps_client_init(ember_ps_client *c, const char *table, const uint64_t *ids, size_t n,
+                         uint32_t cols, const float *values) {
+  return send_rows(c, EMBER_MSG_PS_INIT, table, ids, n, cols, values);
 }
 
 static int send_clock(ember_ps_client *c, uint64_t clock) {

@@ -321,11 +321,13 @@ out:
   free(out);
 }
 
-/* PS_PUSH (gradients through the optimizer) and PS_ASSIGN (values), which
- * share their layout. */
-static void handle_push(ember_ps_server *s, int assign, const uint8_t *p, size_t len,
+/* PS_PUSH (gradients through the optimizer), PS_ASSIGN and PS_INIT
+ * (values), which share their layout. */
+static void handle_push(ember_ps_server *s, uint16_t type, const uint8_t *p, size_t len,
                         ps_reply *r) {
-  const char *op = assign ? "assign" : "push";
+  int assign = type != EMBER_MSG_PS_PUSH;
+  const char *op = type == EMBER_MSG_PS_PUSH ? "push" : type == EMBER_MSG_PS_INIT ? "init"
+                                                                                  : "assign";
   ember__ps_push_req q;
   uint64_t *ids = NULL;
   float *grads = NULL;
@@ -363,7 +365,7 @@ static void handle_push(ember_ps_server *s, int assign, const uint8_t *p, size_t
   }
   memcpy(grads, q.grads, floats * sizeof *grads); /* aligned, and little-endian hosts only */
   pthread_mutex_lock(&e->mu);
-  rc = assign ? ember__ps_table_assign(e->table, ids, q.n, grads)
+  rc = assign ? ember__ps_table_assign(e->table, ids, q.n, grads, type == EMBER_MSG_PS_INIT)
               : ember__ps_table_push(e->table, ids, q.n, grads);
   pthread_mutex_unlock(&e->mu);
   if (rc != EMBER_OK) {
@@ -461,8 +463,9 @@ static void *conn_main(void *arg) {
     switch (h.type) {
     case EMBER_MSG_PS_DECLARE: handle_declare(s, payload, h.length, &r); break;
     case EMBER_MSG_PS_PULL: handle_pull(s, c, payload, h.length, &r); break;
-    case EMBER_MSG_PS_PUSH: handle_push(s, 0, payload, h.length, &r); break;
-    case EMBER_MSG_PS_ASSIGN: handle_push(s, 1, payload, h.length, &r); break;
+    case EMBER_MSG_PS_PUSH:
+    case EMBER_MSG_PS_ASSIGN:
+    case EMBER_MSG_PS_INIT: handle_push(s, h.type, payload, h.length, &r); break;
     case EMBER_MSG_PS_CLOCK: handle_clock(s, c, payload, h.length, &r); break;
     case EMBER_MSG_PS_SAVE: handle_save(s, payload, h.length, &r); break;
     default:

@@ -639,7 +639,7 @@ int ember__ps_table_push(ember__ps_table *t, const uint64_t *ids, size_t n, cons
 }
 
 int ember__ps_table_assign(ember__ps_table *t, const uint64_t *ids, size_t n,
-                           const float *values) {
+                           const float *values, int untrained_only) {
   int rc = check_rows(t, ids, n, values, "assign");
   if (rc != EMBER_OK) return rc;
   size_t s, cols = t->spec.cols;
@@ -648,6 +648,7 @@ int ember__ps_table_assign(ember__ps_table *t, const uint64_t *ids, size_t n,
       if ((rc = slot_of(t, ids[i], &s)) != EMBER_OK) return rc;
   for (size_t i = 0; i < n; i++) {
     (void)slot_of(t, ids[i], &s);
+    if (untrained_only && t->steps[s] != 0) continue;
     memcpy(t->vals + s * t->stride, values + i * cols, cols * sizeof *values);
   }
   return EMBER_OK;

@@ -79,10 +79,11 @@ int ember__ps_table_push(ember__ps_table *t, const uint64_t *ids, size_t n, cons
 
 /* Sets the values of rows ids[0..n) (n x cols, in order; the last wins for
  * a row named twice), leaving their optimizer state and step counts: how a
- * chief puts its model's initial weights on the servers.  The same checks
- * as push. */
+ * chief puts its model's initial weights on the servers.  untrained_only:
+ * only rows no push has reached (step count 0), so a restarted job's chief
+ * leaves what a checkpoint restored.  The same checks as push. */
 int ember__ps_table_assign(ember__ps_table *t, const uint64_t *ids, size_t n,
-                           const float *values);
+                           const float *values, int untrained_only);
 
 /* The table in checkpoint encoding, appended to w. */
 void ember__ps_table_encode(const ember__ps_table *t, ember_wire_writer *w);

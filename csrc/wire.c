@@ -53,6 +53,7 @@ int ember_wire_known_type(uint16_t type) {
   case EMBER_MSG_PS_SAVE:
   case EMBER_MSG_PS_REPLY:
   case EMBER_MSG_PS_ASSIGN:
+  case EMBER_MSG_PS_INIT:
     return 1;
   default:
     return 0;
@@ -91,6 +92,7 @@ const char *ember_wire_type_name(uint16_t type) {
   case EMBER_MSG_PS_SAVE: return "PS_SAVE";
   case EMBER_MSG_PS_REPLY: return "PS_REPLY";
   case EMBER_MSG_PS_ASSIGN: return "PS_ASSIGN";
+  case EMBER_MSG_PS_INIT: return "PS_INIT";
   default: return "UNKNOWN";
   }
 }

@@ -902,6 +902,16 @@ static PyObject *PsClient_assign(PyObject *op, PyObject *args, PyObject *kwargs)
   return send_rows(op, args, kwargs, "assign", "values", ember_ps_client_assign);
 }
 
+PyDoc_STRVAR(PsClient_initialize_doc,
+             "initialize(table, ids, rows) -> None\n\n"
+             "assign() for the rows no push has reached yet only: the chief's\n"
+             "initial weights, which leave alone what a restored checkpoint (or\n"
+             "another worker's pushes) already trained.");
+
+static PyObject *PsClient_initialize(PyObject *op, PyObject *args, PyObject *kwargs) {
+  return send_rows(op, args, kwargs, "initialize", "values", ember_ps_client_init);
+}
+
 /* clock / finish share this shape: fn(client). */
 static PyObject *client_call(PyObject *op, int (*fn)(ember_ps_client *)) {
   PsClientObject *self = (PsClientObject *)op;
@@ -1010,6 +1020,8 @@ static PyMethodDef PsClient_methods[] = {
      PsClient_push_doc},
     {"assign", (PyCFunction)(void (*)(void))PsClient_assign, METH_VARARGS | METH_KEYWORDS,
      PsClient_assign_doc},
+    {"initialize", (PyCFunction)(void (*)(void))PsClient_initialize,
+     METH_VARARGS | METH_KEYWORDS, PsClient_initialize_doc},
     {"clock", PsClient_clock, METH_NOARGS, PsClient_clock_doc},
     {"finish", PsClient_finish, METH_NOARGS, PsClient_finish_doc},
     {"save", PsClient_save, METH_O, PsClient_save_doc},

@@ -384,7 +384,8 @@ def parameter_servers(model: Any, ctx: Any, client: Any = None) -> List[Any]:
     if client.worker == 0:  # the chief's initial weights are the model's
         for v, (name, rows, cols, _) in zip(variables, tables):
             value = np.asarray(keras.ops.convert_to_numpy(v), dtype=np.float32)
-            client.assign(name, None, value.reshape(rows, cols))
+            # rows a restored checkpoint trained keep their values
+            client.initialize(name, None, value.reshape(rows, cols))
     coll.barrier()
     for v, (name, _, cols, shape) in zip(variables, tables):
         v.assign(client.pull(name, None, cols).reshape(shape))

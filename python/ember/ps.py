@@ -44,17 +44,24 @@ class ParameterServers:
     :param staleness: None for fully asynchronous training; ``s`` to hold a
         worker that is more than ``s`` steps (``Client.clock`` calls) ahead
         of the slowest unfinished worker (bounded staleness).
-    :param checkpoint_dir: a directory on the ps nodes' hosts: a shard that
-        finds its checkpoint file there when it starts restores it (a
-        restarted job goes on from the last ``Client.save``).
+    :param checkpoint_dir: a directory on the ps nodes' hosts (shared, or
+        the same host again: ``driver_ps_nodes=True``).  Each shard writes
+        ``ps-<k>-of-<n>.ckpt`` there every ``checkpoint_secs`` and when it
+        ends, and restores it when it starts (a job restarted by
+        ``max_restarts`` goes on from there; a chief's initial weights go
+        only to rows no push reached: ``PsClient.initialize``).
+    :param checkpoint_secs: seconds between a shard's checkpoints.
     """
 
     staleness: Optional[int] = None
     checkpoint_dir: Optional[str] = None
+    checkpoint_secs: float = 60.0
 
     def __post_init__(self) -> None:
         if self.staleness is not None and not 0 <= self.staleness < 2**32 - 1:
             raise ValueError(f"staleness must be None or 0..2**32-2, got {self.staleness}")
+        if not self.checkpoint_secs > 0:
+            raise ValueError(f"checkpoint_secs must be positive, got {self.checkpoint_secs}")
 
 
 class Client:
@@ -148,16 +155,25 @@ def serve(nodes: Sequence[Dict[str, Any]], me: Dict[str, Any], secret: bytes, li
             logger.info(f"{where}: restored {server.stats()['rows_held']} rows from {ckpt}")
         logger.info(f"{where}: serving {workers} workers on port {server.port} "
                     f"({'asynchronous' if staleness is None else f'staleness {staleness}'})")
+        next_save = time.monotonic() + config.checkpoint_secs
         while True:
             if stop_requested():
-                return "stopped by the driver"
+                why = "stopped by the driver"
+                break
             stats = server.stats()
             # every worker finished (min_clock is then the finished mark) and
             # left: a worker's main_fun returning finishes and closes its client,
             # while a finish between two fits keeps it connected
             if stats["min_clock"] == 2**64 - 1 and stats["workers_connected"] == 0:
-                return (f"every worker finished: {stats['pushes']} pushes, "
-                        f"{stats['pulls']} pulls, {stats['rows_held']} rows held")
+                why = (f"every worker finished: {stats['pushes']} pushes, "
+                       f"{stats['pulls']} pulls, {stats['rows_held']} rows held")
+                break
+            if ckpt and time.monotonic() >= next_save:
+                server.save(ckpt)
+                next_save = time.monotonic() + config.checkpoint_secs
             time.sleep(0.2)
+        if ckpt:
+            server.save(ckpt)
+        return why
     finally:
         server.close()

@@ -160,6 +160,15 @@ TEST(assign_sets_values_and_the_optimizer_goes_on_from_them) {
   CHECK_OK(ember_ps_client_pull(c, "e", ids, 3, 2, w));
   CHECK(memcmp(v, w, 6 * sizeof *v) == 0);
   CHECK_EQ_INT(ember_ps_client_assign(c, "e", ids, 3, 3, v), EMBER_ESCHEMA);
+  /* init leaves trained rows (the dense table was pushed once) and sets fresh ones */
+  float z[10] = {0}, e_rows[6];
+  CHECK_OK(ember_ps_client_init(c, "w", NULL, 5, 2, z));
+  CHECK_OK(ember_ps_client_pull(c, "w", NULL, 5, 2, w));
+  for (int i = 0; i < 10; i++) CHECK(near(w[i], (float)i - 0.5f));
+  uint64_t fresh[2] = {3, 7}; /* 3 was assigned (not trained), 7 never touched */
+  CHECK_OK(ember_ps_client_init(c, "e", fresh, 2, 2, z));
+  CHECK_OK(ember_ps_client_pull(c, "e", fresh, 2, 2, e_rows));
+  for (int i = 0; i < 4; i++) CHECK(e_rows[i] == 0.0f);
   ember_ps_stats a, b;
   ember_ps_server_stats(p.srv[0], &a);
   ember_ps_server_stats(p.srv[1], &b);

@@ -133,3 +133,47 @@ def fmnist_steps(args: Dict[str, Any], ctx: Any) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(info, f)
     os.replace(path + ".tmp", path)
+
+
+def keras_restart(args: Dict[str, Any], ctx: Any) -> None:
+    """An MLP on the parameter servers, killed and restarted: each attempt
+    notes the test accuracy of the weights it starts from (the servers',
+    after ``parameter_servers``) and of those it ends with."""
+    keras = _keras()
+    import ember.keras
+    from examples.fashion_mnist.data import load_split
+
+    attempt = int(os.environ.get("EMBER_RESTART", "0"))
+    ps = ctx.parameter_servers(timeout=120)
+    rank, size = ps.worker, ps.num_workers
+    images, labels = load_split("train")
+    n = args["n"]
+    x = images[:n].reshape(n, -1).astype(np.float32) / 255.0
+    y = labels[:n].astype(np.int64)
+    x, y = x[rank::size], y[rank::size]
+    test_x, test_y = load_split("test")
+    test_x = test_x[:2000].reshape(2000, -1).astype(np.float32) / 255.0
+    test_y = test_y[:2000].astype(np.int64)
+    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(10)], name="restart")
+    model.compile(optimizer=keras.optimizers.Adam(2e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    callbacks = ember.keras.parameter_servers(model, ctx)
+    _, start = model.evaluate(test_x, test_y, verbose=0)
+    seen: list = []
+
+    class Marks(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            seen.append(batch)
+            if len(seen) == 10:
+                open(os.path.join(args["out"], f"started-{attempt}-{rank}"), "w").close()
+            if attempt == 0:
+                time.sleep(0.03)  # long enough for the test to kill a ps mid-way
+
+    model.fit(x, y, batch_size=64, epochs=args["epochs"], callbacks=[Marks(), *callbacks],
+              verbose=0)
+    _, end = model.evaluate(test_x, test_y, verbose=0)
+    path = os.path.join(args["out"], f"attempt-{attempt}-{rank}.json")
+    with open(path, "w") as f:
+        json.dump(dict(start=float(start), end=float(end), steps=len(seen)), f)

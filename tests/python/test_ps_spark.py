@@ -36,3 +36,42 @@ def test_keras_trains_asynchronously_on_two_ps_shards(local_spark, tmp_path):
     # ended with the servers' final weights
     assert chief["start"] == worker["start"]
     assert chief["final"] == worker["final"] != chief["start"]
+
+
+def test_a_killed_ps_is_named_and_the_job_resumes_from_the_ps_checkpoints(local_spark, tmp_path):
+    """SIGKILL a ps node mid-training with max_restarts=1: the restart names
+    it, the restarted shards restore their checkpoints (written every
+    second), the chief's fresh initial weights leave the trained rows alone,
+    and the job trains on to the end."""
+    import json
+    import os
+    import signal
+    import time
+
+    sc = local_spark.sparkContext
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    cluster = run(sc, psfuns.keras_restart, {"out": str(out), "n": 8192, "epochs": 3},
+                  num_executors=4, num_ps=2, input_mode=InputMode.TENSORFLOW,
+                  parameter_servers=ParameterServers(checkpoint_dir=str(ckpt),
+                                                     checkpoint_secs=1.0),
+                  max_restarts=1, reservation_timeout=120)
+    try:
+        victim = next(n for n in cluster.nodes if n["role"] == "ps" and n["task_index"] == 1)
+        deadline = time.monotonic() + 120
+        while not (out / "started-0-0").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2.5)  # a checkpoint or two
+        os.kill(victim["pid"], signal.SIGKILL)
+    finally:
+        cluster.shutdown(timeout=300)
+    assert cluster.restarts == 1
+    cause = cluster.restart_causes[0]
+    assert cause.node == victim["index"] and "ps:1" in str(cause), str(cause)[:400]
+    assert sorted(os.listdir(ckpt)) == ["ps-0-of-2.ckpt", "ps-1-of-2.ckpt"]
+    first = json.loads((out / "attempt-1-0.json").read_text())
+    # the second attempt started from the restored, trained weights, not
+    # from the chief's fresh ones (about 0.1 on ten classes)
+    assert first["start"] > 0.6, first
+    assert first["end"] > 0.75, first
+    assert not (out / "attempt-0-0.json").exists()  # the first attempt never finished

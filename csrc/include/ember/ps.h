@@ -42,6 +42,7 @@
  *   PS_PUSH     str table, u8 whole, u32 n, u32 cols, n x u64 row (unless
  *               whole), n x cols f32
  *   PS_ASSIGN   as PS_PUSH, with values to set instead of gradients
+ *   PS_INIT     as PS_ASSIGN, to the rows no push has reached only
  *   PS_CLOCK    u64 clock (the worker finished that many steps)
  *   PS_SAVE     str dir: the shard writes its checkpoint file there
  * The server keeps serving every other worker whatever one sends: a
@@ -193,6 +194,12 @@ int ember_ps_client_push(ember_ps_client *c, const char *table, const uint64_t *
  * puts its model's initial weights on the servers before training. */
 int ember_ps_client_assign(ember_ps_client *c, const char *table, const uint64_t *ids,
                            size_t n, uint32_t cols, const float *values);
+
+/* ember_ps_client_assign for the rows no push has reached yet only: a
+ * chief's initial weights that leave alone what a restored checkpoint (or
+ * another worker's pushes) already trained. */
+int ember_ps_client_init(ember_ps_client *c, const char *table, const uint64_t *ids, size_t n,
+                         uint32_t cols, const float *values);
 
 /* This worker finished another step (bounded staleness). */
 int ember_ps_client_clock(ember_ps_client *c);

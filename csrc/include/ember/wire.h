@@ -85,7 +85,8 @@ typedef enum {
   EMBER_MSG_PS_CLOCK = 68,   /* u64 steps done (UINT64_MAX: the worker finished) */
   EMBER_MSG_PS_SAVE = 69,    /* str directory */
   EMBER_MSG_PS_REPLY = 70,   /* server->worker: u32 status, str reason, body */
-  EMBER_MSG_PS_ASSIGN = 71   /* as PS_PUSH, values instead of gradients */
+  EMBER_MSG_PS_ASSIGN = 71,  /* as PS_PUSH, values instead of gradients */
+  EMBER_MSG_PS_INIT = 72     /* as PS_ASSIGN, only to rows no push reached */
 } ember_msg_type;
 
 typedef struct {
