@@ -261,7 +261,8 @@ test-py: setup hadoop test-jvm-archive
 
 # PyTorch tests and example (in .venv-torch; skipped by the main venv's pytest run)
 test-torch: setup hadoop
-	$(TORCH_PY) -m pytest -q tests/python/test_torch.py tests/python/test_ml_torch.py \
+	$(TORCH_PY) -m pytest -q tests/python/test_torch.py tests/python/test_torch_ps.py \
+		tests/python/test_ml_torch.py \
 		tests/python/test_yarn_experiment_local.py tests/python/test_yarn_experiments.py \
 		tests/python/test_kerberos.py::test_run_on_yarn_pytorch_reads_hdfs_tfrecords_on_a_kerberized_grid
 

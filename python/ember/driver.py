@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ember import _ember, _gpu, _log, executor
 from ember import mlflow as _mlflow
@@ -26,7 +26,7 @@ from ember._env import bind_host
 from ember.errors import (EmberError, EmberFeedError, EmberJobError, EmberNodeError,
                           find_feed_error, from_core, spark_job_cause)
 from ember.executor import FeedCall
-from ember.node import CHECKPOINT_REPORT, RESUME_REPORT
+from ember.node import CHECKPOINT_REPORT, RESUME_REPORT, SERVING_REPORT
 from ember.tensors import tensor_specs
 
 FEED_ROLES = ("chief", "worker")
@@ -171,6 +171,7 @@ class Cluster:
             self._secret, n, heartbeat_timeout_ms=int(self._heartbeat_timeout * 1000),
             host=self._driver_bind_host, **self._roles)
         self._state: Dict[int, str] = {}  # node -> running|done|failed|lost|stopping
+        self._serving: Set[int] = set()  # nodes serving until stopped (SERVING_REPORT)
         self._failures: List[EmberNodeError] = []
         # fed node -> the epoch (or stream micro-batch) its main_fun resumes
         # from (ctx.resume_from), None when it read its feed without naming
@@ -342,6 +343,11 @@ class Cluster:
                     self._changed.notify_all()
                 if named:
                     logger.info(f"{self._name(node)}: resumes from {text}")
+            elif kind == "progress" and code == SERVING_REPORT:  # ctx.serve_until_stopped
+                with self._lock:
+                    self._serving.add(node)
+                    self._changed.notify_all()
+                logger.info(f"{self._name(node)}: serving until shutdown")
             elif kind == "progress" and code == CHECKPOINT_REPORT:  # see ember._stream
                 if (text or "").isdigit():
                     with self._lock:
@@ -896,7 +902,9 @@ class Cluster:
             trainers = [n["index"] for n in self.nodes if n["role"] in FEED_ROLES]
             deadline = time.monotonic() + timeout
             with self._lock:
-                while not self._failures and any(self._state.get(i) != "done" for i in trainers):
+                # a trainer that serves (ctx.serve_until_stopped) ends when stopped
+                while not self._failures and any(self._state.get(i) != "done"
+                                                 and i not in self._serving for i in trainers):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         missing = [self._name(i) for i in trainers if self._state.get(i) != "done"]

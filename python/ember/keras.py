@@ -389,6 +389,8 @@ def parameter_servers(model: Any, ctx: Any, client: Any = None) -> List[Any]:
     coll.barrier()
     for v, (name, _, cols, shape) in zip(variables, tables):
         v.assign(client.pull(name, None, cols).reshape(shape))
+    # nobody pushes before everyone pulled: every worker starts from the same weights
+    coll.barrier()
 
     def step(*grads: np.ndarray) -> List[np.ndarray]:
         for (name, rows, cols, _), g in zip(tables, grads):

@@ -32,6 +32,11 @@ RESUME_REPORT = 0x52534D  # "RSM"
 #: model's checkpoint holds every micro-batch of a stream before the one named
 #: (text: that micro-batch id).  See :meth:`NodeContext.checkpointed`.
 CHECKPOINT_REPORT = 0x434B50  # "CKP"
+#: The code of the progress REPORT by which a chief or worker node tells the
+#: driver it now serves (a framework's server, e.g. a worker of TensorFlow's
+#: ParameterServerStrategy) until it is stopped: shutdown then waits for the
+#: other trainers only, and stops it.  See :meth:`NodeContext.serve_until_stopped`.
+SERVING_REPORT = 0x535256  # "SRV"
 
 logger = logging.getLogger("ember.node")
 
@@ -737,6 +742,16 @@ class NodeContext:
     def barrier(self, timeout: Optional[float] = None) -> None:
         """Returns once every chief/worker node has entered the barrier."""
         self.collective.barrier(timeout)
+
+    def serve_until_stopped(self, poll: float = 0.2) -> None:
+        """Tells the driver this node serves (a framework's server runs in
+        it, such as ``tf.distribute.Server`` on a worker of TensorFlow's
+        ParameterServerStrategy, whose work the chief schedules) and returns
+        when the driver stops it: ``cluster.shutdown()`` waits for the
+        trainers that do not serve (the chief), then stops the rest."""
+        self._control.report("progress", SERVING_REPORT, "", 10.0)
+        while self._control.stop_state() == 0:
+            time.sleep(poll)
 
     def parameter_servers(self, timeout: float = 600.0) -> Any:
         """This worker's :class:`ember.ps.Client` to the cluster's parameter

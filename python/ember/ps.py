@@ -177,3 +177,27 @@ def serve(nodes: Sequence[Dict[str, Any]], me: Dict[str, Any], secret: bytes, li
         return why
     finally:
         server.close()
+
+
+def tensorflow_server(ctx: Any) -> None:
+    """TensorFlow's own ParameterServerStrategy on an Ember cluster: call it
+    as the whole ``main_fun`` of the ps and worker nodes (the chief runs the
+    ``ClusterCoordinator``).  Starts ``tf.distribute.Server`` from the
+    ``TF_CONFIG`` Ember set, on the node's framework port, and returns when
+    the driver stops the node: ``cluster.shutdown()`` waits for the chief,
+    then stops the servers (as TensorFlow's own servers end with their job).
+
+    Run without ``parameter_servers=``: the ps nodes run ``main_fun`` here.
+    """
+    import tensorflow as tf
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    if resolver.task_type not in ("ps", "worker"):
+        raise ValueError(f"tensorflow_server() runs on the ps and worker nodes; this is the "
+                         f"{resolver.task_type} (it runs the ClusterCoordinator)")
+    server = tf.distribute.Server(resolver.cluster_spec(), job_name=resolver.task_type,
+                                  task_index=resolver.task_id,
+                                  protocol=resolver.rpc_layer or "grpc", start=True)
+    logger.info(f"{resolver.task_type}:{resolver.task_id}: tf.distribute.Server at "
+                f"{server.target}")
+    ctx.serve_until_stopped()

@@ -370,7 +370,8 @@ class ParameterServerOptimizer:
     model.  Each ``step()`` then pushes every parameter's ``.grad`` (zeros
     for a parameter without one), counts a step (bounded staleness, if
     configured) and pulls every table into the parameters, without waiting
-    for the other workers.  The servers apply the update rule and keep its
+    for the other workers; :meth:`finish` at the end leaves every worker
+    with the servers' final weights.  The servers apply the update rule and keep its
     state per row: this object holds no state, and has no ``state_dict`` or
     ``load_state_dict`` (the servers' state is checkpointed with
     ``ctx.parameter_servers().save(dir)``).  LR schedulers do not apply: the
@@ -443,10 +444,16 @@ class ParameterServerOptimizer:
             self._tables.append((table, p, rows, cols))
         if self.client.worker == 0:  # the chief's initial weights are the model's
             for table, p, rows, cols in self._tables:
-                self.client.assign(table, None, _host_rows(p, rows, cols))
-        if ctx is not None:  # None: a client= of one worker, nobody to wait for
-            getattr(ctx, "collective", ctx).barrier()
+                # rows a restored checkpoint trained keep their values
+                self.client.initialize(table, None, _host_rows(p, rows, cols))
+        # None: a client= of one worker, nobody to wait for
+        self._collective = getattr(ctx, "collective", ctx) if ctx is not None else None
+        if self._collective is not None:
+            self._collective.barrier()
         self._pull()
+        if self._collective is not None:
+            # nobody pushes before everyone pulled: every worker starts the same
+            self._collective.barrier()
         floats = sum(rows * cols for _, _, rows, cols in self._tables)
         logger.info(f"worker {self.client.worker}: {len(self._tables)} tables ({floats} floats) "
                     f"of {prefix!r} on {self.client.num_shards} parameter-server shards, "
@@ -494,6 +501,18 @@ class ParameterServerOptimizer:
         self._pull()
         self.steps += 1
         return loss
+
+    def finish(self) -> None:
+        """The end of this worker's training: tells the servers it finished
+        (so bounded staleness holds nobody back for it), waits for the other
+        workers (``ctx.collective.barrier()``) and pulls the final weights, so
+        that every worker ends with the model the servers hold (what the
+        asynchronous job trained), not with the weights of its own last
+        step.  A worker that steps again afterwards counts again."""
+        self.client.finish()
+        if self._collective is not None:
+            self._collective.barrier()
+        self._pull()
 
     def __repr__(self) -> str:
         return (f"ParameterServerOptimizer({len(self._tables)} tables, "

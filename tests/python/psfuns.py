@@ -177,3 +177,55 @@ def keras_restart(args: Dict[str, Any], ctx: Any) -> None:
     path = os.path.join(args["out"], f"attempt-{attempt}-{rank}.json")
     with open(path, "w") as f:
         json.dump(dict(start=float(start), end=float(end), steps=len(seen)), f)
+
+
+def tf_parameter_server_strategy(args: Dict[str, Any], ctx: Any) -> None:
+    """TensorFlow's ParameterServerStrategy (tf_keras) as its users write it:
+    the ps and worker nodes serve (ember.ps.tensorflow_server), the chief
+    coordinates model.fit over a dataset_fn that each worker runs on its
+    TFRecord shard; the chief writes the test accuracy."""
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    from ember import ps
+
+    if ctx.job_name in ("ps", "worker"):
+        ps.tensorflow_server(ctx)
+        return
+    import tf_keras as keras
+
+    from examples.fashion_mnist.data import load_split
+
+    files = sorted(os.path.join(args["data"], f) for f in os.listdir(args["data"])
+                   if f.endswith(".tfrecord"))
+    spec = {"image": tf.io.FixedLenFeature([784], tf.float32),
+            "label": tf.io.FixedLenFeature([1], tf.int64)}
+
+    def dataset_fn(input_context: Any) -> Any:
+        shard = files[input_context.input_pipeline_id::input_context.num_input_pipelines]
+        ds = tf.data.TFRecordDataset(shard).repeat().shuffle(2048)
+        ds = ds.batch(input_context.get_per_replica_batch_size(64))
+        return ds.map(lambda r: (lambda e: (e["image"], e["label"]))(
+            tf.io.parse_example(r, spec))).prefetch(2)
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    strategy = tf.distribute.ParameterServerStrategy(resolver)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((784,)),
+                                  keras.layers.Dense(256, activation="relu"),
+                                  keras.layers.Dense(128, activation="relu"),
+                                  keras.layers.Dense(10)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=10)
+    model.fit(keras.utils.experimental.DatasetCreator(dataset_fn), epochs=args["epochs"],
+              steps_per_epoch=args["steps"], verbose=0)
+    test_x, test_y = load_split("test")
+    test_x = test_x[:2000].reshape(2000, -1).astype(np.float32) / 255.0
+    logits = model(test_x, training=False).numpy()
+    accuracy = float((logits.argmax(1) == test_y[:2000]).mean())
+    with open(os.path.join(args["out"], "chief.json"), "w") as f:
+        json.dump(dict(accuracy=accuracy, workers=len(resolver.cluster_spec().as_dict()
+                                                      .get("worker", []))), f)

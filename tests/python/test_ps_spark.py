@@ -75,3 +75,31 @@ def test_a_killed_ps_is_named_and_the_job_resumes_from_the_ps_checkpoints(local_
     assert first["start"] > 0.6, first
     assert first["end"] > 0.75, first
     assert not (out / "attempt-0-0.json").exists()  # the first attempt never finished
+
+
+def test_tensorflow_parameter_server_strategy_runs_as_written(local_spark, tmp_path):
+    """Existing TF2 parameter-server code (tf_keras, ClusterCoordinator,
+    dataset_fn on TFRecords) on an Ember cluster in InputMode.TENSORFLOW:
+    the ps and worker nodes run tf.distribute.Server until shutdown stops
+    them after the chief is done."""
+    import json
+
+    import numpy as np
+
+    from examples.fashion_mnist.data import load_split, to_tfrecords
+
+    sc = local_spark.sparkContext
+    images, labels = load_split("train")
+    data = str(tmp_path / "tfrecords")
+    to_tfrecords(sc, images[:12000], labels[:12000], data, 4)
+    out = tmp_path / "out"
+    out.mkdir()
+    cluster = run(sc, psfuns.tf_parameter_server_strategy,
+                  {"out": str(out), "data": data, "epochs": 2, "steps": 150},
+                  num_executors=3, num_ps=1, input_mode=InputMode.TENSORFLOW,
+                  env={"TF_USE_LEGACY_KERAS": "1"}, reservation_timeout=120)
+    cluster.shutdown(timeout=600)
+    chief = json.loads((out / "chief.json").read_text())
+    assert chief["workers"] == 1
+    assert chief["accuracy"] > 0.75, chief
+    assert np.isfinite(chief["accuracy"])

@@ -287,5 +287,7 @@ def test_torch_trains_asynchronously_on_two_ps_shards(local_spark, tmp_path):
         per_step = node["clicks_received"] / node["clicks_steps"]
         assert 0 < per_step < 128 * 8 * 4 + 4096, per_step
         assert node["clicks_received"] < node["table_bytes"] / 20
-    # both started from the chief's weights, whatever their own seeds
+    # both started from the chief's weights, whatever their own seeds, and
+    # ended with the servers' final weights (ParameterServerOptimizer.finish)
     assert chief["start"] == worker["start"]
+    assert chief["final"] == worker["final"] != chief["start"]

@@ -42,6 +42,8 @@ def torch_async(args: Dict[str, Any], ctx: Any) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(784, 64), torch.nn.ReLU(),
                                 torch.nn.Linear(64, 10))
     opt = ember.torch.ParameterServerOptimizer(model, ctx, "adam", 2e-3, prefix="mlp")
+    # every worker starts from the chief's weights: the optimizer waits
+    # until all have pulled them before anyone pushes
     start = [float(p.detach().sum()) for p in model.parameters()]
     loss_fn = torch.nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(rank)
@@ -57,6 +59,8 @@ def torch_async(args: Dict[str, Any], ctx: Any) -> None:
             opt.step()
             total, batches = total + float(loss), batches + 1
         losses.append(total / batches)
+    opt.finish()  # every worker ends with the servers' weights
+    final = [float(p.detach().sum()) for p in model.parameters()]
     test_x, test_y = load_split("test")
     with torch.no_grad():
         logits = model(torch.from_numpy(test_x[:2000].reshape(2000, -1).astype(np.float32)
@@ -86,8 +90,9 @@ def torch_async(args: Dict[str, Any], ctx: Any) -> None:
             if epoch == epochs - 1:  # the last epoch's accuracy, as Keras's History has it
                 right += int(((logit.detach() > 0).float() == target).sum())
     after = ps.bytes()
+    clicks_opt.finish()
     _write(args, ctx, dict(
-        rank=rank, size=size, shards=ps.num_shards, start=start, loss=losses,
+        rank=rank, size=size, shards=ps.num_shards, start=start, final=final, loss=losses,
         accuracy=accuracy, clicks_accuracy=right / len(items),
         clicks_received=after[1] - before[1], clicks_sent=after[0] - before[0],
         clicks_steps=epochs * steps, distinct_items=int(len(np.unique(items.numpy()))),
