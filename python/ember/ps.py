@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -44,8 +45,9 @@ class ParameterServers:
     :param staleness: None for fully asynchronous training; ``s`` to hold a
         worker that is more than ``s`` steps (``Client.clock`` calls) ahead
         of the slowest unfinished worker (bounded staleness).
-    :param checkpoint_dir: a directory on the ps nodes' hosts (shared, or
-        the same host again: ``driver_ps_nodes=True``).  Each shard writes
+    :param checkpoint_dir: an ``hdfs://`` directory, or one on the ps
+        nodes' hosts (shared, or the same host again:
+        ``driver_ps_nodes=True``).  Each shard writes
         ``ps-<k>-of-<n>.ckpt`` there every ``checkpoint_secs`` and when it
         ends, and restores it when it starts (a job restarted by
         ``max_restarts`` goes on from there; a chief's initial weights go
@@ -136,6 +138,49 @@ def connect(nodes: Sequence[Dict[str, Any]], me: Dict[str, Any], secret: bytes,
     return Client(client)
 
 
+def checkpoint_name(shard: int, num_shards: int) -> str:
+    """The file a shard's checkpoint is in (``ember_ps_server_save``)."""
+    return f"ps-{shard}-of-{num_shards}.ckpt"
+
+
+def save_checkpoint(server: Any, shard: int, num_shards: int, directory: str) -> None:
+    """``server.save`` into a local directory or an ``hdfs://`` one (written
+    locally, uploaded under a temporary name and renamed, so a reader never
+    sees half a file)."""
+    from ember import hdfs
+
+    if not hdfs.is_hdfs(directory):
+        server.save(directory)
+        return
+    name = checkpoint_name(shard, num_shards)
+    with tempfile.TemporaryDirectory(prefix="ember-ps-") as local:
+        server.save(local)
+        hdfs.makedirs(directory)
+        partial = hdfs.join(directory, f".{name}.uploading")
+        hdfs.upload(os.path.join(local, name), partial)
+        hdfs.rename(partial, hdfs.join(directory, name), overwrite=True)
+
+
+def restore_checkpoint(server: Any, shard: int, num_shards: int, directory: str) -> bool:
+    """Restores ``server`` from its shard's checkpoint in ``directory``
+    (local or ``hdfs://``); False when there is none yet."""
+    from ember import hdfs
+
+    name = checkpoint_name(shard, num_shards)
+    if not hdfs.is_hdfs(directory):
+        if not os.path.exists(os.path.join(directory, name)):
+            return False
+        server.restore(directory)
+        return True
+    url = hdfs.join(directory, name)
+    if not hdfs.exists(url):
+        return False
+    with tempfile.TemporaryDirectory(prefix="ember-ps-") as local:
+        hdfs.download(url, os.path.join(local, name))
+        server.restore(local)
+    return True
+
+
 def serve(nodes: Sequence[Dict[str, Any]], me: Dict[str, Any], secret: bytes, listen_fd: int,
           config: ParameterServers, encrypt: bool, stop_requested: Any) -> str:
     """Runs this ps node's shard on ``listen_fd`` (its framework port) until
@@ -150,8 +195,7 @@ def serve(nodes: Sequence[Dict[str, Any]], me: Dict[str, Any], secret: bytes, li
     try:
         where = f"ps shard {shard} of {num_shards}"
         ckpt = config.checkpoint_dir
-        if ckpt and os.path.exists(os.path.join(ckpt, f"ps-{shard}-of-{num_shards}.ckpt")):
-            server.restore(ckpt)
+        if ckpt and restore_checkpoint(server, shard, num_shards, ckpt):
             logger.info(f"{where}: restored {server.stats()['rows_held']} rows from {ckpt}")
         logger.info(f"{where}: serving {workers} workers on port {server.port} "
                     f"({'asynchronous' if staleness is None else f'staleness {staleness}'})")
@@ -169,11 +213,11 @@ def serve(nodes: Sequence[Dict[str, Any]], me: Dict[str, Any], secret: bytes, li
                        f"{stats['pulls']} pulls, {stats['rows_held']} rows held")
                 break
             if ckpt and time.monotonic() >= next_save:
-                server.save(ckpt)
+                save_checkpoint(server, shard, num_shards, ckpt)
                 next_save = time.monotonic() + config.checkpoint_secs
             time.sleep(0.2)
         if ckpt:
-            server.save(ckpt)
+            save_checkpoint(server, shard, num_shards, ckpt)
         return why
     finally:
         server.close()

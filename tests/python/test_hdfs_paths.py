@@ -345,3 +345,46 @@ def test_tfmodel_with_hdfs_model_dir_checkpoint(local_spark, hconf: HadoopCluste
             model.setModelDir(url + "-none").transform(df)
     finally:
         _forget_cached(url)
+
+
+def test_parameter_server_checkpoints_on_hdfs(hconf: HadoopCluster) -> None:
+    """ParameterServers(checkpoint_dir="hdfs://...") (ember.ps): a shard's
+    checkpoint goes up whole (uploaded under a temporary name, renamed) and
+    new servers restore the values and the optimizer state from it."""
+    from ember import ps
+
+    url = _url(hconf, "ps-ckpt")
+    secret = os.urandom(32)
+
+    def shards() -> list:
+        return [_ember.PsServer(secret, k, 2, 1, host="127.0.0.1") for k in range(2)]
+
+    def client(servers: list) -> _ember.PsClient:
+        c = _ember.PsClient(["127.0.0.1"] * 2, [s.port for s in servers], secret, 0, 1,
+                            timeout_s=30.0)
+        c.declare("w", "dense", 6, 4, "adam", 0.01, init="uniform", init_scale=0.1, seed=3)
+        return c
+
+    grads = np.linspace(-1, 1, 24, dtype=np.float32).reshape(6, 4)
+    servers = shards()
+    c = client(servers)
+    assert not ps.restore_checkpoint(servers[0], 0, 2, url)  # none yet
+    c.push("w", None, grads)
+    for k, s in enumerate(servers):
+        ps.save_checkpoint(s, k, 2, url)
+    c.push("w", None, grads)
+    expected = c.pull("w", None, 4)
+    c.close()
+    for s in servers:
+        s.close()
+    assert sorted(hdfs.listdir(url)) == ["ps-0-of-2.ckpt", "ps-1-of-2.ckpt"]
+
+    servers = shards()
+    for k, s in enumerate(servers):
+        assert ps.restore_checkpoint(s, k, 2, url)
+    c = client(servers)
+    c.push("w", None, grads)  # the same second step, from the restored Adam state
+    np.testing.assert_array_equal(c.pull("w", None, 4), expected)
+    c.close()
+    for s in servers:
+        s.close()
