@@ -40,27 +40,31 @@ void ember__ps_encode_spec(ember_wire_writer *w, const ember_ps_table_spec *spec
   ember_wire_write_u64(w, spec->seed);
 }
 
+void ember__ps_read_spec(ember_wire_reader *r, ember_ps_table_spec *spec, char *name_buf) {
+  ember_ps_optimizer *o = &spec->optimizer;
+  memset(spec, 0, sizeof *spec);
+  ember_wire_read_str(r, name_buf, EMBER_PS_NAME_MAX);
+  spec->name = name_buf;
+  spec->layout = ember_wire_read_u32(r);
+  spec->rows = ember_wire_read_u64(r);
+  spec->cols = ember_wire_read_u32(r);
+  o->kind = ember_wire_read_u32(r);
+  o->learning_rate = read_f32(r);
+  o->momentum = read_f32(r);
+  o->beta1 = read_f32(r);
+  o->beta2 = read_f32(r);
+  o->epsilon = read_f32(r);
+  o->initial_accumulator = read_f32(r);
+  spec->init = ember_wire_read_u32(r);
+  spec->init_scale = read_f32(r);
+  spec->seed = ember_wire_read_u64(r);
+}
+
 int ember__ps_decode_spec(const uint8_t *p, size_t len, ember_ps_table_spec *spec,
                           char *name_buf) {
   ember_wire_reader r;
-  ember_ps_optimizer *o = &spec->optimizer;
-  memset(spec, 0, sizeof *spec);
   ember_wire_reader_init(&r, p, len);
-  ember_wire_read_str(&r, name_buf, EMBER_PS_NAME_MAX);
-  spec->name = name_buf;
-  spec->layout = ember_wire_read_u32(&r);
-  spec->rows = ember_wire_read_u64(&r);
-  spec->cols = ember_wire_read_u32(&r);
-  o->kind = ember_wire_read_u32(&r);
-  o->learning_rate = read_f32(&r);
-  o->momentum = read_f32(&r);
-  o->beta1 = read_f32(&r);
-  o->beta2 = read_f32(&r);
-  o->epsilon = read_f32(&r);
-  o->initial_accumulator = read_f32(&r);
-  spec->init = ember_wire_read_u32(&r);
-  spec->init_scale = read_f32(&r);
-  spec->seed = ember_wire_read_u64(&r);
+  ember__ps_read_spec(&r, spec, name_buf);
   return ember_wire_reader_finish(&r, 1, "PS_DECLARE");
 }
 

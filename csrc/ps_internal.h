@@ -24,6 +24,10 @@ uint64_t ember__ps_dense_begin(uint64_t rows, uint32_t k, uint32_t n);
 void ember__ps_encode_spec(ember_wire_writer *w, const ember_ps_table_spec *spec);
 int ember__ps_decode_spec(const uint8_t *p, size_t len, ember_ps_table_spec *spec,
                           char *name_buf);
+/* The spec's fields from r, which advances (a read past the end sets
+ * r->err): what the decoder above and a checkpoint's table (ps_table.c)
+ * read. */
+void ember__ps_read_spec(ember_wire_reader *r, ember_ps_table_spec *spec, char *name_buf);
 
 /* PS_PULL: str table, u64 clock, u32 wait_ms, u8 whole, u32 n, then (unless
  * whole) n x u64 row.  ids points into the payload (read with

@@ -656,36 +656,8 @@ int ember__ps_table_assign(ember__ps_table *t, const uint64_t *ids, size_t n,
 
 /* ================================================================ checkpoint */
 
-static void write_f32(ember_wire_writer *w, float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  ember_wire_write_u32(w, u);
-}
-
-static float read_f32(ember_wire_reader *r) {
-  uint32_t u = ember_wire_read_u32(r);
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 void ember__ps_table_encode(const ember__ps_table *t, ember_wire_writer *w) {
-  const ember_ps_table_spec *s = &t->spec;
-  const ember_ps_optimizer *o = &s->optimizer;
-  ember_wire_write_str(w, s->name);
-  ember_wire_write_u32(w, s->layout);
-  ember_wire_write_u64(w, s->rows);
-  ember_wire_write_u32(w, s->cols);
-  ember_wire_write_u32(w, o->kind);
-  write_f32(w, o->learning_rate);
-  write_f32(w, o->momentum);
-  write_f32(w, o->beta1);
-  write_f32(w, o->beta2);
-  write_f32(w, o->epsilon);
-  write_f32(w, o->initial_accumulator);
-  ember_wire_write_u32(w, s->init);
-  write_f32(w, s->init_scale);
-  ember_wire_write_u64(w, s->seed);
+  ember__ps_encode_spec(w, &t->spec); /* the spec as PS_DECLARE carries it */
   ember_wire_write_u64(w, t->begin);
   ember_wire_write_u64(w, t->end);
   ember_wire_write_u64(w, t->held);
@@ -715,24 +687,9 @@ int ember__ps_table_decode(ember_wire_reader *r, uint32_t shard, uint32_t num_sh
   *out = NULL;
   int rc = check_shards("checkpoint table", shard, num_shards);
   if (rc != EMBER_OK) return rc;
-  ember_ps_table_spec in = {0}, norm;
-  ember_ps_optimizer *o = &in.optimizer;
+  ember_ps_table_spec in, norm;
   char raw_name[EMBER_PS_NAME_MAX], name[EMBER_PS_NAME_MAX], nm[EMBER_PS_NAME_MAX];
-  ember_wire_read_str(r, raw_name, sizeof raw_name);
-  in.name = raw_name;
-  in.layout = ember_wire_read_u32(r);
-  in.rows = ember_wire_read_u64(r);
-  in.cols = ember_wire_read_u32(r);
-  o->kind = ember_wire_read_u32(r);
-  o->learning_rate = read_f32(r);
-  o->momentum = read_f32(r);
-  o->beta1 = read_f32(r);
-  o->beta2 = read_f32(r);
-  o->epsilon = read_f32(r);
-  o->initial_accumulator = read_f32(r);
-  in.init = ember_wire_read_u32(r);
-  in.init_scale = read_f32(r);
-  in.seed = ember_wire_read_u64(r);
+  ember__ps_read_spec(r, &in, raw_name);
   uint64_t begin = ember_wire_read_u64(r), end = ember_wire_read_u64(r);
   uint64_t held = ember_wire_read_u64(r);
   if (r->err != EMBER_OK)
