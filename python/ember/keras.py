@@ -268,6 +268,84 @@ def _table_shape(shape: Sequence[int]) -> tuple:
     return dims[0], int(np.prod(dims[1:])) if len(dims) > 1 else 1
 
 
+def _ps_lookup(client: Any, table: str, dim: int, ids: Any, anchor: Any) -> Any:
+    """The rows of sparse table ``table`` for ``ids`` (any shape), pulled for
+    the batch's distinct ids; the backward pass pushes their gradients,
+    summed per row.  ``anchor`` is a scalar 0 read from a trainable variable:
+    it puts the pulled rows on a path from one, as the gradient tape needs
+    to reach the push; its gradient is 0."""
+    import tensorflow as tf
+
+    ids = tf.cast(ids, tf.int64)
+    unique, where = tf.unique(tf.reshape(ids, [-1]))
+
+    def pull(rows: np.ndarray) -> np.ndarray:
+        return client.pull(table, np.ascontiguousarray(rows, dtype=np.uint64), dim)
+
+    def push(rows: np.ndarray, grads: np.ndarray) -> np.int64:
+        client.push(table, np.ascontiguousarray(rows, dtype=np.uint64),
+                    np.ascontiguousarray(grads, dtype=np.float32))
+        return np.int64(0)
+
+    @tf.custom_gradient
+    def lookup(rows_ids: Any, anchor_value: Any) -> Any:
+        values = tf.numpy_function(pull, [rows_ids], tf.float32, stateful=True,
+                                   name="ember_ps_pull")
+        values.set_shape([None, dim])
+
+        def grad(upstream: Any) -> Any:
+            # the gather below already summed a repeated id's gradients
+            done = tf.numpy_function(push, [rows_ids, tf.cast(upstream, tf.float32)],
+                                     tf.int64, stateful=True, name="ember_ps_push")
+            with tf.control_dependencies([done]):
+                return None, tf.zeros_like(anchor_value)
+        return values + tf.cast(anchor_value, tf.float32), grad
+
+    rows = lookup(unique, anchor)
+    out = tf.gather(rows, where)
+    return tf.reshape(out, tf.concat([tf.shape(ids), [dim]], 0))
+
+
+def _anchor(layer: Any) -> Any:
+    """A layer's zero scalar for :func:`_ps_lookup`, which the servers never see."""
+    anchor = layer.add_weight(shape=(), initializer="zeros", trainable=True, name="ps_anchor")
+    anchor._ember_ps_skip = True
+    return anchor
+
+
+def _embedding_on_servers(layer: Any, model_name: str, client: Any,
+                          spec: Dict[str, Any]) -> None:
+    """Makes a ``keras.layers.Embedding`` of a model row-sparse on the
+    servers: its table is declared there (the model's optimizer; rows
+    uniform in [-0.05, 0.05), Keras's default), its calls pull and push rows
+    through :func:`_ps_lookup`, and its own weights are left out (they stay
+    allocated but unused: a table larger than a worker's memory needs
+    :class:`PsEmbedding`)."""
+    if getattr(layer, "_ember_ps_table", None) is not None:
+        return
+    if getattr(layer, "embeddings_regularizer", None) is not None or \
+            getattr(layer, "embeddings_constraint", None) is not None or \
+            getattr(layer, "lora_enabled", False):
+        raise ValueError(f"{layer.name}: an Embedding with a regularizer, a constraint or LoRA "
+                         "cannot live on the parameter servers")
+    table = f"{model_name}/{layer.name}/embeddings"
+    client.declare(table, "sparse", int(layer.input_dim), int(layer.output_dim),
+                   init="uniform", init_scale=0.05, **spec)
+    layer.embeddings._ember_ps_skip = True
+    dim = int(layer.output_dim)
+    layer._ember_ps_table = table
+
+    def call(inputs: Any) -> Any:
+        import tensorflow as tf
+
+        # a built layer takes no new variable: one element of its own
+        # (unused) table, gathered, is the anchor; its gradient is one row
+        anchor = tf.gather(layer.embeddings, [0])[0, 0] * 0.0
+        return _ps_lookup(client, table, dim, inputs, anchor)
+
+    layer.call = call
+
+
 class PsEmbedding(keras.layers.Layer):
     """An embedding table that lives on the parameter servers, row-sparse.
 
@@ -288,12 +366,7 @@ class PsEmbedding(keras.layers.Layer):
         self.ps_optimizer = dict(optimizer=optimizer, learning_rate=float(learning_rate))
         self.init_scale, self.seed = float(init_scale), int(seed)
         self._client: Any = None  # set by parameter_servers()
-        # The gradient tape computes a gradient only along a path from a
-        # trainable variable: this scalar (always 0) puts the pulled rows on
-        # one, so the backward pass reaches the push.  The servers never see it.
-        self.anchor = self.add_weight(shape=(), initializer="zeros", trainable=True,
-                                      name="ps_anchor")
-        self.anchor._ember_ps_skip = True
+        self.anchor = _anchor(self)  # see _ps_lookup
 
     @property
     def table(self) -> str:
@@ -307,39 +380,10 @@ class PsEmbedding(keras.layers.Layer):
         self._client = client
 
     def call(self, ids: Any) -> Any:
-        import tensorflow as tf
-
         if self._client is None:
             raise RuntimeError(f"{self.name}: call ember.keras.parameter_servers(model, ctx) "
                                "before training or predicting")
-        ids = tf.cast(ids, tf.int64)
-        unique, where = tf.unique(tf.reshape(ids, [-1]))
-        client, table, dim = self._client, self.table, self.output_dim
-
-        def pull(rows: np.ndarray) -> np.ndarray:
-            return client.pull(table, np.ascontiguousarray(rows, dtype=np.uint64), dim)
-
-        def push(rows: np.ndarray, grads: np.ndarray) -> np.int64:
-            client.push(table, np.ascontiguousarray(rows, dtype=np.uint64),
-                        np.ascontiguousarray(grads, dtype=np.float32))
-            return np.int64(0)
-
-        @tf.custom_gradient
-        def lookup(rows_ids: Any, anchor: Any) -> Any:
-            values = tf.numpy_function(pull, [rows_ids], tf.float32, stateful=True,
-                                       name="ember_ps_pull")
-            values.set_shape([None, dim])
-
-            def grad(upstream: Any) -> Any:
-                done = tf.numpy_function(push, [rows_ids, tf.cast(upstream, tf.float32)],
-                                         tf.int64, stateful=True, name="ember_ps_push")
-                with tf.control_dependencies([done]):
-                    return None, tf.zeros_like(anchor)
-            return values + tf.cast(anchor, tf.float32), grad
-
-        rows = lookup(unique, self.anchor)
-        out = tf.gather(rows, where)
-        return tf.reshape(out, tf.concat([tf.shape(ids), [dim]], 0))
+        return _ps_lookup(self._client, self.table, self.output_dim, ids, self.anchor)
 
     def compute_output_shape(self, input_shape: Any) -> Any:
         return (*input_shape, self.output_dim)
@@ -352,7 +396,9 @@ def parameter_servers(model: Any, ctx: Any, client: Any = None) -> List[Any]:
     at the end every worker holds the servers' final weights).
 
     Every trainable variable becomes a dense table on the servers, split
-    over them by rows, and every :class:`PsEmbedding` a row-sparse one.  The
+    over them by rows, and every :class:`PsEmbedding` and
+    ``keras.layers.Embedding`` a row-sparse one (a batch moves only the rows
+    its ids name; an Embedding's table gets the model's optimizer).  The
     chief puts its initial weights there; then each step of every worker
     pushes its gradients (the servers apply the model's optimizer: SGD with
     or without momentum, Adagrad or Adam, with their state kept per row on
@@ -374,6 +420,8 @@ def parameter_servers(model: Any, ctx: Any, client: Any = None) -> List[Any]:
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, PsEmbedding):
             layer.bind(client)
+        elif isinstance(layer, keras.layers.Embedding):
+            _embedding_on_servers(layer, model.name, client, spec)
     variables = [v for v in model.trainable_variables if not getattr(v, "_ember_ps_skip", False)]
     tables = []
     for v in variables:

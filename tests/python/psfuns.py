@@ -64,27 +64,32 @@ def keras_async(args: Dict[str, Any], ctx: Any) -> None:
     mlp_bytes = ps.bytes()
 
     # clicks: the label is whether the item id is even; only a sparse
-    # embedding of the id can learn it
+    # embedding of the id can learn it (the user's, a Keras Embedding the
+    # servers hold row-sparse too, is noise)
     rows, dim, batches, batch = 1_000_000, 8, 60, 128
     rng = np.random.default_rng(rank)
     items = rng.integers(0, 2000, size=batches * batch) * 499  # 2,000 ids spread over 1M
+    users = rng.integers(0, 1000, size=batches * batch)
     clicks = (items % 2 == 0).astype(np.float32)
-    clicker = keras.Sequential([keras.Input((1,), dtype="int64"),
-                                ember.keras.PsEmbedding(rows, dim, learning_rate=0.3,
-                                                        name="items"),
-                                keras.layers.Flatten(), keras.layers.Dense(1)], name="clicks")
+    inputs = keras.Input((2,), dtype="int64")
+    item = ember.keras.PsEmbedding(rows, dim, learning_rate=0.3, name="items")(inputs[:, :1])
+    user = keras.layers.Embedding(1000, 4, name="users")(inputs[:, 1:])
+    joined = keras.layers.Concatenate()([keras.layers.Flatten()(item),
+                                         keras.layers.Flatten()(user)])
+    clicker = keras.Model(inputs, keras.layers.Dense(1)(joined), name="clicks")
     clicker.compile(optimizer=keras.optimizers.SGD(0.1),
                     loss=keras.losses.BinaryCrossentropy(from_logits=True), metrics=["accuracy"])
     callbacks = ember.keras.parameter_servers(clicker, ctx)
     before = ps.bytes()
-    clicks_history = clicker.fit(items.reshape(-1, 1), clicks, batch_size=batch, epochs=3,
-                                 callbacks=callbacks, verbose=0)
+    clicks_history = clicker.fit(np.stack([items, users], 1), clicks, batch_size=batch,
+                                 epochs=3, callbacks=callbacks, verbose=0)
     after = ps.bytes()
     _write(args, ctx, dict(
         rank=rank, size=size, shards=ps.num_shards, start=start, final=final,
         loss=history.history["loss"], accuracy=float(accuracy), mlp_bytes=list(mlp_bytes),
         clicks_accuracy=float(clicks_history.history["accuracy"][-1]),
         clicks_received=after[1] - before[1], clicks_sent=after[0] - before[0],
+        users_on_servers=getattr(clicker.get_layer("users"), "_ember_ps_table", None),
         clicks_steps=3 * batches, distinct_items=int(len(np.unique(items))),
         table_bytes=rows * dim * 4, at=time.time()))
 

@@ -27,10 +27,11 @@ def test_keras_trains_asynchronously_on_two_ps_shards(local_spark, tmp_path):
         assert node["accuracy"] > 0.75, node["accuracy"]
         # the click model learned from its embedding rows alone
         assert node["clicks_accuracy"] > 0.9, node["clicks_accuracy"]
-        # each step pulled the rows of its batch (at most 128 of 8 floats)
-        # and the click model's dense weights, never the 32 MB table
+        # each step pulled the rows of its batch (at most 128 items of 8
+        # floats and 128 users of 4) and the dense weights, never the 32 MB table
         per_step = node["clicks_received"] / node["clicks_steps"]
-        assert 0 < per_step < 128 * 8 * 4 + 4096, per_step
+        assert 0 < per_step < 128 * (8 + 4) * 4 + 4096, per_step
+        assert node["users_on_servers"] == "clicks/users/embeddings"
         assert node["clicks_received"] < node["table_bytes"] / 20
     # both started from the chief's weights, whatever their own seeds, and
     # ended with the servers' final weights
