@@ -52,6 +52,7 @@ help:
 	@echo "make bench-reservation - Ember vs TensorFlowOnSpark reservation server"
 	@echo "make bench-allreduce - allreduce on one host: Ember vs Open MPI over shared memory; Ember vs Open MPI vs gloo over TCP"
 	@echo "make bench-cluster - allreduce and feed over TCP between simulated hosts (netns): Ember vs Open MPI TCP vs gloo vs one TCP stream"
+	@echo "make bench-ps - parameter server between simulated hosts (netns), 2 workers, 1 and 2 ps: Ember vs TensorFlow ParameterServerStrategy vs PyTorch RPC, rounds/s"
 	@echo "make bench-feed - Spark -> trainer feed: Ember vs TensorFlowOnSpark, records/s and GB/s"
 	@echo "make bench-tfrecord - TFRecord reading: Ember vs tf.data; CRC-32C; Example decoder vs protobuf-c"
 	@echo "make bench-inference - Spark ML inference: ember.ml.EmberModel vs predict_batch_udf vs TFoS TFModel"
@@ -372,6 +373,16 @@ $(BUILD)/bench/tcp_stream: bench/tcp_stream.c
 
 bench-cluster: setup $(BUILD)/bench/mpi_allreduce $(BUILD)/bench/tcp_stream
 	PYTHONUNBUFFERED=1 $(PY) bench/cluster.py $(BENCH_CLUSTER_ARGS)
+
+# The parameter server between hosts: 2 workers and 1 or 2 ps on simulated
+# hosts (tests/python/simcluster.py, root; loopback otherwise), 10 Gbit/s
+# links; dense (10M parameters) and sparse (4,096 of 1M rows x 64) pull+push
+# rounds; Ember vs TensorFlow's ParameterServerStrategy (gRPC) vs PyTorch's
+# RPC parameter server (.venv-torch).  EMBER_BENCH_QUICK=1: tiny tables, one
+# round.  BENCH_PS_ARGS passes options to bench/ps.py.
+.PHONY: bench-ps
+bench-ps: setup
+	PYTHONUNBUFFERED=1 $(PY) bench/ps.py $(BENCH_PS_ARGS)
 
 # The bare feed channel (issue 3): shared-memory ring, feed over shm, feed over
 # TCP loopback, memcpy; C only.  bench/feed.py runs the binary and parses its

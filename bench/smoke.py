@@ -65,6 +65,13 @@ BENCHES: List[Bench] = [
            "feed_enc_vs_clear", "allreduce_enc_vs_clear", "feed_enc_vs_clear_10g",
            "allreduce_enc_vs_clear_10g"],
           {"mpi": ("vs_best",), "gloo": ("vs_best",)}, may_skip=True),
+    Bench("bench-ps", "ps",
+          ["dense_vs_best", "sparse_vs_best", "dense_vs_best_1ps", "dense_vs_best_2ps",
+           "sparse_vs_best_1ps", "sparse_vs_best_2ps"] +
+          ["%s_%s_%s_%dps" % (side, w, unit, n) for side in ("ember", "tf", "torch")
+           for w in ("dense", "sparse") for unit in ("rps", "gbps") for n in (1, 2)] +
+          ["link_gbit", "rounds", "workers", "ps_min", "ps_max"],
+          {"tf": ("tf_", "vs_best"), "torch": ("torch_", "vs_best")}),
     Bench("bench-feed-channel", "feed_channel",
           ["feed_shm_vs_memcpy", "feed_tcp_vs_memcpy", "channel_vs_memcpy", "channel_gbps",
            "feed_shm_gbps", "feed_tcp_gbps", "memcpy_gbps"]),

@@ -49,6 +49,9 @@ struct ember_ps_client {
   /* per-call scratch, by shard */
   uint32_t *count;
   ember_wire_writer *req;
+  /* a whole dense push's rows, sent from where they lie after req (NULL: none) */
+  const float **tail;
+  size_t *tail_floats;
 };
 
 /* ------------------------------------------------------------ one exchange */
@@ -66,54 +69,64 @@ static int link_failed(ember_ps_client *c, uint32_t k, int rc) {
   return ember__set_error(rc, "%s: %s", c->links[k].where, ember_last_error());
 }
 
+/* Shard k's request: w's bytes, then c->tail[k]'s floats where they lie
+ * (a whole dense push: a 40 MB gradient is not copied into w). */
 static int send_req(ember_ps_client *c, uint32_t k, uint16_t type, const ember_wire_writer *w) {
   ps_link *l = &c->links[k];
+  uint8_t hdr[EMBER_WIRE_HEADER_LEN];
+  size_t tail = c->tail[k] ? c->tail_floats[k] * sizeof(float) : 0;
   if (w->err) return ember__set_error(EMBER_ENOMEM, "%s: out of memory for a request", l->where);
-  int rc = ember_sec_send_frame(l->sec, l->fd, type, w->buf, (uint32_t)w->len,
-                                ember_deadline_after(c->timeout_ms));
+  if (w->len + tail > EMBER_WIRE_ABSOLUTE_MAX)
+    return ember__set_error(EMBER_ETOOBIG, "%s: a request of %zu bytes; move fewer rows at once",
+                            l->where, w->len + tail);
+  ember_wire_encode_header(hdr, type, (uint32_t)(w->len + tail));
+  struct iovec iov[3] = {{hdr, sizeof hdr}, {w->buf, w->len},
+                         {(void *)(uintptr_t)c->tail[k], tail}};
+  int rc = ember_sec_sendv_all(l->sec, l->fd, iov, tail ? 3 : 2,
+                               ember_deadline_after(c->timeout_ms));
   if (rc != EMBER_OK) return link_failed(c, k, rc);
-  c->sent += w->len;
+  c->sent += w->len + tail;
   return EMBER_OK;
 }
 
 /* Reads shard k's reply: its status (refusals become this thread's error,
  * with the server's reason) and, when body is not NULL, exactly body_len
- * bytes of body copied there. */
+ * bytes of body, received straight into body (a 40 MB pull is not staged). */
 static int recv_reply(ember_ps_client *c, uint32_t k, void *body, size_t body_len) {
   ps_link *l = &c->links[k];
-  ember_frame_header h;
-  uint8_t *p = NULL;
+  uint8_t hdr[EMBER_WIRE_HEADER_LEN], pre[8];
   char reason[1024];
-  ember_wire_reader r;
-  uint64_t max = (uint64_t)body_len + 8 + sizeof reason;
-  int rc = ember_sec_recv_frame(l->sec, l->fd, max > EMBER_WIRE_ABSOLUTE_MAX ?
-                                EMBER_WIRE_ABSOLUTE_MAX : (uint32_t)max, &h, &p,
-                                ember_deadline_after(c->timeout_ms + PS_REPLY_SLACK_MS));
+  ember_frame_header h;
+  int64_t deadline = ember_deadline_after(c->timeout_ms + PS_REPLY_SLACK_MS);
+  int rc = ember_sec_recv_all(l->sec, l->fd, hdr, sizeof hdr, deadline);
+  if (rc == EMBER_OK) rc = ember_wire_decode_header(hdr, sizeof hdr, EMBER_WIRE_ABSOLUTE_MAX, &h);
+  if (rc == EMBER_OK && h.type != EMBER_MSG_PS_REPLY && h.type != EMBER_MSG_REFUSED)
+    rc = ember__set_error(EMBER_EPROTO, "unexpected %s frame", ember_wire_type_name(h.type));
+  if (rc == EMBER_OK && h.length < sizeof pre)
+    rc = ember__set_error(EMBER_EPROTO, "a reply of %u bytes", h.length);
+  if (rc == EMBER_OK) rc = ember_sec_recv_all(l->sec, l->fd, pre, sizeof pre, deadline);
   if (rc != EMBER_OK) return link_failed(c, k, rc);
+  int32_t status = (int32_t)ember_wire_get_u32(pre);
+  uint32_t reason_len = ember_wire_get_u32(pre + 4);
+  if (reason_len >= sizeof reason || reason_len > h.length - sizeof pre)
+    return link_failed(c, k, ember__set_error(EMBER_EPROTO, "malformed reply (reason of %u "
+                                              "bytes)", reason_len));
+  rc = ember_sec_recv_all(l->sec, l->fd, reason, reason_len, deadline);
+  if (rc != EMBER_OK) return link_failed(c, k, rc);
+  reason[reason_len] = '\0';
+  size_t rest = h.length - sizeof pre - reason_len;
   c->received += h.length;
-  ember_wire_reader_init(&r, p, h.length);
-  uint32_t status = ember_wire_read_u32(&r);
-  ember_wire_read_str(&r, reason, sizeof reason);
-  if (h.type != EMBER_MSG_PS_REPLY && h.type != EMBER_MSG_REFUSED) {
-    c->broken = 1;
-    rc = ember__set_error(EMBER_EPROTO, "%s: unexpected %s frame", l->where,
-                          ember_wire_type_name(h.type));
-  } else if (r.err) {
-    c->broken = 1;
-    rc = ember__set_error(EMBER_EPROTO, "%s: malformed reply", l->where);
-  } else if (h.type == EMBER_MSG_REFUSED || (int32_t)status != EMBER_OK) {
-    int code = (int32_t)status < 0 ? (int32_t)status : EMBER_EPROTO;
-    if (h.type == EMBER_MSG_REFUSED) c->broken = 1;
-    rc = ember__set_error(code, "%s", reason[0] ? reason : ember_strerror(code));
-  } else if (r.left != (body ? body_len : 0)) {
-    c->broken = 1;
-    rc = ember__set_error(EMBER_EPROTO, "%s: reply of %zu bytes, %zu expected", l->where, r.left,
-                          body ? body_len : (size_t)0);
-  } else if (body && body_len) {
-    memcpy(body, r.p, body_len);
+  if (h.type == EMBER_MSG_REFUSED || status != EMBER_OK) {
+    int code = status < 0 ? status : EMBER_EPROTO;
+    if (h.type == EMBER_MSG_REFUSED || rest != 0) c->broken = 1;
+    return ember__set_error(code, "%s", reason[0] ? reason : ember_strerror(code));
   }
-  free(p);
-  return rc;
+  if (rest != (body ? body_len : 0))
+    return link_failed(c, k, ember__set_error(EMBER_EPROTO, "reply of %zu bytes, %zu expected",
+                                              rest, body ? body_len : (size_t)0));
+  if (rest != 0 && (rc = ember_sec_recv_all(l->sec, l->fd, body, rest, deadline)) != EMBER_OK)
+    return link_failed(c, k, rc);
+  return EMBER_OK;
 }
 
 static int check_usable(ember_ps_client *c) {
@@ -156,6 +169,8 @@ void ember_ps_client_destroy(ember_ps_client *c) {
   }
   for (uint32_t k = 0; c->req && k < c->num_shards; k++) ember_wire_writer_free(&c->req[k]);
   free(c->req);
+  free(c->tail);
+  free(c->tail_floats);
   free(c->count);
   free(c->links);
   free(c->tables);
@@ -177,7 +192,9 @@ int ember_ps_client_create(ember_ps_client **out, const ember_ps_client_config *
   c = calloc(1, sizeof *c);
   if (c == NULL || !(c->links = calloc(cfg->num_shards, sizeof *c->links)) ||
       !(c->count = calloc(cfg->num_shards, sizeof *c->count)) ||
-      !(c->req = calloc(cfg->num_shards, sizeof *c->req))) {
+      !(c->req = calloc(cfg->num_shards, sizeof *c->req)) ||
+      !(c->tail = calloc(cfg->num_shards, sizeof *c->tail)) ||
+      !(c->tail_floats = calloc(cfg->num_shards, sizeof *c->tail_floats))) {
     ember_ps_client_destroy(c);
     return ember__set_error(EMBER_ENOMEM, "ps client: out of memory");
   }
@@ -412,9 +429,12 @@ static int send_rows(ember_ps_client *c, uint16_t type, const char *table, const
         return ember__set_error(EMBER_ETOOBIG, "ps %s to table '%s': too many rows", what, table);
       c->count[k] = (uint32_t)(e - b);
       begin_push(&c->req[k], table, 1, c->count[k], cols);
-      ember__ps_write_floats(&c->req[k], grads + b * cols, (size_t)(e - b) * cols);
+      c->tail[k] = grads + b * cols; /* little-endian floats: the wire's order */
+      c->tail_floats[k] = (size_t)(e - b) * cols;
     }
-    return exchange(c, type, NULL, NULL);
+    rc = exchange(c, type, NULL, NULL);
+    memset(c->tail, 0, c->num_shards * sizeof *c->tail);
+    return rc;
   }
   shard_of = malloc((n ? n : 1) * sizeof *shard_of);
   slot = malloc((n ? n : 1) * sizeof *slot);

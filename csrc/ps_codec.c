@@ -109,7 +109,3 @@ int ember__ps_decode_push(const uint8_t *p, size_t len, ember__ps_push_req *out)
   }
   return ember_wire_reader_finish(&r, 1, "PS_PUSH");
 }
-
-void ember__ps_write_floats(ember_wire_writer *w, const float *v, size_t n) {
-  ember_wire_write_raw(w, v, n * sizeof *v); /* little-endian hosts: the wire's order */
-}

@@ -53,7 +53,4 @@ typedef struct {
 } ember__ps_push_req;
 int ember__ps_decode_push(const uint8_t *p, size_t len, ember__ps_push_req *out);
 
-/* n floats, appended / read as raw little-endian float32. */
-void ember__ps_write_floats(ember_wire_writer *w, const float *v, size_t n);
-
 #endif /* EMBER_PS_INTERNAL_H */

@@ -58,6 +58,15 @@ typedef struct ps_conn {
   int started;
   int done; /* its thread has ended (under s->mu): reaped at the next accept */
   int counted; /* in stats.workers_connected */
+  /* Buffers kept from request to request: a 10M-float model's pull and push
+   * are 40 MB each, and fresh buffers of that size are fresh mappings whose
+   * every page faults (most of the server's time, measured by bench-ps). */
+  uint8_t *in;     /* the request's payload */
+  size_t in_cap;
+  uint64_t *ids;   /* its rows */
+  size_t ids_cap;
+  float *rows;     /* a pull's reply body, a push's gradients (aligned) */
+  size_t rows_cap;
 } ps_conn;
 
 struct ember_ps_server {
@@ -147,8 +156,20 @@ static int add_table(ember_ps_server *s, ember__ps_table *t) {
 typedef struct {
   int status;
   char reason[512];
-  ember_wire_writer body;
+  const void *body; /* sent after status and reason (status 0 only) */
+  size_t body_len;
 } ps_reply;
+
+/* *buf holds at least `need` bytes (grown, never shrunk). */
+static int grow(void **buf, size_t *cap, size_t need) {
+  if (need <= *cap) return EMBER_OK;
+  size_t want = need > *cap * 2 ? need : *cap * 2;
+  void *p = realloc(*buf, want);
+  if (p == NULL) return EMBER_ENOMEM;
+  *buf = p;
+  *cap = want;
+  return EMBER_OK;
+}
 
 static int refuse(ps_reply *r, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -233,9 +254,12 @@ static int await_staleness(ember_ps_server *s, ps_conn *c, uint64_t clock, uint3
 
 /* The rows a request names: its ids, or (whole) every row this shard holds
  * of a DENSE table. */
-static int request_rows(ember_ps_server *s, const ember_ps_table_spec *spec, int whole,
-                        const uint8_t *raw, uint32_t n, uint64_t **ids, ps_reply *r) {
+static int request_rows(ember_ps_server *s, ps_conn *c, const ember_ps_table_spec *spec,
+                        int whole, const uint8_t *raw, uint32_t n, uint64_t **ids,
+                        ps_reply *r) {
   *ids = NULL;
+  if (n != 0 && grow((void **)&c->ids, &c->ids_cap, (size_t)n * sizeof *c->ids) != EMBER_OK)
+    return refuse(r, EMBER_ENOMEM, "ps shard %u: out of memory for %u row ids", s->shard, n);
   if (whole) {
     uint64_t b = ember__ps_dense_begin(spec->rows, s->shard, s->num_shards);
     uint64_t e = ember__ps_dense_begin(spec->rows, s->shard + 1, s->num_shards);
@@ -247,16 +271,12 @@ static int request_rows(ember_ps_server *s, const ember_ps_table_spec *spec, int
       return refuse(r, EMBER_ESCHEMA,
                     "table '%s' (shard %u of %u) holds %llu rows, the request moves %u",
                     spec->name, s->shard, s->num_shards, (unsigned long long)(e - b), n);
-    if (n == 0) return EMBER_OK;
-    *ids = malloc((size_t)n * sizeof **ids);
-    if (*ids == NULL) return refuse(r, EMBER_ENOMEM, "ps shard %u: out of memory", s->shard);
-    for (uint32_t i = 0; i < n; i++) (*ids)[i] = b + i;
+    *ids = c->ids;
+    for (uint32_t i = 0; i < n; i++) c->ids[i] = b + i;
     return EMBER_OK;
   }
-  if (n == 0) return EMBER_OK;
-  *ids = malloc((size_t)n * sizeof **ids);
-  if (*ids == NULL) return refuse(r, EMBER_ENOMEM, "ps shard %u: out of memory", s->shard);
-  for (uint32_t i = 0; i < n; i++) (*ids)[i] = ember_wire_get_u64(raw + (size_t)i * 8);
+  *ids = c->ids;
+  for (uint32_t i = 0; i < n; i++) c->ids[i] = ember_wire_get_u64(raw + (size_t)i * 8);
   return EMBER_OK;
 }
 
@@ -264,7 +284,6 @@ static void handle_pull(ember_ps_server *s, ps_conn *c, const uint8_t *p, size_t
                         ps_reply *r) {
   ember__ps_pull_req q;
   uint64_t *ids = NULL;
-  float *out = NULL;
   int rc = ember__ps_decode_pull(p, len, &q);
   if (rc != EMBER_OK) {
     refuse(r, rc, "ps shard %u of %u: %s", s->shard, s->num_shards, ember_last_error());
@@ -284,53 +303,43 @@ static void handle_pull(ember_ps_server *s, ps_conn *c, const uint8_t *p, size_t
   pthread_mutex_unlock(&s->mu);
   if (rc != EMBER_OK) return;
   const ember_ps_table_spec *spec = ember__ps_table_spec(e->table);
-  if (request_rows(s, spec, q.whole, q.ids, q.n, &ids, r) != EMBER_OK) return;
-  size_t floats = (size_t)q.n * spec->cols;
-  if (q.n != 0 && floats / q.n != spec->cols) {
-    refuse(r, EMBER_ETOOBIG, "pull of %u rows of table '%s': too large", q.n, spec->name);
-    goto out;
-  }
+  if (request_rows(s, c, spec, q.whole, q.ids, q.n, &ids, r) != EMBER_OK) return;
+  size_t floats = (size_t)q.n * spec->cols; /* < 2^52: n < 2^32, cols <= 2^20 */
   if (floats * 4 > s->max_frame) {
     refuse(r, EMBER_ETOOBIG,
            "pull of %u rows x %u floats of table '%s' from ps shard %u: %zu bytes, over the "
            "%u-byte frame limit; pull fewer rows at once", q.n, spec->cols, spec->name, s->shard,
            floats * 4, s->max_frame);
-    goto out;
+    return;
   }
-  out = malloc(floats ? floats * sizeof *out : 1);
-  if (out == NULL) {
-    refuse(r, EMBER_ENOMEM, "ps shard %u: out of memory", s->shard);
-    goto out;
+  if (grow((void **)&c->rows, &c->rows_cap, floats * sizeof *c->rows) != EMBER_OK) {
+    refuse(r, EMBER_ENOMEM, "ps shard %u: out of memory for %zu floats", s->shard, floats);
+    return;
   }
   pthread_mutex_lock(&e->mu);
-  rc = ember__ps_table_pull(e->table, ids, q.n, out);
-  uint64_t held = ember__ps_table_held(e->table);
+  rc = ember__ps_table_pull(e->table, ids, q.n, c->rows);
   pthread_mutex_unlock(&e->mu);
   if (rc != EMBER_OK) {
     refuse(r, rc, "%s", ember_last_error());
-    goto out;
+    return;
   }
-  ember__ps_write_floats(&r->body, out, floats);
+  r->body = c->rows; /* little-endian floats: the wire's order (ps_internal.h) */
+  r->body_len = floats * sizeof *c->rows;
   pthread_mutex_lock(&s->mu);
   s->stats.pulls++;
   s->stats.rows_pulled += q.n;
-  (void)held;
   pthread_mutex_unlock(&s->mu);
-out:
-  free(ids);
-  free(out);
 }
 
 /* PS_PUSH (gradients through the optimizer), PS_ASSIGN and PS_INIT
  * (values), which share their layout. */
-static void handle_push(ember_ps_server *s, uint16_t type, const uint8_t *p, size_t len,
-                        ps_reply *r) {
+static void handle_push(ember_ps_server *s, ps_conn *c, uint16_t type, const uint8_t *p,
+                        size_t len, ps_reply *r) {
   int assign = type != EMBER_MSG_PS_PUSH;
   const char *op = type == EMBER_MSG_PS_PUSH ? "push" : type == EMBER_MSG_PS_INIT ? "init"
                                                                                   : "assign";
   ember__ps_push_req q;
   uint64_t *ids = NULL;
-  float *grads = NULL;
   int rc = ember__ps_decode_push(p, len, &q);
   if (rc != EMBER_OK) {
     refuse(r, rc, "ps shard %u of %u: %s", s->shard, s->num_shards, ember_last_error());
@@ -356,21 +365,27 @@ static void handle_push(ember_ps_server *s, uint16_t type, const uint8_t *p, siz
            spec->cols, spec->cols, q.cols);
     return;
   }
-  if (request_rows(s, spec, q.whole, q.ids, q.n, &ids, r) != EMBER_OK) return;
+  if (request_rows(s, c, spec, q.whole, q.ids, q.n, &ids, r) != EMBER_OK) return;
   size_t floats = (size_t)q.n * q.cols;
-  grads = malloc(floats ? floats * sizeof *grads : 1);
-  if (grads == NULL) {
-    refuse(r, EMBER_ENOMEM, "ps shard %u: out of memory", s->shard);
-    goto out;
+  /* the floats are used where they arrived when aligned (the payload buffer
+   * is malloc's, the offset depends on the table name's length), else
+   * copied once into the connection's buffer */
+  const float *grads = (const float *)(const void *)q.grads;
+  if (floats != 0 && (uintptr_t)q.grads % _Alignof(float) != 0) {
+    if (grow((void **)&c->rows, &c->rows_cap, floats * sizeof *c->rows) != EMBER_OK) {
+      refuse(r, EMBER_ENOMEM, "ps shard %u: out of memory for %zu floats", s->shard, floats);
+      return;
+    }
+    memcpy(c->rows, q.grads, floats * sizeof *c->rows); /* little-endian hosts: as sent */
+    grads = c->rows;
   }
-  memcpy(grads, q.grads, floats * sizeof *grads); /* aligned, and little-endian hosts only */
   pthread_mutex_lock(&e->mu);
   rc = assign ? ember__ps_table_assign(e->table, ids, q.n, grads, type == EMBER_MSG_PS_INIT)
               : ember__ps_table_push(e->table, ids, q.n, grads);
   pthread_mutex_unlock(&e->mu);
   if (rc != EMBER_OK) {
     refuse(r, rc, "%s", ember_last_error());
-    goto out;
+    return;
   }
   if (!assign) {
     pthread_mutex_lock(&s->mu);
@@ -378,9 +393,6 @@ static void handle_push(ember_ps_server *s, uint16_t type, const uint8_t *p, siz
     s->stats.rows_pushed += q.n;
     pthread_mutex_unlock(&s->mu);
   }
-out:
-  free(ids);
-  free(grads);
 }
 
 static void handle_clock(ember_ps_server *s, ps_conn *c, const uint8_t *p, size_t len,
@@ -412,38 +424,54 @@ static void handle_save(ember_ps_server *s, const uint8_t *p, size_t len, ps_rep
   if (ember_ps_server_save(s, dir) != EMBER_OK) refuse(r, EMBER_EIO, "%s", ember_last_error());
 }
 
+/* PS_REPLY: the frame header, status and reason, then the body where it
+ * lies (a pull's rows: no copy). */
 static int send_reply(ps_conn *c, ps_reply *r) {
-  ember_wire_writer w;
-  int rc;
-  ember_wire_writer_init(&w);
-  ember_wire_write_u32(&w, (uint32_t)r->status);
-  ember_wire_write_str(&w, r->status == EMBER_OK ? "" : r->reason);
-  if (r->status == EMBER_OK && r->body.len) ember_wire_write_raw(&w, r->body.buf, r->body.len);
-  if (w.err) {
-    ember_wire_writer_free(&w);
+  ember_wire_writer head;
+  uint8_t hdr[EMBER_WIRE_HEADER_LEN];
+  int ok = r->status == EMBER_OK;
+  size_t body = ok ? r->body_len : 0;
+  ember_wire_writer_init(&head);
+  ember_wire_write_u32(&head, (uint32_t)r->status);
+  ember_wire_write_str(&head, ok ? "" : r->reason);
+  if (head.err || head.len + body > EMBER_WIRE_ABSOLUTE_MAX) {
+    ember_wire_writer_free(&head);
     return EMBER_ENOMEM;
   }
-  rc = ember_sec_send_frame(c->sec, c->fd, EMBER_MSG_PS_REPLY, w.buf, (uint32_t)w.len,
-                            ember_deadline_after(PS_IO_MS));
+  ember_wire_encode_header(hdr, EMBER_MSG_PS_REPLY, (uint32_t)(head.len + body));
+  struct iovec iov[3] = {{hdr, sizeof hdr}, {head.buf, head.len},
+                         {(void *)(uintptr_t)r->body, body}};
+  int rc = ember_sec_sendv_all(c->sec, c->fd, iov, body ? 3 : 2, ember_deadline_after(PS_IO_MS));
   pthread_mutex_lock(&c->srv->mu);
-  c->srv->stats.bytes_sent += w.len;
+  c->srv->stats.bytes_sent += head.len + body;
   pthread_mutex_unlock(&c->srv->mu);
-  ember_wire_writer_free(&w);
+  ember_wire_writer_free(&head);
   return rc;
+}
+
+/* The next request into c->in (kept from request to request): its header
+ * in *h.  Waits as long as the worker takes (destroy shuts the socket). */
+static int recv_request(ember_ps_server *s, ps_conn *c, ember_frame_header *h) {
+  uint8_t hdr[EMBER_WIRE_HEADER_LEN];
+  int rc = ember_sec_recv_all(c->sec, c->fd, hdr, sizeof hdr, INT64_MAX);
+  if (rc != EMBER_OK) return rc;
+  rc = ember_wire_decode_header(hdr, sizeof hdr, s->max_frame, h);
+  if (rc != EMBER_OK) return rc;
+  if (grow((void **)&c->in, &c->in_cap, h->length ? h->length : 1) != EMBER_OK)
+    return ember__set_error(EMBER_ENOMEM, "ps shard %u: out of memory for a %u-byte request",
+                            s->shard, h->length);
+  return ember_sec_recv_all(c->sec, c->fd, c->in, h->length, ember_deadline_after(PS_IO_MS));
 }
 
 static void *conn_main(void *arg) {
   ps_conn *c = arg;
   ember_ps_server *s = c->srv;
   ps_reply hello = {.status = EMBER_OK};
-  ember_wire_writer_init(&hello.body);
   int ok = send_reply(c, &hello) == EMBER_OK; /* HELLO accepted */
-  ember_wire_writer_free(&hello.body);
   while (ok) {
     ember_frame_header h;
-    uint8_t *payload = NULL;
     ps_reply r = {.status = EMBER_OK};
-    int rc = ember_sec_recv_frame(c->sec, c->fd, s->max_frame, &h, &payload, INT64_MAX);
+    int rc = recv_request(s, c, &h);
     if (rc != EMBER_OK) {
       /* a worker that closed between requests simply left; anything else
        * (garbage, a frame over the limit, altered records) is logged */
@@ -459,28 +487,25 @@ static void *conn_main(void *arg) {
     pthread_mutex_lock(&s->mu);
     s->stats.bytes_received += h.length;
     pthread_mutex_unlock(&s->mu);
-    ember_wire_writer_init(&r.body);
+    const uint8_t *payload = c->in;
     switch (h.type) {
     case EMBER_MSG_PS_DECLARE: handle_declare(s, payload, h.length, &r); break;
     case EMBER_MSG_PS_PULL: handle_pull(s, c, payload, h.length, &r); break;
     case EMBER_MSG_PS_PUSH:
     case EMBER_MSG_PS_ASSIGN:
-    case EMBER_MSG_PS_INIT: handle_push(s, h.type, payload, h.length, &r); break;
+    case EMBER_MSG_PS_INIT: handle_push(s, c, h.type, payload, h.length, &r); break;
     case EMBER_MSG_PS_CLOCK: handle_clock(s, c, payload, h.length, &r); break;
     case EMBER_MSG_PS_SAVE: handle_save(s, payload, h.length, &r); break;
     default:
       refuse(&r, EMBER_EPROTO, "ps shard %u: unexpected %s frame", s->shard,
              ember_wire_type_name(h.type));
     }
-    free(payload);
     if (r.status != EMBER_OK) {
       pthread_mutex_lock(&s->mu);
       s->stats.requests_refused++;
       pthread_mutex_unlock(&s->mu);
     }
-    rc = send_reply(c, &r);
-    ember_wire_writer_free(&r.body);
-    if (rc != EMBER_OK) break;
+    if (send_reply(c, &r) != EMBER_OK) break;
   }
   pthread_mutex_lock(&s->mu);
   c->done = 1;
@@ -502,6 +527,9 @@ static void reap(ember_ps_server *s) {
     if (c->started) pthread_join(c->thread, NULL);
     ember_net_close(c->fd);
     ember_sec_destroy(c->sec);
+    free(c->in);
+    free(c->ids);
+    free(c->rows);
     free(c);
   }
 }
@@ -634,6 +662,9 @@ void ember_ps_server_destroy(ember_ps_server *s) {
     if (c->started) pthread_join(c->thread, NULL);
     ember_net_close(c->fd);
     ember_sec_destroy(c->sec);
+    free(c->in);
+    free(c->ids);
+    free(c->rows);
     free(c);
   }
   ember__acceptor_destroy(s->acc);
