@@ -6,8 +6,9 @@
  * next.  Workers are few (tens) and each has one request in flight, so a
  * thread per connection costs little and lets a pull wait for bounded
  * staleness on a condition variable without holding up anyone else.  Each
- * table has its own mutex; the registry, the clocks and the counters share
- * s->mu. */
+ * table has its own reader-writer lock (pulls of held rows share it, so
+ * workers' pulls overlap; pushes take it alone); the registry, the clocks
+ * and the counters share s->mu. */
 #include "ember/ps.h"
 
 #include <errno.h>
@@ -44,7 +45,9 @@
 
 typedef struct {
   ember__ps_table *table;
-  pthread_mutex_t mu;
+  /* shared: pulls of held rows, stats, saves; exclusive: pushes, assigns
+   * and pulls that create rows, so workers' pulls of one shard overlap */
+  pthread_rwlock_t lock;
 } ps_entry;
 
 typedef struct ps_conn {
@@ -145,7 +148,7 @@ static int add_table(ember_ps_server *s, ember__ps_table *t) {
     return ember__set_error(EMBER_ENOMEM, "ps shard %u: out of memory", s->shard);
   }
   s->tables = grown;
-  pthread_mutex_init(&e->mu, NULL);
+  pthread_rwlock_init(&e->lock, NULL);
   e->table = t;
   s->tables[s->ntables++] = e;
   return EMBER_OK;
@@ -316,9 +319,16 @@ static void handle_pull(ember_ps_server *s, ps_conn *c, const uint8_t *p, size_t
     refuse(r, EMBER_ENOMEM, "ps shard %u: out of memory for %zu floats", s->shard, floats);
     return;
   }
-  pthread_mutex_lock(&e->mu);
-  rc = ember__ps_table_pull(e->table, ids, q.n, c->rows);
-  pthread_mutex_unlock(&e->mu);
+  pthread_rwlock_rdlock(&e->lock);
+  rc = ember__ps_table_read(e->table, ids, q.n, c->rows);
+  pthread_rwlock_unlock(&e->lock);
+  if (rc == 0) { /* a row not held yet: create it, alone */
+    pthread_rwlock_wrlock(&e->lock);
+    rc = ember__ps_table_pull(e->table, ids, q.n, c->rows);
+    pthread_rwlock_unlock(&e->lock);
+  } else if (rc == 1) {
+    rc = EMBER_OK;
+  }
   if (rc != EMBER_OK) {
     refuse(r, rc, "%s", ember_last_error());
     return;
@@ -379,10 +389,10 @@ static void handle_push(ember_ps_server *s, ps_conn *c, uint16_t type, const uin
     memcpy(c->rows, q.grads, floats * sizeof *c->rows); /* little-endian hosts: as sent */
     grads = c->rows;
   }
-  pthread_mutex_lock(&e->mu);
+  pthread_rwlock_wrlock(&e->lock);
   rc = assign ? ember__ps_table_assign(e->table, ids, q.n, grads, type == EMBER_MSG_PS_INIT)
               : ember__ps_table_push(e->table, ids, q.n, grads);
-  pthread_mutex_unlock(&e->mu);
+  pthread_rwlock_unlock(&e->lock);
   if (rc != EMBER_OK) {
     refuse(r, rc, "%s", ember_last_error());
     return;
@@ -670,7 +680,7 @@ void ember_ps_server_destroy(ember_ps_server *s) {
   ember__acceptor_destroy(s->acc);
   for (size_t i = 0; i < s->ntables; i++) {
     ember__ps_table_destroy(s->tables[i]->table);
-    pthread_mutex_destroy(&s->tables[i]->mu);
+    pthread_rwlock_destroy(&s->tables[i]->lock);
     free(s->tables[i]);
   }
   free(s->tables);
@@ -769,9 +779,9 @@ void ember_ps_server_stats(ember_ps_server *s, ember_ps_stats *out) {
   size_t n = s->ntables;
   out->rows_held = 0;
   for (size_t i = 0; i < n; i++) {
-    pthread_mutex_lock(&tables[i]->mu);
+    pthread_rwlock_rdlock(&tables[i]->lock);
     out->rows_held += ember__ps_table_held(tables[i]->table);
-    pthread_mutex_unlock(&tables[i]->mu);
+    pthread_rwlock_unlock(&tables[i]->lock);
   }
   pthread_mutex_unlock(&s->mu);
 }
@@ -798,9 +808,9 @@ int ember_ps_server_save(ember_ps_server *s, const char *dir) {
   pthread_mutex_lock(&s->mu);
   ember_wire_write_u32(&w, (uint32_t)s->ntables);
   for (size_t i = 0; i < s->ntables; i++) {
-    pthread_mutex_lock(&s->tables[i]->mu);
+    pthread_rwlock_rdlock(&s->tables[i]->lock);
     ember__ps_table_encode(s->tables[i]->table, &w);
-    pthread_mutex_unlock(&s->tables[i]->mu);
+    pthread_rwlock_unlock(&s->tables[i]->lock);
   }
   pthread_mutex_unlock(&s->mu);
   ember_wire_write_u32(&w, ember_crc32c(0, w.buf, w.len));

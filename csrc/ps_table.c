@@ -574,6 +574,20 @@ int ember__ps_table_pull(ember__ps_table *t, const uint64_t *ids, size_t n, floa
   return EMBER_OK;
 }
 
+int ember__ps_table_read(const ember__ps_table *t, const uint64_t *ids, size_t n,
+                         float *out) {
+  int rc = check_rows(t, ids, n, out, "pull");
+  if (rc != EMBER_OK) return rc;
+  size_t cols = t->spec.cols;
+  for (size_t i = 0; i < n; i++) {
+    size_t s = t->spec.layout == EMBER_PS_DENSE ? (size_t)(ids[i] - t->begin)
+                                                : map_find(t, ids[i]);
+    if (s == SIZE_MAX) return 0; /* not held yet: the caller pulls (and creates) */
+    memcpy(out + i * cols, t->vals + s * t->stride, cols * sizeof *out);
+  }
+  return 1;
+}
+
 /* One gradient row into one slot.  Arithmetic in double, stored as float:
  * Keras computes in the variable's float32, so this is at least as exact. */
 static void apply(ember__ps_table *t, size_t slot, const float *g) {

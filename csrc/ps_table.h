@@ -1,7 +1,8 @@
 /* ps_table.h - internal: one shard's part of a parameter-server table (ps.h):
  * its rows, their optimizer state, the update rules and the checkpoint
- * encoding.  No I/O and no locking here: ps_server.c holds one mutex per
- * table around every call.
+ * encoding.  No I/O and no locking here: ps_server.c holds each table's
+ * reader-writer lock around every call (shared only for the calls that
+ * take a const table).
  *
  * Storage.  Each held row is one slot: the row id, Adam's step count and
  * cols x (1 + state) floats, the values first, then the optimizer's state
@@ -71,6 +72,13 @@ uint64_t ember__ps_table_held(const ember__ps_table *t); /* rows materialised */
  * rows.  EMBER_EINVAL naming the table, the shard and the row when a row is
  * >= rows or not in this shard (DENSE range / SPARSE hash). */
 int ember__ps_table_pull(ember__ps_table *t, const uint64_t *ids, size_t n, float *out);
+
+/* ember__ps_table_pull without creating rows, and without changing t, so
+ * several threads may read at once (ps_server.c: under a shared lock):
+ * 1 when every row was held and copied, 0 when one is not held yet (out
+ * then holds some rows; pull again), or the errors of pull. */
+int ember__ps_table_read(const ember__ps_table *t, const uint64_t *ids, size_t n,
+                         float *out);
 
 /* Applies gradients grads (n x cols, row i for ids[i], in order) with the
  * table's optimizer; the same row checks as pull, all made before any row

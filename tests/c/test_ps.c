@@ -435,6 +435,64 @@ TEST(a_shard_gone_mid_job_is_named_as_a_vanished_peer) {
   stop(&p);
 }
 
+typedef struct {
+  ps_cluster *p;
+  uint32_t worker;
+  int rc;
+} racer_args;
+
+/* 300 rounds of: pull 8 rows (new ones among them), push 1.0 to each. */
+static void *racer(void *arg) {
+  racer_args *a = arg;
+  ember_ps_client *c = worker(a->p, a->worker, 2, 0, 10000);
+  ember_ps_table_spec spec = {.name = "e", .layout = EMBER_PS_SPARSE, .rows = 100000, .cols = 4,
+                              .optimizer = {.kind = EMBER_PS_SGD, .learning_rate = 0.5f}};
+  float rows[32], g[32];
+  for (int i = 0; i < 32; i++) g[i] = 1.0f;
+  a->rc = ember_ps_client_declare(c, &spec);
+  for (int r = 0; r < 300 && a->rc == EMBER_OK; r++) {
+    uint64_t ids[8];
+    for (int i = 0; i < 8; i++) ids[i] = (uint64_t)((r * 8 + i) % 500) * 7; /* 500 rows */
+    a->rc = ember_ps_client_pull(c, "e", ids, 8, 4, rows);
+    if (a->rc == EMBER_OK) a->rc = ember_ps_client_push(c, "e", ids, 8, 4, g);
+  }
+  ember_ps_client_destroy(c);
+  return NULL;
+}
+
+TEST(concurrent_pulls_and_pushes_lose_no_update) {
+  ps_cluster p;
+  start(&p, 1, 2, EMBER_PS_ASYNC, 0);
+  racer_args a = {.p = &p, .worker = 0}, b = {.p = &p, .worker = 1};
+  pthread_t ta, tb;
+  CHECK(pthread_create(&ta, NULL, racer, &a) == 0);
+  CHECK(pthread_create(&tb, NULL, racer, &b) == 0);
+  CHECK(pthread_join(ta, NULL) == 0 && pthread_join(tb, NULL) == 0);
+  CHECK_OK(a.rc);
+  CHECK_OK(b.rc);
+  /* every row got 2 workers x 300 x 8 / 500 = 9.6 pushes on average: exactly
+   * (r*8+i) % 500 over r, i; zeros init, so w = -0.5 x its pushes */
+  ember_ps_client *c = worker(&p, 0, 2, 0, 10000);
+  ember_ps_table_spec spec = {.name = "e", .layout = EMBER_PS_SPARSE, .rows = 100000, .cols = 4,
+                              .optimizer = {.kind = EMBER_PS_SGD, .learning_rate = 0.5f}};
+  CHECK_OK(ember_ps_client_declare(c, &spec));
+  int pushes[500] = {0};
+  for (int r = 0; r < 300; r++)
+    for (int i = 0; i < 8; i++) pushes[(r * 8 + i) % 500] += 2;
+  for (int k = 0; k < 500; k++) {
+    uint64_t id = (uint64_t)k * 7;
+    float row[4];
+    CHECK_OK(ember_ps_client_pull(c, "e", &id, 1, 4, row));
+    for (int j = 0; j < 4; j++) CHECK(near(row[j], -0.5f * (float)pushes[k]));
+  }
+  ember_ps_stats st;
+  ember_ps_server_stats(p.srv[0], &st);
+  CHECK_EQ_INT(st.rows_held, 500);
+  CHECK_EQ_INT(st.rows_pushed, 2 * 300 * 8);
+  ember_ps_client_destroy(c);
+  stop(&p);
+}
+
 TEST(asynchronous_mode_never_waits) {
   ps_cluster p;
   start(&p, 1, 2, EMBER_PS_ASYNC, 0);
@@ -550,6 +608,7 @@ RUN_TESTS(T(dense_table_split_over_shards_pulls_whole_and_applies_sgd),
           T(bounded_staleness_holds_the_leader_and_names_the_straggler),
           T(abort_from_another_thread_ends_a_staleness_wait_at_once),
           T(a_shard_gone_mid_job_is_named_as_a_vanished_peer),
+          T(concurrent_pulls_and_pushes_lose_no_update),
           T(asynchronous_mode_never_waits),
           T(checkpoint_restores_values_and_optimizer_state_and_refuses_corruption),
           T(encrypted_shards_serve_encrypting_workers_only))
