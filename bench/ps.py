@@ -27,6 +27,13 @@ one push by one worker, and the 2 workers run rounds at once, asynchronously
           row hash, by contiguous halves on the peers (TensorFlow's
           partitioner; the same split by hand for PyTorch)
 
+Then (bench/ps_train.py, --train-rounds, default --rounds) the training
+comparison the parameter server is for: a wide-and-deep click model
+(1,000,000 x 16 item and 100,000 x 8 user embeddings) trained by 2 workers
+asynchronously on 1 ps against the same Keras program on Ember's collective
+(every gradient allreduced, the embeddings' densified), records/s, on a
+local Spark session.
+
 Each side in its documented best configuration:
 
   ember   ember._ember.PsServer on each ps host, an ember._ember.PsClient in
@@ -85,6 +92,7 @@ RESULT ps dense_vs_best=<x> sparse_vs_best=<x> dense_vs_best_<n>ps=<x> sparse_vs
   <side>_<workload>_rps_<n>ps=<x> <side>_<workload>_gbps_<n>ps=<x>  (side ember, tf, torch)
   ember_<workload>_vs_link_<n>ps=<x> link_gbit=<g> rounds=<r> workers=2 ps_min=1 ps_max=2
   dense_params=<p> sparse_rows=<r> sparse_batch=<b> load=<1-minute load average at the start>
+  widedeep_async_rps=<x> widedeep_sync_rps=<x> widedeep_async_vs_sync=<x>
   hosts=sim|loopback
   [not_measured=tf,torch] [<peer>_error=<n>ps]
 where <workload>_vs_best_<n>ps is Ember's median rounds/s over the better
@@ -744,6 +752,9 @@ def main() -> int:
                     help="run on loopback even where hosts can be simulated")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds for any one reply")
     ap.add_argument("--keep-logs", action="store_true", help="keep the processes' stderr logs")
+    ap.add_argument("--train-rounds", type=int, default=None,
+                    help="rounds of the wide-and-deep training comparison (bench/ps_train.py: "
+                         "async on the parameter servers vs allreduce); default --rounds, 0: none")
     # process modes (internal)
     ap.add_argument("--mode", choices=["ember_server", "ember_worker", "torch", "tf_server",
                                        "tf_chief"])
@@ -949,6 +960,20 @@ def main() -> int:
             if ratio is not None:
                 best = max(("tf", "torch"), key=lambda s: meds[s] or 0.0)
                 print("Ember / best peer (%s): %.2fx" % (best, ratio))
+    # the wide-and-deep model trained async on 1 ps against allreduce (local Spark)
+    train_rounds = a.rounds if a.train_rounds is None else a.train_rounds
+    if train_rounds > 0:
+        import ps_train
+
+        print("\n== wide-and-deep training, 2 workers, local Spark: async (1 ps) vs allreduce")
+        got = ps_train.widedeep(train_rounds, quick, tempfile.mkdtemp(prefix="ember-bench-wd-"))
+        for side in ("async", "sync"):
+            print("%-6s %s records/s" % (side, cell(got[side], ".0f", 24)))
+        wd_async, wd_sync = med(got["async"]), med(got["sync"])
+        result["widedeep_async_rps"] = wd_async
+        result["widedeep_sync_rps"] = wd_sync
+        result["widedeep_async_vs_sync"] = (wd_async / wd_sync if wd_async and wd_sync
+                                            else None)
     head = ["%s_vs_best=%s" % (w, kv(min(vs_best[w]) if vs_best[w] else None))
             for w in workloads]
     head += ["%s_vs_best_%dps=%s" % (w, n, kv(result.pop("%s_vs_best_%dps" % (w, n))))

@@ -70,7 +70,8 @@ BENCHES: List[Bench] = [
            "sparse_vs_best_1ps", "sparse_vs_best_2ps"] +
           ["%s_%s_%s_%dps" % (side, w, unit, n) for side in ("ember", "tf", "torch")
            for w in ("dense", "sparse") for unit in ("rps", "gbps") for n in (1, 2)] +
-          ["link_gbit", "rounds", "workers", "ps_min", "ps_max"],
+          ["link_gbit", "rounds", "workers", "ps_min", "ps_max", "widedeep_async_rps",
+           "widedeep_sync_rps", "widedeep_async_vs_sync"],
           {"tf": ("tf_", "vs_best"), "torch": ("torch_", "vs_best")}),
     Bench("bench-feed-channel", "feed_channel",
           ["feed_shm_vs_memcpy", "feed_tcp_vs_memcpy", "channel_vs_memcpy", "channel_gbps",
