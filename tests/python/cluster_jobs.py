@@ -409,7 +409,8 @@ def main() -> int:
             "heal": lambda spark, out: hostloss(spark, out, pause=0.08, max_restarts=0),
             "partition": lambda spark, out: hostloss(spark, out, pause=0.08),
             "stream": stream, "encrypted": encrypted, "ps": ps}
-    # encrypted: every partition crosses a host over TCP (no shared-memory rings)
+    # encrypted: every partition goes over TCP (no shared-memory rings), between hosts
+    # or over a host's loopback (both captured by test_cluster)
     conf = {"spark.executorEnv.EMBER_FEED_SHM": "0"} if job == "encrypted" else {}
     spark = session(master, f"ember-cluster-{job}", 3, conf)
     try:

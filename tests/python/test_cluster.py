@@ -313,22 +313,29 @@ def test_encrypted_data_plane_hides_fed_and_allreduced_bytes(hosts, tmp_path):
     """With encrypt=True, neither the bytes fed through train() nor the floats
     of an allreduce cross the simulated network in clear; the same job in
     clear shows both (so the capture would see a leak).  Every partition is
-    fed over TCP from another host (EMBER_FEED_SHM=0 on the executors) and the
-    two ranks are on hosts of their own."""
+    fed over TCP (EMBER_FEED_SHM=0 on the executors): from another host,
+    which the switch sees, or from the node's own host over its loopback,
+    which a sniffer in each worker host sees, wherever Spark placed the
+    feeding tasks; the two ranks are on hosts of their own."""
     import numpy as np
 
     sys.path.insert(0, os.path.join(REPO, "tests", "python"))
     import cluster_jobs
 
-    out, cap, stop = str(tmp_path / "out"), str(tmp_path / "frames.bin"), str(tmp_path / "stop")
-    sniffer = subprocess.Popen(["ip", "netns", "exec", hosts.sim.switch, PY, "-c", _CAPTURE,
-                                cap, stop], stdout=subprocess.PIPE, text=True)
+    out, stop = str(tmp_path / "out"), str(tmp_path / "stop")
+    caps = {where: str(tmp_path / f"frames-{where}.bin") for where in ("switch", *WORKERS)}
+    sniffers = [subprocess.Popen(["ip", "netns", "exec", hosts.sim.switch, PY, "-c", _CAPTURE,
+                                  caps["switch"], stop], stdout=subprocess.PIPE, text=True)]
+    sniffers += [hosts.sim.popen(w, [PY, "-c", _CAPTURE, caps[w], stop], stdout=subprocess.PIPE,
+                                 text=True) for w in WORKERS]
     try:
-        assert sniffer.stdout is not None and sniffer.stdout.readline().strip() == "ready"
+        for sniffer in sniffers:
+            assert sniffer.stdout is not None and sniffer.stdout.readline().strip() == "ready"
         _job(hosts, "encrypted", out, 300)
     finally:
         open(stop, "w").close()
-        sniffer.wait(30)
+        for sniffer in sniffers:
+            sniffer.wait(30)
     phases = json.load(open(os.path.join(out, "driver.json")))
     floats = np.array(cluster_jobs.FLOATS, dtype=np.float32).tobytes()
     found = {}
@@ -338,8 +345,10 @@ def test_encrypted_data_plane_hides_fed_and_allreduced_bytes(hosts, tmp_path):
             node = json.load(open(os.path.join(out, f"{phase}-node-{i}.json")))
             assert node["rows"] > 0 and node["allreduce_ok"], node
             assert "tcp" in node["transports"], node
-        wire = _captured(cap, span["start"], span["end"])
-        assert len(wire) > 4 << 20, f"{phase}: only {len(wire)} bytes captured"
+        between = _captured(caps["switch"], span["start"], span["end"])
+        assert len(between) > 4 << 20, f"{phase}: only {len(between)} bytes captured"
+        wire = b"".join([between] + [_captured(caps[w], span["start"], span["end"])
+                                     for w in WORKERS])
         found[phase] = (cluster_jobs.FEED_MARKER in wire, floats in wire)
     assert found["clear"] == (True, True), f"the capture must see the clear job's data: {found}"
     assert found["encrypted"] == (False, False), found
