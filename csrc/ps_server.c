@@ -283,6 +283,20 @@ static int request_rows(ember_ps_server *s, ps_conn *c, const ember_ps_table_spe
   return EMBER_OK;
 }
 
+/* The table a request names, or NULL having refused it naming the tables
+ * this shard has (`op`: "pull", "push"...).  Under s->mu. */
+static ps_entry *table_or_refuse(ember_ps_server *s, const char *name, const char *op,
+                                 ps_reply *r) {
+  ps_entry *e = find_table(s, name);
+  if (e == NULL) {
+    char names[256];
+    table_names(s, names, sizeof names);
+    refuse(r, EMBER_ENOTFOUND, "%s of table '%s': no such table on ps shard %u of %u "
+           "(declared: %s); declare it first", op, name, s->shard, s->num_shards, names);
+  }
+  return e;
+}
+
 static void handle_pull(ember_ps_server *s, ps_conn *c, const uint8_t *p, size_t len,
                         ps_reply *r) {
   ember__ps_pull_req q;
@@ -293,12 +307,8 @@ static void handle_pull(ember_ps_server *s, ps_conn *c, const uint8_t *p, size_t
     return;
   }
   pthread_mutex_lock(&s->mu);
-  ps_entry *e = find_table(s, q.table);
+  ps_entry *e = table_or_refuse(s, q.table, "pull", r);
   if (e == NULL) {
-    char names[256];
-    table_names(s, names, sizeof names);
-    refuse(r, EMBER_ENOTFOUND, "no table '%s' on ps shard %u of %u (declared: %s); declare it "
-           "first", q.table, s->shard, s->num_shards, names);
     pthread_mutex_unlock(&s->mu);
     return;
   }
@@ -356,13 +366,7 @@ static void handle_push(ember_ps_server *s, ps_conn *c, uint16_t type, const uin
     return;
   }
   pthread_mutex_lock(&s->mu);
-  ps_entry *e = find_table(s, q.table);
-  if (e == NULL) {
-    char names[256];
-    table_names(s, names, sizeof names);
-    refuse(r, EMBER_ENOTFOUND, "%s to unknown table '%s' on ps shard %u of %u (declared: %s); "
-           "declare it first", op, q.table, s->shard, s->num_shards, names);
-  }
+  ps_entry *e = table_or_refuse(s, q.table, op, r);
   pthread_mutex_unlock(&s->mu);
   if (e == NULL) return;
   const ember_ps_table_spec *spec = ember__ps_table_spec(e->table);
