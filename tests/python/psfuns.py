@@ -234,3 +234,39 @@ def tf_parameter_server_strategy(args: Dict[str, Any], ctx: Any) -> None:
     with open(os.path.join(args["out"], "chief.json"), "w") as f:
         json.dump(dict(accuracy=accuracy, workers=len(resolver.cluster_spec().as_dict()
                                                       .get("worker", []))), f)
+
+
+# ------------------------------------------------------------ the tests' side
+
+def train_async_on_two_shards(sc: Any, main_fun: Any, out: str,
+                              embedding_floats: int) -> Dict[str, Dict[str, Any]]:
+    """Runs ``main_fun`` (keras_async, or torch_psfuns.torch_async) on a
+    chief and a worker with 2 ps shards, checks what both frameworks must
+    show, and returns the two nodes' reports by role.  ``embedding_floats``:
+    the floats of the embedding rows one click record pulls."""
+    from conftest import read_json_files
+    from ember.ps import ParameterServers
+    from ember.spark import InputMode, run
+
+    cluster = run(sc, main_fun, {"out": out, "n": 8192, "epochs": 3}, num_executors=4,
+                  num_ps=2, parameter_servers=ParameterServers(),
+                  input_mode=InputMode.TENSORFLOW, reservation_timeout=120)
+    cluster.shutdown(timeout=300)
+    chief, worker = sorted(read_json_files(out), key=lambda i: i["rank"])
+    assert (chief["role"], worker["role"]) == ("chief", "worker")
+    for node in (chief, worker):
+        assert (node["size"], node["shards"]) == (2, 2)
+        assert node["loss"][-1] < node["loss"][0]
+        assert node["accuracy"] > 0.75, node["accuracy"]
+        # the click model learned from its embedding rows alone
+        assert node["clicks_accuracy"] > 0.9, node["clicks_accuracy"]
+        # each step pulled the rows of its batch (at most 128 records) and
+        # the click model's dense weights, never the 32 MB table
+        per_step = node["clicks_received"] / node["clicks_steps"]
+        assert 0 < per_step < 128 * embedding_floats * 4 + 4096, per_step
+        assert node["clicks_received"] < node["table_bytes"] / 20
+    # both started from the chief's weights, whatever their own seeds, and
+    # ended with the servers' final weights
+    assert chief["start"] == worker["start"]
+    assert chief["final"] == worker["final"] != chief["start"]
+    return {"chief": chief, "worker": worker}

@@ -24,11 +24,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch runs in .venv-torch: make test-torch")
 
 import ember.torch  # noqa: E402
+import psfuns  # noqa: E402
 import torch_psfuns  # noqa: E402
-from conftest import read_json_files  # noqa: E402
 from ember import _ember as E  # noqa: E402
-from ember.ps import Client, ParameterServers  # noqa: E402
-from ember.spark import InputMode, run  # noqa: E402
+from ember.ps import Client  # noqa: E402
 
 HOST = "127.0.0.1"
 
@@ -269,25 +268,7 @@ def test_ps_embedding_in_a_model_trained_by_the_optimizer():
 # ---------------------------------------------------------------- on Spark
 
 def test_torch_trains_asynchronously_on_two_ps_shards(local_spark, tmp_path):
-    sc = local_spark.sparkContext
-    cluster = run(sc, torch_psfuns.torch_async, {"out": str(tmp_path), "n": 8192, "epochs": 3},
-                  num_executors=4, num_ps=2, parameter_servers=ParameterServers(),
-                  input_mode=InputMode.TENSORFLOW, reservation_timeout=120)
-    cluster.shutdown(timeout=300)
-    chief, worker = sorted(read_json_files(str(tmp_path)), key=lambda i: i["rank"])
-    assert (chief["role"], worker["role"]) == ("chief", "worker")
-    for node in (chief, worker):
-        assert (node["size"], node["shards"]) == (2, 2)
-        assert node["loss"][-1] < node["loss"][0]
-        assert node["accuracy"] > 0.75, node["accuracy"]
-        # the click model learned from its embedding rows alone
-        assert node["clicks_accuracy"] > 0.9, node["clicks_accuracy"]
-        # each step pulled the rows of its batch (at most 128 of 8 floats)
-        # and the click model's dense weights, never the 32 MB table
-        per_step = node["clicks_received"] / node["clicks_steps"]
-        assert 0 < per_step < 128 * 8 * 4 + 4096, per_step
-        assert node["clicks_received"] < node["table_bytes"] / 20
-    # both started from the chief's weights, whatever their own seeds, and
-    # ended with the servers' final weights (ParameterServerOptimizer.finish)
-    assert chief["start"] == worker["start"]
-    assert chief["final"] == worker["final"] != chief["start"]
+    # the same checks as the Keras test's (ParameterServerOptimizer.finish
+    # leaves both with the servers' final weights); items of 8 floats
+    psfuns.train_async_on_two_shards(local_spark.sparkContext, torch_psfuns.torch_async,
+                                     str(tmp_path), 8)
