@@ -162,7 +162,8 @@ install: $(BUILD)/libember.a $(SHLIB)
 # ApplicationMaster; Maven's local repository is build/m2, as for the mini
 # cluster).  Rerun when any source of the extension or the jars changes.
 PKG_SRCS      := pyproject.toml setup.py python/ember/_version.py $(LIB_SRCS) $(LIB_HDRS) \
-                 $(EXT_SRCS) $(EXT_HDRS) $(wildcard spark/src/ember/spark/*.java) \
+                 $(EXT_SRCS) $(EXT_HDRS) python/ember/_tf_feed_op.c \
+                 $(wildcard spark/src/ember/spark/*.java) \
                  $(shell find hadoop/yarn-app -type f 2>/dev/null)
 PIP_EDITABLE  = EMBER_M2_REPO=$(M2_REPO) $(1) -m pip install -q --no-build-isolation --no-deps -e .
 ext: $(VENV)/.ember-installed

@@ -21,11 +21,21 @@ an editable install leaves) that is newer than its sources and this file is
 copied, not compiled again (``make setup`` installs the package editable in
 two venvs of the same Python).  Otherwise the sources compile in parallel,
 one per CPU (``EMBER_BUILD_JOBS`` sets how many).
+
+A second, optional extension, ``ember._ember_tf``, is the TensorFlow op behind
+``ember.tf.feed_dataset`` (python/ember/_tf_feed_op.c, in C against
+TensorFlow's C kernel API).  It is built only when TensorFlow is installed
+where the build runs (found without importing it: see ``_tensorflow_dir``),
+since it links TensorFlow's libtensorflow_framework.so.2.  It is a plain
+shared library that ``tf.load_op_library`` loads, never a Python module to
+import; it is not linked with libember (it reaches the feed through the
+function table ember._ember hands out, ember/feed_reader.h).
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -142,6 +152,12 @@ class BuildExt(build_ext):
     """build_ext that reuses an up-to-date extension built in place and
     otherwise compiles the sources in parallel."""
 
+    def run(self) -> None:
+        if TF_DIR is None:
+            print("TensorFlow not found in this environment: ember.tf.feed_dataset's op is "
+                  "not built; pip install tensorflow, then reinstall ember", flush=True)
+        super().run()
+
     def build_extension(self, ext: Extension) -> None:
         built = os.path.join(ROOT, "python", *ext.name.split(".")) + \
             (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
@@ -186,7 +202,51 @@ extension = Extension(
     depends=_rel("csrc/include/ember/*.h", "csrc/*.h", "python/ember/_ember*.h"),
 )
 
+
+def _tensorflow_dir() -> Optional[str]:
+    """TensorFlow's package directory, when TensorFlow is installed where this
+    build runs and ships the C kernel API's header and library; else None.
+
+    Found with find_spec, not imported: an import takes seconds, and the
+    build only needs the files.  An isolated build (``python -m build``,
+    ``pip install .`` without --no-build-isolation) has no TensorFlow, so its
+    wheel has no op; neither does the PyTorch venv's install."""
+    try:
+        spec = importlib.util.find_spec("tensorflow")
+    except (ImportError, ValueError):
+        return None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        return None
+    tf = locations[0]
+    needed = [os.path.join(tf, "include", "tensorflow", "c", "kernels.h"),
+              os.path.join(tf, "libtensorflow_framework.so.2")]
+    return tf if all(os.path.exists(p) for p in needed) else None
+
+
+TF_DIR = _tensorflow_dir()
+extensions = [extension]
+if TF_DIR is not None:
+    extensions.append(Extension(
+        "ember._ember_tf",
+        sources=["python/ember/_tf_feed_op.c"],
+        include_dirs=["csrc/include"],
+        define_macros=[("_GNU_SOURCE", None)],
+        # -isystem: TensorFlow's headers are not held to the project's -Werror
+        # (ops.h alone fails -Wstrict-prototypes).  C headers only, so no
+        # EIGEN_MAX_ALIGN_BYTES: that matters to C++ ops sharing Eigen types.
+        extra_compile_args=["-std=c11", "-pthread", "-fvisibility=hidden", "-O2"] + WARNINGS
+        + ["-isystem", os.path.join(TF_DIR, "include")],
+        # -z defs: a TF_ symbol the framework library lacks fails this link
+        # instead of tf.load_op_library at run time.  The rpath finds the
+        # framework when the library is loaded on its own (nm, ldd); under
+        # TensorFlow it is loaded already, by soname.
+        extra_link_args=["-pthread", f"-L{TF_DIR}", "-l:libtensorflow_framework.so.2",
+                         f"-Wl,-rpath,{TF_DIR}", "-Wl,-z,defs"],
+        depends=_rel("csrc/include/ember/*.h"),
+    ))
+
 if sysconfig.get_platform().startswith("linux") is False:
     sys.exit("ember builds on Linux only (shared memory, epoll, /proc)")
 
-setup(ext_modules=[extension], cmdclass={"build_py": BuildPyWithJars, "build_ext": BuildExt})
+setup(ext_modules=extensions, cmdclass={"build_py": BuildPyWithJars, "build_ext": BuildExt})

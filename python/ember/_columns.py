@@ -406,6 +406,14 @@ def _records_to_columns_py(records: Any, where: str = "batch", first: int = 0,
     return specs, n
 
 
+def row_shape(shape: Optional[Tuple[int, ...]], width: int) -> Tuple[int, ...]:
+    """The shape of one row of a fixed-width column: the shape its name
+    carries, else a scalar for width 1 and a vector otherwise."""
+    if shape is not None:
+        return shape
+    return () if width == 1 else (width,)
+
+
 def item_columns(item: Any) -> Tuple[List[str], List[Any]]:
     """Zero-copy numpy views (or lists of str/bytes) of a received feed item."""
     names, columns = [], []
@@ -420,10 +428,7 @@ def item_columns(item: Any) -> Tuple[List[str], List[Any]]:
         else:
             np_dtype = DT_TO_NUMPY[dtype]
             col = np.frombuffer(item, dtype=np_dtype, count=n * width, offset=offset)
-            if shape is not None:
-                col = col.reshape((n,) + shape)
-            elif width != 1:
-                col = col.reshape(n, width)
+            col = col.reshape((n,) + row_shape(shape, width))
         names.append(field)
         columns.append(col)
     return names, columns

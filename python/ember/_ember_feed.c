@@ -17,6 +17,7 @@
  * (results that arrive during end_partition are buffered by libember).
  */
 #include "_ember.h"
+#include "ember/feed_reader.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -1017,6 +1018,221 @@ static PyType_Spec FeedClient_spec = {
     .slots = FeedClient_slots,
 };
 
+/* ================================================================ FeedReader */
+
+/* What a reader's handle destroys: the reader, then its hold on the server
+ * (the C server must outlive the reader, whoever closes it first). */
+typedef struct {
+  ember_feed_reader *reader;
+  FeedServerObject *server;
+} feed_reader_ref;
+
+typedef struct {
+  PyObject_HEAD
+  embpy_handle h; /* h.ptr: a feed_reader_ref; the C reader locks itself */
+  uint64_t id;
+} FeedReaderObject;
+
+/* Runs without the GIL (embpy handles destroy so): the reader's destroy
+ * waits for TensorFlow's calls to leave; the server's hold needs the GIL. */
+static void feed_reader_destroy(void *p) {
+  feed_reader_ref *ref = p;
+  ember_feed_reader_destroy(ref->reader);
+  PyGILState_STATE gil = PyGILState_Ensure();
+  embpy_handle_leave(&ref->server->h);
+  Py_DECREF(ref->server);
+  PyMem_Free(ref);
+  PyGILState_Release(gil);
+}
+
+static PyObject *FeedReader_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+  static char *kwlist[] = {"server", "fail_on_producer_error", NULL};
+  ember_state *st = embpy_state_of_type(type);
+  if (st == NULL)
+    return NULL;
+  PyObject *server;
+  int fail = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|$p:FeedReader", kwlist,
+                                   st->FeedServer_Type, &server, &fail))
+    return NULL;
+  FeedServerObject *so = (FeedServerObject *)server;
+  FeedReaderObject *self = (FeedReaderObject *)type->tp_alloc(type, 0);
+  if (self == NULL)
+    return NULL;
+  if (embpy_handle_init(&self->h, "FeedReader", feed_reader_destroy, 0) < 0) {
+    Py_DECREF(self);
+    return NULL;
+  }
+  feed_reader_ref *ref = PyMem_Calloc(1, sizeof *ref);
+  if (ref == NULL) {
+    Py_DECREF(self);
+    return PyErr_NoMemory();
+  }
+  if (embpy_handle_enter(&so->h) < 0) { /* "FeedServer is closed" */
+    PyMem_Free(ref);
+    Py_DECREF(self);
+    return NULL;
+  }
+  ember_feed_reader_options opts = {fail, NULL, NULL};
+  embpy_err e;
+  int rc;
+  EMBPY_CALL(rc, &e, ember_feed_reader_create(&ref->reader, so->h.ptr, &opts));
+  if (rc != EMBER_OK) {
+    embpy_handle_leave(&so->h);
+    PyMem_Free(ref);
+    Py_DECREF(self);
+    return embpy_raise(st, &e);
+  }
+  Py_INCREF(server);
+  ref->server = so;
+  self->id = ember_feed_reader_id(ref->reader);
+  self->h.ptr = ref;
+  return (PyObject *)self;
+}
+
+static void FeedReader_dealloc(PyObject *op) {
+  PyTypeObject *tp = Py_TYPE(op);
+  PyObject_GC_UnTrack(op);
+  embpy_handle_dealloc(&((FeedReaderObject *)op)->h);
+  tp->tp_free(op);
+  Py_DECREF(tp);
+}
+
+typedef struct {
+  ember_feed_reader *reader;
+  uint32_t batch_rows, rows;
+} reader_wait;
+
+static int reader_wait_slice(void *arg, int64_t slice_ms) {
+  reader_wait *w = arg;
+  return ember_feed_reader_wait(w->reader, w->batch_rows, slice_ms, &w->rows);
+}
+
+PyDoc_STRVAR(FeedReader_wait_doc,
+             "wait(batch_rows, timeout_s) -> int or None\n\n"
+             "Waits until the next batch is known and returns its rows (batch_rows,\n"
+             "fewer where the data ends, 0 at the end of the sequence); None on\n"
+             "timeout, the rows found so far kept for the next wait.");
+
+static PyObject *FeedReader_wait(PyObject *op, PyObject *args) {
+  FeedReaderObject *self = (FeedReaderObject *)op;
+  Py_ssize_t batch_rows;
+  int64_t ms;
+  if (!PyArg_ParseTuple(args, "nO&:wait", &batch_rows, embpy_timeout_conv, &ms))
+    return NULL;
+  if (batch_rows < 1 || (size_t)batch_rows > UINT32_MAX) {
+    PyErr_Format(PyExc_ValueError, "batch_rows must be 1..%u, not %zd", UINT32_MAX, batch_rows);
+    return NULL;
+  }
+  if (self->h.closed || self->h.ptr == NULL) {
+    PyErr_SetString(PyExc_ValueError, "FeedReader is closed");
+    return NULL;
+  }
+  reader_wait w = {((feed_reader_ref *)self->h.ptr)->reader, (uint32_t)batch_rows, 0};
+  int r = embpy_handle_wait(&self->h, Py_TYPE(op), ms, reader_wait_slice, &w);
+  if (r < 0)
+    return NULL;
+  if (r > 0)
+    Py_RETURN_NONE;
+  return PyLong_FromUnsignedLong(w.rows);
+}
+
+PyDoc_STRVAR(FeedReader_layout_doc,
+             "layout() -> [(name, dtype, width), ...]\n\n"
+             "The columns of the rows the last wait found (it returned > 0).");
+
+static PyObject *FeedReader_layout(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  FeedReaderObject *self = (FeedReaderObject *)op;
+  ember_column cols[EMBER_BATCH_MAX_COLS];
+  uint32_t ncols = 0;
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    ember_feed_reader_layout(((feed_reader_ref *)self->h.ptr)->reader, cols,
+                                             EMBER_BATCH_MAX_COLS, &ncols));
+  if (ok < 0)
+    return NULL;
+  PyObject *out = PyList_New(ncols);
+  if (out == NULL)
+    return NULL;
+  for (uint32_t i = 0; i < ncols; i++) {
+    PyObject *t = Py_BuildValue("(s#iI)", cols[i].name, (Py_ssize_t)cols[i].name_len,
+                                (int)cols[i].dtype, (unsigned)cols[i].width);
+    if (t == NULL) {
+      Py_DECREF(out);
+      return NULL;
+    }
+    PyList_SET_ITEM(out, i, t);
+  }
+  return out;
+}
+
+PyDoc_STRVAR(FeedReader_stats_doc,
+             "stats() -> dict\n\nrows and batches handed out, feed calls ended, and\n"
+             "feeding tasks' failures seen.");
+
+static PyObject *FeedReader_stats(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  FeedReaderObject *self = (FeedReaderObject *)op;
+  ember_feed_reader_stats fs;
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                    (ember_feed_reader_stats_get(((feed_reader_ref *)self->h.ptr)->reader, &fs),
+                     EMBER_OK));
+  if (ok < 0)
+    return NULL;
+  return Py_BuildValue("{sKsKsKsK}", "rows", (unsigned long long)fs.rows, "batches",
+                       (unsigned long long)fs.batches, "calls_ended",
+                       (unsigned long long)fs.calls_ended, "producer_errors",
+                       (unsigned long long)fs.producer_errors);
+}
+
+static PyObject *FeedReader_close(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  embpy_handle_close(&((FeedReaderObject *)op)->h);
+  Py_RETURN_NONE;
+}
+
+static PyObject *FeedReader_id(PyObject *op, void *closure) {
+  return PyLong_FromUnsignedLongLong(((FeedReaderObject *)op)->id);
+}
+
+static PyMethodDef FeedReader_methods[] = {
+    {"wait", FeedReader_wait, METH_VARARGS, FeedReader_wait_doc},
+    {"layout", FeedReader_layout, METH_NOARGS, FeedReader_layout_doc},
+    {"stats", FeedReader_stats, METH_NOARGS, FeedReader_stats_doc},
+    {"close", FeedReader_close, METH_NOARGS,
+     "close() -> None\n\nEnds waits in flight (TensorFlow's included) and frees the reader;\n"
+     "its id then names nothing.  Idempotent."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef FeedReader_getset[] = {
+    {"id", FeedReader_id, NULL, "The reader's id, by which the api table finds it.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(FeedReader_doc,
+             "FeedReader(server, *, fail_on_producer_error=False)\n\n"
+             "The feed of `server` read as batches of rows by code that runs without\n"
+             "Python (ember/feed_reader.h): ember.tf.feed_dataset's TensorFlow op\n"
+             "reaches it by id through the table at FEED_READER_API.  Holds the\n"
+             "server open until closed.");
+
+static PyType_Slot FeedReader_slots[] = {
+    {Py_tp_doc, (void *)FeedReader_doc},
+    {Py_tp_new, FeedReader_new},
+    {Py_tp_dealloc, FeedReader_dealloc},
+    {Py_tp_traverse, Handle_traverse},
+    {Py_tp_methods, FeedReader_methods},
+    {Py_tp_getset, FeedReader_getset},
+    {0, NULL},
+};
+
+static PyType_Spec FeedReader_spec = {
+    .name = "ember._ember.FeedReader",
+    .basicsize = sizeof(FeedReaderObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = FeedReader_slots,
+};
+
 /* ================================================================ exec */
 
 int embpy_feed_exec(PyObject *m, ember_state *st) {
@@ -1031,5 +1247,16 @@ int embpy_feed_exec(PyObject *m, ember_state *st) {
       (PyTypeObject *)PyType_FromModuleAndSpec(m, &FeedClient_spec, NULL);
   if (st->FeedClient_Type == NULL || PyModule_AddType(m, st->FeedClient_Type) < 0)
     return -1;
+  PyTypeObject *reader = (PyTypeObject *)PyType_FromModuleAndSpec(m, &FeedReader_spec, NULL);
+  int added = reader != NULL ? PyModule_AddType(m, reader) : -1;
+  Py_XDECREF(reader);
+  if (added < 0)
+    return -1;
+  /* the address of the static ember_feed_reader_api table, for the op */
+  PyObject *api = PyLong_FromVoidPtr((void *)ember_feed_reader_api_table());
+  if (api == NULL || PyModule_AddObject(m, "FEED_READER_API", api) < 0) {
+    Py_XDECREF(api);
+    return -1;
+  }
   return 0;
 }

@@ -206,6 +206,9 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
         text = "" if code == 0 else f"{name}: main_fun called sys.exit({exc.code!r})"
     except BaseException:
         code, text = 1, f"{name}: main_fun raised:\n{traceback.format_exc()}"
+    if ctx._feed_reader is not None:  # ember.tf.feed_dataset's op waits no more
+        ctx._feed_reader.close()
+        ctx._feed_reader = None
     if ctx._ps_client is not None:
         ctx._ps_client.finish_and_close(code == 0)  # the servers stop waiting for this worker
     if ctx._collective is not None:

@@ -522,6 +522,7 @@ class NodeContext:
     _secret: bytes = b""  # the job secret (authenticates the parameter servers' clients)
     _encrypt: bool = False  # run(encrypt=...)
     _ps_client: Any = None  # ember.ps.Client, once parameter_servers() was called
+    _feed_reader: Any = None  # ember._ember.FeedReader of ember.tf.feed_dataset
 
     @property
     def framework_port(self) -> int:
@@ -555,6 +556,9 @@ class NodeContext:
             raise RuntimeError(
                 f"{self.job_name}:{self.task_index} has no data feed: only chief and "
                 "worker nodes of an InputMode.SPARK cluster are fed")
+        if self._feed_reader is not None:
+            raise RuntimeError("this node's feed is already read by ember.tf.feed_dataset; "
+                               "a DataFeed would get only part of its rows: use one or the other")
         if self._feed is None or self._feed.train_mode != train_mode:
             self._feed = self.data_feed(self._feed_server, train_mode, feed_timeout,
                                         on_producer_error=on_producer_error)
