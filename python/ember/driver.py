@@ -106,8 +106,12 @@ class Cluster:
                  reservation_timeout: float, heartbeat_timeout: float, max_restarts: int,
                  env: Dict[str, str], driver_ps_nodes: bool = False,
                  tensorboard: bool = False, log_dir: Optional[str] = None,
-                 encrypt: Optional[bool] = None, parameter_servers: Any = None) -> None:
+                 encrypt: Optional[bool] = None, parameter_servers: Any = None,
+                 feed_chief: bool = True) -> None:
         self.sc = sc
+        #: the roles train()/inference() feed: chief and workers, or only the
+        #: workers when the chief only coordinates (run(feed_chief=False))
+        self.feed_roles = FEED_ROLES if feed_chief else ("worker",)
         #: how the ps nodes serve Ember's parameter server (ember.ps.ParameterServers),
         #: None: they run main_fun like every node (TensorFlow's own ps servers)
         self.parameter_servers = parameter_servers
@@ -511,7 +515,7 @@ class Cluster:
 
     def _feed_targets(self) -> List[executor.Target]:
         return [(n["host"], n["ports"][1], self._name(n["index"]))
-                for n in self.nodes if n["role"] in FEED_ROLES]
+                for n in self.nodes if n["role"] in self.feed_roles]
 
     def _next_seq(self) -> int:
         self._feed_seq += 1
@@ -724,7 +728,7 @@ class Cluster:
         """Waits until every chief/worker node has either named where it resumes
         from (``ctx.resume_from``) or started reading its feed without naming
         one, or has ended; returns the positions named."""
-        fed = [n["index"] for n in self.nodes if n["role"] in FEED_ROLES]
+        fed = [n["index"] for n in self.nodes if n["role"] in self.feed_roles]
         deadline = time.monotonic() + timeout
         with self._lock:
             while not self._failures:
@@ -746,7 +750,7 @@ class Cluster:
     def _checkpointed_through(self) -> Optional[int]:
         """The first stream micro-batch some fed node's latest checkpoint lacks
         (``ctx.checkpointed``); None until every fed node has told one."""
-        fed = [n["index"] for n in self.nodes if n["role"] in FEED_ROLES]
+        fed = [n["index"] for n in self.nodes if n["role"] in self.feed_roles]
         with self._lock:
             held = [self._checkpoints.get(i) for i in fed]
         return None if any(h is None for h in held) else min(h for h in held if h is not None)
@@ -1166,7 +1170,8 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
         master_node: Optional[str] = "chief", reservation_timeout: float = 600,
         eval_node: bool = False, heartbeat_timeout: float = 10.0, max_restarts: int = 0,
         env: Optional[Dict[str, str]] = None, gpus_per_node: int = 0,
-        encrypt: Optional[bool] = None, parameter_servers: Any = None) -> Cluster:
+        encrypt: Optional[bool] = None, parameter_servers: Any = None,
+        feed_chief: bool = True) -> Cluster:
     """Starts ``main_fun(args, ctx)`` on ``num_executors`` nodes and returns the cluster.
 
     :param sc: the SparkContext.
@@ -1219,6 +1224,10 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
         worker finished.  None (default): ps nodes run ``main_fun`` like the
         others (e.g. TensorFlow's ``tf.distribute.Server`` for
         ParameterServerStrategy).  The data plane's ``encrypt`` applies.
+    :param feed_chief: False: ``train()`` and ``inference()`` feed the workers
+        only, for a chief that coordinates and reads no data (TensorFlow's
+        ParameterServerStrategy, whose workers read their feed in a
+        ``dataset_fn`` with :func:`ember.tf.feed_dataset`).
 
     With ``MLFLOW_TRACKING_URI`` set, the job is one MLflow run: these
     arguments and ``args`` as params, the nodes' ``ctx.log_metrics``, restarts
@@ -1241,7 +1250,8 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
     cluster = Cluster(sc, main_fun, args, num_executors, roles, InputMode(input_mode),
                       reservation_timeout, heartbeat_timeout, max_restarts, dict(env or {}),
                       driver_ps_nodes=driver_ps_nodes, tensorboard=tensorboard, log_dir=log_dir,
-                      encrypt=encrypt, parameter_servers=parameter_servers)
+                      encrypt=encrypt, parameter_servers=parameter_servers,
+                      feed_chief=feed_chief)
     if gpus_per_node:
         on_executors = num_executors - (num_ps if driver_ps_nodes else 0)
         cluster._profile = _gpu.node_profile(sc, on_executors, gpus_per_node)

@@ -232,6 +232,10 @@ def tensorflow_server(ctx: Any) -> None:
     then stops the servers (as TensorFlow's own servers end with their job).
 
     Run without ``parameter_servers=``: the ps nodes run ``main_fun`` here.
+    In InputMode.SPARK, run with ``feed_chief=False`` (the chief reads no
+    data): each worker's ``dataset_fn`` reads that worker's feed with
+    ``ember.tf.feed_dataset(None, batch_size, element_spec=...)``, which this
+    call attaches.
     """
     import tensorflow as tf
 
@@ -244,4 +248,8 @@ def tensorflow_server(ctx: Any) -> None:
                                   protocol=resolver.rpc_layer or "grpc", start=True)
     logger.info(f"{resolver.task_type}:{resolver.task_id}: tf.distribute.Server at "
                 f"{server.target}")
+    if ctx.feed_server is not None:  # InputMode.SPARK: dataset_fns read this node's feed
+        from ember import tf as ember_tf
+
+        ember_tf.attach(ctx)
     ctx.serve_until_stopped()

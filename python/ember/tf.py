@@ -30,6 +30,8 @@ import os
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
+
 from ember import _columns, _ember
 from ember.errors import EmberError, EmberFeedError
 
@@ -42,7 +44,7 @@ _attach: Any = None  # the library's ember_tf_attach
 
 def _ops() -> Any:
     """The op library, loaded once per process."""
-    global _op_module
+    global _op_module, _attach
     with _op_lock:
         if _op_module is None:
             import tensorflow as tf
@@ -128,16 +130,24 @@ def _end_on_stop(ctx: Any, server: Any, reader: Any) -> None:
         time.sleep(0.5)
 
 
-def feed_dataset(source: Any, batch_size: int, *, feed_timeout: float = 600.0,
-                 as_dict: bool = False, fail_on_producer_error: bool = False) -> Any:
+def feed_dataset(source: Any, batch_size: int, *, element_spec: Any = None,
+                 feed_timeout: float = 600.0, as_dict: bool = False,
+                 fail_on_producer_error: bool = False) -> Any:
     """This node's feed as a ``tf.data.Dataset`` of batches.
 
-    :param source: the node's context (``main_fun``'s ``ctx``), or a bare
-        ``ember._ember.FeedServer``.
+    :param source: the node's context (``main_fun``'s ``ctx``), a bare
+        ``ember._ember.FeedServer``, or None: the feed of the node whose
+        process runs the dataset (a ParameterServerStrategy ``dataset_fn``,
+        traced on the coordinator and run on each worker, whose
+        ``ember.ps.tensorflow_server(ctx)`` attached its feed); then
+        ``element_spec`` is required.
     :param batch_size: rows per batch (fewer only where the data ends).
+    :param element_spec: the columns' ``tf.TensorSpec`` (a tuple of them, in
+        the records' field order, or one), each ``[None, *row shape]``.  By
+        default the dataset's creation waits for the first rows and reads
+        their types and shapes.
     :param feed_timeout: seconds to wait for rows before failing with
-        DeadlineExceeded (the dataset's creation waits for the first rows,
-        which tell the columns' types and shapes).
+        DeadlineExceeded.
     :param as_dict: elements as ``{field: tensor}`` instead of a tuple of the
         columns in the records' field order (a single column: the tensor).
     :param fail_on_producer_error: a feeding task's failure fails the
@@ -152,33 +162,22 @@ def feed_dataset(source: Any, batch_size: int, *, feed_timeout: float = 600.0,
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     ops = _ops()
-    reader = _reader(source, fail_on_producer_error)
-    rows = reader.wait(1, feed_timeout)
-    if rows is None:
-        raise TimeoutError(f"no data arrived on the feed for {feed_timeout:.0f} s "
-                           "(feed_timeout); is cluster.train() running?")
-    if rows == 0:
-        raise EmberFeedError("the feed call ended before any row arrived: there is nothing "
-                             "to make a dataset of (an empty DataFrame or RDD?)")
-    layout = reader.layout()
-    tf_types = _dtypes()
-    fields: List[str] = []
-    dtypes: List[Any] = []
-    widths: List[int] = []
-    shapes: List[Tuple[int, ...]] = []
-    for name, dtype, width in layout:
-        field, shape, _is_str = _columns.decode_name(name)
-        fields.append(field)
-        dtypes.append(tf_types[dtype])
-        widths.append(width)
-        shapes.append(() if dtype == _ember.DT_BYTES else _columns.row_shape(shape, width))
-    reader_id = reader.id
+    if element_spec is not None:
+        fields, dtypes, widths, shapes = _declared(element_spec)
+    elif source is None:
+        raise ValueError("feed_dataset(None, ...) reads the feed of whichever node runs it, "
+                         "so it cannot look at the rows first: pass element_spec")
+    else:
+        fields, dtypes, widths, shapes = _first_rows_layout(
+            _reader(source, fail_on_producer_error), feed_timeout)
+    reader = None if source is None else _reader(source, fail_on_producer_error)
+    reader_id = 0 if reader is None else reader.id
     timeout_ms = -1 if feed_timeout is None else int(feed_timeout * 1000)
 
     def next_batch(_: Any) -> Any:
         more, columns = ops.ember_feed_next(reader=reader_id, batch_size=batch_size,
-                                             dtypes=dtypes, widths=widths,
-                                             timeout_ms=timeout_ms)
+                                            dtypes=dtypes, widths=widths,
+                                            timeout_ms=timeout_ms)
         shaped = tuple(tf.reshape(c, (-1,) + s) for c, s in zip(columns, shapes))
         return more, shaped
 
@@ -192,3 +191,51 @@ def feed_dataset(source: Any, batch_size: int, *, feed_timeout: float = 600.0,
     # the reader lives as long as any dataset made from it
     ds._ember_feed_reader = reader
     return ds
+
+
+Layout = Tuple[List[str], List[Any], List[int], List[Tuple[int, ...]]]
+
+
+def _first_rows_layout(reader: Any, feed_timeout: float) -> Layout:
+    """The columns of the feed's first rows (waiting for them)."""
+    rows = reader.wait(1, feed_timeout)
+    if rows is None:
+        raise TimeoutError(f"no data arrived on the feed for {feed_timeout:.0f} s "
+                           "(feed_timeout); is cluster.train() running?")
+    if rows == 0:
+        raise EmberFeedError("the feed call ended before any row arrived: there is nothing "
+                             "to make a dataset of (an empty DataFrame or RDD?)")
+    tf_types = _dtypes()
+    fields: List[str] = []
+    dtypes: List[Any] = []
+    widths: List[int] = []
+    shapes: List[Tuple[int, ...]] = []
+    for name, dtype, width in reader.layout():
+        field, shape, _is_str = _columns.decode_name(name)
+        fields.append(field)
+        dtypes.append(tf_types[dtype])
+        widths.append(width)
+        shapes.append(() if dtype == _ember.DT_BYTES else _columns.row_shape(shape, width))
+    return fields, dtypes, widths, shapes
+
+
+def _declared(element_spec: Any) -> Layout:
+    """The columns an element_spec declares."""
+    import tensorflow as tf
+
+    specs = element_spec if isinstance(element_spec, (tuple, list)) else (element_spec,)
+    fields, dtypes, widths, shapes = [], [], [], []
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, tf.TensorSpec) or spec.shape.rank is None or \
+                spec.shape.rank < 1 or None in spec.shape.as_list()[1:]:
+            raise ValueError(f"element_spec[{i}] must be a tf.TensorSpec([None, *row shape], "
+                             f"dtype) with a known row shape, not {spec!r}")
+        if spec.dtype not in _dtypes().values():
+            raise ValueError(f"element_spec[{i}]: the feed carries float32, float64, int32, "
+                             f"int64, uint8, bool and string columns, not {spec.dtype.name}")
+        row = tuple(spec.shape.as_list()[1:])
+        fields.append(spec.name or str(i))
+        dtypes.append(spec.dtype)
+        widths.append(0 if spec.dtype == tf.string else int(np.prod(row, dtype=np.int64)))
+        shapes.append(() if spec.dtype == tf.string else row)
+    return fields, dtypes, widths, shapes

@@ -276,3 +276,38 @@ def count_calls(args: Dict[str, Any], ctx: Any) -> None:
         batches += 1
         ends += feed.should_stop()
     _write(args, ctx, total=total, value_sum=value_sum, batches=batches, ends=ends)
+
+
+def synthetic_points(n: int) -> Any:
+    """n points of 8 features and a label that depends on two of them."""
+    import numpy as np
+
+    x = np.random.default_rng(7).normal(size=(n, 8)).astype(np.float32)
+    return x, (x[:, 0] + x[:, 1] > 0).astype(np.int64)
+
+
+def keras_fit_on_feed_dataset(args: Dict[str, Any], ctx: Any) -> None:
+    """Keras 3 ``model.fit`` straight on the node's feed through Ember's
+    TensorFlow op (ember.tf.feed_dataset): a DataFrame's columns x (array of
+    floats) and y (label) arrive as tensors, every epoch of the train() call
+    in one pass.  Reports the accuracy on the whole data set and the rows the
+    node trained on."""
+    import keras
+
+    from ember import tf as ember_tf
+
+    ds = ember_tf.feed_dataset(ctx, 32, as_dict=True)
+    try:
+        ctx.get_data_feed()
+        refused = ""
+    except RuntimeError as exc:  # one reader per feed
+        refused = str(exc)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(2)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    model.fit(ds.map(lambda b: (b["x"], b["y"])), epochs=1, verbose=0)
+    x, y = synthetic_points(args["n"])
+    _, accuracy = model.evaluate(x, y, verbose=0)
+    _write(args, ctx, rows=ds._ember_feed_reader.stats()["rows"], accuracy=float(accuracy),
+           refused=refused)

@@ -236,6 +236,51 @@ def tf_parameter_server_strategy(args: Dict[str, Any], ctx: Any) -> None:
                                                       .get("worker", []))), f)
 
 
+def tf_parameter_server_strategy_fed(args: Dict[str, Any], ctx: Any) -> None:
+    """TensorFlow's ParameterServerStrategy in InputMode.SPARK: each worker's
+    dataset_fn reads the rows Spark feeds it through Ember's TensorFlow op
+    (ember.tf.feed_dataset), which a from_generator dataset cannot do
+    there (tensorflow#48957); the chief writes the test accuracy."""
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    from ember import ps
+    from ember import tf as ember_tf
+
+    if ctx.job_name in ("ps", "worker"):
+        ps.tensorflow_server(ctx)
+        return
+    import tf_keras as keras
+
+    from examples.fashion_mnist.data import load_split
+
+    spec = (tf.TensorSpec([None, 784], tf.float32), tf.TensorSpec([None], tf.int64))
+
+    def dataset_fn(input_context: Any) -> Any:
+        return ember_tf.feed_dataset(None, args["batch"], element_spec=spec)
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    strategy = tf.distribute.ParameterServerStrategy(resolver)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((784,)),
+                                  keras.layers.Dense(256, activation="relu"),
+                                  keras.layers.Dense(128, activation="relu"),
+                                  keras.layers.Dense(10)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=10)
+    model.fit(keras.utils.experimental.DatasetCreator(dataset_fn), epochs=args["epochs"],
+              steps_per_epoch=args["steps"], verbose=0)
+    test_x, test_y = load_split("test")
+    test_x = test_x[:2000].reshape(2000, -1).astype(np.float32) / 255.0
+    logits = model(test_x, training=False).numpy()
+    accuracy = float((logits.argmax(1) == test_y[:2000]).mean())
+    with open(os.path.join(args["out"], "chief.json"), "w") as f:
+        json.dump(dict(accuracy=accuracy), f)
+
+
 # ------------------------------------------------------------ the tests' side
 
 def train_async_on_two_shards(sc: Any, main_fun: Any, out: str,

@@ -658,3 +658,24 @@ def test_ten_thousand_train_calls_on_one_cluster(local_spark, tmp_path):
     """A long-lived cluster takes any number of train() calls (it stopped
     accepting feeds at call 4,096)."""
     _many_train_calls(local_spark.sparkContext, tmp_path, 10000)
+
+
+def test_keras_fits_on_the_feed_as_a_native_dataset(local_spark, tmp_path):
+    """ember.tf.feed_dataset on Spark: each node's Keras fit reads its share
+    of a DataFrame's epochs through the TensorFlow op, every row once."""
+    n = 4096
+    x, y = nodefuns.synthetic_points(n)
+    df = local_spark.createDataFrame([(x[i].tolist(), int(y[i])) for i in range(n)],
+                                     "x array<float>, y long").repartition(4)
+    cluster = run(local_spark.sparkContext, nodefuns.keras_fit_on_feed_dataset,
+                  {"out": str(tmp_path), "n": n}, num_executors=2, input_mode=InputMode.SPARK,
+                  reservation_timeout=60)
+    try:
+        assert cluster.train(df, num_epochs=4) == 4 * n
+    finally:
+        cluster.shutdown(timeout=120)
+    nodes = read_json_files(str(tmp_path))
+    assert sum(node["rows"] for node in nodes) == 4 * n
+    for node in nodes:
+        assert node["accuracy"] > 0.8, node  # chance: 0.5
+        assert "already read by ember.tf.feed_dataset" in node["refused"]

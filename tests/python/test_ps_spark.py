@@ -85,3 +85,33 @@ def test_tensorflow_parameter_server_strategy_runs_as_written(local_spark, tmp_p
     assert chief["workers"] == 1
     assert chief["accuracy"] > 0.75, chief
     assert np.isfinite(chief["accuracy"])
+
+
+def test_tensorflow_parameter_server_strategy_reads_the_spark_feed(local_spark, tmp_path):
+    """ParameterServerStrategy in InputMode.SPARK: the worker's dataset_fn,
+    traced on the chief, reads the rows Spark feeds that worker through
+    Ember's TensorFlow op; the chief, which only coordinates, is not fed
+    (feed_chief=False).  Spark feeds exactly what the steps take, so every
+    partition is delivered whole and train() returns."""
+    import json
+
+    import numpy as np
+
+    from examples.fashion_mnist.data import load_split
+
+    sc = local_spark.sparkContext
+    images, labels = load_split("train")
+    epochs, steps, batch = 2, 150, 64
+    n = epochs * steps * batch
+    x = images[:n].reshape(n, -1).astype(np.float32) / 255.0
+    rows = sc.parallelize([(x[i], int(labels[i])) for i in range(n)], 4)
+    out = tmp_path / "out"
+    out.mkdir()
+    cluster = run(sc, psfuns.tf_parameter_server_strategy_fed,
+                  {"out": str(out), "epochs": epochs, "steps": steps, "batch": batch},
+                  num_executors=3, num_ps=1, input_mode=InputMode.SPARK, feed_chief=False,
+                  env={"TF_USE_LEGACY_KERAS": "1"}, reservation_timeout=120)
+    assert cluster.train(rows, feed_timeout=300) == n
+    cluster.shutdown(timeout=600)
+    chief = json.loads((out / "chief.json").read_text())
+    assert chief["accuracy"] > 0.75, chief
