@@ -52,6 +52,7 @@ help:
 	@echo "make bench-reservation - Ember vs TensorFlowOnSpark reservation server"
 	@echo "make bench-allreduce - allreduce on one host: Ember vs Open MPI over shared memory; Ember vs Open MPI vs gloo over TCP"
 	@echo "make bench-cluster - allreduce and feed over TCP between simulated hosts (netns): Ember vs Open MPI TCP vs gloo vs one TCP stream"
+	@echo "make bench-tf-feed - Keras fit from the feed: Ember's TensorFlow op vs from_generator over next_batch vs in-memory arrays, records/s"
 	@echo "make bench-ps - parameter server between simulated hosts (netns), 2 workers, 1 and 2 ps: Ember vs TensorFlow ParameterServerStrategy vs PyTorch RPC, rounds/s"
 	@echo "make bench-feed - Spark -> trainer feed: Ember vs TensorFlowOnSpark, records/s and GB/s"
 	@echo "make bench-tfrecord - TFRecord reading: Ember vs tf.data; CRC-32C; Example decoder vs protobuf-c"
@@ -384,6 +385,13 @@ bench-cluster: setup $(BUILD)/bench/mpi_allreduce $(BUILD)/bench/tcp_stream
 .PHONY: bench-ps
 bench-ps: setup
 	PYTHONUNBUFFERED=1 $(PY) bench/ps.py $(BENCH_PS_ARGS)
+
+.PHONY: bench-tf-feed
+# Keras fit from the feed: Ember's TensorFlow op (ember.tf.feed_dataset)
+# against from_generator over next_batch (TensorFlowOnSpark's way) and the
+# same rows from memory (the limit); bench/tf_feed.py.
+bench-tf-feed: setup
+	PYTHONUNBUFFERED=1 $(PY) bench/tf_feed.py
 
 # The bare feed channel (issue 3): shared-memory ring, feed over shm, feed over
 # TCP loopback, memcpy; C only.  bench/feed.py runs the binary and parses its
