@@ -39,6 +39,12 @@ servers, and an embedding table may live there row-sparse::
         opt = ember.torch.ParameterServerOptimizer(model, ctx, "adam", 1e-3)
         for x, y in my_batches:                          # no step count to agree on
             opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+
+The node's feed (``cluster.train``) as batches of tensors that share the
+feed's memory::
+
+        for x, y in ember.torch.FeedDataset(ctx, batch_size=64):  # to the call's end
+            ...
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from ember.collective import collective_of
 
 __all__ = ["init_process_group", "allreduce_hook", "allreduce_gradients",
            "DistributedOptimizer", "broadcast_parameters", "ParameterServerOptimizer",
-           "PsEmbedding"]
+           "PsEmbedding", "FeedDataset"]
 
 logger = logging.getLogger("ember.torch")
 
@@ -611,3 +617,58 @@ class PsEmbedding(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}, "
                 f"optimizer={self.optimizer!r}, learning_rate={self.learning_rate}")
+
+
+class FeedDataset(torch.utils.data.IterableDataset):
+    """The node's feed as an ``IterableDataset`` of batches.
+
+    Each element is one batch of ``batch_size`` records (fewer only where the
+    data ends), as a tuple of its fields (a single field: the tensor, or with
+    ``as_dict`` a ``{field: tensor}``).  A numeric field is a CPU tensor that
+    shares the feed's memory: the rows Spark sent are not copied unless a
+    batch spans two of the feed's chunks.  Treat those tensors as read-only
+    (the feed's memory is); ``.clone()`` one to change it.  A str or bytes
+    field is a list.  A pass ends where ``DataFeed.next_batch`` returns no
+    rows: at the end of a ``cluster.train()`` call or of the feed.
+
+    The batches are already made: give a ``DataLoader`` ``batch_size=None``,
+    and no worker processes (the feed lives in this process)::
+
+        loader = torch.utils.data.DataLoader(FeedDataset(ctx, 64), batch_size=None)
+
+    :param source: the node's context (``main_fun``'s ``ctx``), or a
+        :class:`ember.node.DataFeed`.
+    """
+
+    def __init__(self, source: Any, batch_size: int, *, as_dict: bool = False,
+                 feed_timeout: float = 600.0) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        super().__init__()
+        self._source = source
+        self.batch_size = batch_size
+        self.as_dict = as_dict
+        self.feed_timeout = feed_timeout
+
+    def _feed(self) -> Any:
+        if hasattr(self._source, "next_batch"):
+            return self._source
+        return self._source.get_data_feed(train_mode=True, feed_timeout=self.feed_timeout)
+
+    def __iter__(self) -> Any:
+        import warnings
+
+        feed = self._feed()
+        while True:
+            batch = feed.next_batch(self.batch_size)
+            if len(batch) == 0:
+                return
+            with warnings.catch_warnings():  # "not writable": the feed's memory, shared
+                warnings.simplefilter("ignore", UserWarning)
+                columns = [torch.from_numpy(c) if isinstance(c, np.ndarray) else c
+                           for c in batch.columns]
+            if self.as_dict:
+                yield dict(zip(batch.names, columns))
+            else:
+                yield columns[0] if len(columns) == 1 else tuple(columns)
+
