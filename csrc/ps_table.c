@@ -49,6 +49,8 @@ struct ember__ps_table {
   uint64_t *ids;         /* SPARSE, cap: the slot's row (DENSE: begin + slot) */
   ps_entry *map;         /* SPARSE: row -> slot, linear probing */
   size_t map_cap;        /* a power of two, or 0 */
+  size_t *slots;         /* push/assign's slot of each row (their exclusive lock) */
+  size_t slots_cap;
 };
 
 /* ================================================================ hashing */
@@ -385,6 +387,39 @@ static size_t map_find(const ember__ps_table *t, uint64_t row) {
   }
 }
 
+/* A batch's rows are scattered over a table far larger than the caches, so
+ * each lookup and each row would wait for memory in turn; the batched loops
+ * below ask for the map entry and the row of a few rows ahead first
+ * (software prefetch), so that those waits overlap.  16 rows ahead measured
+ * best (against 4 and 8) on 4,096 random rows of a 1M x 64 table. */
+#define PS_AHEAD 16
+
+static void prefetch_home(const ember__ps_table *t, uint64_t row) {
+  if (t->map_cap != 0) __builtin_prefetch(&t->map[map_home(row, t->map_cap - 1)]);
+}
+
+/* The first `bytes` of a slot's floats, and its step count (apply's). */
+static void prefetch_slot(const ember__ps_table *t, size_t slot, size_t bytes) {
+  const char *p = (const char *)(t->vals + slot * t->stride);
+  for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+  __builtin_prefetch(&t->steps[slot]);
+}
+
+/* slots[i] = the slot of checked row ids[i], SIZE_MAX where a sparse row is
+ * not held. */
+static void find_slots(const ember__ps_table *t, const uint64_t *ids, size_t n,
+                       size_t *slots) {
+  if (t->spec.layout == EMBER_PS_DENSE) {
+    for (size_t i = 0; i < n; i++) slots[i] = (size_t)(ids[i] - t->begin);
+    return;
+  }
+  for (size_t i = 0; i < n && i < PS_AHEAD; i++) prefetch_home(t, ids[i]);
+  for (size_t i = 0; i < n; i++) {
+    if (i + PS_AHEAD < n) prefetch_home(t, ids[i + PS_AHEAD]);
+    slots[i] = map_find(t, ids[i]);
+  }
+}
+
 static void map_put(ps_entry *map, size_t map_cap, uint64_t row, size_t slot) {
   size_t mask = map_cap - 1, i = map_home(row, mask);
   while (map[i].row != UINT64_MAX) i = (i + 1) & mask;
@@ -525,6 +560,7 @@ void ember__ps_table_destroy(ember__ps_table *t) {
   free(t->steps);
   free(t->ids);
   free(t->map);
+  free(t->slots);
   free(t);
 }
 
@@ -578,12 +614,16 @@ int ember__ps_table_read(const ember__ps_table *t, const uint64_t *ids, size_t n
                          float *out) {
   int rc = check_rows(t, ids, n, out, "pull");
   if (rc != EMBER_OK) return rc;
-  size_t cols = t->spec.cols;
-  for (size_t i = 0; i < n; i++) {
-    size_t s = t->spec.layout == EMBER_PS_DENSE ? (size_t)(ids[i] - t->begin)
-                                                : map_find(t, ids[i]);
-    if (s == SIZE_MAX) return 0; /* not held yet: the caller pulls (and creates) */
-    memcpy(out + i * cols, t->vals + s * t->stride, cols * sizeof *out);
+  size_t cols = t->spec.cols, slots[256]; /* on the stack: readers share the table */
+  for (size_t at = 0; at < n; at += 256) {
+    size_t m = n - at < 256 ? n - at : 256;
+    find_slots(t, ids + at, m, slots);
+    for (size_t i = 0; i < m; i++) {
+      if (i + PS_AHEAD < m && slots[i + PS_AHEAD] != SIZE_MAX)
+        prefetch_slot(t, slots[i + PS_AHEAD], cols * sizeof *out);
+      if (slots[i] == SIZE_MAX) return 0; /* not held yet: the caller pulls (and creates) */
+      memcpy(out + (at + i) * cols, t->vals + slots[i] * t->stride, cols * sizeof *out);
+    }
   }
   return 1;
 }
@@ -635,19 +675,37 @@ static void apply(ember__ps_table *t, size_t slot, const float *g) {
   }
 }
 
+/* t->slots[i] = the slot of checked row ids[i], materialising absent sparse
+ * rows: every row exists before the caller changes any, so that running out
+ * of memory leaves only initial-valued rows behind, which read the same as
+ * rows never materialised.  Slots are indexes, which later growth of the
+ * slot arrays or the map does not move. */
+static int slots_for_write(ember__ps_table *t, const uint64_t *ids, size_t n) {
+  if (n > t->slots_cap) {
+    size_t bytes;
+    if (__builtin_mul_overflow(n, sizeof *t->slots, &bytes)) return too_big(t, n);
+    size_t *p = realloc(t->slots, bytes);
+    if (p == NULL) return no_memory(t, bytes);
+    t->slots = p;
+    t->slots_cap = n;
+  }
+  find_slots(t, ids, n, t->slots);
+  for (size_t i = 0; i < n; i++) {
+    int rc;
+    if (t->slots[i] == SIZE_MAX && (rc = slot_of(t, ids[i], &t->slots[i])) != EMBER_OK)
+      return rc;
+  }
+  return EMBER_OK;
+}
+
 int ember__ps_table_push(ember__ps_table *t, const uint64_t *ids, size_t n, const float *grads) {
   int rc = check_rows(t, ids, n, grads, "push");
   if (rc != EMBER_OK) return rc;
-  size_t s, cols = t->spec.cols;
-  /* Materialise every absent row before the first gradient lands, so that
-   * running out of memory leaves only initial-valued rows behind, which
-   * read the same as rows never materialised. */
-  if (t->spec.layout == EMBER_PS_SPARSE)
-    for (size_t i = 0; i < n; i++)
-      if ((rc = slot_of(t, ids[i], &s)) != EMBER_OK) return rc;
+  if ((rc = slots_for_write(t, ids, n)) != EMBER_OK) return rc;
+  size_t cols = t->spec.cols, bytes = t->stride * sizeof(float);
   for (size_t i = 0; i < n; i++) {
-    (void)slot_of(t, ids[i], &s); /* cannot fail: the row exists */
-    apply(t, s, grads + i * cols);
+    if (i + PS_AHEAD < n) prefetch_slot(t, t->slots[i + PS_AHEAD], bytes);
+    apply(t, t->slots[i], grads + i * cols);
   }
   return EMBER_OK;
 }
@@ -656,12 +714,10 @@ int ember__ps_table_assign(ember__ps_table *t, const uint64_t *ids, size_t n,
                            const float *values, int untrained_only) {
   int rc = check_rows(t, ids, n, values, "assign");
   if (rc != EMBER_OK) return rc;
-  size_t s, cols = t->spec.cols;
-  if (t->spec.layout == EMBER_PS_SPARSE) /* all rows first, as in push */
-    for (size_t i = 0; i < n; i++)
-      if ((rc = slot_of(t, ids[i], &s)) != EMBER_OK) return rc;
+  if ((rc = slots_for_write(t, ids, n)) != EMBER_OK) return rc;
+  size_t cols = t->spec.cols;
   for (size_t i = 0; i < n; i++) {
-    (void)slot_of(t, ids[i], &s);
+    size_t s = t->slots[i];
     if (untrained_only && t->steps[s] != 0) continue;
     memcpy(t->vals + s * t->stride, values + i * cols, cols * sizeof *values);
   }
