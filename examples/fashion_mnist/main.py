@@ -51,6 +51,9 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
     p.add_argument("--partitions", type=int, default=8, help="partitions of the CSV data")
     p.add_argument("--modes", default="spark,tensorflow",
                    help="any of spark, tensorflow, stream")
+    p.add_argument("--collective", choices=("ember", "mwms"), default="ember",
+                   help="how the nodes average gradients: Ember's collective (the faster) "
+                        "or TensorFlow's MultiWorkerMirroredStrategy")
     p.add_argument("--files-per-trigger", dest="files_per_trigger", type=int, default=8,
                    help="stream mode: CSV files per micro-batch (8: one epoch of --partitions)")
     p.add_argument("--threads", type=int, default=0,
