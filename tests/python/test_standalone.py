@@ -93,10 +93,14 @@ def _kill_after_checkpoint(ckpt_dir: str, pid: int, holder: dict) -> None:
         time.sleep(0.1)
 
 
-def test_killed_trainer_restarts_from_checkpoint(cluster_spark, tmp_path):
+@pytest.mark.parametrize("collective", ["ember", "mwms"])
+def test_killed_trainer_restarts_from_checkpoint(cluster_spark, tmp_path, collective):
     """SIGKILL the worker mid-training: with max_restarts=1 the cluster is
     relaunched, training resumes from the chief's checkpoint and completes,
-    and the model still classifies Fashion-MNIST far above chance."""
+    and the model still classifies Fashion-MNIST far above chance; on the
+    main job's two ways to sum gradients (Ember's collective, and
+    MultiWorkerMirroredStrategy, whose collective's abort must not hide the
+    killed node)."""
     import argparse
 
     import numpy as np
@@ -113,7 +117,7 @@ def test_killed_trainer_restarts_from_checkpoint(cluster_spark, tmp_path):
     args = argparse.Namespace(batch_size=64, learning_rate=2e-3, epochs=epochs,
                               train_records=n_train, checkpoint_steps=5,
                               model_dir=str(tmp_path / "model"), export_dir=str(tmp_path / "export"),
-                              intra_op_threads=1, inter_op_threads=1)
+                              intra_op_threads=1, inter_op_threads=1, collective=collective)
     cluster = run(sc, model.train_spark, args, num_executors=2, input_mode=InputMode.SPARK,
                   reservation_timeout=120, heartbeat_timeout=4, max_restarts=1)
     holder: dict = {}
