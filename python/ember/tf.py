@@ -162,15 +162,15 @@ def feed_dataset(source: Any, batch_size: int, *, element_spec: Any = None,
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     ops = _ops()
-    if element_spec is not None:
-        fields, dtypes, widths, shapes = _declared(element_spec)
-    elif source is None:
+    if source is None and element_spec is None:
         raise ValueError("feed_dataset(None, ...) reads the feed of whichever node runs it, "
                          "so it cannot look at the rows first: pass element_spec")
-    else:
-        fields, dtypes, widths, shapes = _first_rows_layout(
-            _reader(source, fail_on_producer_error), feed_timeout)
+    # one reader: the rows it looks at first stay held for the op
     reader = None if source is None else _reader(source, fail_on_producer_error)
+    if element_spec is not None:
+        fields, dtypes, widths, shapes = _declared(element_spec)
+    else:
+        fields, dtypes, widths, shapes = _first_rows_layout(reader, feed_timeout)
     reader_id = 0 if reader is None else reader.id
     timeout_ms = -1 if feed_timeout is None else int(feed_timeout * 1000)
 

@@ -184,11 +184,9 @@ def keras_restart(args: Dict[str, Any], ctx: Any) -> None:
         json.dump(dict(start=float(start), end=float(end), steps=len(seen)), f)
 
 
-def tf_parameter_server_strategy(args: Dict[str, Any], ctx: Any) -> None:
-    """TensorFlow's ParameterServerStrategy (tf_keras) as its users write it:
-    the ps and worker nodes serve (ember.ps.tensorflow_server), the chief
-    coordinates model.fit over a dataset_fn that each worker runs on its
-    TFRecord shard; the chief writes the test accuracy."""
+def _tf_pss_node(ctx: Any) -> Any:
+    """TensorFlow for a ParameterServerStrategy node: the ps and worker nodes
+    serve (ember.ps.tensorflow_server) and get None; the chief gets tf."""
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
     import tensorflow as tf
 
@@ -198,22 +196,17 @@ def tf_parameter_server_strategy(args: Dict[str, Any], ctx: Any) -> None:
 
     if ctx.job_name in ("ps", "worker"):
         ps.tensorflow_server(ctx)
-        return
+        return None
+    return tf
+
+
+def _tf_pss_fit(args: Dict[str, Any], tf: Any, dataset_fn: Any) -> None:
+    """The chief's part, as TensorFlow's tutorial writes it: the main job's
+    model fit over dataset_fn through a ClusterCoordinator; writes the test
+    accuracy and the number of workers to <out>/chief.json."""
     import tf_keras as keras
 
     from examples.fashion_mnist.data import load_split
-
-    files = sorted(os.path.join(args["data"], f) for f in os.listdir(args["data"])
-                   if f.endswith(".tfrecord"))
-    spec = {"image": tf.io.FixedLenFeature([784], tf.float32),
-            "label": tf.io.FixedLenFeature([1], tf.int64)}
-
-    def dataset_fn(input_context: Any) -> Any:
-        shard = files[input_context.input_pipeline_id::input_context.num_input_pipelines]
-        ds = tf.data.TFRecordDataset(shard).repeat().shuffle(2048)
-        ds = ds.batch(input_context.get_per_replica_batch_size(64))
-        return ds.map(lambda r: (lambda e: (e["image"], e["label"]))(
-            tf.io.parse_example(r, spec))).prefetch(2)
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     strategy = tf.distribute.ParameterServerStrategy(resolver)
@@ -236,49 +229,44 @@ def tf_parameter_server_strategy(args: Dict[str, Any], ctx: Any) -> None:
                                                       .get("worker", []))), f)
 
 
+def tf_parameter_server_strategy(args: Dict[str, Any], ctx: Any) -> None:
+    """TensorFlow's ParameterServerStrategy (tf_keras) as its users write it:
+    the chief coordinates model.fit over a dataset_fn that each worker runs
+    on its TFRecord shard."""
+    tf = _tf_pss_node(ctx)
+    if tf is None:
+        return
+    files = sorted(os.path.join(args["data"], f) for f in os.listdir(args["data"])
+                   if f.endswith(".tfrecord"))
+    spec = {"image": tf.io.FixedLenFeature([784], tf.float32),
+            "label": tf.io.FixedLenFeature([1], tf.int64)}
+
+    def dataset_fn(input_context: Any) -> Any:
+        shard = files[input_context.input_pipeline_id::input_context.num_input_pipelines]
+        ds = tf.data.TFRecordDataset(shard).repeat().shuffle(2048)
+        ds = ds.batch(input_context.get_per_replica_batch_size(64))
+        return ds.map(lambda r: (lambda e: (e["image"], e["label"]))(
+            tf.io.parse_example(r, spec))).prefetch(2)
+
+    _tf_pss_fit(args, tf, dataset_fn)
+
+
 def tf_parameter_server_strategy_fed(args: Dict[str, Any], ctx: Any) -> None:
     """TensorFlow's ParameterServerStrategy in InputMode.SPARK: each worker's
     dataset_fn reads the rows Spark feeds it through Ember's TensorFlow op
     (ember.tf.feed_dataset), which a from_generator dataset cannot do
-    there (tensorflow#48957); the chief writes the test accuracy."""
-    os.environ["TF_USE_LEGACY_KERAS"] = "1"
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    from ember import ps
-    from ember import tf as ember_tf
-
-    if ctx.job_name in ("ps", "worker"):
-        ps.tensorflow_server(ctx)
+    there (tensorflow#48957)."""
+    tf = _tf_pss_node(ctx)
+    if tf is None:
         return
-    import tf_keras as keras
-
-    from examples.fashion_mnist.data import load_split
+    from ember import tf as ember_tf
 
     spec = (tf.TensorSpec([None, 784], tf.float32), tf.TensorSpec([None], tf.int64))
 
     def dataset_fn(input_context: Any) -> Any:
         return ember_tf.feed_dataset(None, args["batch"], element_spec=spec)
 
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    strategy = tf.distribute.ParameterServerStrategy(resolver)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((784,)),
-                                  keras.layers.Dense(256, activation="relu"),
-                                  keras.layers.Dense(128, activation="relu"),
-                                  keras.layers.Dense(10)])
-        model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      steps_per_execution=10)
-    model.fit(keras.utils.experimental.DatasetCreator(dataset_fn), epochs=args["epochs"],
-              steps_per_epoch=args["steps"], verbose=0)
-    test_x, test_y = load_split("test")
-    test_x = test_x[:2000].reshape(2000, -1).astype(np.float32) / 255.0
-    logits = model(test_x, training=False).numpy()
-    accuracy = float((logits.argmax(1) == test_y[:2000]).mean())
-    with open(os.path.join(args["out"], "chief.json"), "w") as f:
-        json.dump(dict(accuracy=accuracy), f)
+    _tf_pss_fit(args, tf, dataset_fn)
 
 
 # ------------------------------------------------------------ the tests' side

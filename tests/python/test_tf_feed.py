@@ -181,3 +181,18 @@ def test_without_the_op_library_the_error_says_how_to_build_it(monkeypatch, tmp_
     with pytest.raises(Exception, match="reinstall ember"):
         ember_tf._ops()
     assert os.path.isdir(tmp_path)
+
+
+def test_a_declared_element_spec_reads_without_looking_first(server):
+    with pytest.raises(ValueError, match="pass element_spec"):
+        ember_tf.feed_dataset(None, 4)
+    with pytest.raises(ValueError, match="known row shape"):
+        ember_tf.feed_dataset(server, 4, element_spec=tf.TensorSpec(None, tf.float32))
+    spec = (tf.TensorSpec([None, 2, 3], tf.float32, name="image"),
+            tf.TensorSpec([None], tf.int64, name="label"), tf.TensorSpec([None], tf.string))
+    ds = ember_tf.feed_dataset(server, 4, element_spec=spec, as_dict=True)  # no rows yet
+    join = _feed(server, [(0, _records(0, 6))])
+    batches = list(ds)
+    assert join() == []
+    assert [b["label"].numpy().tolist() for b in batches] == [[0, 1, 2, 3], [4, 5]]
+    assert batches[1]["image"].shape == (2, 2, 3) and batches[1]["2"].numpy()[0] == b"n4"
