@@ -385,7 +385,6 @@ static const ember_feed_reader_api api_table = {
     .layout = ember_feed_reader_layout,
     .take = ember_feed_reader_take,
     .last_error = ember_last_error,
-    .dtype_size = ember_dtype_size,
 };
 
 const ember_feed_reader_api *ember_feed_reader_api_table(void) { return &api_table; }

@@ -238,23 +238,6 @@ static const char *describe(char *buf, size_t cap, uint8_t dtype, uint32_t width
   return buf;
 }
 
-/* Bytes per element of a fixed ember dtype (batch.h's ember_dtype_size). */
-static size_t elem_size(uint8_t dtype) {
-  switch (dtype) {
-  case EMBER_DT_F64:
-  case EMBER_DT_I64:
-    return 8;
-  case EMBER_DT_F32:
-  case EMBER_DT_I32:
-    return 4;
-  case EMBER_DT_U8:
-  case EMBER_DT_BOOL:
-    return 1;
-  default:
-    return 0;
-  }
-}
-
 static int64_t now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -340,7 +323,7 @@ static void *feed_next_create(TF_OpKernelConstruction *ctx) {
     }
     /* bounded here so that Compute's [rows, width] never overflows: TensorFlow
      * aborts the process on a shape of more than 2^63 - 1 elements */
-    size_t elem = elem_size(c->ember_dtype);
+    size_t elem = TF_DataTypeSize(c->dtype); /* the feed's element size for its dtype */
     int64_t bytes;
     if (widths[i] < 0 || widths[i] > UINT32_MAX || elem == 0 ||
         __builtin_mul_overflow(batch_size, widths[i], &bytes) ||
@@ -388,7 +371,7 @@ static TF_Tensor *allocate_component(TF_OpKernelContext *ctx, const feed_next *k
   /* len is unused by TF_AllocateOutput (the shape and the op's dtype decide);
    * it is given right anyway.  No overflow: create bounded batch_size x width. */
   size_t elem = c->ember_dtype == EMBER_DT_BYTES ? sizeof(TF_TString)
-                                                  : elem_size(c->ember_dtype);
+                                                  : TF_DataTypeSize(c->dtype);
   size_t len = (size_t)rows * (ndims == 2 ? c->width : 1) * elem;
   TF_Status *st = TF_NewStatus();
   TF_Tensor *t = TF_AllocateOutput(ctx, (int)i + 1, c->dtype, dims, ndims, len, st);

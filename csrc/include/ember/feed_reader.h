@@ -101,7 +101,7 @@ void ember_feed_reader_stats_get(ember_feed_reader *r, ember_feed_reader_stats *
  * copy of libember (the TensorFlow op: TensorFlow loads it, and libember's
  * symbols are private to Ember's Python extension) reaches readers through
  * this table of functions, whose address the extension hands out
- * (ember._ember.FeedReader.api).  The table is static: it lives as long as
+ * (ember._ember.FEED_READER_API).  The table is static: it lives as long as
  * the library; readers are named by id, so a stale id fails cleanly
  * (EMBER_ENOTFOUND) instead of touching freed memory. */
 #define EMBER_FEED_READER_ABI 1u
@@ -116,7 +116,6 @@ typedef struct {
   int (*layout)(ember_feed_reader *r, ember_column *cols, uint32_t max_cols, uint32_t *ncols);
   int (*take)(ember_feed_reader *r, uint32_t rows, void *const *dest, uint32_t ndest);
   const char *(*last_error)(void); /* the calling thread's message */
-  size_t (*dtype_size)(uint8_t dtype);
 } ember_feed_reader_api;
 
 const ember_feed_reader_api *ember_feed_reader_api_table(void);
