@@ -82,11 +82,13 @@ def attach(ctx: Any, fail_on_producer_error: bool = False) -> None:
 
 
 def _dtypes() -> Dict[int, Any]:
+    """Feed column dtype -> TensorFlow dtype (the numpy types the feed's
+    columns arrive as elsewhere, _columns.DT_TO_NUMPY; bytes as strings)."""
     import tensorflow as tf
 
-    return {_ember.DT_F32: tf.float32, _ember.DT_F64: tf.float64, _ember.DT_I32: tf.int32,
-            _ember.DT_I64: tf.int64, _ember.DT_U8: tf.uint8, _ember.DT_BOOL: tf.bool,
-            _ember.DT_BYTES: tf.string}
+    types = {dt: tf.as_dtype(np_type) for dt, np_type in _columns.DT_TO_NUMPY.items()}
+    types[_ember.DT_BYTES] = tf.string
+    return types
 
 
 def _reader(source: Any, fail_on_producer_error: bool) -> Any:
