@@ -513,9 +513,11 @@ class Cluster:
                 # the server's "feed: the producer of partition K failed: <report>"
                 return EmberFeedError((item.reason or "").split(" failed: ", 1)[-1])
 
+    def _fed_nodes(self) -> List[Dict[str, Any]]:
+        return [n for n in self.nodes if n["role"] in self.feed_roles]
+
     def _feed_targets(self) -> List[executor.Target]:
-        return [(n["host"], n["ports"][1], self._name(n["index"]))
-                for n in self.nodes if n["role"] in self.feed_roles]
+        return [(n["host"], n["ports"][1], self._name(n["index"])) for n in self._fed_nodes()]
 
     def _next_seq(self) -> int:
         self._feed_seq += 1
@@ -728,7 +730,7 @@ class Cluster:
         """Waits until every chief/worker node has either named where it resumes
         from (``ctx.resume_from``) or started reading its feed without naming
         one, or has ended; returns the positions named."""
-        fed = [n["index"] for n in self.nodes if n["role"] in self.feed_roles]
+        fed = [n["index"] for n in self._fed_nodes()]
         deadline = time.monotonic() + timeout
         with self._lock:
             while not self._failures:
@@ -750,7 +752,7 @@ class Cluster:
     def _checkpointed_through(self) -> Optional[int]:
         """The first stream micro-batch some fed node's latest checkpoint lacks
         (``ctx.checkpointed``); None until every fed node has told one."""
-        fed = [n["index"] for n in self.nodes if n["role"] in self.feed_roles]
+        fed = [n["index"] for n in self._fed_nodes()]
         with self._lock:
             held = [self._checkpoints.get(i) for i in fed]
         return None if any(h is None for h in held) else min(h for h in held if h is not None)
