@@ -254,8 +254,11 @@ def _freeze(out: str, phase: str, rank: int, after: float, seconds: float) -> Di
     os.kill(pid, signal.SIGSTOP)
     stopped = time.time()
     time.sleep(seconds)
+    # read the clock before waking it: a step the worker ends right after
+    # SIGCONT must not fall inside the frozen window
+    continued = time.time()
     os.kill(pid, signal.SIGCONT)
-    return dict(stopped=stopped, continued=time.time())
+    return dict(stopped=stopped, continued=continued)
 
 
 def ps(spark: Any, out: str) -> None:
