@@ -212,26 +212,29 @@ def to_dataframe(spark, images, labels, num_partitions, scaled=True):
     and label long; with scaled=False the raw 0..255 values, named pixels."""
     import functools
 
+    from ember.connect import is_connect
+
     chunks = _chunks(images, labels, num_partitions)
-    blobs = spark.sparkContext.parallelize(
-        [(imgs.tobytes(), lbls.tobytes(), first) for first, imgs, lbls in chunks], len(chunks))
-    df = spark.createDataFrame(blobs, "images binary, labels binary, first long").mapInArrow(
+    rows = [(imgs.tobytes(), lbls.tobytes(), first) for first, imgs, lbls in chunks]
+    schema = "images binary, labels binary, first long"
+    if is_connect(spark):  # no SparkContext: the client's rows, one per partition
+        blobs = spark.createDataFrame(rows, schema).repartition(len(rows))
+    else:
+        blobs = spark.createDataFrame(spark.sparkContext.parallelize(rows, len(rows)), schema)
+    df = blobs.mapInArrow(
         functools.partial(_expand_chunks, scaled), "id long, pixels array<float>, label long")
     return df.withColumnRenamed("pixels", "image") if scaled else df
 
 
-def to_tfrecords(sc, images, labels, out_dir, num_partitions, overwrite=True):
+def to_tfrecords(spark, images, labels, out_dir, num_partitions, overwrite=True):
     """Write one TFRecord file per partition, out_dir/part-NNNNN.tfrecord, of
     tf.train.Example {'image': float_list[784] in [0,1], 'label': int64_list[1]},
     with Ember's C writer (ember.tfrecord.save: each file appears atomically).
 
     out_dir must be a path every executor can write (local mode, or a shared
     file system).  Returns the total record count."""
-    from pyspark.sql import SparkSession
-
     from ember import tfrecord
 
-    spark = SparkSession.builder.getOrCreate()
     df = to_dataframe(spark, images, labels, num_partitions).select("image", "label")
     return tfrecord.save(df, _local_path(out_dir), mode="overwrite" if overwrite else "error")
 

@@ -70,6 +70,9 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
     p.add_argument("--test-limit", dest="test_limit", type=int, default=0)
     p.add_argument("--require-accuracy", dest="require_accuracy", type=float, default=0.0,
                    help="exit non-zero if a mode's test accuracy is below this")
+    p.add_argument("--remote", default="",
+                   help="a Spark Connect server (sc://host:port): the job runs as a Connect "
+                        "client, on DataFrames (modes spark and tensorflow)")
     p.add_argument("--master", default="",
                    help="Spark master (default: local[max(2, num-executors)])")
     p.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, default=0,
@@ -79,21 +82,37 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def setup_data(sc: Any, args: argparse.Namespace) -> Tuple[int, int]:
-    """Converts the idx files to CSV and TFRecords with Spark; returns (train, test) sizes."""
+def setup_data(spark: Any, args: argparse.Namespace) -> Tuple[int, int]:
+    """Converts the idx files to CSV and TFRecords with Spark; returns (train, test) sizes.
+    (A Connect client writes the TFRecords only: its DataFrames come from the arrays.)"""
     start = time.monotonic()
     sizes = []
     for split, limit in (("train", args.train_limit), ("test", args.test_limit)):
-        images, labels = data.load_split(split)
-        if limit:
-            images, labels = images[:limit], labels[:limit]
-        data.to_csv(sc, images, labels, os.path.join(args.data_dir, "csv", split), args.partitions)
-        data.to_tfrecords(sc, images, labels, os.path.join(args.data_dir, "tfrecords", split),
+        images, labels = split_arrays(args, split)
+        if not args.remote:
+            data.to_csv(spark.sparkContext, images, labels,
+                        os.path.join(args.data_dir, "csv", split), args.partitions)
+        data.to_tfrecords(spark, images, labels, os.path.join(args.data_dir, "tfrecords", split),
                           args.partitions)
         sizes.append(len(labels))
     print(f"data: {sizes[0]} train / {sizes[1]} test records as CSV and TFRecords under "
           f"{args.data_dir} ({time.monotonic() - start:.1f} s)", flush=True)
     return sizes[0], sizes[1]
+
+
+def split_arrays(args: argparse.Namespace, split: str) -> Tuple[Any, Any]:
+    images, labels = data.load_split(split)
+    limit = args.train_limit if split == "train" else args.test_limit
+    return (images[:limit], labels[:limit]) if limit else (images, labels)
+
+
+def input_data(spark: Any, args: argparse.Namespace, split: str) -> Any:
+    """A split to feed: the CSV files as an RDD of records on classic Spark;
+    over Spark Connect (no RDDs) a DataFrame of (image array<float> in [0,1], label)."""
+    if not args.remote:
+        return csv_rdd(spark.sparkContext, args, split)
+    images, labels = split_arrays(args, split)
+    return data.to_dataframe(spark, images, labels, args.partitions).select("image", "label")
 
 
 def csv_rdd(sc: Any, args: argparse.Namespace, split: str) -> Any:
@@ -134,13 +153,17 @@ def stream_dataframe(sc: Any, args: argparse.Namespace) -> Any:
                 {"image": (model.NUM_PIXELS,)})
 
 
-def evaluate(sc: Any, args: argparse.Namespace, n_test: int) -> float:
+def evaluate(spark: Any, args: argparse.Namespace, n_test: int) -> float:
     """Distributed inference with the exported SavedModel; returns test accuracy."""
-    cluster = run(sc, model.infer, args, num_executors=args.num_executors,
+    cluster = run(_session(spark, args), model.infer, args, num_executors=args.num_executors,
                   input_mode=InputMode.SPARK, master_node=None,
                   gpus_per_node=args.gpus_per_node)
     try:
-        results = cluster.inference(csv_rdd(sc, args, "test")).collect()
+        if args.remote:
+            results = [r.result for r in cluster.collect_inference(
+                input_data(spark, args, "test"))]
+        else:
+            results = cluster.inference(input_data(spark, args, "test")).collect()
     finally:
         cluster.shutdown()
     if len(results) != n_test:
@@ -152,7 +175,12 @@ def evaluate(sc: Any, args: argparse.Namespace, n_test: int) -> float:
     return float(np.mean(pairs[:, 0] == pairs[:, 1]))
 
 
-def train_and_evaluate(sc: Any, args: argparse.Namespace, mode: str, n_train: int,
+def _session(spark: Any, args: argparse.Namespace) -> Any:
+    """What ember.spark.run takes: the SparkContext, or a Connect client's session."""
+    return spark if args.remote else spark.sparkContext
+
+
+def train_and_evaluate(spark: Any, args: argparse.Namespace, mode: str, n_train: int,
                        n_test: int) -> Tuple[float, float, float]:
     """Trains in one input mode, then evaluates; returns (accuracy, records/s, wall s)."""
     run_args = argparse.Namespace(**vars(args))
@@ -165,15 +193,17 @@ def train_and_evaluate(sc: Any, args: argparse.Namespace, mode: str, n_train: in
     print(f"\n=== InputMode.{mode.upper()}: training {args.epochs} epoch(s) on "
           f"{args.num_executors} nodes", flush=True)
     start = time.monotonic()
+    sc = _session(spark, args)
     if mode == "spark":
         cluster = run(sc, model.train_spark, run_args, num_executors=args.num_executors,
                       num_ps=0, tensorboard=False, input_mode=InputMode.SPARK,
                       gpus_per_node=args.gpus_per_node)
         try:
-            cluster.train(csv_rdd(sc, args, "train"), args.epochs)
+            cluster.train(input_data(spark, args, "train"), args.epochs)
         finally:
             cluster.shutdown()
-        cluster.log_artifacts(run_args.export_dir, "model")  # MLflow, when tracked
+        if not args.remote:  # MLflow, when tracked
+            cluster.log_artifacts(run_args.export_dir, "model")
     elif mode == "stream":
         cluster = run(sc, model.train_stream, run_args, num_executors=args.num_executors,
                       input_mode=InputMode.SPARK, gpus_per_node=args.gpus_per_node)
@@ -189,10 +219,11 @@ def train_and_evaluate(sc: Any, args: argparse.Namespace, mode: str, n_train: in
                       num_ps=0, tensorboard=False, input_mode=InputMode.TENSORFLOW,
                       gpus_per_node=args.gpus_per_node)
         cluster.shutdown()
-        cluster.log_artifacts(run_args.export_dir, "model")
+        if not args.remote:
+            cluster.log_artifacts(run_args.export_dir, "model")
     train_secs = time.monotonic() - start
     print(f"=== inference on {n_test} test records", flush=True)
-    accuracy = evaluate(sc, run_args, n_test)
+    accuracy = evaluate(spark, run_args, n_test)
     wall = time.monotonic() - start
     rate = n_train * args.epochs / train_secs
     print(f"mode={mode}: test accuracy {accuracy:.4f}, {rate:.0f} train records/s, "
@@ -217,27 +248,34 @@ def main(argv: Any = None) -> int:
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
-    builder = (SparkSession.builder.master(args.master or f"local[{max(2, args.num_executors)}]")
-               .appName("ember-fashion-mnist")
-               .config("spark.driver.host", "127.0.0.1")
-               .config("spark.driver.bindAddress", "127.0.0.1")
-               .config("spark.ui.enabled", "false")
-               .config("spark.driver.memory", "2g"))
+    if args.remote:
+        if "stream" in args.modes:
+            raise SystemExit("--remote runs the modes spark and tensorflow (the stream mode "
+                             "uses classic Spark)")
+        builder = SparkSession.builder.remote(args.remote)
+    else:
+        master = args.master or f"local[{max(2, args.num_executors)}]"
+        builder = (SparkSession.builder.master(master)
+                   .appName("ember-fashion-mnist")
+                   .config("spark.driver.host", "127.0.0.1")
+                   .config("spark.driver.bindAddress", "127.0.0.1")
+                   .config("spark.ui.enabled", "false")
+                   .config("spark.driver.memory", "2g"))
     for kv in args.conf:
         key, sep, value = kv.partition("=")
         if not sep:
             raise SystemExit(f"--conf {kv!r}: expected KEY=VALUE")
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("WARN")
+    if not args.remote:
+        spark.sparkContext.setLogLevel("WARN")
     results = []
     try:
-        n_train, n_test = setup_data(spark.sparkContext, args)
+        n_train, n_test = setup_data(spark, args)
         for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
             if mode not in ("spark", "tensorflow", "stream"):
                 raise SystemExit(f"unknown mode {mode!r} (spark, tensorflow or stream)")
-            results.append((mode,) + train_and_evaluate(spark.sparkContext, args, mode,
-                                                        n_train, n_test))
+            results.append((mode,) + train_and_evaluate(spark, args, mode, n_train, n_test))
     finally:
         spark.stop()
     failed = False

@@ -204,7 +204,13 @@ def node_profile(sc: Any, tasks: int, gpus_per_task: int) -> Optional[Any]:
             "stage-level task ResourceProfile (Spark supports them on standalone, YARN and "
             f"Kubernetes); set spark.task.resource.gpu.amount={gpus_per_task} so that every "
             "task gets that many GPUs")
+    return task_profile(gpus_per_task, cpus)
+
+
+def task_profile(gpus_per_task: int, cpus_per_task: int) -> Any:
+    """A stage-level task ResourceProfile of that many GPUs and CPUs per task
+    (classic Spark, and Spark Connect, whose client builds it the same way)."""
     from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
 
     return ResourceProfileBuilder().require(
-        TaskResourceRequests().cpus(cpus).resource(GPU, gpus_per_task)).build
+        TaskResourceRequests().cpus(cpus_per_task).resource(GPU, gpus_per_task)).build

@@ -326,10 +326,7 @@ class Cluster:
 
     # -- monitoring --------------------------------------------------------
     def _name(self, i: int) -> str:
-        n = self.nodes[i] if i < len(self.nodes) else None
-        if n is None:
-            return f"node {i}"
-        return f"node {i} ({n['role']}:{n['task_index']}, executor {n['executor_id']}, host {n['host']})"
+        return executor.node_name(self.nodes[i]) if i < len(self.nodes) else f"node {i}"
 
     def _watch(self, server: Any) -> None:
         while True:
@@ -1176,7 +1173,9 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
         feed_chief: bool = True) -> Cluster:
     """Starts ``main_fun(args, ctx)`` on ``num_executors`` nodes and returns the cluster.
 
-    :param sc: the SparkContext.
+    :param sc: the SparkContext, or a SparkSession: a classic one, or a Spark
+        Connect client's (:mod:`ember.connect`: the cluster is then a
+        :class:`ember.connect.ConnectCluster`).
     :param main_fun: the per-node function; ``ctx`` is an :class:`ember.node.NodeContext`.
     :param num_executors: number of nodes (one barrier task each).
     :param num_ps: how many of them are parameter servers (role ``ps``).
@@ -1249,6 +1248,22 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
     if parameter_servers is not None and num_ps < 1:
         raise ValueError("parameter_servers needs ps nodes to serve them: pass num_ps >= 1")
     roles = dict(num_ps=num_ps, chief=master_node is not None, evaluator=eval_node)
+    from ember import connect
+
+    if connect.is_connect(sc):
+        if driver_ps_nodes:
+            raise ValueError("driver_ps_nodes: a Spark Connect client has no driver host to "
+                             "run ps nodes on; run them in the barrier stage (the default)")
+        if max_restarts:
+            raise ValueError("max_restarts: Ember over Spark Connect does not relaunch failed "
+                             "nodes yet; the failure is raised (run on classic Spark to "
+                             "restart from checkpoints)")
+        return connect.ConnectCluster(  # type: ignore[return-value]
+            sc, main_fun, args, num_executors, roles, InputMode(input_mode),
+            reservation_timeout, heartbeat_timeout, dict(env or {}), tensorboard, log_dir,
+            encrypt, parameter_servers, feed_chief, gpus_per_node)
+    if hasattr(sc, "sparkContext"):  # a classic SparkSession
+        sc = sc.sparkContext
     cluster = Cluster(sc, main_fun, args, num_executors, roles, InputMode(input_mode),
                       reservation_timeout, heartbeat_timeout, max_restarts, dict(env or {}),
                       driver_ps_nodes=driver_ps_nodes, tensorboard=tensorboard, log_dir=log_dir,

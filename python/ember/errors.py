@@ -192,6 +192,11 @@ _STAGE_FAILURE = re.compile(
     r"Job aborted due to stage failure: Task (?P<task>\d+) in stage (?P<stage>[\d.]+) failed "
     r"(?P<attempts>\d+) times?, most recent failure: Lost task [\d.]+ in stage [\d.]+ "
     r"\(TID \d+\) \((?P<host>\S+) executor (?P<executor>[^)]+)\): (?P<rest>.*)", re.DOTALL)
+# a barrier stage's failure (Spark does not retry one task of it)
+_BARRIER_FAILURE = re.compile(
+    r"Could not recover from a failed barrier ResultStage\. Most recent failure reason: "
+    r"Stage failed because barrier task ResultTask\((?P<stage>\d+), (?P<task>\d+)\) "
+    r"finished unsuccessfully\.\s*(?:[\w.$]+PythonException: )?(?P<rest>.*)", re.DOTALL)
 # a job cancelled (cancelJobGroup, cancelAllJobs, the UI's kill link, the
 # SparkContext stopping), with or without Spark 4's error class
 _CANCELLED = re.compile(r"(?:\[SPARK_JOB_CANCELLED\] )?Job (?P<job>\d+) cancelled(?P<why>[^\n]*)")
@@ -211,12 +216,25 @@ def _python_traceback(text: str) -> str:
     return "\n".join(lines).strip()
 
 
+def _last_line(traceback: str) -> str:
+    """The exception line of a Python traceback (its last unindented line)."""
+    return next((ln for ln in reversed(traceback.splitlines()) if ln and not ln[0].isspace()),
+                "the task raised")
+
+
 def spark_job_cause(text: str) -> Optional[str]:
     """The cause of a Spark job's failure, from its exception's text: one line
     naming the task, stage, executor and host and what went wrong, then the
     task's Python traceback if it had one, or the line of a cancelled job;
     None if ``text`` is neither in Spark's usual words."""
     m = _STAGE_FAILURE.search(text)
+    b = _BARRIER_FAILURE.search(text) if m is None else None
+    if b is not None:
+        where = f"barrier task {b.group('task')} of stage {b.group('stage')} failed"
+        tb = _python_traceback(b.group("rest").lstrip())
+        if not tb.startswith("Traceback (most recent call last):"):
+            return f"{where}: {tb.splitlines()[0] if tb else 'no reason given'}"
+        return f"{where}: {_last_line(tb)}\n{tb}"
     if m is None:
         c = _CANCELLED.search(text)
         if c is None:
@@ -229,9 +247,7 @@ def spark_job_cause(text: str) -> Optional[str]:
              "attempt(s)")
     if rest.startswith("Traceback (most recent call last):"):
         tb = _python_traceback(rest)
-        last = next((ln for ln in reversed(tb.splitlines()) if ln and not ln[0].isspace()),
-                    "the task raised")
-        return f"{where}: {last}\n{tb}"
+        return f"{where}: {_last_line(tb)}\n{tb}"
     first = _ADVICE.sub("", rest.splitlines()[0] if rest else "").strip()
     return f"{where}: {first or 'no reason given'}"
 

@@ -146,6 +146,12 @@ def launcher(boot: Dict[str, Any], start_timeout: float) -> Callable[[Any], Any]
     return launch
 
 
+def node_name(node: Dict[str, Any]) -> str:
+    """``node <i> (<role>:<task>, executor <id>, host <host>)``: how errors and logs name a node."""
+    return (f"node {node['index']} ({node['role']}:{node['task_index']}, "
+            f"executor {node['executor_id']}, host {node['host']})")
+
+
 def host_of(address: str) -> str:
     """The host of Spark's ``host:port`` (``[v6]:port``) executor address."""
     host = address.rsplit(":", 1)[0] if ":" in address else address

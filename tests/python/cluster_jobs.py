@@ -315,7 +315,7 @@ def ps(spark: Any, out: str) -> None:
 
     images, labels = load_split("train")
     data = os.path.join(out, "tfrecords")
-    to_tfrecords(sc, images[:12000], labels[:12000], data, 4)
+    to_tfrecords(spark, images[:12000], labels[:12000], data, 4)
     cluster = run(sc, psfuns.tf_parameter_server_strategy,
                   {"out": out, "data": data, "epochs": 2, "steps": 150}, num_executors=4,
                   num_ps=1, driver_ps_nodes=True, input_mode=InputMode.TENSORFLOW,

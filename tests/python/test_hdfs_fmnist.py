@@ -36,7 +36,7 @@ def test_fashion_mnist_tfrecords_on_hdfs(hadoop_cluster: HadoopCluster, local_sp
     base = hadoop_cluster.hdfs_url("/fmnist")
     sc = local_spark.sparkContext
     images, labels = data.load_split("train")
-    n = data.to_tfrecords(sc, images, labels, base + "/tfrecords/train", 4)
+    n = data.to_tfrecords(local_spark, images, labels, base + "/tfrecords/train", 4)
     assert n == 60000
     parts = [p for p in hdfs.listdir(base + "/tfrecords/train") if p.startswith("part-")]
     assert len(parts) == 4 and hdfs.exists(base + "/tfrecords/train/_SUCCESS")

@@ -73,7 +73,7 @@ def test_tensorflow_parameter_server_strategy_runs_as_written(local_spark, tmp_p
     sc = local_spark.sparkContext
     images, labels = load_split("train")
     data = str(tmp_path / "tfrecords")
-    to_tfrecords(sc, images[:12000], labels[:12000], data, 4)
+    to_tfrecords(local_spark, images[:12000], labels[:12000], data, 4)
     out = tmp_path / "out"
     out.mkdir()
     cluster = run(sc, psfuns.tf_parameter_server_strategy,
