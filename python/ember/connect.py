@@ -43,6 +43,10 @@ def is_connect(session: Any) -> bool:
     return type(session).__module__.startswith("pyspark.sql.connect")
 
 
+def _no_run(*_args: Any) -> None:
+    """What a job without an MLflow run does with its artifacts and end: nothing."""
+
+
 class ConnectCluster:
     """A running Ember cluster over Spark Connect.  Made by :func:`ember.spark.run`."""
 
@@ -92,6 +96,9 @@ class ConnectCluster:
         self._thread = threading.Thread(target=self._run_stage, name="ember-connect-nodes",
                                         daemon=True)
         self._closed = False
+        # MLflow tracking (ember.mlflow) is classic Spark's only, for now: no run
+        self._mlflow: Any = None
+        self._mlflow_end_on_shutdown = True
         logger.info(f"job {self.job_id}: launching {num_nodes} node(s) in a barrier stage "
                     "over Spark Connect")
         self._thread.start()
@@ -233,6 +240,10 @@ class ConnectCluster:
         df = self.inference(data, result_schema, feed_timeout)
         return list(self._run_job(f"inference call {self._seq}", df.collect))
 
+    #: the interface EmberEstimator.fit uses; no MLflow run over Connect
+    log_artifacts = staticmethod(_no_run)
+    _track_end = staticmethod(_no_run)
+
     # -- shutdown ---------------------------------------------------------------
     def shutdown(self, grace_secs: float = 0, timeout: float = 259200) -> None:
         """Ends the feed (InputMode.SPARK), waits for the node stage to end
@@ -262,6 +273,23 @@ class ConnectCluster:
             raise failure
         logger.info("nodes ended: " + ", ".join(f"{n['role']}:{n['task_index']} {n['state']}"
                                                 for n in self.nodes))
+
+
+class _SessionConf:
+    """A session's conf with SparkConf's ``get(key, default=None)`` (a Connect
+    session's ``spark.conf.get`` raises for an unset key without a default)."""
+
+    def __init__(self, session: Any) -> None:
+        self._conf = session.conf
+
+    def get(self, key: str, default: Optional[str] = None) -> Optional[str]:
+        return self._conf.get(key, default)
+
+
+def session_conf(session: Any) -> Any:
+    """The Spark conf to read settings from: the SparkContext's (classic), or
+    the session's (Spark Connect)."""
+    return _SessionConf(session) if is_connect(session) else session.sparkContext.getConf()
 
 
 def _cause(exc: BaseException) -> str:

@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import pytest
 
+from connect_fixture import connect_server  # noqa: F401  (the Spark Connect server)
 from hadoop_fixture import hadoop_cluster, kerberized_hadoop, yarn  # noqa: F401  (mini Hadoops)
 from jvm_archive import jvm_options_for_tests
 

@@ -46,7 +46,7 @@ from pyspark.ml.param import Params
 from pyspark.ml.util import (DefaultParamsReadable, DefaultParamsReader, DefaultParamsWriter,
                              MLReadable, MLWritable)
 
-from ember import _gpu, _log, tensors
+from ember import _gpu, _log, connect, tensors
 from ember.errors import EmberError
 from ember.ml import _direct, _model_files, _runtime, _torch
 from ember.ml._params import (HasArrowPath, HasBatchSize, HasClusterSize, HasDriverPSNodes,
@@ -136,12 +136,12 @@ class _Writer(DefaultParamsWriter):
         extra = {"tf_args": _args_json(inst.tf_args)}
         if isinstance(inst, EmberEstimator):
             extra["train_fn"] = None if inst.train_fn is None else _fn_ref(inst.train_fn)
-        DefaultParamsWriter.saveMetadata(inst, path, self.sc, extraMetadata=extra)
+        DefaultParamsWriter.saveMetadata(inst, path, self.sparkSession, extraMetadata=extra)
 
 
 class _Reader(DefaultParamsReader):
     def load(self, path: str) -> Any:
-        metadata = DefaultParamsReader.loadMetadata(path, self.sc)
+        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
         inst = super().load(path)
         inst.tf_args = _args_from_json(metadata.get("tf_args"))
         if isinstance(inst, EmberEstimator) and metadata.get("train_fn"):
@@ -218,7 +218,9 @@ class EmberEstimator(Estimator, _EmberParams, _Persist, HasInputMapping, HasOutp
                                  "DataFrame for train_fn to read)")
             n = tfrecord.save(df, out, mode="overwrite")
             logger.info(f"wrote {n} records as TFRecords to {out}")
-        sc = dataset.sparkSession.sparkContext
+        session = dataset.sparkSession
+        # a Spark Connect client's session runs the nodes itself (ember.connect)
+        sc = session if connect.is_connect(session) else session.sparkContext
         cluster = run(sc, self.train_fn, args, num_executors=self.getClusterSize(),
                       num_ps=self.getNumPS(), tensorboard=self.getTensorboard(),
                       input_mode=mode, driver_ps_nodes=self.getDriverPSNodes(),
@@ -462,7 +464,11 @@ class _ArrowInference(Model, _EmberParams, _Persist, HasInputMapping, HasOutputM
         out_cols, types = spec["output_columns"], spec.pop("output_types")
         spec["tensors"] = {c: (t[0].str, list(t[1])) for c, t in
                            tensors.tensor_specs(dataset.schema).items() if c in spec["columns"]}
-        if chosen in (None, "direct"):
+        remote = connect.is_connect(dataset.sparkSession)
+        if chosen == "direct" and remote:
+            raise ValueError("ArrowPath 'direct' runs in the executors' JVM through py4j, which a "
+                             "Spark Connect client does not have: use 'udf' or 'mapInArrow'")
+        if chosen in (None, "direct") and not remote:
             columns, why = _direct.plan(dataset, spec["columns"], _runtime.predictor(spec).inputs)
             if columns is not None:
                 return _direct.transform(dataset, spec, columns, [
@@ -470,7 +476,7 @@ class _ArrowInference(Model, _EmberParams, _Persist, HasInputMapping, HasOutputM
             if chosen == "direct":
                 raise ValueError(f"ArrowPath 'direct' cannot run this DataFrame: {why}")
         # GPU tasks: a reused Python worker must not keep another task's GPU
-        _gpu.check_python_worker_gpus(dataset.sparkSession.sparkContext.getConf(), path)
+        _gpu.check_python_worker_gpus(connect.session_conf(dataset.sparkSession), path)
         if path == "mapInArrow":
             fields = list(dataset.schema.fields) + [
                 T.StructField(c, t, True) for c, t in zip(out_cols, types)]

@@ -1,0 +1,154 @@
+"""A Spark Connect client of Ember, run by test_connect.py in a process of its
+own: ``python connect_client.py <scenario> <sc://url> <out dir>``.  It uses
+``SparkSession.builder.remote`` and never starts a JVM (checked at the end);
+it writes what it saw to ``<out dir>/<scenario>.json``.  The executors of the
+Connect server import this module for the node functions below."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+# --------------------------------------------------------------------------- node functions
+
+def slow_reader(args: Any, ctx: Any) -> None:
+    """Reads the feed slowly, after writing its pid where the client finds it."""
+    with open(os.path.join(args["out"], f"pid-{ctx.worker_num}"), "w") as f:
+        f.write(str(os.getpid()))
+    feed = ctx.get_data_feed(train_mode=True)
+    while not feed.should_stop():
+        feed.next_batch(50)
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- checks
+
+def _java_children() -> List[int]:
+    """Pids of java processes this process started (none for a Connect client)."""
+    me, found = os.getpid(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue
+        if int(fields[1]) == me and comm == "java":
+            found.append(int(pid))
+    return found
+
+
+def _no_jvm() -> Dict[str, Any]:
+    from pyspark import SparkContext
+
+    return dict(gateway=SparkContext._gateway is not None, java_children=_java_children())
+
+
+# --------------------------------------------------------------------------- scenarios
+
+def main_job(url: str, out: str) -> Dict[str, Any]:
+    """The Fashion-MNIST main job in both input modes, to its accuracy bar."""
+    import contextlib
+    import io
+
+    from examples.fashion_mnist import main as job
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = job.main(["--remote", url, "--modes", "spark,tensorflow", "--epochs", "3",
+                         "--require-accuracy", "0.85", "--work-dir", os.path.join(out, "job")])
+    results = [line for line in text.getvalue().splitlines() if line.startswith("RESULT demo")]
+    return dict(code=code, results=results)
+
+
+def killed_node(url: str, out: str) -> Dict[str, Any]:
+    """SIGKILLs node 1 while train(df) feeds it: the error names the node."""
+    import signal
+
+    from pyspark.sql import SparkSession
+
+    import ember.spark as es
+
+    spark = SparkSession.builder.remote(url).getOrCreate()
+    cluster = es.run(spark, slow_reader, {"out": out}, num_executors=2,
+                     input_mode=es.InputMode.SPARK, reservation_timeout=120)
+    killed: Dict[str, float] = {}
+
+    def kill() -> None:
+        pid_file = os.path.join(out, "pid-1")
+        deadline = time.monotonic() + 120
+        while not os.path.exists(pid_file) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(3)  # feeding by now: 2 x 100,000 rows take minutes at this pace
+        os.kill(int(open(pid_file).read()), signal.SIGKILL)
+        killed["at"] = time.monotonic()
+
+    threading.Thread(target=kill, daemon=True).start()
+    result: Dict[str, Any] = {}
+    try:
+        cluster.train(spark.range(200000).selectExpr("id", "id % 10 AS label"), 1)
+        result["raised"] = None
+    except Exception as exc:  # noqa: BLE001 - what was raised is the result
+        result.update(raised=type(exc).__name__, message=str(exc)[:3000],
+                      node=getattr(exc, "node", None),
+                      after_kill=time.monotonic() - killed.get("at", time.monotonic()))
+    try:
+        cluster.shutdown(timeout=60)
+        result["shutdown"] = None
+    except Exception as exc:  # noqa: BLE001
+        result["shutdown"] = type(exc).__name__
+    spark.stop()
+    return result
+
+
+def pipeline(url: str, out: str) -> Dict[str, Any]:
+    """EmberEstimator fit -> EmberModel transform in a Pipeline, save and load."""
+    import argparse
+
+    from pyspark.ml import PipelineModel
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    from pyspark.sql import SparkSession
+
+    from examples.fashion_mnist import model as fm
+    from ember.ml import TFEstimator
+    from ml_fashion import fashion_frame, fashion_pipeline
+
+    spark = SparkSession.builder.remote(url).getOrCreate()
+    train = fashion_frame(spark, "train", parts=4)
+    test = fashion_frame(spark, "test", parts=2)
+    args = argparse.Namespace(learning_rate=1e-3, intra_op_threads=1, inter_op_threads=1,
+                              train_records=60000)
+    est = TFEstimator(fm.train_spark, args)
+    fitted = fashion_pipeline(est, 2, out).fit(train)
+    scored = fitted.transform(test)
+    accuracy = MulticlassClassificationEvaluator(
+        labelCol="label", predictionCol="prediction", metricName="accuracy").evaluate(scored)
+    first = {r["id"]: r["prediction"] for r in scored.select("id", "prediction").collect()}
+    fitted.write().overwrite().save(os.path.join(out, "pipeline_model"))
+    again = PipelineModel.load(os.path.join(out, "pipeline_model"))
+    second = {r["id"]: r["prediction"]
+              for r in again.transform(test).select("id", "prediction").collect()}
+    spark.stop()
+    return dict(accuracy=accuracy, rows=len(first), same=first == second,
+                model=type(fitted.stages[1]).__name__)
+
+
+SCENARIOS = {"main": main_job, "kill": killed_node, "pipeline": pipeline}
+
+if __name__ == "__main__":
+    scenario, url, out = sys.argv[1:4]
+    sys.path[:0] = [REPO, HERE]
+    os.makedirs(out, exist_ok=True)
+    record = SCENARIOS[scenario](url, out)
+    record.update(_no_jvm())
+    with open(os.path.join(out, f"{scenario}.json"), "w") as f:
+        json.dump(record, f)

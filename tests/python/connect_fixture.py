@@ -1,0 +1,96 @@
+"""The shared Spark Connect server of the tests (``connect_server``): pyspark's
+``SparkConnectServer`` (from its ``spark-connect`` jar; pyspark ships no
+``start-connect-server.sh``) started with ``spark-submit --class`` against
+``local[4]``, once per pytest worker that asks for it.  Clients connect to
+``sc://127.0.0.1:<port>`` from processes of their own (no JVM there)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Iterator
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ConnectServer:
+    def __init__(self, root: str, master: str = "local[4]") -> None:
+        import pyspark
+
+        self.spark_home = os.path.dirname(pyspark.__file__)
+        self.root, self.master = root, master
+        self.port = _free_port()
+        self.url = f"sc://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(root, "connect-server.log")
+        self.proc: "subprocess.Popen[bytes] | None" = None
+
+    def start(self, timeout: float = 120) -> None:
+        jars = glob.glob(os.path.join(self.spark_home, "jars", "spark-connect_*.jar"))
+        if not jars:
+            raise RuntimeError(f"no spark-connect jar under {self.spark_home}/jars")
+        # the executors' Python workers (and so the nodes) run this interpreter
+        # and import Ember and the tests' node functions from the checkout
+        env = dict(os.environ, SPARK_HOME=self.spark_home, SPARK_LOCAL_IP="127.0.0.1",
+                   PYSPARK_PYTHON=sys.executable,
+                   PYTHONPATH=os.pathsep.join([REPO, HERE]))
+        argv = [os.path.join(self.spark_home, "bin", "spark-submit"),
+                "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
+                "--master", self.master, "--jars", jars[0],
+                "--conf", f"spark.connect.grpc.binding.port={self.port}",
+                "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
+                "--conf", "spark.driver.host=127.0.0.1",
+                "--conf", "spark.driver.bindAddress=127.0.0.1",
+                "--conf", "spark.ui.enabled=false",
+                "--conf", "spark.sql.shuffle.partitions=4",
+                "--conf", f"spark.pyspark.python={sys.executable}",
+                "--conf", "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures=1",
+                "spark-internal"]
+        log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the Spark Connect server exited with {self.proc.returncode};"
+                                   f" its log: {self.log_path}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"the Spark Connect server did not listen in {timeout:.0f} s; its "
+                           f"log: {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, 15)
+            self.proc.wait(20)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+
+
+@pytest.fixture(scope="session")
+def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConnectServer]:
+    server = ConnectServer(str(tmp_path_factory.mktemp("connect")))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
