@@ -5,37 +5,37 @@ This is the code of :func:`ember.spark.run` that runs in the client when it
 is given a Connect session.  The client uses only DataFrame APIs, and nothing
 on the executors connects back to it (it may sit outside the cluster):
 
-- the nodes run in one barrier ``mapInArrow`` stage for the cluster's whole
-  life (:mod:`ember._connect_stage`), holding their task slots (and GPUs,
-  with ``gpus_per_node``), started in a thread of the client;
+- the nodes start in one barrier ``mapInArrow`` stage
+  (:mod:`ember._connect_stage`) whose task 0 also starts the cluster's
+  coordinator (:mod:`ember._connect_coordinator`: the rendezvous and the
+  nodes' watch, which a classic driver hosts) on its executor host; the
+  stage returns the registered nodes once all registered, and its tasks
+  their slots, as classic Spark's barrier tasks do;
 - ``train(df)`` and ``inference(df)`` are ``mapInArrow`` jobs over the input
   DataFrame whose tasks feed the nodes' C feed, as classic Spark's do;
-- node failures, heartbeat verdicts and the nodes' final states come back as
-  the node stage's result: a node failure raises :class:`EmberNodeError`
-  naming the node in ``train``, ``inference``'s actions and ``shutdown``,
-  and interrupts the feeding job (``SparkSession.interruptTag``).
+- what the client asks the coordinator (a failed feeding job's cause, the
+  end of the job in ``shutdown``) goes through a one-task job whose task
+  connects to it, authenticated with the job secret: a node failure is
+  raised as :class:`EmberNodeError` naming the node.
 
-The feeding jobs need task slots beside the nodes' (one per fed node, for
-synchronous training).  Differences from classic Spark are in
-docs/spark.md ("Ember over Spark Connect").
+Differences from classic Spark are in docs/spark.md ("Ember over Spark
+Connect").
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import threading
 import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional
 
-from ember import _connect_stage, _ember, _gpu
+from ember import _connect_stage, _ember, _gpu, executor
 from ember.errors import EmberJobError, EmberNodeError, spark_job_cause
+from ember.executor import FeedCall
 from ember.tensors import tensor_specs
 
 logger = logging.getLogger("ember.spark")
-
-_FAILURE_GRACE = 10.0  # s a failed feeding job waits for the node stage to name a failure
-
 
 def is_connect(session: Any) -> bool:
     """True for a Spark Connect session (without importing pyspark's Connect
@@ -62,10 +62,13 @@ class ConnectCluster:
         self.job_id = uuid.uuid4().hex[:12]
         self.feed_roles = FEED_ROLES if feed_chief else ("worker",)
         self.chunk_bytes = 4 << 20
-        self.nodes: List[Dict[str, Any]] = []  # the nodes' final states, after the stage ends
+        self.nodes: List[Dict[str, Any]] = []  # the registered nodes, by index
+        self.states: Dict[int, str] = {}  # their final states, after shutdown()
         self._roles, self._num_nodes = roles, num_nodes
         self._reservation_timeout = reservation_timeout
         self._seq = 0
+        self._control_seq = 0
+        self._heartbeat_timeout = heartbeat_timeout
         if encrypt is None:  # Spark's own RPC encryption asks for ours too
             encrypt = str(spark.conf.get("spark.network.crypto.enabled", "false")
                           ).strip().lower() == "true"
@@ -81,94 +84,82 @@ class ConnectCluster:
                     job_id=self.job_id, index_offset=0, tensorboard=tensorboard,
                     parameter_servers=parameter_servers, tensorboard_node=tb_node,
                     log_dir=log_dir or "tensorboard")
-        task = _connect_stage.node_stage(boot, num_nodes, roles, reservation_timeout,
-                                         heartbeat_timeout, self.feed_roles)
+        task = _connect_stage.launcher(boot, num_nodes, roles, reservation_timeout,
+                                       heartbeat_timeout, self.feed_roles)
         stage = spark.range(num_nodes).repartition(num_nodes)
         kwargs: Dict[str, Any] = {"barrier": True}
         if gpus_per_node:
             kwargs["profile"] = _gpu.task_profile(
                 gpus_per_node, int(spark.conf.get("spark.task.cpus", "1")))
-        self._stage_df = stage.mapInArrow(task, _connect_stage.STATE_SCHEMA, **kwargs)
-        self._rows: Optional[List[Any]] = None
-        self._stage_error: Optional[BaseException] = None
-        self._stage_done = threading.Event()
-        self._tag = f"ember-{self.job_id}-nodes"
-        self._thread = threading.Thread(target=self._run_stage, name="ember-connect-nodes",
-                                        daemon=True)
         self._closed = False
         # MLflow tracking (ember.mlflow) is classic Spark's only, for now: no run
         self._mlflow: Any = None
         self._mlflow_end_on_shutdown = True
+        self._failed: Optional[EmberNodeError] = None
         logger.info(f"job {self.job_id}: launching {num_nodes} node(s) in a barrier stage "
                     "over Spark Connect")
-        self._thread.start()
-
-    # -- the node stage -------------------------------------------------------
-    def _run_stage(self) -> None:
-        self.spark.addTag(self._tag)  # this thread's operations
         try:
-            self._rows = self._stage_df.collect()
-        except BaseException as exc:
-            self._stage_error = exc
-        finally:
-            self._stage_done.set()
+            rows = stage.mapInArrow(task, _connect_stage.NODE_SCHEMA, **kwargs).collect()
+        except Exception as exc:
+            raise EmberJobError(f"ember over Spark Connect: launching the nodes failed: "
+                                f"{_cause(exc)}") from exc
+        self.nodes = [dict(r.asDict(), ports=json.loads(r["ports"]), executor_id=r["executor"])
+                      for r in sorted(rows, key=lambda r: r["index"])]
+        host, port = self.nodes[0]["coordinator"].rsplit(":", 1)
+        self._coordinator = (host, int(port))
+        self._targets = tuple((n["host"], int(n["feed_port"]), executor.node_name(n))
+                              for n in self.nodes if n["role"] in self.feed_roles)
+        logger.info("cluster ready: " + ", ".join(
+            f"{n['role']}:{n['task_index']}@{n['host']}:{n['ports'][0]}" for n in self.nodes)
+            + f"; coordinator at {host}:{port}")
 
-    def _failure(self) -> Optional[BaseException]:
-        """The node stage's failure, once it has ended: a node's EmberNodeError,
-        or the stage's own error (it could not start, an executor was lost)."""
-        if not self._stage_done.is_set():
-            return None
-        if self._stage_error is not None:
-            return EmberJobError(f"ember over Spark Connect: the nodes' barrier stage failed: "
-                                 f"{_cause(self._stage_error)}")
-        rows = self._rows or []
-        self.nodes = [r.asDict() for r in rows]
-        for r in rows:
-            if r["state"] in ("failed", "lost"):
-                return EmberNodeError(r["error"], int(r["index"]), r["state"])
-        return None
+    # -- the coordinator ----------------------------------------------------------
+    def _ask(self, request: Dict[str, Any], timeout: float = 60.0) -> Dict[str, Any]:
+        """The coordinator's answer to ``request``, through a one-task job."""
+        self._control_seq += 1
+        host, port = self._coordinator
+        fn = _connect_stage.control(host, port, self._secret, bool(self.encrypt),
+                                    (1 << 62) + self._control_seq, request, timeout)
+        try:
+            rows = self.spark.range(1).repartition(1).mapInArrow(fn, "reply string").collect()
+        except Exception as exc:
+            raise EmberJobError(f"ember over Spark Connect: the cluster's coordinator at "
+                                f"{host}:{port} did not answer {request.get('op')!r}: "
+                                f"{_cause(exc)}") from exc
+        return dict(json.loads(rows[0]["reply"]))
 
-    def _stage_failure_after(self, waited: float) -> Optional[BaseException]:
-        deadline = time.monotonic() + waited
-        while time.monotonic() < deadline and not self._stage_done.is_set():
-            self._stage_done.wait(0.1)
-        return self._failure()
+    def _failure_in(self, reply: Dict[str, Any]) -> Optional[EmberNodeError]:
+        failure = reply.get("failure")
+        if failure and self._failed is None:
+            self._failed = EmberNodeError(failure["message"], int(failure["node"]),
+                                          failure["kind"])
+        return self._failed
 
-    def _run_job(self, what: str, action: Callable[[], Any], ended_ok: bool = False) -> Any:
-        """Runs a feeding action in a thread under a tag of its own; interrupts
-        it when the node stage ends meanwhile, raising the node's error if one
-        failed (else EmberJobError, or returning None where ``ended_ok``)."""
-        tag = f"ember-{self.job_id}-{what.replace(' ', '-')}"
-        out: Dict[str, Any] = {}
-
-        def job() -> None:
-            self.spark.addTag(tag)
+    def _explain(self, what: str, error: BaseException) -> BaseException:
+        """A failed feeding job's error: the node failure that explains it
+        (the coordinator is asked, after giving a lost node's heartbeats
+        time to lapse), else an EmberJobError with Spark's cause."""
+        deadline = time.monotonic() + (self._heartbeat_timeout + 2
+                                       if "ember._ember.Ember" in str(error) else 2.0)
+        while True:
             try:
-                out["value"] = action()
-            except BaseException as exc:
-                out["error"] = exc
+                failure = self._failure_in(self._ask({"op": "state"}))
+            except EmberJobError:
+                failure = None
+            if failure is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if failure is not None:
+            return failure
+        return EmberJobError(f"{what}: {_cause(error)}")
 
-        t = threading.Thread(target=job, name=f"ember-{what}", daemon=True)
-        t.start()
-        while t.is_alive():
-            t.join(0.2)
-            if t.is_alive() and self._stage_done.is_set():
-                # the nodes have ended: nothing will take this job's data
-                self.spark.interruptTag(tag)
-                t.join(30)
-                failure = self._failure()
-                if failure is not None:
-                    raise failure
-                if ended_ok:
-                    return None
-                raise EmberJobError(f"{what}: the nodes ended before it was done (main_fun "
-                                    "returned on every node)")
-        if "error" in out:
-            failure = self._stage_failure_after(_FAILURE_GRACE)
-            if failure is not None:
-                raise failure from out["error"]
-            raise EmberJobError(f"{what}: {_cause(out['error'])}") from out["error"]
-        return out["value"]
+    def _run_job(self, what: str, action: Callable[[], Any]) -> Any:
+        if self._failed is not None:
+            raise self._failed
+        try:
+            return action()
+        except Exception as exc:
+            raise self._explain(what, exc) from exc
 
     def _fed_count(self) -> int:
         r = self._roles
@@ -188,11 +179,8 @@ class ConnectCluster:
         if self.input_mode != InputMode.SPARK:
             raise ValueError("train() feeds data only in InputMode.SPARK; in "
                              "InputMode.TENSORFLOW the nodes read their own input")
-        failure = self._failure()
-        if failure is not None:
-            raise failure
         epochs = max(1, num_epochs)
-        fed = self._fed_count()
+        fed = len(self._targets)
         self._seq += 1
         # the epochs are copies of one shuffle (Spark reuses its exchange):
         # the upstream plan runs once, as a classic train()'s cache makes it
@@ -200,9 +188,10 @@ class ConnectCluster:
         source = parts
         for _ in range(epochs - 1):
             source = source.unionAll(parts)
-        fn = _connect_stage.feeder(self.job_id, self._secret, self._seq, feed_timeout, 0,
-                                   epochs * fed, fed, qname, self.chunk_bytes,
-                                   tensor_specs(data.schema), self._reservation_timeout)
+        call = FeedCall(self._targets, self._secret, self._seq, feed_timeout, first=0,
+                        parts=epochs * fed, per_epoch=fed, qname=qname,
+                        encrypt=bool(self.encrypt))
+        fn = executor.arrow_feeder(call, self.chunk_bytes, tensor_specs(data.schema))
         start = time.monotonic()
         total = self._run_job(f"train call {self._seq}", lambda: sum(
             r[0] for r in source.mapInArrow(fn, "fed long").collect()))
@@ -223,14 +212,13 @@ class ConnectCluster:
 
         if self.input_mode != InputMode.SPARK:
             raise ValueError("inference() needs InputMode.SPARK")
-        failure = self._failure()
-        if failure is not None:
-            raise failure
+        if self._failed is not None:
+            raise self._failed
         self._seq += 1
         schema = _arrow_schema(_parse_datatype_string(result_schema))
-        fn = _connect_stage.inferrer(self.job_id, self._secret, self._seq, feed_timeout, qname,
-                                     self.chunk_bytes, tensor_specs(data.schema),
-                                     self._reservation_timeout, schema)
+        call = FeedCall(self._targets, self._secret, self._seq, feed_timeout, want_results=True,
+                        qname=qname, encrypt=bool(self.encrypt))
+        fn = _connect_stage.inferrer(call, self.chunk_bytes, tensor_specs(data.schema), schema)
         return data.mapInArrow(fn, result_schema)
 
     def collect_inference(self, data: Any, result_schema: str = "result array<bigint>",
@@ -246,33 +234,29 @@ class ConnectCluster:
 
     # -- shutdown ---------------------------------------------------------------
     def shutdown(self, grace_secs: float = 0, timeout: float = 259200) -> None:
-        """Ends the feed (InputMode.SPARK), waits for the node stage to end
-        (the trainers done, the others stopped) and raises the first node
-        failure, if any."""
+        """Ends the feed (InputMode.SPARK), waits for the chief and workers to
+        finish, stops the others and raises the first node failure, if any:
+        one request to the coordinator, which answers when that is done."""
         from ember.driver import InputMode
 
         if self._closed:
             return
         self._closed = True
-        if self.input_mode == InputMode.SPARK and not self._stage_done.is_set():
-            end = _connect_stage.end_feeds(self.job_id, self._secret, self._reservation_timeout)
-            try:
-                self._run_job("end of feed", lambda: self.spark.range(1).repartition(1)
-                              .mapInArrow(end, "ended long").collect(), ended_ok=True)
-            except EmberNodeError:
-                raise
-            except EmberJobError as exc:
-                logger.warning(f"shutdown: ending the feed failed: {exc}")
-        if not self._stage_done.wait(timeout):
-            self.spark.interruptTag(self._tag)
-            raise TimeoutError(f"ember shutdown: the nodes still ran after {timeout} s")
+        reply = self._ask({"op": "finish", "end_feed": self.input_mode == InputMode.SPARK,
+                           "timeout": timeout}, timeout + 60)
+        self.states = {int(k): v for k, v in reply["states"].items()}
         if grace_secs:
             time.sleep(grace_secs)
-        failure = self._failure()
+        failure = self._failure_in(reply)
         if failure is not None:
             raise failure
-        logger.info("nodes ended: " + ", ".join(f"{n['role']}:{n['task_index']} {n['state']}"
-                                                for n in self.nodes))
+        running = [executor.node_name(self.nodes[i]) for i, v in self.states.items()
+                   if v not in ("done", "stopping")]
+        if running:
+            raise TimeoutError(f"ember shutdown: still running after {timeout} s: "
+                               + ", ".join(running))
+        logger.info("nodes ended: " + ", ".join(
+            f"{n['role']}:{n['task_index']} {self.states.get(n['index'])}" for n in self.nodes))
 
 
 class _SessionConf:
