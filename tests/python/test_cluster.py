@@ -7,7 +7,8 @@ run on the driver host as a user runs them, and the tests check what they
 wrote: the feed and the collectives crossed hosts over TCP, every Ember port
 is bound to the address Spark uses for its process, accuracy matches one host,
 and a host that dies mid-epoch is named within seconds and the job finishes
-on the remaining hosts.  `make cluster-test` runs this file alone.
+on the remaining hosts.  The main job also runs as a Spark Connect client of
+a Connect server on the driver host.  `make cluster-test` runs this file alone.
 """
 
 from __future__ import annotations
@@ -408,6 +409,66 @@ def test_main_job_all_modes_reach_one_host_accuracy(hosts, tmp_path, request):
     for line in ready:
         placed = re.findall(r"@([\d.]+):", line)
         assert len(placed) == 2 and set(placed) <= set(workers), line
+
+
+def test_main_job_over_spark_connect_on_hosts(hosts, tmp_path):
+    """A Spark Connect server on the driver host (its application's executors
+    on the worker hosts) and the main job as its client (another process, no
+    JVM): the nodes start on the worker hosts, the coordinator on one of
+    them, the feed crosses hosts, and the job reaches its accuracy bar."""
+    import glob as _glob
+
+    import pyspark
+
+    sim = hosts.sim
+    jar = _glob.glob(os.path.join(os.path.dirname(pyspark.__file__), "jars",
+                                  "spark-connect_*.jar"))[0]
+    port = 15002
+    log = open(os.path.join(hosts.root, "connect-server.log"), "w")
+    env = hosts.env("driver")
+    env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests", "python")])
+    server = sim.popen("driver", [
+        os.path.join(hosts.spark_home, "bin", "spark-submit"),
+        "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
+        "--master", hosts.url, "--jars", jar,
+        "--conf", f"spark.connect.grpc.binding.port={port}",
+        "--conf", "spark.driver.host=driver",
+        "--conf", f"spark.driver.bindAddress={sim.addr('driver')}",
+        "--conf", "spark.executor.cores=1", "--conf", "spark.cores.max=3",
+        "--conf", "spark.executor.memory=1g",
+        "--conf", f"spark.executorEnv.PYTHONPATH={REPO}",
+        "--conf", "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures=1",
+        "spark-internal"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        probe = ("import socket,sys,time\n"
+                 "for _ in range(240):\n"
+                 "    try: socket.create_connection(('driver', %d), 1).close(); sys.exit(0)\n"
+                 "    except OSError: time.sleep(0.5)\n"
+                 "sys.exit(1)\n" % port)
+        assert sim.run("driver", [PY, "-c", probe]).returncode == 0, \
+            open(os.path.join(hosts.root, "connect-server.log")).read()[-3000:]
+        text = hosts.run_driver(
+            [PY, "-m", "examples.fashion_mnist.main", "--remote", f"sc://driver:{port}",
+             "--modes", "spark", "--epochs", "3", "--num-executors", "2", "--threads", "1",
+             "--require-accuracy", "0.85", "--work-dir", str(tmp_path)],
+            "connect-main-job.log", 900)
+    finally:
+        os.killpg(server.pid, 15)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+    accuracy = float(re.findall(r"RESULT demo mode=spark accuracy=([\d.]+)", text)[0])
+    assert accuracy >= 0.85, text[-3000:]
+    fed = [int(n) for n in re.findall(r"train: fed (\d+) records in", text)]
+    assert fed == [60000 * 3], text[-3000:]
+    workers = {sim.addr(w) for w in WORKERS}
+    for line in re.findall(r"cluster ready: (.*)", text):  # train and inference
+        placed = re.findall(r"@([\d.]+):", line)
+        assert len(placed) == 2 and set(placed) <= workers, line
+        assert re.search(r"coordinator at ([\d.]+):", line).group(1) in workers, line
+    # the Spark application ended with the server: the workers are free again
+    hosts.wait_workers(len(WORKERS))
 
 
 @pytest.mark.parametrize("network", ["lossy_1pct", "limited_1gbit"])
