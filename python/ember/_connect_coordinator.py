@@ -12,7 +12,8 @@ the barrier task that started it (:mod:`ember._connect_stage`).
 The control channel is a feed server taking inference-style requests (one
 JSON record, one JSON result), so it is authenticated with the job secret
 and as hardened against hostile peers as every feed: ``{"op": "state"}``
-answers the nodes' states and the first failure; ``{"op": "finish",
+answers the nodes' states and the first failure; ``{"op": "resume"}``,
+after a restart, the epochs the fed nodes resume from; ``{"op": "finish",
 "end_feed": true}`` ends the fed nodes' feeds, waits until the chief and
 workers are done (or one fails), stops the others and answers the final
 states; ``{"op": "stop"}`` stops every node.  The process exits after a
@@ -53,6 +54,9 @@ class Coordinator:
         self.states: Dict[int, str] = {}
         self.failure: Optional[Dict[str, Any]] = None
         self.serving: set = set()
+        #: fed node -> the epoch its main_fun resumes from (ctx.resume_from),
+        #: None when it read its feed without naming one
+        self.resume: Dict[int, Optional[int]] = {}
         self.lock = threading.Condition()
 
     # -- the nodes --------------------------------------------------------------
@@ -72,11 +76,14 @@ class Coordinator:
                 continue
             kind, node, code, text = ev
             if kind == "progress":
-                if code == SERVING_REPORT:
+                if code in (SERVING_REPORT, RESUME_REPORT):
                     with self.lock:
-                        self.serving.add(node)
+                        if code == SERVING_REPORT:
+                            self.serving.add(node)
+                        else:
+                            self.resume[node] = int(text) if text and text.isdigit() else None
                         self.lock.notify_all()
-                elif code not in (RESUME_REPORT, CHECKPOINT_REPORT):
+                elif code != CHECKPOINT_REPORT:
                     logger.info(f"{node_name(by_index[node])}: {text}")
                 continue
             if kind == "rejected":
@@ -131,6 +138,21 @@ class Coordinator:
             self._stop_locked()
         return self.report()
 
+    def await_resume(self, timeout: float) -> Dict[str, Any]:
+        """Waits until every fed node has named where it resumes from, read its
+        feed without naming one, or ended; answers the positions named."""
+        fed = [n["index"] for n in self.nodes if n["role"] in self.boot["feed_roles"]]
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while self.failure is None:
+                waiting = [i for i in fed if i not in self.resume
+                           and self.states.get(i) == "running"]
+                if not waiting or time.monotonic() >= deadline:
+                    break
+                self.lock.wait(0.5)
+            named = [p for p in (self.resume.get(i) for i in fed) if p is not None]
+        return dict(self.report(), resume=named, waiting=waiting)
+
     def _end_feed(self, node: Dict[str, Any]) -> None:
         try:
             client = _ember.FeedClient(node["host"], int(node["ports"][1]), self.secret,
@@ -167,6 +189,8 @@ class Coordinator:
                 op = request.get("op")
                 if op == "state":
                     reply = self.report()
+                elif op == "resume":
+                    reply = self.await_resume(float(request.get("timeout", 600)))
                 elif op == "finish":
                     reply = self.finish(bool(request.get("end_feed")),
                                         float(request.get("timeout", 259200)))

@@ -32,7 +32,7 @@ import functools
 import itertools
 import threading
 from collections import deque
-from typing import Any, Deque, Iterator, List, Optional, Tuple
+from typing import Any, Deque, Iterator, List, Optional, Set, Tuple
 
 from pyspark.serializers import (AutoBatchedSerializer, BatchedSerializer, CloudPickleSerializer,
                                  FramedSerializer, PickleSerializer, SpecialLengths,
@@ -228,11 +228,13 @@ def partitions(items: Any, group: List[int]) -> Iterator[Tuple[int, Iterator[Any
         raise RuntimeError(f"ember: the grouped feed holds more than partitions {group}")
 
 
-def arrow_partitions(batches: Any, group: List[int], first: int
+def arrow_partitions(batches: Any, group: Optional[List[int]], first: int
                      ) -> Iterator[Tuple[int, Iterator[Any]]]:
     """Splits a grouped DataFrame's Arrow batches by :data:`PARTITION_COLUMN`
     (dropped): ``(p, record batches)`` for each partition ``p`` of ``group``
-    in turn, empty partitions included (the rows say nothing of those)."""
+    in turn, empty partitions included (the rows say nothing of those).
+    ``group`` None: the partitions the rows name, in their order (each one
+    contiguous), none empty."""
     import numpy as np
 
     queue: Deque[Tuple[int, Any]] = deque()  # runs (p, rows) read ahead: one batch's
@@ -257,12 +259,24 @@ def arrow_partitions(batches: Any, group: List[int], first: int
                 queue.append((first + int(ids[lo]), rb.slice(int(lo), int(hi - lo))))
         return bool(queue)
 
-    for p in group:
-        def rows(p: int = p) -> Iterator[Any]:
-            while fill() and queue[0][0] == p:
-                yield queue.popleft()[1]
+    def rows(p: int) -> Iterator[Any]:
+        while fill() and queue[0][0] == p:
+            yield queue.popleft()[1]
 
-        body = rows()
+    if group is None:
+        seen: Set[int] = set()
+        while fill():
+            p = queue[0][0]
+            if p in seen:
+                raise RuntimeError(f"ember: the rows of partition {p} are not contiguous")
+            seen.add(p)
+            body = rows(p)
+            yield p, body
+            for _ in body:
+                pass
+        return
+    for p in group:
+        body = rows(p)
         yield p, body
         for _ in body:
             pass

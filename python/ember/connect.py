@@ -54,7 +54,8 @@ class ConnectCluster:
                  num_nodes: int, roles: Dict[str, Any], input_mode: int,
                  reservation_timeout: float, heartbeat_timeout: float, env: Dict[str, str],
                  tensorboard: bool, log_dir: Optional[str], encrypt: Optional[bool],
-                 parameter_servers: Any, feed_chief: bool, gpus_per_node: int) -> None:
+                 parameter_servers: Any, feed_chief: bool, gpus_per_node: int,
+                 max_restarts: int = 0) -> None:
         from ember.driver import FEED_ROLES
 
         self.spark = spark
@@ -76,30 +77,42 @@ class ConnectCluster:
         self._secret = _ember.random_secret()
         ps_first = roles["num_ps"]
         tb_node = ps_first + (0 if roles["chief"] else (1 if roles["evaluator"] else 0))
-        boot = dict(secret=self._secret, encrypt=bool(encrypt), main_fun=main_fun, args=args,
-                    input_mode=int(input_mode), reservation_timeout=float(reservation_timeout),
-                    heartbeat_interval_ms=max(100, int(heartbeat_timeout * 1000 / 5)),
-                    heartbeat_timeout=float(heartbeat_timeout),
-                    env=dict(env, EMBER_RESTART="0"), working_dir=None,
-                    job_id=self.job_id, index_offset=0, tensorboard=tensorboard,
-                    parameter_servers=parameter_servers, tensorboard_node=tb_node,
-                    log_dir=log_dir or "tensorboard")
-        task = _connect_stage.launcher(boot, num_nodes, roles, reservation_timeout,
-                                       heartbeat_timeout, self.feed_roles)
-        stage = spark.range(num_nodes).repartition(num_nodes)
-        kwargs: Dict[str, Any] = {"barrier": True}
+        self._boot = dict(
+            secret=self._secret, encrypt=bool(encrypt), main_fun=main_fun, args=args,
+            input_mode=int(input_mode), reservation_timeout=float(reservation_timeout),
+            heartbeat_interval_ms=max(100, int(heartbeat_timeout * 1000 / 5)),
+            heartbeat_timeout=float(heartbeat_timeout), env=dict(env), working_dir=None,
+            job_id=self.job_id, index_offset=0, tensorboard=tensorboard,
+            parameter_servers=parameter_servers, tensorboard_node=tb_node,
+            log_dir=log_dir or "tensorboard")
+        self._stage_kwargs: Dict[str, Any] = {"barrier": True}
         if gpus_per_node:
-            kwargs["profile"] = _gpu.task_profile(
+            self._stage_kwargs["profile"] = _gpu.task_profile(
                 gpus_per_node, int(spark.conf.get("spark.task.cpus", "1")))
         self._closed = False
         # MLflow tracking (ember.mlflow) is classic Spark's only, for now: no run
         self._mlflow: Any = None
         self._mlflow_end_on_shutdown = True
         self._failed: Optional[EmberNodeError] = None
-        logger.info(f"job {self.job_id}: launching {num_nodes} node(s) in a barrier stage "
-                    "over Spark Connect")
+        self._max_restarts = max_restarts
+        self.restarts = 0
+        self.restart_causes: List[EmberNodeError] = []  # the failures that caused restarts
+        self._launch()
+
+    def _launch(self) -> None:
+        """Runs the nodes' barrier stage; returns once every node registered."""
+        boot = dict(self._boot, env=dict(self._boot["env"], EMBER_RESTART=str(self.restarts)))
+        task = _connect_stage.launcher(boot, self._num_nodes, self._roles,
+                                       self._reservation_timeout, self._heartbeat_timeout,
+                                       self.feed_roles)
+        stage = self.spark.range(self._num_nodes).repartition(self._num_nodes)
+        self._failed = None
+        logger.info(f"job {self.job_id}: launching {self._num_nodes} node(s) in a barrier "
+                    "stage over Spark Connect"
+                    + (f" (restart {self.restarts})" if self.restarts else ""))
         try:
-            rows = stage.mapInArrow(task, _connect_stage.NODE_SCHEMA, **kwargs).collect()
+            rows = stage.mapInArrow(task, _connect_stage.NODE_SCHEMA,
+                                    **self._stage_kwargs).collect()
         except Exception as exc:
             raise EmberJobError(f"ember over Spark Connect: launching the nodes failed: "
                                 f"{_cause(exc)}") from exc
@@ -153,6 +166,41 @@ class ConnectCluster:
             return failure
         return EmberJobError(f"{what}: {_cause(error)}")
 
+    def _restart_or_raise(self, failure: EmberNodeError) -> None:
+        """After a node failure: relaunch every node (max_restarts), or raise.
+        The failed cluster's coordinator has STOPped its other nodes already;
+        it is told to go."""
+        try:
+            self._ask({"op": "stop"}, 30.0)
+        except EmberJobError as exc:  # its host may be the one that failed
+            logger.info(f"the failed cluster's coordinator did not answer: {exc}")
+        if self.restarts >= self._max_restarts:
+            self._closed = True
+            raise failure
+        self.restarts += 1
+        self.restart_causes.append(failure)
+        logger.warning(f"{failure.args[0].splitlines()[0]}; restarting the cluster "
+                       f"({self.restarts} of max_restarts={self._max_restarts}); main_fun "
+                       "resumes from its latest checkpoint")
+        self._launch()
+
+    def _resume_epoch(self, epochs: int, timeout: float) -> int:
+        """After a restart in train(): the epoch to feed from, the smallest one
+        any chief/worker names with ``ctx.resume_from``, 0 when none does."""
+        reply = self._ask({"op": "resume", "timeout": timeout}, timeout + 60)
+        failure = self._failure_in(reply)
+        if failure is not None:
+            raise failure
+        if reply["waiting"]:
+            raise TimeoutError(
+                f"ember train: after restart {self.restarts}, "
+                + ", ".join(executor.node_name(self.nodes[i]) for i in reply["waiting"])
+                + f" neither called ctx.resume_from() nor read the feed within {timeout:.0f} s")
+        first = max(0, min(reply["resume"])) if reply["resume"] else 0
+        if first:
+            logger.info(f"train: feeding from epoch {first} of {epochs} (ctx.resume_from)")
+        return first
+
     def _run_job(self, what: str, action: Callable[[], Any]) -> Any:
         if self._failed is not None:
             raise self._failed
@@ -180,16 +228,42 @@ class ConnectCluster:
             raise ValueError("train() feeds data only in InputMode.SPARK; in "
                              "InputMode.TENSORFLOW the nodes read their own input")
         epochs = max(1, num_epochs)
+        first = 0  # the epoch the feed starts from: 0, or where a restart resumes
+        while True:
+            try:
+                return self._feed(data, epochs, first, feed_timeout, qname)
+            except EmberNodeError as exc:
+                self._restart_or_raise(exc)
+                first = self._resume_epoch(epochs, feed_timeout)
+                if first >= epochs:
+                    logger.info(f"train: the nodes resume from epoch {first} of {epochs}: "
+                                "nothing left to feed")
+                    return 0
+
+    def _feed(self, data: Any, epochs: int, first: int, feed_timeout: float,
+              qname: str) -> int:
+        """Feeds epochs ``first..epochs-1`` of ``data`` as one feed call."""
         fed = len(self._targets)
         self._seq += 1
-        # the epochs are copies of one shuffle (Spark reuses its exchange):
-        # the upstream plan runs once, as a classic train()'s cache makes it
+        from pyspark.sql import functions as F
+
+        from ember._grouping import PARTITION_COLUMN
+
+        # The epochs are copies of one shuffle (Spark reuses its exchange):
+        # the upstream plan runs once, as a classic train()'s cache makes it.
+        # Spark may zip a union of equally partitioned inputs (one task
+        # reads partition i of every copy) or not, so each row carries its
+        # feed partition, e * fed + its share (counted from the call's
+        # first), and a task feeds the partitions its rows name.
         parts = data.repartition(fed)
-        source = parts
-        for _ in range(epochs - 1):
-            source = source.unionAll(parts)
-        call = FeedCall(self._targets, self._secret, self._seq, feed_timeout, first=0,
-                        parts=epochs * fed, per_epoch=fed, qname=qname,
+        copies = [parts.withColumn(PARTITION_COLUMN,
+                                   F.spark_partition_id() + F.lit((e - first) * fed))
+                  for e in range(first, epochs)]
+        source = copies[0]
+        for copy in copies[1:]:
+            source = source.unionAll(copy)
+        call = FeedCall(self._targets, self._secret, self._seq, feed_timeout, first=first * fed,
+                        parts=epochs * fed, per_epoch=fed, qname=qname, labelled=True,
                         encrypt=bool(self.encrypt))
         fn = executor.arrow_feeder(call, self.chunk_bytes, tensor_specs(data.schema))
         start = time.monotonic()
@@ -242,14 +316,22 @@ class ConnectCluster:
         if self._closed:
             return
         self._closed = True
-        reply = self._ask({"op": "finish", "end_feed": self.input_mode == InputMode.SPARK,
-                           "timeout": timeout}, timeout + 60)
-        self.states = {int(k): v for k, v in reply["states"].items()}
+        while True:
+            reply = self._ask({"op": "finish", "end_feed": self.input_mode == InputMode.SPARK,
+                               "timeout": timeout}, timeout + 60)
+            self.states = {int(k): v for k, v in reply["states"].items()}
+            failure = self._failure_in(reply)
+            if failure is None:
+                break
+            if self.input_mode == InputMode.SPARK:
+                self._closed = True
+                raise failure
+            # InputMode.TENSORFLOW: the nodes start again from their checkpoints
+            self._closed = False
+            self._restart_or_raise(failure)
+            self._closed = True
         if grace_secs:
             time.sleep(grace_secs)
-        failure = self._failure_in(reply)
-        if failure is not None:
-            raise failure
         running = [executor.node_name(self.nodes[i]) for i, v in self.states.items()
                    if v not in ("done", "stopping")]
         if running:

@@ -1254,14 +1254,10 @@ def run(sc: Any, main_fun: Callable[[Any, Any], Any], args: Any = None, num_exec
         if driver_ps_nodes:
             raise ValueError("driver_ps_nodes: a Spark Connect client has no driver host to "
                              "run ps nodes on; run them in the barrier stage (the default)")
-        if max_restarts:
-            raise ValueError("max_restarts: Ember over Spark Connect does not relaunch failed "
-                             "nodes yet; the failure is raised (run on classic Spark to "
-                             "restart from checkpoints)")
         return connect.ConnectCluster(  # type: ignore[return-value]
             sc, main_fun, args, num_executors, roles, InputMode(input_mode),
             reservation_timeout, heartbeat_timeout, dict(env or {}), tensorboard, log_dir,
-            encrypt, parameter_servers, feed_chief, gpus_per_node)
+            encrypt, parameter_servers, feed_chief, gpus_per_node, max_restarts)
     if hasattr(sc, "sparkContext"):  # a classic SparkSession
         sc = sc.sparkContext
     cluster = Cluster(sc, main_fun, args, num_executors, roles, InputMode(input_mode),

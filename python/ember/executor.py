@@ -45,6 +45,10 @@ class FeedCall:
     :param per_epoch: partitions per epoch (0: not told to the nodes).
     :param grouped: task ``i`` feeds fed node ``i`` all its partitions of the
         call, one after the other (:mod:`ember._grouping`).
+    :param labelled: every row names its partition of the call
+        (``_grouping.PARTITION_COLUMN``, counted from ``first``) and a task
+        feeds the partitions its rows name, in their order (Spark Connect's
+        epochs, however Spark lays out their union).
     :param qname: the node queue the data is for (``ember.compat.tfos``).
     :param stream: the call is one micro-batch of a continuous stream (a
         DStream, or ``ember.compat.tfos``): the node's reading goes on past its end.
@@ -64,6 +68,7 @@ class FeedCall:
     parts: int = 0
     per_epoch: int = 0
     grouped: bool = False
+    labelled: bool = False
     qname: str = "input"
     stream: bool = False
     report: Optional[Tuple[str, int, bytes]] = None
@@ -296,8 +301,13 @@ def arrow_feeder(call: FeedCall, chunk_bytes: int, tensors: Dict[str, Any],
         assert ctx is not None  # a Spark task
         task = ctx.partitionId()
         source = _Input(batches)
-        if call.grouped:
-            work: Any = _grouping.arrow_partitions(source, _grouping.node_partitions(
+        if call.grouped and task >= len(call.targets):
+            raise RuntimeError(f"grouped feed: task {task} has no node to feed (the input has "
+                               f"more partitions than the {len(call.targets)} fed nodes)")
+        if call.labelled:
+            work: Any = _grouping.arrow_partitions(source, None, call.first)
+        elif call.grouped:
+            work = _grouping.arrow_partitions(source, _grouping.node_partitions(
                 task, call.first, call.parts, len(call.targets)), call.first)
         else:
             work = [(call.first + task, source)]

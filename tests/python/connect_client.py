@@ -110,6 +110,67 @@ def killed_node(url: str, out: str) -> Dict[str, Any]:
     return result
 
 
+def _kill_after_first_checkpoint(out: str, holder: Dict[str, Any]) -> None:
+    """SIGKILLs node 1 once both nodes checkpointed a whole epoch and node 1
+    trained 200 records past it.  (Over Connect a node may get batches of the
+    next epoch before the last ones of its own: the epochs' partitions are
+    fed by tasks that run side by side, and the labels tell them apart.)"""
+    import signal
+
+    import nodefuns
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        run0 = nodefuns.epoch_counts(out).get((1, 0))
+        try:
+            ckpts = [int(open(os.path.join(out, f"ckpt-{i}")).read()) for i in (0, 1)]
+        except (OSError, ValueError):
+            ckpts = []
+        if run0 and ckpts and min(ckpts) >= 1 and \
+                sum(run0["counts"].values()) >= 1000 * ckpts[1] + 200:
+            holder.update(counts=run0["counts"], ckpts=ckpts)
+            os.kill(run0["pid"], signal.SIGKILL)
+            return
+        time.sleep(0.02)
+
+
+def restart(url: str, out: str) -> Dict[str, Any]:
+    """max_restarts=1: node 1 SIGKILLed after its first checkpoint; the
+    restarted nodes resume from their checkpoints and train() feeds the
+    epochs from the smallest on (test_recovery's classic test, over Connect)."""
+    from pyspark.sql import SparkSession
+
+    import ember.spark as es
+    import nodefuns
+
+    spark = SparkSession.builder.remote(url).getOrCreate()
+    n, epochs = 2000, 3
+    cluster = es.run(spark, nodefuns.epoch_checkpoints, {"out": out, "step": 0.1},
+                     num_executors=2, input_mode=es.InputMode.SPARK, reservation_timeout=60,
+                     heartbeat_timeout=4, max_restarts=1)
+    holder: Dict[str, Any] = {}
+    killer = threading.Thread(target=_kill_after_first_checkpoint, args=(out, holder))
+    killer.start()
+    try:
+        fed = cluster.train(spark.range(n).selectExpr("id", "CAST(id AS FLOAT) AS x"),
+                            num_epochs=epochs, feed_timeout=120)
+    finally:
+        killer.join()
+        cluster.shutdown(timeout=60)
+    runs = nodefuns.epoch_counts(out)
+    spark.stop()
+
+    def per_epoch(attempt: int) -> Dict[int, int]:
+        return {e: sum(runs[i, attempt]["counts"].get(e, 0) for i in (0, 1) if (i, attempt) in runs)
+                for e in range(epochs)}
+
+    return dict(killed="counts" in holder, ckpts=holder.get("ckpts"), restarts=cluster.restarts,
+                cause_node=cluster.restart_causes[0].node if cluster.restart_causes else None,
+                runs=sorted([list(k) for k in runs]), fed=fed, n=n, epochs=epochs,
+                starts=[runs[i, 1]["start"] for i in (0, 1) if (i, 1) in runs],
+                before=per_epoch(0), after=per_epoch(1))
+
+
 def pipeline(url: str, out: str) -> Dict[str, Any]:
     """EmberEstimator fit -> EmberModel transform in a Pipeline, save and load."""
     import argparse
@@ -142,7 +203,7 @@ def pipeline(url: str, out: str) -> Dict[str, Any]:
                 model=type(fitted.stages[1]).__name__)
 
 
-SCENARIOS = {"main": main_job, "kill": killed_node, "pipeline": pipeline}
+SCENARIOS = {"main": main_job, "kill": killed_node, "restart": restart, "pipeline": pipeline}
 
 if __name__ == "__main__":
     scenario, url, out = sys.argv[1:4]

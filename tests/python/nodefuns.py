@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 
 def _write(args: Dict[str, Any], ctx: Any, **extra: Any) -> None:
@@ -209,6 +210,37 @@ def epoch_checkpoints(args: Dict[str, Any], ctx: Any) -> None:
         if done is not None and done > saved:
             saved = done
             save(ckpt, str(done))
+
+
+def epoch_counts(path: str) -> Dict[Tuple[int, int], Any]:
+    """(node, restart) -> what nodefuns.epoch_checkpoints wrote."""
+    runs = {}
+    for name in os.listdir(path):
+        if name.startswith("counts-") and name.endswith(".json"):
+            node, restart = name[len("counts-"):-len(".json")].split("-")
+            with open(os.path.join(path, name)) as f:
+                info = json.load(f)
+            info["counts"] = {int(k): v for k, v in info["counts"].items()}
+            runs[int(node), int(restart)] = info
+    return runs
+
+
+def kill_mid_epoch(path: str, holder: Dict[str, Any], epoch: int, at: int) -> None:
+    """SIGKILLs node 1 once it has trained ``at`` records of ``epoch`` and both
+    nodes' checkpoints say ``epoch`` epochs are done."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        run0 = epoch_counts(path).get((1, 0))
+        try:
+            ckpts = [int(open(os.path.join(path, f"ckpt-{i}")).read()) for i in (0, 1)]
+        except (OSError, ValueError):
+            ckpts = []
+        if run0 and run0["counts"].get(epoch, 0) >= at and ckpts and ckpts[1] == epoch \
+                and ckpts[0] >= epoch:
+            holder["counts"] = run0["counts"]
+            os.kill(run0["pid"], signal.SIGKILL)
+            return
+        time.sleep(0.02)
 
 
 def stamp_at_end(path: str) -> Any:

@@ -2,8 +2,9 @@
 Connect server on local[4] (the shared ``connect_server``).  Each client is a
 process of its own that starts no JVM (connect_client.py checks it): the main
 job in both input modes to its accuracy bar, a node SIGKILLed mid-feed raised
-in the client naming the node, and an EmberEstimator -> EmberModel Pipeline
-fit, transformed, saved and loaded."""
+in the client naming the node, a restart that resumes from the nodes'
+checkpoints, and an EmberEstimator -> EmberModel Pipeline fit, transformed,
+saved and loaded."""
 
 from __future__ import annotations
 
@@ -49,6 +50,20 @@ def test_a_killed_node_is_raised_in_the_client_naming_it(connect_server, tmp_pat
     assert record["raised"] == "EmberNodeError" and record["node"] == 1, record
     assert "ember node 1 (worker:0" in record["message"], record
     assert record["after_kill"] < 20, record
+
+
+def test_restart_resumes_from_the_checkpointed_epoch_over_connect(connect_server, tmp_path):
+    record = _client("restart", connect_server, str(tmp_path), 300)
+    n, epochs = record["n"], record["epochs"]
+    assert record["killed"] and record["restarts"] == 1 and record["cause_node"] == 1, record
+    assert record["runs"] == [[0, 0], [0, 1], [1, 0], [1, 1]], record
+    # each restarted node resumed from its own checkpoint (at least epoch 1),
+    # and the feed restarted from the smaller of the two
+    assert record["starts"] == record["ckpts"] and min(record["starts"]) >= 1, record
+    resume = min(record["starts"])
+    expected = {str(e): (n if e >= resume else 0) for e in range(epochs)}
+    assert record["after"] == expected, record
+    assert record["fed"] == (epochs - resume) * n and record["before"]["0"] == n, record
 
 
 def test_ember_estimator_and_model_in_a_pipeline_over_connect(connect_server, tmp_path):

@@ -5,7 +5,6 @@ epochs the checkpoint has not covered."""
 from __future__ import annotations
 
 import collections
-import json
 import os
 import signal
 import socket
@@ -147,37 +146,6 @@ def test_hung_node_is_ended_and_raised_within_the_heartbeat_bound(local_spark, t
         socket.create_connection(("127.0.0.1", victim["ports"][1]), timeout=2).close()
 
 
-def _counts(path):
-    """(node, restart) -> what nodefuns.epoch_checkpoints wrote."""
-    runs = {}
-    for name in os.listdir(path):
-        if name.startswith("counts-") and name.endswith(".json"):
-            node, restart = name[len("counts-"):-len(".json")].split("-")
-            with open(os.path.join(path, name)) as f:
-                info = json.load(f)
-            info["counts"] = {int(k): v for k, v in info["counts"].items()}
-            runs[int(node), int(restart)] = info
-    return runs
-
-
-def _kill_mid_epoch(path, holder, epoch, at):
-    """SIGKILLs node 1 once it has trained ``at`` records of ``epoch`` and both
-    nodes' checkpoints say ``epoch`` epochs are done."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        run0 = _counts(path).get((1, 0))
-        try:
-            ckpts = [int(open(os.path.join(path, f"ckpt-{i}")).read()) for i in (0, 1)]
-        except (OSError, ValueError):
-            ckpts = []
-        if run0 and run0["counts"].get(epoch, 0) >= at and ckpts and ckpts[1] == epoch \
-                and ckpts[0] >= epoch:
-            holder["counts"] = run0["counts"]
-            os.kill(run0["pid"], signal.SIGKILL)
-            return
-        time.sleep(0.02)
-
-
 def test_restart_feeds_only_the_epochs_the_checkpoint_lacks(local_spark, tmp_path):
     """3 epochs over 2 nodes that checkpoint at each epoch's end; node 1 is
     SIGKILLed in the middle of epoch 1 (the second).  With max_restarts=1 the
@@ -192,7 +160,7 @@ def test_restart_feeds_only_the_epochs_the_checkpoint_lacks(local_spark, tmp_pat
                   num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60,
                   heartbeat_timeout=4, max_restarts=1)
     holder: dict = {}
-    killer = threading.Thread(target=_kill_mid_epoch, args=(str(tmp_path), holder, 1, 200))
+    killer = threading.Thread(target=nodefuns.kill_mid_epoch, args=(str(tmp_path), holder, 1, 200))
     killer.start()
     try:
         fed = cluster.train(rdd, num_epochs=epochs, feed_timeout=120)
@@ -201,7 +169,7 @@ def test_restart_feeds_only_the_epochs_the_checkpoint_lacks(local_spark, tmp_pat
         cluster.shutdown(timeout=60)
     assert "counts" in holder, "node 1 was not killed in epoch 1"
     assert cluster.restarts == 1 and cluster.restart_causes[0].node == 1
-    runs = _counts(str(tmp_path))
+    runs = nodefuns.epoch_counts(str(tmp_path))
     assert sorted(runs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [runs[i, 1]["start"] for i in (0, 1)] == [1, 1]  # both resumed from epoch 1
 
