@@ -22,6 +22,7 @@ on stdout, ``registered`` or ``error: <reason>``, then points stdout at stderr.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pickle
@@ -182,6 +183,13 @@ def _run(boot: Dict[str, Any], client: Any, held: List[int], feed_fd: int,
     else:
         os.close(coll_fd)
     tensorboard = None
+    if len(held) > 1 and importlib.util.find_spec("tensorboard") is None:
+        # TensorFlow >= 2.21 no longer installs TensorBoard: say so, rather than
+        # start a server that dies at once (its output goes to /dev/null)
+        os.close(held.pop(1))
+        ctx.report_progress("TensorBoard not started: the tensorboard package is not "
+                            f"installed in this node's Python ({sys.executable}); "
+                            "pip install tensorboard (TensorFlow >= 2.21 no longer brings it)")
     if len(held) > 1:
         log_dir = boot["log_dir"]
         tensorboard = _start_tensorboard(log_dir.split("://", 1)[-1] if log_dir.startswith(

@@ -70,6 +70,30 @@ def main_job(url: str, out: str) -> Dict[str, Any]:
     return dict(code=code, results=results)
 
 
+def _strangers(address: Any) -> List[str]:
+    """What the coordinator's control channel answers a peer with a wrong
+    secret and one that sends garbage (the cluster must go on serving)."""
+    import socket
+
+    from ember import _ember
+
+    host, port = address
+    seen = []
+    try:
+        _ember.FeedClient(host, port, b"not the job secret", 0, timeout_s=5.0).close()
+        seen.append("accepted")
+    except _ember.EmberError as exc:
+        seen.append(type(exc).__name__)
+    with socket.create_connection((host, port), timeout=5) as s:
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\xff" * 4096)
+        s.settimeout(5)
+        try:
+            seen.append("closed" if s.recv(4096) is not None else "open")
+        except OSError as exc:
+            seen.append(type(exc).__name__)
+    return seen
+
+
 def killed_node(url: str, out: str) -> Dict[str, Any]:
     """SIGKILLs node 1 while train(df) feeds it: the error names the node."""
     import signal
@@ -81,6 +105,7 @@ def killed_node(url: str, out: str) -> Dict[str, Any]:
     spark = SparkSession.builder.remote(url).getOrCreate()
     cluster = es.run(spark, slow_reader, {"out": out}, num_executors=2,
                      input_mode=es.InputMode.SPARK, reservation_timeout=120)
+    result: Dict[str, Any] = dict(strangers=_strangers(cluster._coordinator))
     killed: Dict[str, float] = {}
 
     def kill() -> None:
@@ -93,7 +118,6 @@ def killed_node(url: str, out: str) -> Dict[str, Any]:
         killed["at"] = time.monotonic()
 
     threading.Thread(target=kill, daemon=True).start()
-    result: Dict[str, Any] = {}
     try:
         cluster.train(spark.range(200000).selectExpr("id", "id % 10 AS label"), 1)
         result["raised"] = None

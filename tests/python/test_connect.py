@@ -46,7 +46,12 @@ def test_main_job_both_input_modes_over_connect(connect_server, tmp_path):
 
 
 def test_a_killed_node_is_raised_in_the_client_naming_it(connect_server, tmp_path):
+    """Also: a peer with a wrong secret and one sending garbage at the
+    coordinator's control channel change nothing."""
     record = _client("kill", connect_server, str(tmp_path), 300)
+    # strangers at the coordinator's control channel were refused, and the
+    # cluster served on (the feed ran until the kill)
+    assert record["strangers"][0] == "EmberAuthError", record
     assert record["raised"] == "EmberNodeError" and record["node"] == 1, record
     assert "ember node 1 (worker:0" in record["message"], record
     assert record["after_kill"] < 20, record
