@@ -30,7 +30,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ember import _ember
-from ember.executor import node_name
+from ember.executor import node_failure, node_name
 from ember.node import CHECKPOINT_REPORT, RESUME_REPORT, SERVING_REPORT, DataFeed
 
 logger = logging.getLogger("ember.connect")
@@ -96,14 +96,10 @@ class Coordinator:
                     self.states[node] = "done"
                 elif self.states.get(node) != "stopping":
                     self.states[node] = kind
-                    what = (f"failed with exit code {code}" if kind == "failed"
-                            else "was lost (control connection dropped or heartbeats "
-                                 f"stopped for {self.heartbeat_timeout:.0f} s)")
                     if self.failure is None:
-                        self.failure = dict(
-                            node=node, kind=kind,
-                            message=f"ember {node_name(by_index[node])} {what}"
-                                    + (f":\n{text}" if text else ""))
+                        self.failure = dict(node=node, kind=kind, message=node_failure(
+                            node_name(by_index[node]), kind, code, text,
+                            self.heartbeat_timeout))
                         # the others cannot go on without it: their feeds and
                         # collectives end, and so do the client's feeding jobs
                         self._stop_locked()

@@ -363,12 +363,8 @@ class Cluster:
                         self._state[node] = "done"
                     elif self._state.get(node) != "stopping":
                         self._state[node] = kind
-                        what = (f"failed with exit code {code}" if kind == "failed"
-                                else "was lost (control connection dropped or heartbeats "
-                                     f"stopped for {self._heartbeat_timeout:.0f} s)")
-                        msg = f"ember {self._name(node)} {what}"
-                        if text:
-                            msg += f":\n{text}"
+                        msg = executor.node_failure(self._name(node), kind, code, text,
+                                                    self._heartbeat_timeout)
                         self._failures.append(EmberNodeError(msg, node, kind))
                     self._changed.notify_all()
 

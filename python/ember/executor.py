@@ -157,6 +157,16 @@ def node_name(node: Dict[str, Any]) -> str:
             f"executor {node['executor_id']}, host {node['host']})")
 
 
+def node_failure(name: str, kind: str, code: int, text: Optional[str],
+                 heartbeat_timeout: float) -> str:
+    """The message of a node's failure as the rendezvous reports it: ``kind``
+    "failed" (with its exit code) or "lost", and the node's own text."""
+    what = (f"failed with exit code {code}" if kind == "failed"
+            else "was lost (control connection dropped or heartbeats "
+                 f"stopped for {heartbeat_timeout:.0f} s)")
+    return f"ember {name} {what}" + (f":\n{text}" if text else "")
+
+
 def host_of(address: str) -> str:
     """The host of Spark's ``host:port`` (``[v6]:port``) executor address."""
     host = address.rsplit(":", 1)[0] if ":" in address else address
