@@ -213,19 +213,25 @@ class Coordinator:
         self.control.close()
 
 
+def _tell(line: str) -> None:
+    """One line of the start-up protocol, to the barrier task reading our stdout."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     boot = json.loads(sys.stdin.read())
     coordinator = Coordinator(boot)
-    print(f"ports {coordinator.server.port} {coordinator.control.port}", flush=True)
+    _tell(f"ports {coordinator.server.port} {coordinator.control.port}")
     try:
         try:
             coordinator.wait_ready()
         except _ember.EmberError as exc:
-            print(f"failed {' '.join(str(exc).split())}", flush=True)
+            _tell(f"failed {' '.join(str(exc).split())}")
             return 1
-        print("ready " + json.dumps(coordinator.nodes), flush=True)
+        _tell("ready " + json.dumps(coordinator.nodes))
         sys.stdout.close()
         threading.Thread(target=coordinator.watch, name="ember-watch", daemon=True).start()
         coordinator.serve()
