@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional
@@ -36,6 +37,8 @@ from ember.executor import FeedCall
 from ember.tensors import tensor_specs
 
 logger = logging.getLogger("ember.spark")
+
+_WATCH_INTERVAL = 3.0  # s between the questions to the coordinator while a feeding job runs
 
 def is_connect(session: Any) -> bool:
     """True for a Spark Connect session (without importing pyspark's Connect
@@ -152,8 +155,11 @@ class ConnectCluster:
         """A failed feeding job's error: the node failure that explains it
         (the coordinator is asked, after giving a lost node's heartbeats
         time to lapse), else an EmberJobError with Spark's cause."""
-        deadline = time.monotonic() + (self._heartbeat_timeout + 2
-                                       if "ember._ember.Ember" in str(error) else 2.0)
+        # a task that lost its connection to a node (libember's error in its
+        # traceback) may have lost it to a frozen node, seen lost only after
+        # heartbeat_timeout
+        lost_link = "ember._ember.Ember" in str(error) or "ember.errors.EmberError" in str(error)
+        deadline = time.monotonic() + (self._heartbeat_timeout + 2 if lost_link else 2.0)
         while True:
             try:
                 failure = self._failure_in(self._ask({"op": "state"}))
@@ -202,17 +208,40 @@ class ConnectCluster:
         return first
 
     def _run_job(self, what: str, action: Callable[[], Any]) -> Any:
+        """Runs a Spark action; its failure raises the node failure that
+        explains it, else :class:`EmberJobError` (:meth:`_explain`)."""
         if self._failed is not None:
             raise self._failed
-        try:
-            return action()
-        except Exception as exc:
-            raise self._explain(what, exc) from exc
+        tag = f"ember-{self.job_id}-{self._seq}-{what.replace(' ', '-')}"
+        out: Dict[str, Any] = {}
 
-    def _fed_count(self) -> int:
-        r = self._roles
-        return (self._num_nodes - r["num_ps"] - (1 if r["evaluator"] else 0)
-                - (0 if "chief" in self.feed_roles or not r["chief"] else 1))
+        def job() -> None:
+            self.spark.addTag(tag)  # this thread's operations
+            try:
+                out["value"] = action()
+            except Exception as exc:  # raised in the caller's thread
+                out["error"] = exc
+
+        t = threading.Thread(target=job, name=f"ember-{what}", daemon=True)
+        t.start()
+        # A task that connects to a node which died first would retry until
+        # feed_timeout: while the job runs, ask the coordinator now and then,
+        # and interrupt the job at a node failure.
+        while True:
+            t.join(_WATCH_INTERVAL)
+            if not t.is_alive():
+                break
+            try:
+                failure = self._failure_in(self._ask({"op": "state"}))
+            except EmberJobError:
+                continue  # the job's own error will tell
+            if failure is not None:
+                self.spark.interruptTag(tag)
+                t.join(60)
+                raise failure
+        if "error" in out:
+            raise self._explain(what, out["error"]) from out["error"]
+        return out["value"]
 
     # -- feeding --------------------------------------------------------------
     def train(self, data: Any, num_epochs: int = 1, feed_timeout: float = 600.0,

@@ -132,6 +132,9 @@ class Cluster:
         # its first attempt after sending that many rows; (partition, rows,
         # dir): it writes its pid to dir/pid-<partition> and waits to be killed
         self._fault_feed_fail_at: Optional[Tuple[Any, ...]] = None
+        # tests only: False feeds one Spark task per partition, as without
+        # Ember's jar (where Spark runs each task is then up to its scheduler)
+        self._group_feeds = True
         # (FeedServer, secret) on the driver where feeding tasks report input
         # the feed cannot carry (EmberFeedError); made by the first train()
         self._reports: Any = None
@@ -780,7 +783,7 @@ class Cluster:
             def action() -> int:
                 from ember import _grouping
 
-                groups = _grouping_class(sc)
+                groups = _grouping_class(sc) if self._group_feeds else None
                 data = source if groups is None else \
                     _grouping.group_dataframe(source, groups, nodes, first, count)
                 fn = executor.arrow_feeder(dataclasses.replace(call, grouped=groups is not None),
@@ -790,7 +793,7 @@ class Cluster:
             def action() -> int:
                 from ember import _grouping
 
-                groups = _grouping_class(sc)
+                groups = _grouping_class(sc) if self._group_feeds else None
                 data, upstream = (source, None) if groups is None else \
                     _grouping.group_rdd(source, groups, nodes, first)
                 fn = executor.rdd_feeder(dataclasses.replace(call, grouped=groups is not None),

@@ -146,9 +146,14 @@ def crosshost(spark: Any, out: str) -> None:
     # 0 holds its executor for 3 s, so the other two executors feed every
     # later partition, among them those of the node on the held executor's
     # host: some cross hosts, whatever order Spark offers its executors in.
+    # (One task per partition for this call: Ember's grouped feed runs one
+    # task per node wherever Spark has a free executor, which may be each
+    # node's own host.)
     rdd = (sc.parallelize([(i, float(i)) for i in range(per_call)], 12)
            .mapPartitionsWithIndex(functools.partial(_noting_feeder_host, out)))
+    cluster._group_feeds = False
     fed_rdd = cluster.train(rdd, 1)
+    cluster._group_feeds = True
     feeders = {int(f[len("feeder-"):-len(".host")]): open(os.path.join(out, f)).read()
                for f in os.listdir(out) if f.startswith("feeder-")}
     df = spark.createDataFrame([(per_call + i, float(i)) for i in range(per_call)],
@@ -278,7 +283,7 @@ def ps(spark: Any, out: str) -> None:
     sc = spark.sparkContext
     result: Dict[str, Any] = {}
     for phase, staleness in (("async", None), ("bounded", 2)):
-        args = {"out": out, "phase": phase, "n": 60000, "epochs": 4}
+        args = {"out": out, "phase": phase, "n": 60000, "epochs": 5}
         cluster = run(sc, psfuns.fmnist_steps, args, num_executors=5, num_ps=2,
                       driver_ps_nodes=True, parameter_servers=ParameterServers(staleness),
                       input_mode=InputMode.TENSORFLOW, reservation_timeout=120)

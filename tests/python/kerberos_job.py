@@ -57,9 +57,9 @@ def main() -> int:
     sc.setLogLevel("WARN")
     result: Dict[str, Any] = {"app_id": sc.applicationId}
     try:
-        n_train, n_test = job.setup_data(sc, args)
+        n_train, n_test = job.setup_data(spark, args)
         for mode in ("spark", "tensorflow"):
-            accuracy, rate, _ = job.train_and_evaluate(sc, args, mode, n_train, n_test)
+            accuracy, rate, _ = job.train_and_evaluate(spark, args, mode, n_train, n_test)
             result[mode] = {"accuracy": accuracy, "records_per_s": rate}
 
         # TensorFlowOnSpark's dfutil on HDFS

@@ -594,7 +594,9 @@ def _lockstep_job_training(hosts: SparkOnHosts, job: str, out: str
     p = hosts.driver([PY, os.path.join(REPO, "tests", "python", "cluster_jobs.py"), job,
                       hosts.url, out], f"{job}.log")
     deadline = time.monotonic() + 240
-    while len([f for f in os.listdir(out) if f.startswith("running-0-")]) < 2:
+    # (dump() writes <name>.tmp first, then renames it)
+    while len([f for f in os.listdir(out) if f.startswith("running-0-")
+               and not f.endswith(".tmp")]) < 2:
         assert p.poll() is None, open(os.path.join(hosts.root, f"{job}.log")).read()[-4000:]
         assert time.monotonic() < deadline, "the nodes never started training"
         time.sleep(0.2)
