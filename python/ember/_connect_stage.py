@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import socket
-import subprocess
 import sys
-import threading
 from typing import Any, Callable, Dict, Iterator, Tuple
 
 from ember import _ember, _gpu, executor
@@ -34,26 +31,15 @@ NODE_SCHEMA = ("index int, role string, task_index int, host string, executor st
 def _spawn_coordinator(boot: Dict[str, Any], start_timeout: float) -> Tuple[Any, int, int]:
     """Starts the coordinator (detached, own session); returns (process, its
     rendezvous port, its control port)."""
-    proc = subprocess.Popen([sys.executable, "-m", "ember._connect_coordinator"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            start_new_session=True,
-                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                                p for p in sys.path if p)))
-    threading.Thread(target=proc.wait, name=f"ember-reap-{proc.pid}", daemon=True).start()
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(json.dumps(boot).encode())
-    proc.stdin.close()
-    line = _line(proc, start_timeout)
+    proc = executor.spawn_detached(
+        ["-m", "ember._connect_coordinator"], json.dumps(boot).encode(),
+        dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)))
+    line = executor.read_line(proc, start_timeout)
     if not line.startswith("ports "):
         raise RuntimeError(f"ember: the cluster's coordinator did not start: "
                            f"{line or 'no answer'} (its stderr is in the executor's log)")
     _, rv, ctl = line.split()
     return proc, int(rv), int(ctl)
-
-
-def _line(proc: Any, timeout: float) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    return proc.stdout.readline().decode(errors="replace").strip() if ready else ""
 
 
 def launcher(boot: Dict[str, Any], num_nodes: int, roles: Dict[str, Any],
@@ -93,7 +79,7 @@ def launcher(boot: Dict[str, Any], num_nodes: int, roles: Dict[str, Any],
                             reservation_timeout)
         if coordinator is None:
             return
-        line = _line(coordinator, reservation_timeout)
+        line = executor.read_line(coordinator, reservation_timeout)
         if not line.startswith("ready "):
             coordinator.kill()
             raise RuntimeError(f"ember: the nodes did not all register: {line[7:] or line}")

@@ -308,7 +308,6 @@ class ConnectCluster:
         """A DataFrame of the nodes' results, one row per input row, in order
         within each partition, of ``result_schema`` (the columns of the
         node's ``batch_results``, in order).  Lazy, like any DataFrame."""
-        import pyarrow as pa  # noqa: F401  (the tasks build Arrow results)
         from pyspark.sql.types import _parse_datatype_string
 
         from ember.driver import InputMode

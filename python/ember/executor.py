@@ -93,9 +93,6 @@ def spawn_node(node_boot: Dict[str, Any], start_timeout: float) -> int:
     (``node_boot["gpus"]``, its task's) sees only those, from its first
     instruction on (``CUDA_VISIBLE_DEVICES``).
     """
-    import select
-    import subprocess
-
     from pyspark import cloudpickle
 
     index = node_boot["index"]
@@ -105,16 +102,11 @@ def spawn_node(node_boot: Dict[str, Any], start_timeout: float) -> int:
     env.update(_gpu.cuda_env(node_boot.get("gpus") or []))
     # argv[1]: the node's watchdog kills it once it is frozen this long (ember._watchdog);
     # argv[2]: the node's index, for its log lines
-    proc = subprocess.Popen([sys.executable, "-m", "ember._trainer",
-                             str(node_boot.get("heartbeat_timeout", 0.0)), str(index)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            start_new_session=True, env=env)
-    threading.Thread(target=proc.wait, name=f"ember-reap-{proc.pid}", daemon=True).start()
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(cloudpickle.dumps(node_boot))
-    proc.stdin.close()
-    ready, _, _ = select.select([proc.stdout], [], [], start_timeout)
-    line = proc.stdout.readline().decode(errors="replace").strip() if ready else ""
+    proc = spawn_detached(["-m", "ember._trainer",
+                           str(node_boot.get("heartbeat_timeout", 0.0)), str(index)],
+                          cloudpickle.dumps(node_boot), env)
+    line = read_line(proc, start_timeout)
+    assert proc.stdout is not None
     proc.stdout.close()
     if line != "registered":
         if not line:
@@ -128,6 +120,31 @@ def spawn_node(node_boot: Dict[str, Any], start_timeout: float) -> int:
                           "the executor's log)")
         raise RuntimeError(f"ember node {index} failed to start: {reason}")
     return proc.pid
+
+
+def spawn_detached(args: List[str], boot: bytes, env: Dict[str, str]) -> Any:
+    """``python <args>`` in a session of its own (a STOP or a watchdog can
+    kill its whole group), given ``boot`` on its stdin (a local pipe, never
+    a socket), its stdout a pipe for its start-up lines; a reaper thread
+    collects its exit status so no zombie outlives it."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, start_new_session=True, env=env)
+    threading.Thread(target=proc.wait, name=f"ember-reap-{proc.pid}", daemon=True).start()
+    assert proc.stdin is not None
+    proc.stdin.write(boot)
+    proc.stdin.close()
+    return proc
+
+
+def read_line(proc: Any, timeout: float) -> str:
+    """The next start-up line of a :func:`spawn_detached` process ('' if none
+    comes within ``timeout``)."""
+    import select
+
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return str(proc.stdout.readline().decode(errors="replace").strip()) if ready else ""
 
 
 def launcher(boot: Dict[str, Any], start_timeout: float) -> Callable[[Any], Any]:
