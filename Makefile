@@ -31,13 +31,10 @@ APT_PACKAGES += pkg-config
 APT_PACKAGES += krb5-user
 # the simulated hosts' network faults (tests/python/simcluster.py): nft, tc
 APT_PACKAGES += nftables iproute2
-# the PyTorch path (.venv-torch below); Debian's torch calls libblas.so.3, which is
-# the reference BLAS unless OpenBLAS is installed (5x slower training steps)
-APT_PACKAGES += python3-torch libopenblas0-openmp
 
 .PHONY: hadoop yarn-app
 .PHONY: shlib install test-c-install
-.PHONY: venv-torch test-torch install-torch-venv
+.PHONY: test-torch
 .PHONY: help setup apt venv build lib ext spark-jar test test-c test-py typecheck fuzz fuzz-smoke demo demo-quick \
         bench-reservation bench-allreduce bench-tfrecord bench-feed clean
 
@@ -46,7 +43,8 @@ help:
 	@echo "make test   - set up this machine and run every test (C under ASan/UBSan, fuzz, pytest, main job), stages timed"
 	@echo "make test-profile - where the Python suite's time goes, per module (build/test-profile.txt)"
 	@echo "make cluster-test - Ember on a simulated multi-host cluster (network namespaces; root)"
-	@echo "make test-torch - the PyTorch path: ember.torch and examples/fashion_mnist_torch (in .venv-torch)"
+	@echo "make test-torch - the PyTorch path: ember.torch, EmberTorchModel, run_on_yarn PyTorch experiments (part of make test)"
+	@echo "make test-compat - a subset of the tests on pyspark 3.5 and TensorFlow 2.20 (.venv-compat)"
 	@echo "make typecheck - mypy over python/ember; stubtest of the extension's stub (_ember.pyi) against the built module"
 	@echo "make wheel  - sdist + wheel (python -m build), auditwheel show, and a manylinux wheel in dist/"
 	@echo "make bench-reservation - Ember vs TensorFlowOnSpark reservation server"
@@ -81,29 +79,6 @@ $(VENV)/.stamp: requirements.txt requirements-bench.txt
 	$(PY) -m pip install -q -r requirements.txt -r requirements-bench.txt
 	@touch $@
 
-# The PyTorch path: Debian's CPU-only python3-torch 1.13.1, in a venv of its own
-# (.venv-torch, requirements-torch.txt) because Debian built it against numpy 1.x
-# and the main venv has numpy 2 (TensorFlow 2.20).  PyPI's torch wheels for Linux
-# x86_64 do not import without their CUDA libraries (torch 2.15.0 --no-deps:
-# "libcudart.so.13: cannot open shared object file", then libcublasLt not found;
-# the nvidia-*/cuda-toolkit wheels are several GB) and the CPU wheel index
-# (download.pytorch.org) is not reachable from CI.  Debian's torch package dir is
-# linked into the venv; nothing else of the system site-packages is visible.
-TORCH_VENV := .venv-torch
-TORCH_PY   := $(TORCH_VENV)/bin/python
-venv-torch: $(TORCH_VENV)/.stamp
-$(TORCH_VENV)/.stamp: requirements-torch.txt | $(BUILD)/.apt-stamp
-	test -x $(TORCH_PY) || python3 -m venv $(TORCH_VENV)
-	$(TORCH_PY) -m pip install -q --upgrade pip
-	$(TORCH_PY) -m pip install -q -r requirements-torch.txt
-	mkdir -p $(TORCH_VENV)/debian-torch
-	ln -sfn /usr/lib/python3/dist-packages/torch $(TORCH_VENV)/debian-torch/torch
-	$(TORCH_PY) -c "import sysconfig,os; d=sysconfig.get_paths()['purelib']; \
-	  open(os.path.join(d,'debian-torch.pth'),'w').write(os.path.abspath('$(TORCH_VENV)/debian-torch')+'\n')"
-	$(TORCH_PY) -c "import numpy, torch; torch.from_numpy(numpy.ones(2)).add_(1); print('torch', torch.__version__, 'numpy', numpy.__version__)"
-	@touch $@
-	@rm -f $(TORCH_VENV)/.ember-installed
-
 # The tests' MLflow tracking server (tests/python/test_mlflow.py) runs from a
 # venv of its own: the full mlflow brings scikit-learn, SciPy and matplotlib,
 # which Keras imports whenever they are installed, so in the main venv every
@@ -118,7 +93,7 @@ $(MLFLOW_VENV)/.stamp: requirements-mlflow-server.txt
 	$(MLFLOW_VENV)/bin/python -m pip install -q -r requirements-mlflow-server.txt
 	@touch $@
 
-setup: apt venv build venv-torch install-torch-venv venv-mlflow
+setup: apt venv build venv-mlflow
 
 # ---------------------------------------------------------------- build
 build: lib ext
@@ -164,7 +139,7 @@ install: $(BUILD)/libember.a $(SHLIB)
 # cluster).  Rerun when any source of the extension or the jars changes.
 PKG_SRCS      := pyproject.toml setup.py python/ember/_version.py $(LIB_SRCS) $(LIB_HDRS) \
                  $(EXT_SRCS) $(EXT_HDRS) python/ember/_tf_feed_op.c \
-                 $(wildcard spark/src/ember/spark/*.java) \
+                 $(wildcard spark/src/ember/spark/*.java spark/src-scala-*/ember/spark/*.java) \
                  $(shell find hadoop/yarn-app -type f 2>/dev/null)
 PIP_EDITABLE  = EMBER_M2_REPO=$(M2_REPO) $(1) -m pip install -q --no-build-isolation --no-deps -e .
 ext: $(VENV)/.ember-installed
@@ -173,10 +148,37 @@ $(VENV)/.ember-installed: $(PKG_SRCS) $(VENV)/.stamp | $(BUILD)/.apt-stamp
 	$(call PIP_EDITABLE,$(PY))
 	$(PY) -c "import ember, ember._ember as e; assert e.__version__ == '$(VERSION)'; print('ember', ember.__version__, 'installed (editable) from', ember.__file__)"
 	@touch $@
-# the PyTorch venv gets the same editable install (the extension is built once)
-install-torch-venv: $(TORCH_VENV)/.ember-installed
-$(TORCH_VENV)/.ember-installed: $(VENV)/.ember-installed $(TORCH_VENV)/.stamp
-	EMBER_SKIP_JARS=1 $(call PIP_EDITABLE,$(TORCH_PY))
+
+# ---------------------------------------------------------------- the compatibility venv
+# .venv-compat: pyspark 3.5 (Scala 2.12) and TensorFlow 2.20 (requirements-compat.txt),
+# with Ember installed the way a user installs it (pip install ., not editable)
+# from a copy of the package's sources in build/compat-src: its Spark jar and
+# TensorFlow op compile there against that venv's Spark and TensorFlow (an
+# editable install would replace the checkout's jar, which serves .venv's Scala
+# 2.13).  The C extension and run_on_yarn's jar depend on neither and come
+# built (setup.py keeps a built file newer than its sources).
+COMPAT_VENV := .venv-compat
+COMPAT_PY   := $(COMPAT_VENV)/bin/python
+COMPAT_SRC  := $(BUILD)/compat-src
+.PHONY: venv-compat test-compat
+venv-compat: $(COMPAT_VENV)/.ember-installed
+$(COMPAT_VENV)/.stamp: requirements-compat.txt
+	test -x $(COMPAT_PY) || python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q --upgrade pip
+	$(COMPAT_PY) -m pip install -q -r requirements-compat.txt
+	@touch $@
+$(COMPAT_VENV)/.ember-installed: $(VENV)/.ember-installed $(COMPAT_VENV)/.stamp
+	rm -rf $(COMPAT_SRC) && mkdir -p $(COMPAT_SRC)/hadoop
+	cp -rp pyproject.toml setup.py MANIFEST.in README.md csrc python spark $(COMPAT_SRC)/
+	cp -rp hadoop/yarn-app $(COMPAT_SRC)/hadoop/
+	rm -f $(COMPAT_SRC)/python/ember/_ember_tf*.so $(COMPAT_SRC)/python/ember/jars/ember-spark.jar
+	cd $(COMPAT_SRC) && EMBER_M2_REPO=$(abspath $(M2_REPO)) $(abspath $(COMPAT_PY)) -m pip install \
+	  -q --no-build-isolation --no-deps .
+	$(COMPAT_PY) -c "import ember, pyspark; from ember import _jars; \
+	  print('ember', ember.__version__, 'in $(COMPAT_VENV): pyspark', pyspark.__version__, \
+	        '- its Spark jar built against Spark %s, Scala %s' % _jars.built_against())"
+	@$(COMPAT_PY) tests/python/jvm_archive.py >$(BUILD)/jvm/compat-archive.log 2>&1 || \
+	  { tail -n 30 $(BUILD)/jvm/compat-archive.log; exit 1; }
 	@touch $@
 
 # ---------------------------------------------------------------- test Hadoop (HDFS + YARN)
@@ -262,12 +264,22 @@ fuzz: apt $(FUZZERS)
 test-py: setup hadoop test-jvm-archive
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests/python
 
-# PyTorch tests and example (in .venv-torch; skipped by the main venv's pytest run)
-test-torch: setup hadoop
-	$(TORCH_PY) -m pytest -q tests/python/test_torch.py tests/python/test_torch_ps.py \
+# The PyTorch tests alone (make test runs them in the whole suite)
+test-torch: setup hadoop test-jvm-archive
+	$(PY) -m pytest -q tests/python/test_torch.py tests/python/test_torch_ps.py \
 		tests/python/test_ml_torch.py \
 		tests/python/test_yarn_experiment_local.py tests/python/test_yarn_experiments.py \
 		tests/python/test_kerberos.py::test_run_on_yarn_pytorch_reads_hdfs_tfrecords_on_a_kerberized_grid
+
+# The compatibility subset on .venv-compat (pyspark 3.5, TensorFlow 2.20): the
+# classic driver's run/train/inference, TFRecords, restarts, the ML stages
+# (the Spark jar's direct path; save and load) and the jar's version check.
+COMPAT_TESTS := tests/python/test_spark_local.py tests/python/test_tfrecord_spark.py \
+	tests/python/test_recovery.py tests/python/test_errors.py tests/python/test_jars.py \
+	"tests/python/test_ml.py::test_fashion_mnist_pipeline_fit_transform_save_load" \
+	"tests/python/test_ml.py::test_direct_path_tensor_column_and_worker_reuse"
+test-compat: venv-compat
+	$(COMPAT_PY) -m pytest -q -p no:cacheprovider --durations=5 $(COMPAT_TESTS)
 
 # Types: mypy over python/ember (pyproject.toml [tool.mypy]), then mypy's
 # stubtest, which fails when python/ember/_ember.pyi and the built extension
@@ -349,19 +361,13 @@ bench-tfrecord: setup $(BUILD)/bench/crc32c $(BUILD)/bench/example_decode
 
 # Allreduce on one host, like for like: Ember shm vs Open MPI's default (vader
 # shm); Ember TCP vs Open MPI --mca btl tcp,self vs gloo (bench/allreduce.py).
-# Peers: Open MPI (APT_PACKAGES) and gloo through Debian's CPU-only
-# python3-torch, run by the system python3: the PyPI torch wheel does not
-# import without its multi-GB nvidia-* / cuda-toolkit dependencies.
-# python3-torch is in APT_PACKAGES (the PyTorch path, .venv-torch); the check
-# below only covers machines set up before it was.
+# Peers: Open MPI (APT_PACKAGES) and gloo through torch.distributed (the venv's
+# torch, requirements.txt).
 $(BUILD)/bench/mpi_allreduce: bench/mpi_allreduce.c
 	@mkdir -p $(@D)
 	mpicc -O2 -g $< -o $@
 
 bench-allreduce: setup $(BUILD)/bench/mpi_allreduce
-	@dpkg -s python3-torch >/dev/null 2>&1 || { SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
-	  --no-install-recommends python3-torch; }
 	PYTHONUNBUFFERED=1 $(PY) bench/allreduce.py
 
 # Allreduce and the feed between hosts (issue 16): hosts simulated as network
@@ -380,7 +386,7 @@ bench-cluster: setup $(BUILD)/bench/mpi_allreduce $(BUILD)/bench/tcp_stream
 # hosts (tests/python/simcluster.py, root; loopback otherwise), 10 Gbit/s
 # links; dense (10M parameters) and sparse (4,096 of 1M rows x 64) pull+push
 # rounds; Ember vs TensorFlow's ParameterServerStrategy (gRPC) vs PyTorch's
-# RPC parameter server (.venv-torch).  EMBER_BENCH_QUICK=1: tiny tables, one
+# RPC parameter server.  EMBER_BENCH_QUICK=1: tiny tables, one
 # round.  BENCH_PS_ARGS passes options to bench/ps.py.
 .PHONY: bench-ps
 bench-ps: setup
@@ -426,4 +432,4 @@ wheel: setup
 	@ls -l dist
 
 clean:
-	rm -rf $(BUILD) dist python/ember/_ember*.so python/ember/jars $(VENV)/.ember-installed $(TORCH_VENV)/.ember-installed
+	rm -rf $(BUILD) dist python/ember/_ember*.so python/ember/jars $(VENV)/.ember-installed $(COMPAT_VENV)/.ember-installed

@@ -10,11 +10,18 @@ The package carries two jars as package data in ``ember/jars``:
 - ``ember-spark.jar``, EmberModel's direct inference path (spark/src), compiled
   with javac against Spark's jars: those of ``$SPARK_HOME`` or of an importable
   pyspark (``make`` builds in the project's venv), otherwise the jars Maven
-  resolves from spark/pom.xml (an isolated ``pip install .``);
+  resolves from spark/pom.xml (an isolated ``pip install .``).  spark/src
+  compiles against Spark 3.5 (Scala 2.12) and 4 (Scala 2.13), with the
+  ``spark/src-scala-<2.12|2.13>`` directory of the jars' Scala version; the
+  classes link only against that Scala version, so the manifest names the
+  Spark and Scala versions (ember._jars), Ember checks the Scala version where
+  it loads the jar, and a build that sees a Spark of another Scala version
+  than the jar's compiles it again;
 - ``ember-yarn-am.jar``, run_on_yarn's ApplicationMaster (hadoop/yarn-app), built
   by Maven.
 
-A jar that is already there and newer than its sources is kept, so an sdist
+A jar that is already there and newer than its sources is kept (the Spark
+jar: unless the build sees a Spark of another Scala version), so an sdist
 (which includes the built jars) builds with a C compiler alone.  The same
 holds for the extension: one built in place (``python/ember/_ember*.so``, what
 an editable install leaves) that is newer than its sources and this file is
@@ -51,6 +58,20 @@ from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 JARS = os.path.join(ROOT, "python", "ember", "jars")
+
+
+def _load_jars_module() -> Any:
+    """ember/_jars.py on its own (the package cannot be imported before its
+    extension is built): the Spark jar's manifest attributes and readers."""
+    spec = importlib.util.spec_from_file_location(
+        "_ember_build_jars", os.path.join(ROOT, "python", "ember", "_jars.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_jars = _load_jars_module()
 
 
 def _version() -> str:
@@ -95,15 +116,23 @@ def _maven(pom: str, goals: List[str], props: List[str]) -> None:
         _run(cmd, f"maven {os.path.relpath(pom, ROOT)}")
 
 
-def _spark_classpath(tmp: str) -> str:
+def _local_spark_classpath() -> Optional[str]:
+    """The jars of the Spark the package will run in, when the build can see
+    it: ``$SPARK_HOME``'s or an importable pyspark's; else None."""
     home = os.environ.get("SPARK_HOME")
     if home and os.path.isdir(os.path.join(home, "jars")):
         return os.path.join(home, "jars", "*")
     try:
-        import pyspark  # the Spark the package will run in, when the build can see it
+        import pyspark
         return os.path.join(os.path.dirname(pyspark.__file__), "jars", "*")
     except ImportError:
-        pass
+        return None
+
+
+def _spark_classpath(tmp: str) -> str:
+    local = _local_spark_classpath()
+    if local is not None:
+        return local
     out = os.path.join(tmp, "classpath.txt")
     _maven(os.path.join(ROOT, "spark", "pom.xml"), ["dependency:build-classpath"],
            [f"-Dmdep.outputFile={out}"])
@@ -111,18 +140,42 @@ def _spark_classpath(tmp: str) -> str:
         return f.read().strip()
 
 
+def _other_scala(jar: str) -> bool:
+    """Whether the Spark this build sees has another Scala version than the
+    one ``jar`` was compiled against (False when either is unknown)."""
+    local = _local_spark_classpath()
+    built = _jars.built_against(jar)[1]
+    seen = _jars.classpath_versions(local)[1] if local is not None else None
+    return built is not None and seen is not None and \
+        _jars.scala_binary(built) != _jars.scala_binary(seen)
+
+
 def build_spark_jar() -> None:
-    sources = _rel("spark/src/ember/spark/*.java")
-    target = os.path.join(JARS, "ember-spark.jar")
-    if not sources or _newer_than(target, sources):
+    common = _rel("spark/src/ember/spark/*.java")
+    every = common + _rel("spark/src-scala-*/ember/spark/*.java")
+    target = _jars.SPARK_JAR
+    if not common or (_newer_than(target, every) and not _other_scala(target)):
         return
     with tempfile.TemporaryDirectory() as tmp:
         classes = os.path.join(tmp, "classes")
+        classpath = _spark_classpath(tmp)
+        spark, scala = _jars.classpath_versions(classpath)
+        versioned = _rel(f"spark/src-scala-{_jars.scala_binary(scala or '?')}/ember/spark/*.java")
+        if not versioned:
+            sys.exit(f"ember: compiling ember-spark.jar: Ember has no sources for Scala {scala} "
+                     f"(Spark {spark}; the jars on {classpath}): it runs on Spark 3.5 with "
+                     "Scala 2.12 and Spark 4 with Scala 2.13")
         _run(["javac", "--release", "17", "-Xlint:all,-path,-serial,-classfile", "-Werror",
-              "-d", classes, "-cp", _spark_classpath(tmp)] + sources,
-             "compiling ember-spark.jar", cwd=ROOT)
+              "-d", classes, "-cp", classpath] + common + versioned,
+             f"compiling ember-spark.jar against Spark {spark} (Scala {scala})", cwd=ROOT)
+        manifest = os.path.join(tmp, "MANIFEST.MF")
+        with open(manifest, "w") as f:
+            for attr, value in ((_jars.SPARK_VERSION_ATTR, spark),
+                                (_jars.SCALA_VERSION_ATTR, scala)):
+                if value is not None:
+                    f.write(f"{attr}: {value}\n")
         os.makedirs(JARS, exist_ok=True)
-        _run(["jar", "cf", target, "-C", classes, "ember"], "packing ember-spark.jar")
+        _run(["jar", "cfm", target, manifest, "-C", classes, "ember"], "packing ember-spark.jar")
 
 
 def build_yarn_am_jar() -> None:

@@ -17,10 +17,9 @@ Sides, each in its own documented best configuration:
              checked: every peer's transport() is "tcp"
   mpi_tcp    Open MPI with ``--mca pml ob1 --mca btl tcp,self`` (TCP only;
              pml ob1 so that no UCX pml can bypass the btl choice)
-  gloo       torch.distributed gloo (TCP; Debian's CPU-only python3-torch, run
-             by the system interpreter, --gloo-python, because the PyPI torch
-             wheel does not import without its multi-GB CUDA dependencies),
-             one intra-op thread per rank
+  gloo       torch.distributed gloo (TCP; the venv's torch, requirements.txt;
+             --gloo-python names another interpreter), one intra-op thread
+             per rank
   loopback   one TCP stream over loopback (4 MiB sendall()s for a fixed time):
              the ceiling for the TCP sides
 
@@ -390,8 +389,8 @@ def main() -> int:
                          "agreed by the ranks after a warm-up); 0: budget only")
     ap.add_argument("--loopback-seconds", type=float, default=0.2 if quick else 1.0)
     ap.add_argument("--mpi-exe", default=os.path.join(REPO, "build", "bench", "mpi_allreduce"))
-    ap.add_argument("--gloo-python", default="/usr/bin/python3",
-                    help="an interpreter that can import torch with gloo (Debian python3-torch)")
+    ap.add_argument("--gloo-python", default=sys.executable,
+                    help="an interpreter that can import torch with gloo")
     ap.add_argument("--timeout", type=float, default=900.0)
     # worker modes (internal)
     ap.add_argument("--worker", choices=["ember", "gloo", "sink"])
@@ -431,7 +430,7 @@ def main() -> int:
                         "import torch.distributed as d; assert d.is_gloo_available()"],
                        capture_output=True).returncode == 0
     if not gloo_ok:
-        print("note: %s cannot import torch with gloo (apt-get install python3-torch): "
+        print("note: %s cannot import torch with gloo: "
               "gloo not measured" % args.gloo_python)
         not_measured.append("gloo")
     sides = [s for s in SIDES if not (s.startswith("mpi") and "mpi" in not_measured)

@@ -34,8 +34,8 @@ the order rotated from round to round), all in GB/s = 1e9 bytes/s:
            shared memory or CMA between them): mpirun on the first host,
            its daemons started on the others through ``plm_rsh_agent`` (a
            script that enters the host's namespace, in place of ssh)
-  gloo     torch.distributed gloo (Debian's python3-torch, run by the system
-           python3 as in bench/allreduce.py), GLOO_SOCKET_IFNAME=eth0
+  gloo     torch.distributed gloo (the venv's torch, as in bench/allreduce.py),
+           GLOO_SOCKET_IFNAME=eth0
   feed     Ember's feed: a FeedServer on one host, a FeedClient on another
            (shared memory off), 4 MiB chunks (one float32 column of 1024 x
            1024), timed on the server from the first batch to the last
@@ -122,7 +122,7 @@ DEFAULT_SIZES = "1M,4M,16M,64M,256M"
 # each side's calls per size: 100 calls of 1 MiB (0.1 s) left every side's
 # rounds spread over 2x here.
 CALLS_MOST = 1000
-GLOO_PYTHON = "/usr/bin/python3"
+GLOO_PYTHON = sys.executable
 
 
 # ---------------------------------------------------------------- workers (one per host)
@@ -435,7 +435,7 @@ def main() -> int:
     if "gloo" in sides and subprocess.run(
             [GLOO_PYTHON, "-c", "import torch.distributed as d; assert d.is_gloo_available()"],
             capture_output=True).returncode != 0:
-        print("note: %s cannot import torch with gloo (apt-get install python3-torch): "
+        print("note: %s cannot import torch with gloo: "
               "gloo is n/a" % GLOO_PYTHON)
         sides.remove("gloo")
         not_measured.append("gloo")

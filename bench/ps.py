@@ -54,7 +54,7 @@ Each side in its documented best configuration:
           on the ps (dense: assign_sub(0.01 g); sparse:
           scatter_sub(IndexedSlices(0.01 g, ids))), as Keras's SGD applies a
           dense and a sparse gradient
-  torch   PyTorch's RPC parameter server (Debian's torch 1.13, .venv-torch),
+  torch   PyTorch's RPC parameter server (the venv's torch),
           the pattern of its tutorial (Implementing a Parameter Server Using
           Distributed RPC Framework): a ParameterServer object on each ps
           rank holds the tensors; a worker calls rpc_sync(ps, get) and
@@ -126,8 +126,7 @@ PS_HOSTS = ["ps0", "ps1"]
 WORKER_HOSTS = ["w0", "w1"]
 CHIEF_HOST = "chief"
 HOSTS = PS_HOSTS + WORKER_HOSTS + [CHIEF_HOST]
-TF_PYTHON = sys.executable  # TensorFlow is in the main venv
-TORCH_PYTHON = os.path.join(REPO, ".venv-torch", "bin", "python")
+TF_PYTHON = TORCH_PYTHON = sys.executable  # TensorFlow and torch are in the main venv
 SIDES = ("ember", "tf", "torch")
 WORKLOADS = ("dense", "sparse")
 LR = 0.01          # SGD on the server: w -= LR * g
@@ -261,7 +260,7 @@ def ember_worker(a: argparse.Namespace) -> None:
     c.close()
 
 
-# ---------------------------------------------------------------- PyTorch (.venv-torch)
+# ---------------------------------------------------------------- PyTorch
 
 class ParameterServer:
     """One ps rank's tensors (its shard of each table), as in PyTorch's
@@ -794,10 +793,10 @@ def main() -> int:
         print("note: %s cannot import tensorflow: tf is n/a" % TF_PYTHON)
         sides.remove("tf")
         not_measured.append("tf")
-    if "torch" in sides and (not os.path.exists(TORCH_PYTHON) or subprocess.run(
+    if "torch" in sides and subprocess.run(
             [TORCH_PYTHON, "-c", "import torch.distributed.rpc as r; assert r.is_available()"],
-            capture_output=True).returncode != 0):
-        print("note: %s cannot import torch.distributed.rpc (make install-torch-venv): "
+            capture_output=True).returncode != 0:
+        print("note: %s cannot import torch.distributed.rpc: "
               "torch is n/a" % TORCH_PYTHON)
         sides.remove("torch")
         not_measured.append("torch")

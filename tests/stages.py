@@ -4,8 +4,8 @@ Run by ``make test`` with the system's python3 (the standard library only:
 the venv does not exist yet when it starts).  Each stage is a command; a
 stage starts as soon as the stages it needs have passed, so stages that need
 different things overlap: the C tests and fuzzers build and run while pip
-and Maven set up the Python side, and the PyTorch suite, the smoke
-benchmarks and the type check run together after the main suite (which keeps
+and Maven set up the Python side, and the smoke benchmarks, the Spark 3.5
+compatibility subset and the type check run together after the main suite (which keeps
 both cores busy by itself: two pytest-xdist workers).  Every line a stage prints is shown with
 its name and the run's clock (minutes:seconds) in front, and kept in
 build/test-logs/<stage>.log.
@@ -37,7 +37,6 @@ WARN_MINUTES = 40
 FAILURE_LINES = 25  #: lines of a failed stage's log repeated at the end
 MAKE = ["make", "--no-print-directory"]
 PY = os.path.join(REPO, ".venv", "bin", "python")
-TORCH_PY = os.path.join(REPO, ".venv-torch", "bin", "python")
 
 #: The main job runs on simulated hosts in test_cluster.py; where those hosts
 #: cannot be made (not root), demo-quick runs it on this host instead.
@@ -57,7 +56,7 @@ class Stage(NamedTuple):
 
 STAGES: List[Stage] = [
     Stage("apt", MAKE + ["apt"], what="Debian packages (a no-op when installed)"),
-    # -j2: pip for the two venvs and the C library at once (Maven runs once at
+    # -j2: pip for the venvs and the C library at once (Maven runs once at
     # a time: the Makefile builds the jars before the mini Hadoop)
     Stage("setup", MAKE + ["-j2", "setup", "hadoop", "test-jvm-archive"], ("apt",),
           what="venvs, libember, the extension and its jars, the mini Hadoop, "
@@ -73,11 +72,14 @@ STAGES: List[Stage] = [
                      "--durations=20", "--junitxml=build/test-logs/pytest-junit.xml",
                      "tests/python"], ("setup",), ("c-install",),
           what="the Python suite in two workers (tests/python/conftest.py: LANES)"),
-    Stage("torch", MAKE + ["test-torch"], ("setup",), ("pytest",),
-          what="the PyTorch path, in .venv-torch"),
+    # its venv builds beside the main suite (pip, then one compile of the jar
+    # and the op), its tests after it
+    Stage("compat-setup", MAKE + ["venv-compat"], ("setup",), what="the Spark 3.5 / TensorFlow 2.20 venv"),
+    Stage("compat", MAKE + ["test-compat"], ("compat-setup",), ("pytest",),
+          what="the compatibility subset on pyspark 3.5 and TensorFlow 2.20"),
     Stage("bench-smoke", MAKE + ["bench-smoke"], ("setup",), ("pytest",),
           what="every benchmark at a tiny size"),
-    # one core for a minute: beside torch and bench-smoke
+    # one core for a minute: beside bench-smoke
     Stage("typecheck", MAKE + ["typecheck"], ("setup",), ("pytest",),
           what="mypy over python/ember, stubtest of _ember.pyi"),
     Stage("main-job", ["bash", "-c", MAIN_JOB], ("setup",), ("pytest",),

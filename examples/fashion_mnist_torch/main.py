@@ -2,8 +2,6 @@
 
     python -m examples.fashion_mnist_torch.main [--epochs 3] [--modes spark,tensorflow]
 
-(run it with .venv-torch/bin/python: ``make venv-torch``.)
-
 1. Data setup: a Spark job converts Debian's Fashion-MNIST idx files to CSV.
 2. InputMode.SPARK: ``ember.spark.run`` starts 2 nodes; ``cluster.train`` pushes
    the CSV records through Ember's feed; each node trains the same PyTorch MLP

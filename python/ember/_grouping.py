@@ -57,10 +57,12 @@ def node_partitions(node: int, first: int, parts: int, nodes: int) -> List[int]:
 
 # --------------------------------------------------------------------------- driver
 
-def java_class(sc: Any) -> Any:
-    """``ember.spark.NodeGroups``, after adding Ember's Spark jar to the session
+def java_class(sc: Any, name: str = _JAVA_CLASS) -> Any:
+    """The class ``name`` of Ember's Spark jar (``ember.spark.NodeGroups``
+    unless named), after adding Ember's Spark jar to the session
     (``ADD JAR``: the driver and the executors) if ``spark.jars`` did not;
-    None when the jar is missing.
+    None when the jar is missing.  Raises SparkVersionError when the jar was
+    built for another Scala version (:func:`ember._jars.check_spark_jar`).
 
     py4j finds classes through the calling thread's context class loader, and
     ``ADD JAR`` sets only its own thread's: other threads get the session's
@@ -72,9 +74,11 @@ def java_class(sc: Any) -> Any:
 
     from ember import _jars
 
+    _jars.check_spark_jar(sc)
+
     def lookup() -> Any:
         cls = sc._jvm
-        for part in _JAVA_CLASS.split("."):
+        for part in name.split("."):
             cls = getattr(cls, part)
         return cls if isinstance(cls, JavaClass) else None
 

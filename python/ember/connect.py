@@ -31,7 +31,7 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional
 
-from ember import _connect_stage, _ember, _gpu, executor
+from ember import _connect_stage, _ember, _gpu, _spark_compat, executor
 from ember.errors import EmberJobError, EmberNodeError, spark_job_cause
 from ember.executor import FeedCall
 from ember.tensors import tensor_specs
@@ -90,6 +90,8 @@ class ConnectCluster:
             log_dir=log_dir or "tensorboard")
         self._stage_kwargs: Dict[str, Any] = {"barrier": True}
         if gpus_per_node:
+            _spark_compat.require("gpus_per_node over Spark Connect (mapInArrow's profile)",
+                                  _spark_compat.MAP_IN_ARROW_PROFILE)
             self._stage_kwargs["profile"] = _gpu.task_profile(
                 gpus_per_node, int(spark.conf.get("spark.task.cpus", "1")))
         self._closed = False

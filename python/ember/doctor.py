@@ -9,6 +9,7 @@ every Spark job needs (the C extension, Java, pyspark, the jars) fail.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import re
 import shutil
@@ -87,9 +88,12 @@ def check_spark() -> Check:
                          "Python", "pip install 'ember[spark]' or add $SPARK_HOME/python "
                          "to PYTHONPATH")
         return Check(FAIL, "Spark", "pyspark is not installed", "pip install 'ember[spark]'")
-    if int(version.split(".")[0]) < 4:
-        return Check(FAIL, "Spark", f"pyspark {version}", "Ember needs Spark 4: "
-                     "pip install 'pyspark>=4'")
+    from ember._spark_compat import OLDEST
+
+    if tuple(int(x) for x in version.split(".")[:2]) < OLDEST:
+        oldest = ".".join(map(str, OLDEST))
+        return Check(FAIL, "Spark", f"pyspark {version}", f"Ember needs Spark {oldest} or "
+                     f"later: pip install 'pyspark>={oldest}'")
     return Check(OK, "Spark", f"pyspark {version}")
 
 
@@ -104,7 +108,29 @@ def check_jars() -> List[Check]:
         out.append(Check(OK, name, jar) if os.path.isfile(jar) else
                    Check(WARN, name, f"missing ({jar}): {without}",
                          "reinstall Ember from a wheel (it carries the jars)"))
+    out[0] = _spark_jar_versions(out[0])
     return out
+
+
+def _spark_jar_versions(check: Check) -> Check:
+    """The Spark jar's check, with the Spark and Scala versions the jar was
+    compiled against; a failure when this Python's pyspark has another Scala
+    version (the jar's classes would not link)."""
+    from ember import _jars
+
+    spark, scala = _jars.built_against()
+    if scala is None:
+        return check
+    detail = f"{check.detail} (Spark {spark}, Scala {scala})"
+    spec = importlib.util.find_spec("pyspark")
+    here_spark, here_scala = _jars.classpath_versions(
+        os.path.join(os.path.dirname(spec.origin), "jars", "*")) \
+        if spec is not None and spec.origin else (None, None)
+    if here_scala is None or _jars.scala_binary(here_scala) == _jars.scala_binary(scala):
+        return check._replace(detail=detail)
+    return Check(FAIL, check.name, f"{detail}, but pyspark {here_spark} is Scala {here_scala}",
+                 "reinstall Ember from source in this Python, so that its Spark jar is "
+                 "compiled against this pyspark")
 
 
 def check_framework(dist_names: List[str], module: str, label: str, extra: str) -> Check:

@@ -313,12 +313,12 @@ class Cluster:
             if ids:
                 jsc.schedulerBackend().killExecutors(self.sc._jvm.PythonUtils.toSeq(ids),
                                                      False, False, True)
-                # and forget their blocks now: Spark's ContextCleaner removes
-                # blocks blocking, and would hold stop() for spark.rpc.askTimeout
-                # asking them of an executor nobody reaches
-                blocks = jsc.env().blockManager().master()
-                for executor_id in ids:
-                    blocks.removeExecutor(executor_id)
+                # and forget their blocks now (ember.spark.LostExecutors says why)
+                from ember import _grouping
+
+                lost = _grouping.java_class(self.sc, "ember.spark.LostExecutors")
+                for executor_id in ids if lost is not None else ():
+                    lost.forgetBlocks(jsc, executor_id)
                 logger.warning(f"host {host} does not answer: asked Spark to replace its "
                                f"executor(s) {', '.join(ids)}, rather than wait "
                                "spark.network.timeout for them")

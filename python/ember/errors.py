@@ -16,6 +16,7 @@ The hierarchy::
     ├── FeedProducerError (RuntimeError)  a feeding task failed (``on_producer_error="raise"``)
     ├── EmberJobError (RuntimeError)    Spark aborted one of Ember's jobs (a task crashed...)
     ├── ModelInputError (ValueError)    the DataFrame, mappings and model do not fit together
+    ├── SparkVersionError (RuntimeError)  needs a later Spark, or Ember's jar built for this one
     └── RunFailed (RuntimeError)        every attempt of ``run_on_yarn`` failed
 
 The C extension raises ``EmberError`` and its first seven subclasses; it takes
@@ -39,7 +40,8 @@ from typing import Any, Dict, List, Optional
 __all__ = ["EmberError", "EmberFeedError", "EmberNodeError", "FeedProducerError",
            "ModelInputError", "RunFailed", "EmberTimeout", "EmberAuthError", "EmberAborted",
            "EmberCorruptError", "EmberSchemaError", "EmberFileNotFoundError",
-           "EmberPermissionError", "EmberJobError", "find_feed_error", "spark_job_cause",
+           "EmberPermissionError", "EmberJobError", "SparkVersionError", "find_feed_error",
+           "spark_job_cause",
            "from_core",
            "in_context"]
 
@@ -151,6 +153,13 @@ class EmberJobError(EmberError, RuntimeError):
 class ModelInputError(EmberError, ValueError):
     """The DataFrame, the mappings or the model do not fit together
     (:mod:`ember.ml`)."""
+
+
+class SparkVersionError(EmberError, RuntimeError):
+    """The running Spark cannot do what was asked: the feature needs a later
+    Spark (the message names the feature and the version), or Ember's Spark jar
+    was compiled against a Spark of another Scala version (reinstall Ember
+    where this Spark's pyspark is importable, or with ``SPARK_HOME`` set)."""
 
 
 class RunFailed(EmberError, RuntimeError):

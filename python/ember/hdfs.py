@@ -16,7 +16,7 @@ Missing paths raise :class:`EmberFileNotFoundError` (a ``FileNotFoundError``),
 refused ones :class:`EmberPermissionError` (a ``PermissionError``), both
 naming the path.
 
-TensorFlow and HDFS.  TensorFlow 2.20 has no ``hdfs://`` file system of its
+TensorFlow and HDFS.  TensorFlow (2.20, 2.21) has no ``hdfs://`` file system of its
 own unless libhdfs and a Hadoop CLASSPATH are installed (its HDFS plugin
 loads libhdfs.so through JNI), which is exactly the set-up Ember avoids.  So
 checkpoints, SavedModels and TensorBoard logs are written to a local

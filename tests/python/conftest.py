@@ -49,6 +49,7 @@ os.environ.setdefault("JAVA_TOOL_OPTIONS", jvm_options_for_tests())
 LANES = {m: "hadoop" for m in (
     "test_hadoop", "test_hdfs_paths", "test_hdfs_fmnist", "test_spark_yarn", "test_yarn_run",
     "test_yarn_experiments", "test_yarn_experiment_local", "test_packaging", "test_mlflow",
+    "test_ml_torch",
     "test_cluster")}
 #: Modules that use the standalone cluster (``cluster_spark``) run last in
 #: their lane, so that each process starts the local session once and the
@@ -109,29 +110,37 @@ class _Sessions:
     def get(self, kind: str, tmp_root: str) -> Any:
         if self.kind == kind:
             return self.spark
-        if self.spark is not None:
-            self.spark.stop()
-            self.spark = None
+        self.release()
         if kind == "local":
             self.spark = _base_builder("ember-tests").master("local[4]").getOrCreate()
         else:
-            if self.standalone is None:
-                self.standalone = Standalone(tmp_root)
-                self.standalone.start()
             self.spark = (_base_builder("ember-tests-standalone")
-                          .master(self.standalone.url)
+                          .master(self.standalone_cluster(tmp_root).url)
                           .config("spark.executor.memory", "768m")
                           .config("spark.executor.cores", "1")
                           .config("spark.cores.max", "2")
                           .getOrCreate())
-            self.standalone.wait_executors(self.spark, 2)
+            self.standalone_cluster(tmp_root).wait_executors(self.spark, 2)
         self.spark.sparkContext.setLogLevel("WARN")
         self.kind = kind
         return self.spark
 
-    def close(self) -> None:
+    def standalone_cluster(self, tmp_root: str) -> "Standalone":
+        """The standalone Master and Workers, started on first use."""
+        if self.standalone is None:
+            self.standalone = Standalone(tmp_root)
+            self.standalone.start()
+        return self.standalone
+
+    def release(self) -> None:
+        """Stops this process's session (its executors free their Workers'
+        cores); the next get() starts one again."""
         if self.spark is not None:
             self.spark.stop()
+        self.spark, self.kind = None, None
+
+    def close(self) -> None:
+        self.release()
         if self.standalone is not None:
             self.standalone.stop()
 

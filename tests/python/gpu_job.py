@@ -82,14 +82,16 @@ def _refused(fn: Any) -> Dict[str, Any]:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
-def _direct_worker_envs() -> Dict[int, Dict[str, str]]:
-    """pid -> CUDA variables of each running direct-path inference worker."""
+def _direct_worker_envs(work: str) -> Dict[int, Dict[str, str]]:
+    """pid -> CUDA variables of each running direct-path inference worker of
+    a model under ``work`` (another test's workers may run beside)."""
     found = {}
     for d in os.listdir("/proc"):
         try:
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
-            if b"ember.ml._direct_worker" not in argv:
+            if b"ember.ml._direct_worker" not in argv or \
+                    not any(a.startswith(work.encode()) for a in argv):
                 continue
             with open(f"/proc/{d}/environ", "rb") as f:
                 env = dict(v.decode().partition("=")[::2] for v in f.read().split(b"\0") if v)
@@ -124,7 +126,7 @@ def _inference(spark: Any, work: str, standalone: Any) -> Dict[str, Any]:
         got = model.setArrowPath(path).transform(frame).collect()
         result[f"{path}_ok"] = len(got) == 400 and all(
             np.allclose(r["y"], [2.0 * r["id"]] * 4) for r in got)
-    result["direct_workers"] = _direct_worker_envs()
+    result["direct_workers"] = _direct_worker_envs(work)
     # the Arrow UDF path's Python workers say which GPUs they took (executor stderr)
     lines = []
     for base, _dirs, files in os.walk(os.path.join(standalone.root, "work")):

@@ -217,8 +217,8 @@ def test_run_on_yarn_trains_from_hdfs_tfrecords_on_a_kerberized_grid(
 
 def test_run_on_yarn_pytorch_reads_hdfs_tfrecords_on_a_kerberized_grid(
         grid: KerberizedHadoop, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same for a PyTorch experiment (DDP), in .venv-torch (make test-torch)."""
-    pytest.importorskip("torch", reason="PyTorch runs in .venv-torch: make test-torch")
+    """The same for a PyTorch experiment (DDP)."""
+    pytest.importorskip("torch", reason="torch is not installed (requirements.txt pins it)")
     import functools
     import sys
 

@@ -19,11 +19,17 @@ import pytest
 if importlib.util.find_spec("tensorflow") is None:
     pytest.skip("tensorflow is not installed", allow_module_level=True)
 
+from ember import _spark_compat  # noqa: E402
 from ember.ml import EmberEstimator, EmberModel, ModelInputError, TFEstimator, TFModel  # noqa: E402
 from ml_fashion import (CAST_SQL, SCALE_SQL, check_fitted_pipeline, fashion_frame,  # noqa: E402
                         fashion_pipeline)
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+#: ArrowPath 'udf' as a test parameter: Spark 4.1 brought the Arrow UDF it runs
+UDF = pytest.param("udf", marks=pytest.mark.skipif(
+    not _spark_compat.has(_spark_compat.ARROW_UDF),
+    reason="ArrowPath 'udf' needs Spark 4.1 (pyspark.sql.functions.arrow_udf)"))
 
 
 def _train_args(tmp_path, **extra):
@@ -154,7 +160,7 @@ def _sig_model(path):
             .setOutputMapping({"y": "y", "s": "s", "k": "k"}).setBatchSize(64))
 
 
-@pytest.mark.parametrize("path", [None, "udf", "mapInArrow"])
+@pytest.mark.parametrize("path", [None, UDF, "mapInArrow"])
 def test_signature_model_types_and_values(local_spark, small_models, path):
     df, x = _small_frame(local_spark)
     out = _sig_model(small_models["sig"]).setArrowPath(path).transform(df)
@@ -332,7 +338,7 @@ def test_direct_path_tensor_column_and_worker_reuse(local_spark, small_models):
         assert _direct_workers(small_models["sig"]) - gone
 
 
-@pytest.mark.parametrize("path", ["udf", "mapInArrow"])
+@pytest.mark.parametrize("path", [UDF, "mapInArrow"])
 def test_tensor_column_on_the_arrow_paths(local_spark, small_models, path):
     from ember import tensors
 

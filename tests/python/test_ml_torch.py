@@ -3,8 +3,6 @@ Fashion-MNIST Pipeline whose Estimator trains with DDP on 2 nodes and exports
 TorchScript (10,000 test rows, accuracy with Spark's evaluator, save/load with
 identical predictions), mappings by argument name and position, dict/tuple/
 tensor outputs and their column types, bad input named on the driver.
-
-Runs in .venv-torch (``make test-torch``); the main venv (no torch) skips it.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from typing import Dict, Tuple
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch runs in .venv-torch: make test-torch")
+torch = pytest.importorskip("torch", reason="torch is not installed (requirements.txt pins it)")
 
 import ml_torchfuns  # noqa: E402
 from ml_fashion import check_fitted_pipeline, fashion_frame, fashion_pipeline  # noqa: E402

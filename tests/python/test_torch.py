@@ -1,7 +1,6 @@
 """The PyTorch path: ember.torch and the Fashion-MNIST PyTorch example on Spark.
 
-Runs in .venv-torch (``make test-torch``), where Debian's CPU-only torch
-imports; the main venv (numpy 2, no torch) skips this file.
+PyPI's torch (requirements.txt), in the same venv as TensorFlow.
 """
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch runs in .venv-torch: make test-torch")
+torch = pytest.importorskip("torch", reason="torch is not installed (requirements.txt pins it)")
 
 import torchfuns  # noqa: E402
 from conftest import read_json_files  # noqa: E402

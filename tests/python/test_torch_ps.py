@@ -6,9 +6,6 @@ test_ps.py) and a fake ``ctx`` whose ``parameter_servers()`` is an
 ember.ps.Client, against torch.optim and numpy versions of the servers'
 update rules; then on Spark (``run(..., num_ps=2, parameter_servers=...)``
 on the shared local session, like test_ps_spark.py for Keras).
-
-Runs in .venv-torch (``make test-torch``), where Debian's CPU-only torch
-imports; the main venv (numpy 2, no torch) skips this file.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import types
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch runs in .venv-torch: make test-torch")
+torch = pytest.importorskip("torch", reason="torch is not installed (requirements.txt pins it)")
 
 import ember.torch  # noqa: E402
 import psfuns  # noqa: E402

@@ -7,7 +7,7 @@ exercise the experiment kinds exactly as run_on_yarn does, minus the launcher.
 - Keras: chief + worker + evaluator on Fashion-MNIST; the chief checkpoints
   every epoch and exports; the evaluator follows the checkpoints; a second
   run on the same model_dir resumes from the latest checkpoint.
-- PyTorch (in .venv-torch, ``make test-torch``): DDP over gloo on 2 workers,
+- PyTorch: DDP over gloo on 2 workers,
   and 2 training processes in one task (n_workers_per_executor=2).
 """
 
@@ -52,9 +52,9 @@ _KERAS_TASKS = ["chief:0", "worker:0", "evaluator:0"]
 
 # marks, not importorskip in the body: a skipped test must not start Spark or Hadoop
 needs_tf = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
-                              reason="the Keras path runs in the main .venv")
+                              reason="tensorflow is not installed (requirements.txt pins it)")
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
-                                 reason="PyTorch runs in .venv-torch: make test-torch")
+                                 reason="torch is not installed (requirements.txt pins it)")
 
 
 @needs_tf

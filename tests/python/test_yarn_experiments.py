@@ -1,9 +1,8 @@
 """tf-yarn's experiment kinds through run_on_yarn on the mini YARN.
 
 The experiments are ember.yarn.experiment's (their bodies are shared with the
-local-Spark tests: yarn_experiment_fns.py).  Keras runs in the main venv;
-PyTorch in .venv-torch (``make test-torch``), whose interpreter the containers
-then run too.  Each test is one or two applications of 2-3 training
+local-Spark tests: yarn_experiment_fns.py).  The containers run the
+tests' own interpreter (the venv with TensorFlow and torch).  Each test is one or two applications of 2-3 training
 containers (~1-2 min on 2 cores).
 """
 
@@ -54,12 +53,12 @@ def test_keras_fashion_mnist_chief_worker_evaluator_resumes_after_a_failure(
 
 
 def test_pytorch_ddp_fashion_mnist_two_workers(yarn: HadoopCluster) -> None:
-    pytest.importorskip("torch", reason="PyTorch runs in .venv-torch: make test-torch")
+    pytest.importorskip("torch", reason="torch is not installed (requirements.txt pins it)")
     import yarn_experiment_fns as fns
 
     m = run_on_yarn(functools.partial(fns.torch_fmnist, epochs=3),
                     {"worker": TaskSpec("2 GiB", 1, instances=2)}, env=ENV,
-                    python=sys.executable,  # .venv-torch's interpreter in the containers
+                    python=sys.executable,
                     name="ember-test-torch", timeout=900)
     a, b = m["worker:0"].metrics, m["worker:1"].metrics
     assert (a["rank"], b["rank"], a["world_size"]) == (0, 1, 2)

@@ -1,6 +1,6 @@
 """Node functions of the PyTorch parameter-server test (test_torch_ps.py): they
 run in the nodes of an ``ember.spark.run(..., parameter_servers=...)`` cluster
-(.venv-torch node processes) and write what they saw to
+and write what they saw to
 ``<out>/<role>-<task>.json``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""main_fun bodies for the PyTorch tests (run by .venv-torch node processes)."""
+"""main_fun bodies for the PyTorch tests (run by the nodes)."""
 
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ Shipping the Python environment:
            GBs.
 Spark's own jars are not uploaded: ``spark.yarn.jars=local:<pyspark>/jars/*``
 (present on the NodeManager's host); pyspark.zip and py4j come from
-pyspark's ``python/lib`` (pip's pyspark 4.1.1 ships them, and
-spark-yarn_2.13-4.1.1.jar).
+pyspark's ``python/lib`` (pip's pyspark 4.3.0 ships them, and
+spark-yarn_2.13-4.3.0.jar).
 """
 
 from __future__ import annotations

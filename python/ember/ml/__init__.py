@@ -46,7 +46,7 @@ from pyspark.ml.param import Params
 from pyspark.ml.util import (DefaultParamsReadable, DefaultParamsReader, DefaultParamsWriter,
                              MLReadable, MLWritable)
 
-from ember import _gpu, _log, connect, tensors
+from ember import _gpu, _log, _spark_compat, connect, tensors
 from ember.errors import EmberError
 from ember.ml import _direct, _model_files, _runtime, _torch
 from ember.ml._params import (HasArrowPath, HasBatchSize, HasClusterSize, HasDriverPSNodes,
@@ -136,12 +136,14 @@ class _Writer(DefaultParamsWriter):
         extra = {"tf_args": _args_json(inst.tf_args)}
         if isinstance(inst, EmberEstimator):
             extra["train_fn"] = None if inst.train_fn is None else _fn_ref(inst.train_fn)
-        DefaultParamsWriter.saveMetadata(inst, path, self.sparkSession, extraMetadata=extra)
+        DefaultParamsWriter.saveMetadata(inst, path, _spark_compat.ml_context(self.sparkSession),
+                                         extraMetadata=extra)
 
 
 class _Reader(DefaultParamsReader):
     def load(self, path: str) -> Any:
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        metadata = DefaultParamsReader.loadMetadata(path,
+                                                    _spark_compat.ml_context(self.sparkSession))
         inst = super().load(path)
         inst.tf_args = _args_from_json(metadata.get("tf_args"))
         if isinstance(inst, EmberEstimator) and metadata.get("train_fn"):
@@ -455,11 +457,12 @@ class _ArrowInference(Model, _EmberParams, _Persist, HasInputMapping, HasOutputM
         from pyspark.sql import types as T
 
         chosen = self.getArrowPath()
-        path = chosen or ("udf" if hasattr(F, "arrow_udf") else "mapInArrow")
+        path = chosen or ("udf" if _spark_compat.has(_spark_compat.ARROW_UDF) else "mapInArrow")
         if path not in ("direct", "udf", "mapInArrow"):
             raise ValueError(f"ArrowPath must be 'direct', 'udf' or 'mapInArrow', not {path!r}")
-        if path == "udf" and not hasattr(F, "arrow_udf"):
-            raise ValueError("ArrowPath 'udf' needs Spark >= 4.1 (pyspark.sql.functions.arrow_udf)")
+        if path == "udf":
+            _spark_compat.require("ArrowPath 'udf' (pyspark.sql.functions.arrow_udf)",
+                                  _spark_compat.ARROW_UDF)
         spec = self._inference_spec(dataset)
         out_cols, types = spec["output_columns"], spec.pop("output_types")
         spec["tensors"] = {c: (t[0].str, list(t[1])) for c, t in
@@ -660,7 +663,8 @@ class EmberTorchModel(_ArrowInference):
                     f"{path} declares no input shapes, and a streaming DataFrame has no row "
                     "to type the outputs with: save the module with ember.ml.save_torchscript"
                     "(module, export_dir, example_inputs=...)")
-            first = dataset.select(*[F.col(f"`{c}`") for c in cols]).limit(1).toArrow()
+            first = _spark_compat.to_arrow(
+                dataset.select(*[F.col(f"`{c}`") for c in cols]).limit(1))
             if first.num_rows == 0:
                 raise ModelInputError(
                     f"the DataFrame is empty, and {path} declares no input shapes to type the "

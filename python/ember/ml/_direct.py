@@ -36,8 +36,11 @@ def jar_path() -> str:
 def _java_class(spark: Any) -> Any:
     """The JVM class, after adding Ember's jar to the session (``ADD JAR``:
     the driver and the executors) when ``spark.jars`` did not; None if the
-    jar is missing."""
+    jar is missing.  Raises SparkVersionError when the jar was built for
+    another Scala version (:func:`ember._jars.check_spark_jar`)."""
     from py4j.java_gateway import JavaClass
+
+    _jars.check_spark_jar(spark.sparkContext)
 
     def lookup() -> Any:
         cls = spark.sparkContext._jvm

@@ -2,7 +2,7 @@
 ExportDir or ModelDir, local or ``hdfs://`` / ``webhdfs://``, into a local
 path that TensorFlow or torch can open, with the model version's stamp.
 
-TensorFlow 2.20 has no ``hdfs://`` file system here (no libhdfs), so a model
+TensorFlow (2.20, 2.21) has no ``hdfs://`` file system here (no libhdfs), so a model
 on HDFS is copied by :mod:`ember.hdfs` into a per-host cache,
 ``<tempdir>/ember-models-<uid>/<hash of the URL>/<hash of the version>/``
 (``EMBER_MODEL_CACHE`` moves the root).  The version is what identifies the

@@ -30,7 +30,6 @@ import org.apache.spark.TaskContext$;
 import org.apache.spark.api.java.JavaRDD;
 import org.apache.spark.api.java.function.FlatMapFunction;
 import org.apache.spark.api.python.PythonUtils;
-import org.apache.spark.rdd.RDD;
 import org.apache.spark.sql.Dataset;
 import org.apache.spark.sql.Row;
 import org.apache.spark.sql.catalyst.InternalRow;
@@ -38,7 +37,6 @@ import org.apache.spark.sql.catalyst.expressions.JoinedRow;
 import org.apache.spark.sql.catalyst.expressions.UnsafeArrayData;
 import org.apache.spark.sql.catalyst.expressions.UnsafeRow;
 import org.apache.spark.sql.catalyst.util.ArrayData;
-import org.apache.spark.sql.classic.SparkSession;
 import org.apache.spark.sql.types.DataType;
 import org.apache.spark.sql.types.StructType;
 import org.apache.spark.sql.util.ArrowUtils$;
@@ -78,8 +76,7 @@ public final class DirectInference {
   public static Dataset<Row> transform(Dataset<Row> df, String[] columns, String[] kinds,
                                        byte[] spec, String specKey, String label,
                                        String outputSchemaJson, String pythonExec, int batchSize) {
-    org.apache.spark.sql.classic.Dataset<Row> classic = (org.apache.spark.sql.classic.Dataset<Row>) df;
-    StructType in = classic.schema();
+    StructType in = df.schema();
     StructType out = (StructType) DataType.fromJson(outputSchemaJson);
     int[] ordinals = new int[columns.length];
     for (int i = 0; i < columns.length; i++) {
@@ -87,10 +84,8 @@ public final class DirectInference {
     }
     Partition fn = new Partition(columns, kinds, ordinals, spec, specKey, label, pythonExec,
                                  Math.max(1, batchSize));
-    RDD<InternalRow> rows = classic.queryExecution().toRdd();
-    JavaRDD<InternalRow> mapped = rows.toJavaRDD().mapPartitions(fn);
-    SparkSession session = classic.sparkSession();
-    return session.internalCreateDataFrame(mapped.rdd(), out, false);
+    JavaRDD<InternalRow> mapped = Plans.rows(df).toJavaRDD().mapPartitions(fn);
+    return Plans.frame(df, mapped.rdd(), out);
   }
 
   /** One column's packing into the pipe. */

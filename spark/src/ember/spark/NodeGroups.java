@@ -1,6 +1,5 @@
 package ember.spark;
 
-import java.io.Serializable;
 import java.util.Iterator;
 
 import org.apache.spark.Partition;
@@ -33,7 +32,7 @@ import scala.Option;
  * preferred location, so no node's feeder waits for a busy executor that
  * caches its data.
  */
-public final class NodeGroups implements PartitionCoalescer, Serializable {
+public final class NodeGroups implements PartitionCoalescer, ScalaSerializable {
   private static final long serialVersionUID = 1L;
 
   private final int nodes;
@@ -67,7 +66,8 @@ public final class NodeGroups implements PartitionCoalescer, Serializable {
       groups[i] = new PartitionGroup(Option.<String>empty());
     }
     for (int idx = 0; idx < parts.length; idx++) {
-      groups[(int) ((first + (long) idx) % nodes)].partitions().addOne(parts[idx]);
+      // $plus$eq is ArrayBuffer's += in Scala 2.12 and 2.13 (2.12 has no addOne)
+      groups[(int) ((first + (long) idx) % nodes)].partitions().$plus$eq(parts[idx]);
     }
     return groups;
   }
@@ -95,13 +95,10 @@ public final class NodeGroups implements PartitionCoalescer, Serializable {
    * the partitions of a group.
    */
   public static Dataset<Row> groupRows(Dataset<Row> df, int nodes, int first, int expected) {
-    org.apache.spark.sql.classic.Dataset<Row> classic =
-        (org.apache.spark.sql.classic.Dataset<Row>) df;
     // rows are read one at a time downstream (RDDScanExec projects each
     // before the next), so toRdd's reuse of its row objects is harmless
-    RDD<InternalRow> rows = classic.queryExecution().toRdd();
-    RDD<InternalRow> grouped = group(rows, nodes, first, expected);
-    return classic.sparkSession().internalCreateDataFrame(grouped, classic.schema(), false);
+    RDD<InternalRow> grouped = group(Plans.rows(df), nodes, first, expected);
+    return Plans.frame(df, grouped, df.schema());
   }
 
   /** Puts a null element before a partition's elements. */
