@@ -77,6 +77,7 @@ $(VENV)/.stamp: requirements.txt requirements-bench.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt -r requirements-bench.txt
+	$(PY) -m pip uninstall -q -y triton  # requirements.txt says why
 	@touch $@
 
 # The tests' MLflow tracking server (tests/python/test_mlflow.py) runs from a
