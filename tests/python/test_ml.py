@@ -242,7 +242,7 @@ def test_bad_input_is_named_before_any_task(local_spark, small_models, case, mes
         assert tracker.getJobIdsForGroup(None) == before
 
 
-def test_estimator_persistence_and_args(tmp_path):
+def test_estimator_persistence_and_args(local_spark, tmp_path):  # save and load need a session
     from examples.fashion_mnist import model as fm
 
     est = (EmberEstimator(fm.train_spark, {"lr": 0.5}).setInputMapping({"a": "x"})
