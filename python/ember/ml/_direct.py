@@ -14,7 +14,6 @@ apply, and the model then runs through Spark's Arrow UDF path.
 from __future__ import annotations
 
 import hashlib
-import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -34,25 +33,11 @@ def jar_path() -> str:
 
 
 def _java_class(spark: Any) -> Any:
-    """The JVM class, after adding Ember's jar to the session (``ADD JAR``:
-    the driver and the executors) when ``spark.jars`` did not; None if the
-    jar is missing.  Raises SparkVersionError when the jar was built for
-    another Scala version (:func:`ember._jars.check_spark_jar`)."""
-    from py4j.java_gateway import JavaClass
+    """The JVM class, Ember's jar added to the session when ``spark.jars`` did
+    not (:func:`ember._grouping.java_class`); None if the jar is missing."""
+    from ember import _grouping
 
-    _jars.check_spark_jar(spark.sparkContext)
-
-    def lookup() -> Any:
-        cls = spark.sparkContext._jvm
-        for part in _JAVA_CLASS.split("."):
-            cls = getattr(cls, part)
-        return cls if isinstance(cls, JavaClass) else None
-
-    cls = lookup()
-    if cls is None and os.path.exists(jar_path()):
-        spark.sql(f"ADD JAR '{jar_path()}'")
-        cls = lookup()
-    return cls
+    return _grouping.java_class(spark.sparkContext, _JAVA_CLASS)
 
 
 def plan(dataset: Any, columns: Sequence[str], inputs: Sequence[Any]) -> Tuple[Optional[List], str]:
