@@ -18,6 +18,7 @@ after one fails, and the exit status is 1 if any failed.
 
     make bench-smoke
     python bench/smoke.py --only bench-allreduce,bench-reservation
+    python bench/smoke.py --part 1      # one of the two halves make test runs at once
 """
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ class Bench(NamedTuple):
     # measured (not_measured=<peer>) or failed (<peer>_error=<tag>)
     peers: Dict[str, Tuple[str, ...]] = {}
     may_skip: bool = False       # RESULT <name> skipped=<why> is a pass
+    # make test runs the smoke benchmarks as two stages side by side
+    # (tests/stages.py, --part 1 and --part 2): each benchmark's half, chosen
+    # so that the halves take about as long
+    part: int = 1
 
 
 BENCHES: List[Bench] = [
@@ -50,7 +55,8 @@ BENCHES: List[Bench] = [
           {"tfos": ("tfos_",)}),
     Bench("bench-tfrecord", "tfrecord",
           ["ember_gbps", "tfdata_gbps", "ratio_vs_tfdata", "crc_gbps", "crc_limit_gbps",
-           "ember_gbps_min", "ember_gbps_max", "tfdata_gbps_min", "tfdata_gbps_max", "rounds"]),
+           "ember_gbps_min", "ember_gbps_max", "tfdata_gbps_min", "tfdata_gbps_max", "rounds"],
+          part=2),
     Bench("bench-allreduce", "allreduce",
           ["shm_vs_ompi_min", "tcp_vs_ompi_tcp_min", "tcp_vs_gloo_min",
            "shm_vs_ompi_max", "tcp_vs_ompi_tcp_max", "tcp_vs_gloo_max",
@@ -64,7 +70,7 @@ BENCHES: List[Bench] = [
            "streams_2r_gbs", "streams_4r_gbs", "feed_tcp_gbs", "feed_vs_stream",
            "feed_enc_vs_clear", "allreduce_enc_vs_clear", "feed_enc_vs_clear_10g",
            "allreduce_enc_vs_clear_10g"],
-          {"mpi": ("vs_best",), "gloo": ("vs_best",)}, may_skip=True),
+          {"mpi": ("vs_best",), "gloo": ("vs_best",)}, may_skip=True, part=2),
     Bench("bench-ps", "ps",
           ["dense_vs_best", "sparse_vs_best", "dense_vs_best_1ps", "dense_vs_best_2ps",
            "sparse_vs_best_1ps", "sparse_vs_best_2ps"] +
@@ -75,19 +81,19 @@ BENCHES: List[Bench] = [
           {"tf": ("tf_", "vs_best"), "torch": ("torch_", "vs_best")}),
     Bench("bench-tf-feed", "tf_feed",
           ["op_vs_generator", "op_vs_limit", "op_rps", "generator_rps", "limit_rps", "records",
-           "batch", "rounds"]),
+           "batch", "rounds"], part=2),
     Bench("bench-feed-channel", "feed_channel",
           ["feed_shm_vs_memcpy", "feed_tcp_vs_memcpy", "channel_vs_memcpy", "channel_gbps",
            "feed_shm_gbps", "feed_tcp_gbps", "memcpy_gbps"]),
     Bench("bench-feed", "feed",
           ["rdd_vs_spark_rdd", "rdd_vs_tfos", "tensor_vs_spark_arrow_tensor",
            "df_vs_spark_arrow", "ember_rdd_rps", "tfos_rps", "channel_gbps"],
-          {"tfos": ("tfos",)}),
+          {"tfos": ("tfos",)}, part=2),
     Bench("bench-inference", "inference",
           ["ember_rps", "pbu_rps", "tfos_rps", "ratio_vs_pbu", "ratio_vs_tfos",
            "ember_udf_rps", "noop_udf_rps", "ratio_vs_noop_udf", "ember_rps_min", "ember_rps_max",
            "pbu_rps_min", "pbu_rps_max", "tfos_rps_min", "tfos_rps_max", "rounds"],
-          {"tfos": ("tfos",), "pbu": ("pbu",)}),
+          {"tfos": ("tfos",), "pbu": ("pbu",)}, part=2),
 ]
 
 
@@ -159,13 +165,16 @@ def run(b: Bench, timeout: float) -> Tuple[int, str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="comma-separated make targets (default: all)")
+    ap.add_argument("--part", type=int, choices=(1, 2), default=None,
+                    help="only the benchmarks of this half (make test runs both at once)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per benchmark")
     args = ap.parse_args()
     only = [t for t in args.only.split(",") if t]
     unknown = set(only) - {b.target for b in BENCHES}
     if unknown:
         ap.error("unknown target(s): %s" % ", ".join(sorted(unknown)))
-    benches = [b for b in BENCHES if not only or b.target in only]
+    benches = [b for b in BENCHES if (not only or b.target in only)
+               and (args.part is None or b.part == args.part)]
 
     t_all = time.monotonic()
     rows = []

@@ -77,8 +77,12 @@ STAGES: List[Stage] = [
     Stage("compat-setup", MAKE + ["venv-compat"], ("setup",), what="the Spark 3.5 / TensorFlow 2.20 venv"),
     Stage("compat", MAKE + ["test-compat"], ("compat-setup",), ("pytest",),
           what="the compatibility subset on pyspark 3.5 and TensorFlow 2.20"),
-    Stage("bench-smoke", MAKE + ["bench-smoke"], ("setup",), ("pytest",),
-          what="every benchmark at a tiny size"),
+    # in two halves (bench/smoke.py: Bench.part), so that they, compat and
+    # typecheck keep both cores busy for about as long
+    Stage("bench-smoke", MAKE + ["bench-smoke", "BENCH_SMOKE_ARGS=--part 1"], ("setup",),
+          ("pytest",), what="half of the benchmarks at a tiny size"),
+    Stage("bench-smoke-2", MAKE + ["bench-smoke", "BENCH_SMOKE_ARGS=--part 2"], ("setup",),
+          ("pytest",), what="the other half of the benchmarks at a tiny size"),
     # one core for a minute: beside bench-smoke
     Stage("typecheck", MAKE + ["typecheck"], ("setup",), ("pytest",),
           what="mypy over python/ember, stubtest of _ember.pyi"),

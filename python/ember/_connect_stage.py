@@ -105,11 +105,8 @@ def control(host: str, port: int, secret: bytes, encrypt: bool, seq: int,
     def ask(_batches: Any) -> Iterator[Any]:
         import pyarrow as pa
 
-        call = FeedCall(((host, port, "the cluster's coordinator"),), secret, seq, timeout,
-                        want_results=True, encrypt=encrypt)
-        replies = list(executor.rdd_feeder(call, 1)(iter([(json.dumps(request),)])))
-        yield pa.RecordBatch.from_pydict({"reply": pa.array([str(r[0] if isinstance(
-            r, (list, tuple)) else r) for r in replies], pa.string())})
+        reply = executor.ask_coordinator((host, port), secret, encrypt, seq, request, timeout)
+        yield pa.RecordBatch.from_pydict({"reply": pa.array([json.dumps(reply)], pa.string())})
     return ask
 
 

@@ -295,7 +295,7 @@ class ConnectCluster:
             source = source.unionAll(copy)
         call = FeedCall(self._targets, self._secret, self._seq, feed_timeout, first=first * fed,
                         parts=epochs * fed, per_epoch=fed, qname=qname, labelled=True,
-                        encrypt=bool(self.encrypt))
+                        encrypt=bool(self.encrypt), coordinator=self._coordinator)
         fn = executor.arrow_feeder(call, self.chunk_bytes, tensor_specs(data.schema))
         start = time.monotonic()
         total = self._run_job(f"train call {self._seq}", lambda: sum(
@@ -321,7 +321,7 @@ class ConnectCluster:
         self._seq += 1
         schema = _arrow_schema(_parse_datatype_string(result_schema))
         call = FeedCall(self._targets, self._secret, self._seq, feed_timeout, want_results=True,
-                        qname=qname, encrypt=bool(self.encrypt))
+                        qname=qname, encrypt=bool(self.encrypt), coordinator=self._coordinator)
         fn = _connect_stage.inferrer(call, self.chunk_bytes, tensor_specs(data.schema), schema)
         return data.mapInArrow(fn, result_schema)
 

@@ -14,6 +14,7 @@ import gc
 import itertools
 import json
 import os
+import random
 import socket
 import sys
 import threading
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ember import _ember, _gpu
-from ember.errors import EmberFeedError, from_core, in_context
+from ember.errors import EmberFeedError, EmberNodeError, from_core, in_context
 
 #: A fed node as its feeding tasks reach it: (host, feed port, name for messages).
 Target = Tuple[str, int, str]
@@ -57,6 +58,12 @@ class FeedCall:
     :param report: (driver host, port, secret) of the channel where a feeding
         task reports input the feed cannot carry (:func:`report_feed_error`).
     :param encrypt: the nodes' feed servers take encrypted connections only.
+    :param coordinator: (host, control port) of the cluster's coordinator
+        (Spark Connect, :mod:`ember._connect_coordinator`).  A task that cannot
+        reach its node asks it whether that node failed, and if so fails at
+        once: retrying until ``timeout`` would hold the task's slot, which the
+        client's questions to the coordinator may need (a cluster with as many
+        slots as nodes).
     """
 
     targets: Tuple[Target, ...]
@@ -74,6 +81,7 @@ class FeedCall:
     report: Optional[Tuple[str, int, bytes]] = None
     micro_batch: Optional[int] = None
     encrypt: bool = False
+    coordinator: Optional[Tuple[str, int]] = None
 
     def target(self, p: int) -> Target:
         """The node that gets partition ``p``."""
@@ -463,17 +471,65 @@ def partition_client(call: FeedCall, p: int) -> Any:
     """A feeding task's connection for partition ``p`` of ``call`` to the node
     that gets it: described by its tag, with the number of the call's
     partitions that node gets (train()), resuming what an earlier attempt
-    delivered (train()) or asking for results (inference())."""
-    host, port, _ = call.target(p)
+    delivered (train()) or asking for results (inference()).  With
+    ``call.coordinator``, a node not reached within ``_NODE_CHECK_S`` is
+    asked after there, and its failure raised (:class:`EmberNodeError`)."""
+    host, port, name = call.target(p)
     nodes = len(call.targets)
-    return _ember.FeedClient(
-        host, port, call.secret, p, want_results=call.want_results, timeout_s=call.timeout,
-        encrypt=call.encrypt,
-        resume=not call.want_results, call=call.seq,
-        call_partitions=0 if call.want_results else node_share(p, call.first, call.parts,
-                                                               nodes),
-        tag=partition_tag(call.per_epoch, call.first, call.parts, nodes, call.qname,
-                          call.want_results, call.stream, call.micro_batch))
+
+    def connect(timeout: float) -> Any:
+        return _ember.FeedClient(
+            host, port, call.secret, p, want_results=call.want_results, timeout_s=timeout,
+            encrypt=call.encrypt,
+            resume=not call.want_results, call=call.seq,
+            call_partitions=0 if call.want_results else node_share(p, call.first, call.parts,
+                                                                   nodes),
+            tag=partition_tag(call.per_epoch, call.first, call.parts, nodes, call.qname,
+                              call.want_results, call.stream, call.micro_batch))
+
+    if call.coordinator is None:
+        return connect(call.timeout)
+    deadline = time.monotonic() + call.timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return connect(max(0.1, min(left, _NODE_CHECK_S)))
+        except _ember.EmberTimeout:
+            if left <= _NODE_CHECK_S:
+                raise
+        # a call id of its own: the server drops a second delivery of a
+        # (call, partition) it has seen end
+        reply = ask_coordinator(call.coordinator, call.secret, call.encrypt,
+                                _COORDINATOR_CALL + random.getrandbits(60), {"op": "state"},
+                                _NODE_CHECK_S * 5)
+        failure = reply.get("failure")
+        if failure:
+            raise EmberNodeError(f"feeding partition {p} to {name} at {host}:{port}: the node "
+                                 f"is gone: {failure['message']}", int(failure["node"]),
+                                 str(failure["kind"]))
+
+
+#: s a feeding task tries to reach its node before asking the coordinator
+#: whether the node failed (FeedCall.coordinator)
+_NODE_CHECK_S = 2.0
+#: the feed call ids of the feeding tasks' questions to the coordinator
+#: (this plus 60 random bits): apart from feed calls (counted from 1) and
+#: the client's own questions (from 1 << 62)
+_COORDINATOR_CALL = 1 << 61
+
+
+def ask_coordinator(address: Tuple[str, int], secret: bytes, encrypt: bool, seq: int,
+                    request: Dict[str, Any], timeout: float) -> Dict[str, Any]:
+    """The answer of the cluster's coordinator (Spark Connect) to ``request``:
+    one JSON record over its control channel, which is a feed server taking
+    inference-style requests (:mod:`ember._connect_coordinator`).  Runs in a
+    Spark task."""
+    host, port = address
+    call = FeedCall(((host, port, "the cluster's coordinator"),), secret, seq, timeout,
+                    want_results=True, encrypt=encrypt)
+    replies = list(rdd_feeder(call, 1)(iter([(json.dumps(request),)])))
+    reply = replies[0]
+    return dict(json.loads(str(reply[0] if isinstance(reply, (list, tuple)) else reply)))
 
 
 def node_share(p: int, first: int, parts: int, nodes: int) -> int:

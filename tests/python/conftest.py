@@ -48,9 +48,12 @@ os.environ.setdefault("JAVA_TOOL_OPTIONS", jvm_options_for_tests())
 #: "hadoop": the mini HDFS + YARN, and the simulated hosts (test_cluster.py).
 LANES = {m: "hadoop" for m in (
     "test_hadoop", "test_hdfs_paths", "test_hdfs_fmnist", "test_spark_yarn", "test_yarn_run",
-    "test_yarn_experiments", "test_yarn_experiment_local", "test_packaging", "test_mlflow",
-    "test_ml_torch",
+    "test_yarn_experiments", "test_packaging", "test_mlflow",
     "test_cluster")}
+#: A test of another module that uses the mini Hadoop runs in the hadoop lane
+#: too, so that one worker starts it (the rest of its module may run in the
+#: spark lane, which balances the lanes).
+HADOOP_FIXTURE = "hadoop_cluster"
 #: Modules that use the standalone cluster (``cluster_spark``) run last in
 #: their lane, so that each process starts the local session once and the
 #: standalone one once.
@@ -74,7 +77,9 @@ def pytest_collection_modifyitems(config: Any, items: List[Any]) -> None:
 
     items.sort(key=rank)  # stable: file order otherwise
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(LANES.get(_module_name(item), "spark")))
+        lane = "hadoop" if HADOOP_FIXTURE in getattr(item, "fixturenames", ()) else \
+            LANES.get(_module_name(item), "spark")
+        item.add_marker(pytest.mark.xdist_group(lane))
 
 
 def free_port() -> int:

@@ -2,17 +2,19 @@
 ``SparkConnectServer`` (from its ``spark-connect`` jar; pyspark ships no
 ``start-connect-server.sh``) started with ``spark-submit --class`` against
 ``local[4]``, once per pytest worker that asks for it.  Clients connect to
-``sc://127.0.0.1:<port>`` from processes of their own (no JVM there)."""
+``sc://127.0.0.1:<port>`` from processes of their own (no JVM there):
+:func:`run_client` runs one of ``connect_client.py``'s scenarios."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
-from typing import Iterator
+from typing import Any, Dict, Iterator
 
 import pytest
 
@@ -61,6 +63,7 @@ class ConnectServer:
                 "--conf", "spark.ui.enabled=false",
                 "--conf", "spark.sql.shuffle.partitions=4",
                 "--conf", f"spark.pyspark.python={sys.executable}",
+                "--conf", f"spark.executorEnv.PYTHONPATH={env['PYTHONPATH']}",
                 "--conf", "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures=1",
                 "spark-internal"]
         log = open(self.log_path, "w")
@@ -91,15 +94,38 @@ class ConnectServer:
             os.killpg(self.proc.pid, 9)
 
 
-@pytest.fixture(scope="session")
-def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConnectServer]:
-    server = ConnectServer(str(tmp_path_factory.mktemp("connect")))
+def skip_without_server_jar(server: ConnectServer) -> None:
     if server.server_jar() is None:
         import pyspark
 
         pytest.skip(f"pyspark {pyspark.__version__} ships no Spark Connect server "
                     f"(spark-connect_*.jar under {server.spark_home}/jars; pip's pyspark "
                     "has it from 4.0 on)")
+
+
+def run_client(scenario: str, server: ConnectServer, out: str, timeout: float) -> Dict[str, Any]:
+    """Runs ``connect_client.py <scenario>`` against ``server`` in a process of
+    its own and returns what it recorded, after checking that it started no
+    JVM (no py4j gateway, no java child process)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("PYSPARK_SUBMIT_ARGS", None)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "connect_client.py"), scenario,
+                           server.url, out], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=REPO)
+    path = os.path.join(out, f"{scenario}.json")
+    assert proc.returncode == 0 and os.path.exists(path), \
+        f"client exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}" \
+        f"\n(server log: {server.log_path})"
+    with open(path) as f:
+        record = json.load(f)
+    assert record["gateway"] is False and record["java_children"] == [], record
+    return dict(record)
+
+
+@pytest.fixture(scope="session")
+def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConnectServer]:
+    server = ConnectServer(str(tmp_path_factory.mktemp("connect")))
+    skip_without_server_jar(server)
     try:
         server.start()
         yield server

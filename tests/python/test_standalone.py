@@ -17,6 +17,7 @@ import pytest
 
 import nodefuns
 from conftest import read_json_files, signal_node_when_ready
+from connect_fixture import ConnectServer, run_client, skip_without_server_jar
 from ember import _ember
 from ember.errors import EmberFeedError
 from ember.spark import EmberNodeError, InputMode, run
@@ -273,3 +274,29 @@ def test_bad_record_fails_the_job_at_once_despite_spark_retries(cluster_spark, t
     with open(stamp) as f:
         failed = float(f.read())
     assert caught - failed < 2.0, f"EmberFeedError came {caught - failed:.1f} s after the failure"
+
+
+def test_connect_client_sees_a_killed_node_with_every_slot_feeding(_sessions, tmp_path):
+    """Spark Connect on the standalone cluster, whose two 1-core Workers give
+    exactly as many slots as nodes: node 1 is SIGKILLed while train(df) runs
+    (connect_client.py's "kill").  The feeding tasks hold both slots, so the
+    client's questions to the coordinator cannot run until they end; a task
+    that cannot reach its node asks the coordinator itself and fails at once,
+    and the client raises EmberNodeError naming the node.  Strangers at the
+    coordinator's control channel (a wrong secret, garbage) are refused and
+    the cluster serves on.  Its own Connect server, on this module's
+    standalone cluster: the shared one runs on local[4]; the classic session
+    gives the Workers' cores up first (the last test of its lane)."""
+    standalone = _sessions.standalone_cluster(_sessions.root)
+    _sessions.release()
+    server = ConnectServer(str(tmp_path), master=standalone.url)
+    skip_without_server_jar(server)
+    server.start()
+    try:
+        record = run_client("kill", server, str(tmp_path / "out"), 300)
+    finally:
+        server.stop()
+    assert record["strangers"][0] == "EmberAuthError", record
+    assert record["raised"] == "EmberNodeError" and record["node"] == 1, record
+    assert "ember node 1 (worker:0" in record["message"], record
+    assert record["after_kill"] < 30, record
