@@ -274,10 +274,12 @@ test-torch: setup hadoop test-jvm-archive
 
 # The compatibility subset on .venv-compat (pyspark 3.5, TensorFlow 2.20): the
 # classic driver's run/train/inference, TFRecords, restarts, the ML stages
-# (the Spark jar's direct path; save and load) and the jar's version check.
+# (their save and load, EmberModel's Arrow paths and the Spark jar's direct
+# path) and the jar's version check.
 COMPAT_TESTS := tests/python/test_spark_local.py tests/python/test_tfrecord_spark.py \
 	tests/python/test_recovery.py tests/python/test_errors.py tests/python/test_jars.py \
-	"tests/python/test_ml.py::test_fashion_mnist_pipeline_fit_transform_save_load" \
+	"tests/python/test_ml.py::test_estimator_persistence_and_args" \
+	"tests/python/test_ml.py::test_signature_model_types_and_values" \
 	"tests/python/test_ml.py::test_direct_path_tensor_column_and_worker_reuse"
 test-compat: venv-compat
 	$(COMPAT_PY) -m pytest -q -p no:cacheprovider --durations=5 $(COMPAT_TESTS)
