@@ -270,7 +270,8 @@ def ps(spark: Any, out: str) -> None:
     """Fashion-MNIST on 2 parameter servers (on the driver's host) with the
     chief and 2 workers on the worker hosts, asynchronous then with
     staleness 2; in each, worker 2 is frozen (SIGSTOP) for 5 s mid-training.
-    Then a ps node is SIGKILLed mid-training with max_restarts=1: the
+    Then PyTorch with staleness 2, and its click model with a 1,000,000-row
+    table (torch_psfuns.torch_async).  Then a ps node is SIGKILLed mid-training with max_restarts=1: the
     restart must name it and the job resume from the ps checkpoints.  Then
     TensorFlow's ParameterServerStrategy trains from TFRecords."""
     import signal
@@ -295,6 +296,19 @@ def ps(spark: Any, out: str) -> None:
         freezer.join()
         result[phase] = dict(frozen, hosts={n["role"] + str(n["task_index"]): n["host"]
                                             for n in cluster.nodes})
+    # PyTorch with staleness 2: the MLP on all the data, then the click
+    # model whose 1,000,000-row table lives on the servers row-sparse
+    import torch_psfuns
+
+    torch_out = os.path.join(out, "torch")
+    os.makedirs(torch_out)
+    cluster = run(sc, torch_psfuns.torch_async, {"out": torch_out, "n": 60000, "epochs": 4},
+                  num_executors=5, num_ps=2, driver_ps_nodes=True,
+                  parameter_servers=ParameterServers(2), input_mode=InputMode.TENSORFLOW,
+                  reservation_timeout=120)
+    cluster.shutdown(timeout=600)
+    result["torch"] = dict(hosts={n["role"] + str(n["task_index"]): n["host"]
+                                  for n in cluster.nodes})
     # a ps node killed mid-training: named, and the job resumes from the
     # servers' checkpoints (on the driver's disk: the ps nodes run there)
     ckpt = os.path.join(out, "ps-ckpt")

@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 
 import simcluster
-from conftest import REPO
+from conftest import REPO, read_json_files
 
 pytestmark = pytest.mark.skipif(simcluster.available() is not None,
                                 reason=f"no simulated hosts: {simcluster.available()}")
@@ -733,7 +733,9 @@ def test_parameter_servers_async_and_bounded_with_a_frozen_worker_then_a_killed_
     the three worker hosts train Fashion-MNIST with Keras 3 on Ember's
     parameter servers.  Worker 2 is frozen for 5 s: asynchronous training
     goes on without it, bounded staleness (2) holds the others within 2
-    steps of it; both reach the main job's accuracy bar.  Then a ps node is
+    steps of it; both reach the main job's accuracy bar.  PyTorch trains
+    the same way with staleness 2 to the bar, and its click model keeps a
+    1,000,000-row table on the servers, moving only the rows it touches.  Then a ps node is
     SIGKILLed mid-training: the restart names it and the job resumes from
     the ps checkpoints.  Then TensorFlow's ParameterServerStrategy trains
     the main job's model from TFRecords, its ps and workers on 4 hosts."""
@@ -757,6 +759,22 @@ def test_parameter_servers_async_and_bounded_with_a_frozen_worker_then_a_killed_
             assert min(during) >= 20, during
         else:
             assert max(during) <= 3, during
+    # PyTorch, staleness 2: every trainer ends with the servers' weights, at
+    # the accuracy bar; the click model moved the rows its batches touched
+    torch_hosts = result["torch"]["hosts"]
+    assert sorted(torch_hosts[k] for k in ("chief0", "worker0", "worker1")) == \
+        sorted(hosts.sim.addr(w) for w in WORKERS)
+    trainers = sorted(read_json_files(os.path.join(out, "torch")), key=lambda t: t["rank"])
+    assert [t["rank"] for t in trainers] == [0, 1, 2] and trainers[0]["shards"] == 2
+    assert len({json.dumps(t["final"]) for t in trainers}) == 1
+    for t in trainers:
+        assert t["accuracy"] >= 0.85, t["accuracy"]
+        assert t["clicks_accuracy"] > 0.9, t["clicks_accuracy"]
+        # per step: the rows of one batch (at most 128 ids of 8 floats) and
+        # the click model's dense weights, never the 32 MB table
+        per_step = t["clicks_received"] / t["clicks_steps"]
+        assert 0 < per_step < 128 * 8 * 4 + 4096, per_step
+        assert t["clicks_received"] < t["table_bytes"] / 20
     killed = result["pskill"]
     assert killed["restarts"] == 1, killed
     assert killed["cause_node"] == killed["victim"] and "ps:1" in killed["cause"], killed

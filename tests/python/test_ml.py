@@ -47,7 +47,7 @@ def test_fashion_mnist_pipeline_fit_transform_save_load(local_spark, tmp_path):
     test = fashion_frame(spark, "test", parts=2).cache()
     assert train.count() == 60000 and test.count() == 10000
     est = TFEstimator(fm.train_spark, _train_args(tmp_path, train_records=60000))
-    pipeline = fashion_pipeline(est, 3, str(tmp_path))
+    pipeline = fashion_pipeline(est, 4, str(tmp_path))
     fitted = pipeline.fit(train)
     model = fitted.stages[1]
     assert isinstance(model, EmberModel) and model.getInputMapping() == {"image": "image"}
@@ -56,7 +56,7 @@ def test_fashion_mnist_pipeline_fit_transform_save_load(local_spark, tmp_path):
     assert isinstance(loaded_est, EmberEstimator)
     assert loaded_est.train_fn is fm.train_spark
     assert loaded_est.tf_args.train_records == 60000
-    assert loaded_est.getClusterSize() == 2 and loaded_est.getEpochs() == 3
+    assert loaded_est.getClusterSize() == 2 and loaded_est.getEpochs() == 4
     assert loaded_est.getInputMapping() == {"image": "image", "label": "label"}
     train.unpersist()
     test.unpersist()
