@@ -1,8 +1,9 @@
 /* ps_client.c - a worker's side of the parameter server (ps.h).
  *
- * One authenticated connection per shard.  A call that touches several
- * shards writes every shard's request first and then reads the replies, so
- * the shards work at once; rows are bucketed by ember_ps_shard_of_row and
+ * One authenticated connection per shard, moved to shared memory when the
+ * shard is on this host (ps_link.h).  A call that touches several shards
+ * writes every shard's request first and then reads the replies, so the
+ * shards work at once; rows are bucketed by ember_ps_shard_of_row and
  * scattered back into the caller's order. */
 #include "ember/ps.h"
 
@@ -10,7 +11,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 
 #include "acceptor.h"
 #include "ember/auth.h"
@@ -18,6 +18,7 @@
 #include "ember/secure.h"
 #include "ember/wire.h"
 #include "ps_internal.h"
+#include "ps_link.h"
 #include "ps_table.h"
 
 #define PS_CLIENT_DEFAULT_TIMEOUT_MS 600000
@@ -26,9 +27,9 @@
 #define PS_REPLY_SLACK_MS 10000
 
 typedef struct {
-  int fd;
-  ember_sec *sec;
+  ember__ps_link io;
   char where[160]; /* "ps shard 1 of 2 at 10.0.0.2:7077" */
+  uint64_t sent, received;
 } ps_link;
 
 typedef struct {
@@ -82,10 +83,10 @@ static int send_req(ember_ps_client *c, uint32_t k, uint16_t type, const ember_w
   ember_wire_encode_header(hdr, type, (uint32_t)(w->len + tail));
   struct iovec iov[3] = {{hdr, sizeof hdr}, {w->buf, w->len},
                          {(void *)(uintptr_t)c->tail[k], tail}};
-  int rc = ember_sec_sendv_all(l->sec, l->fd, iov, tail ? 3 : 2,
-                               ember_deadline_after(c->timeout_ms));
+  int rc = ember__ps_link_sendv(&l->io, iov, tail ? 3 : 2, ember_deadline_after(c->timeout_ms));
   if (rc != EMBER_OK) return link_failed(c, k, rc);
   c->sent += w->len + tail;
+  l->sent += w->len + tail;
   return EMBER_OK;
 }
 
@@ -98,24 +99,25 @@ static int recv_reply(ember_ps_client *c, uint32_t k, void *body, size_t body_le
   char reason[1024];
   ember_frame_header h;
   int64_t deadline = ember_deadline_after(c->timeout_ms + PS_REPLY_SLACK_MS);
-  int rc = ember_sec_recv_all(l->sec, l->fd, hdr, sizeof hdr, deadline);
+  int rc = ember__ps_link_recv(&l->io, hdr, sizeof hdr, deadline);
   if (rc == EMBER_OK) rc = ember_wire_decode_header(hdr, sizeof hdr, EMBER_WIRE_ABSOLUTE_MAX, &h);
   if (rc == EMBER_OK && h.type != EMBER_MSG_PS_REPLY && h.type != EMBER_MSG_REFUSED)
     rc = ember__set_error(EMBER_EPROTO, "unexpected %s frame", ember_wire_type_name(h.type));
   if (rc == EMBER_OK && h.length < sizeof pre)
     rc = ember__set_error(EMBER_EPROTO, "a reply of %u bytes", h.length);
-  if (rc == EMBER_OK) rc = ember_sec_recv_all(l->sec, l->fd, pre, sizeof pre, deadline);
+  if (rc == EMBER_OK) rc = ember__ps_link_recv(&l->io, pre, sizeof pre, deadline);
   if (rc != EMBER_OK) return link_failed(c, k, rc);
   int32_t status = (int32_t)ember_wire_get_u32(pre);
   uint32_t reason_len = ember_wire_get_u32(pre + 4);
   if (reason_len >= sizeof reason || reason_len > h.length - sizeof pre)
     return link_failed(c, k, ember__set_error(EMBER_EPROTO, "malformed reply (reason of %u "
                                               "bytes)", reason_len));
-  rc = ember_sec_recv_all(l->sec, l->fd, reason, reason_len, deadline);
+  rc = ember__ps_link_recv(&l->io, reason, reason_len, deadline);
   if (rc != EMBER_OK) return link_failed(c, k, rc);
   reason[reason_len] = '\0';
   size_t rest = h.length - sizeof pre - reason_len;
   c->received += h.length;
+  l->received += h.length;
   if (h.type == EMBER_MSG_REFUSED || status != EMBER_OK) {
     int code = status < 0 ? status : EMBER_EPROTO;
     if (h.type == EMBER_MSG_REFUSED || rest != 0) c->broken = 1;
@@ -124,7 +126,7 @@ static int recv_reply(ember_ps_client *c, uint32_t k, void *body, size_t body_le
   if (rest != (body ? body_len : 0))
     return link_failed(c, k, ember__set_error(EMBER_EPROTO, "reply of %zu bytes, %zu expected",
                                               rest, body ? body_len : (size_t)0));
-  if (rest != 0 && (rc = ember_sec_recv_all(l->sec, l->fd, body, rest, deadline)) != EMBER_OK)
+  if (rest != 0 && (rc = ember__ps_link_recv(&l->io, body, rest, deadline)) != EMBER_OK)
     return link_failed(c, k, rc);
   return EMBER_OK;
 }
@@ -163,10 +165,7 @@ static int broadcast(ember_ps_client *c, uint16_t type, const ember_wire_writer 
 
 void ember_ps_client_destroy(ember_ps_client *c) {
   if (c == NULL) return;
-  for (uint32_t k = 0; c->links && k < c->num_shards; k++) {
-    ember_net_close(c->links[k].fd);
-    ember_sec_destroy(c->links[k].sec);
-  }
+  for (uint32_t k = 0; c->links && k < c->num_shards; k++) ember__ps_link_destroy(&c->links[k].io);
   for (uint32_t k = 0; c->req && k < c->num_shards; k++) ember_wire_writer_free(&c->req[k]);
   free(c->req);
   free(c->tail);
@@ -175,6 +174,36 @@ void ember_ps_client_destroy(ember_ps_client *c) {
   free(c->links);
   free(c->tables);
   free(c);
+}
+
+/* PS_SHM to shard k (ps.h, "Transport"): on the rings when the shard
+ * attached them; otherwise still on TCP, which is an error only when
+ * required (shm ON) or when the connection itself failed. */
+static int offer_shm(ember_ps_client *c, uint32_t k, int required, size_t bytes) {
+  ps_link *l = &c->links[k];
+  ember_shm_ring *req = NULL, *rep = NULL;
+  uint8_t offer[EMBER__PS_SHM_LEN];
+  int rc = ember__ps_shm_offer(bytes, &req, &rep, offer);
+  if (rc != EMBER_OK)
+    return required ? ember__set_error(rc, "%s: shared memory (shm on): %s", l->where,
+                                       ember_last_error())
+                    : EMBER_OK; /* no memfd here: TCP */
+  ember_wire_writer *w = &c->req[k];
+  w->len = 0;
+  ember_wire_write_raw(w, offer, sizeof offer);
+  rc = send_req(c, k, EMBER_MSG_PS_SHM, w);
+  if (rc == EMBER_OK) rc = recv_reply(c, k, NULL, 0);
+  if (rc == EMBER_OK) {
+    ember__ps_link_use_rings(&l->io, req, rep);
+    return EMBER_OK;
+  }
+  ember_shm_ring_destroy(req);
+  ember_shm_ring_destroy(rep);
+  if (c->broken) return rc; /* the connection failed: named by link_failed */
+  if (required)
+    return ember__set_error(rc, "%s: shared memory was required (shm on) and the shard "
+                            "declined it: %s", l->where, ember_last_error());
+  return EMBER_OK; /* declined (another host, disabled...): TCP */
 }
 
 int ember_ps_client_create(ember_ps_client **out, const ember_ps_client_config *cfg) {
@@ -189,6 +218,17 @@ int ember_ps_client_create(ember_ps_client **out, const ember_ps_client_config *
   if (cfg->worker >= cfg->num_workers)
     return ember__set_error(EMBER_EINVAL, "ps client: worker %u of %u", cfg->worker,
                             cfg->num_workers);
+  if (cfg->shm < EMBER_PS_SHM_AUTO || cfg->shm > EMBER_PS_SHM_ON)
+    return ember__set_error(EMBER_EINVAL, "ps client: unknown shm mode %d", cfg->shm);
+  if (cfg->shm == EMBER_PS_SHM_ON && cfg->encrypt)
+    return ember__set_error(EMBER_EINVAL, "ps client: shm on and encrypt both asked for; "
+                            "encrypted connections stay on TCP (ps.h, \"Transport\"): "
+                            "drop one of them");
+  if (cfg->shm_bytes != 0 &&
+      (cfg->shm_bytes < EMBER_SHM_RING_MIN_BYTES || cfg->shm_bytes > EMBER_SHM_RING_MAX_BYTES))
+    return ember__set_error(EMBER_EINVAL, "ps client: shm_bytes %zu is outside %u..%u",
+                            cfg->shm_bytes, EMBER_SHM_RING_MIN_BYTES,
+                            EMBER_SHM_RING_MAX_BYTES);
   c = calloc(1, sizeof *c);
   if (c == NULL || !(c->links = calloc(cfg->num_shards, sizeof *c->links)) ||
       !(c->count = calloc(cfg->num_shards, sizeof *c->count)) ||
@@ -203,16 +243,22 @@ int ember_ps_client_create(ember_ps_client **out, const ember_ps_client_config *
   c->num_workers = cfg->num_workers;
   c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : PS_CLIENT_DEFAULT_TIMEOUT_MS;
   for (uint32_t k = 0; k < c->num_shards; k++) {
-    c->links[k].fd = -1;
+    ember__ps_link_init(&c->links[k].io, -1, NULL);
     ember_wire_writer_init(&c->req[k]);
   }
+  int shm = cfg->shm == EMBER_PS_SHM_ON ||
+            (cfg->shm == EMBER_PS_SHM_AUTO && !cfg->encrypt && ember__ps_env_shm_enabled());
+  size_t shm_bytes = cfg->shm_bytes ? cfg->shm_bytes : EMBER__PS_SHM_DEFAULT_BYTES;
   int64_t deadline = ember_deadline_after(c->timeout_ms);
   for (uint32_t k = 0; k < c->num_shards; k++) {
     ps_link *l = &c->links[k];
     snprintf(l->where, sizeof l->where, "ps shard %u of %u at %s:%u", k, c->num_shards,
              cfg->hosts[k] ? cfg->hosts[k] : "?", (unsigned)cfg->ports[k]);
+    int fd = -1;
+    ember_sec *sec = NULL;
     rc = ember__connect_auth_ex(cfg->hosts[k], cfg->ports[k], cfg->secret, cfg->secret_len,
-                                cfg->encrypt ? EMBER_AUTH_ENCRYPT : 0, deadline, &l->fd, &l->sec);
+                                cfg->encrypt ? EMBER_AUTH_ENCRYPT : 0, deadline, &fd, &sec);
+    ember__ps_link_init(&l->io, fd, sec);
     if (rc != EMBER_OK) {
       rc = ember__set_error(rc, "%s: %s", l->where, ember_last_error());
       goto fail;
@@ -225,6 +271,8 @@ int ember_ps_client_create(ember_ps_client **out, const ember_ps_client_config *
     ember_wire_write_u32(w, c->num_shards);
     if ((rc = send_req(c, k, EMBER_MSG_PS_HELLO, w)) != EMBER_OK) goto fail;
     if ((rc = recv_reply(c, k, NULL, 0)) != EMBER_OK) goto fail;
+    if (shm && (rc = offer_shm(c, k, cfg->shm == EMBER_PS_SHM_ON, shm_bytes)) != EMBER_OK)
+      goto fail;
   }
   *out = c;
   return EMBER_OK;
@@ -505,12 +553,23 @@ int ember_ps_client_save(ember_ps_client *c, const char *dir) {
 void ember_ps_client_abort(ember_ps_client *c) {
   if (c == NULL) return;
   atomic_store(&c->aborted, 1);
-  /* a read blocked in poll() on these sockets returns at once */
-  for (uint32_t k = 0; k < c->num_shards; k++)
-    if (c->links[k].fd >= 0) shutdown(c->links[k].fd, SHUT_RDWR);
+  /* a read blocked in poll() on these sockets, or in a wait on these
+   * rings, returns at once */
+  for (uint32_t k = 0; k < c->num_shards; k++) ember__ps_link_shutdown(&c->links[k].io);
 }
 
 void ember_ps_client_bytes(const ember_ps_client *c, uint64_t *sent, uint64_t *received) {
   if (sent) *sent = c ? c->sent : 0;
   if (received) *received = c ? c->received : 0;
+}
+
+int ember_ps_client_transport(const ember_ps_client *c, uint32_t shard, uint64_t *sent,
+                              uint64_t *received) {
+  if (c == NULL || shard >= c->num_shards)
+    return ember__set_error(EMBER_EINVAL, "ps client transport: shard %u of %u", shard,
+                            c ? c->num_shards : 0);
+  const ps_link *l = &c->links[shard];
+  if (sent) *sent = l->sent;
+  if (received) *received = l->received;
+  return ember__ps_link_is_shm(&l->io) ? EMBER_PS_TRANSPORT_SHM : EMBER_PS_TRANSPORT_TCP;
 }

@@ -8,7 +8,9 @@
  * staleness on a condition variable without holding up anyone else.  Each
  * table has its own reader-writer lock (pulls of held rows share it, so
  * workers' pulls overlap; pushes take it alone); the registry, the clocks
- * and the counters share s->mu. */
+ * and the counters share s->mu.  A worker on this host moves its
+ * connection to two shm rings it offers in PS_SHM (ps_link.h); the thread
+ * then reads and answers through them. */
 #include "ember/ps.h"
 
 #include <errno.h>
@@ -34,6 +36,7 @@
 #include "ember/wire.h"
 #include "hadoop_conf.h"
 #include "ps_internal.h"
+#include "ps_link.h"
 #include "ps_table.h"
 
 #define PS_DEFAULT_MAX_FRAME (256u * 1024u * 1024u)
@@ -53,14 +56,16 @@ typedef struct {
 typedef struct ps_conn {
   struct ps_conn *next;
   ember_ps_server *srv;
-  int fd;
-  ember_sec *sec;
+  ember__ps_link link; /* its rings are installed under s->mu (destroy closes them) */
   char peer[96];
   uint32_t worker;
   pthread_t thread;
   int started;
   int done; /* its thread has ended (under s->mu): reaped at the next accept */
   int counted; /* in stats.workers_connected */
+  int shm_asked;               /* PS_SHM came (once per connection) */
+  int shm_counted;             /* in stats.shm_connections */
+  ember_shm_ring *new_tx, *new_rx; /* attached by PS_SHM, used once it is answered */
   /* Buffers kept from request to request: a 10M-float model's pull and push
    * are 40 MB each, and fresh buffers of that size are fresh mappings whose
    * every page faults (most of the server's time, measured by bench-ps). */
@@ -80,6 +85,8 @@ struct ember_ps_server {
   ember__acceptor *acc;
   uint16_t port;
   uint32_t shard, num_shards, num_workers, staleness, max_frame;
+  int shm_enabled;
+  uint8_t host_id[16];
   ember_log_fn log_fn;
   void *log_arg;
   ps_entry **tables;
@@ -455,7 +462,7 @@ static int send_reply(ps_conn *c, ps_reply *r) {
   ember_wire_encode_header(hdr, EMBER_MSG_PS_REPLY, (uint32_t)(head.len + body));
   struct iovec iov[3] = {{hdr, sizeof hdr}, {head.buf, head.len},
                          {(void *)(uintptr_t)r->body, body}};
-  int rc = ember_sec_sendv_all(c->sec, c->fd, iov, body ? 3 : 2, ember_deadline_after(PS_IO_MS));
+  int rc = ember__ps_link_sendv(&c->link, iov, body ? 3 : 2, ember_deadline_after(PS_IO_MS));
   pthread_mutex_lock(&c->srv->mu);
   c->srv->stats.bytes_sent += head.len + body;
   pthread_mutex_unlock(&c->srv->mu);
@@ -464,17 +471,82 @@ static int send_reply(ps_conn *c, ps_reply *r) {
 }
 
 /* The next request into c->in (kept from request to request): its header
- * in *h.  Waits as long as the worker takes (destroy shuts the socket). */
+ * in *h.  Waits as long as the worker takes (destroy shuts the socket and
+ * closes the rings). */
 static int recv_request(ember_ps_server *s, ps_conn *c, ember_frame_header *h) {
   uint8_t hdr[EMBER_WIRE_HEADER_LEN];
-  int rc = ember_sec_recv_all(c->sec, c->fd, hdr, sizeof hdr, INT64_MAX);
+  int rc = ember__ps_link_recv(&c->link, hdr, sizeof hdr, INT64_MAX);
   if (rc != EMBER_OK) return rc;
   rc = ember_wire_decode_header(hdr, sizeof hdr, s->max_frame, h);
   if (rc != EMBER_OK) return rc;
   if (grow((void **)&c->in, &c->in_cap, h->length ? h->length : 1) != EMBER_OK)
     return ember__set_error(EMBER_ENOMEM, "ps shard %u: out of memory for a %u-byte request",
                             s->shard, h->length);
-  return ember_sec_recv_all(c->sec, c->fd, c->in, h->length, ember_deadline_after(PS_IO_MS));
+  return ember__ps_link_recv(&c->link, c->in, h->length, ember_deadline_after(PS_IO_MS));
+}
+
+/* PS_SHM: attach the worker's rings when it is on this host and the
+ * connection is not encrypted; they are used once the reply (over TCP) is
+ * out (start_shm).  Declining is a refusal like any other: the worker stays
+ * on TCP, or fails naming the reason when it required shared memory. */
+static void handle_shm(ember_ps_server *s, ps_conn *c, const uint8_t *p, size_t len,
+                       ps_reply *r) {
+  static const uint8_t zero[16] = {0};
+  uint8_t host[16];
+  ember_shm_ring_desc req, rep;
+  ember_shm_ring *rx = NULL, *tx = NULL;
+  if (c->shm_asked) {
+    refuse(r, EMBER_EPROTO, "ps shard %u of %u: worker %u sent PS_SHM twice", s->shard,
+           s->num_shards, c->worker);
+    return;
+  }
+  c->shm_asked = 1;
+  if (ember__ps_shm_decode(p, len, host, &req, &rep) != EMBER_OK) {
+    refuse(r, EMBER_EPROTO, "ps shard %u of %u: %s", s->shard, s->num_shards, ember_last_error());
+    return;
+  }
+  if (!s->shm_enabled) {
+    refuse(r, EMBER_ENOTFOUND, "ps shard %u of %u: shared memory is disabled on this shard",
+           s->shard, s->num_shards);
+  } else if (c->link.sec != NULL) {
+    refuse(r, EMBER_ENOTFOUND, "ps shard %u of %u: the connection is encrypted, and "
+           "encrypted connections stay on TCP", s->shard, s->num_shards);
+  } else if (memcmp(host, zero, 16) != 0 && memcmp(s->host_id, zero, 16) != 0 &&
+             memcmp(host, s->host_id, 16) != 0) {
+    refuse(r, EMBER_ENOTFOUND, "ps shard %u of %u: worker %u runs on another host", s->shard,
+           s->num_shards, c->worker);
+  } else {
+    int rc = ember_shm_ring_attach(&rx, &req, EMBER_SHM_CONSUMER);
+    if (rc == EMBER_OK) rc = ember_shm_ring_attach(&tx, &rep, EMBER_SHM_PRODUCER);
+    if (rc != EMBER_OK) {
+      refuse(r, rc, "ps shard %u of %u: cannot attach worker %u's rings: %s", s->shard,
+             s->num_shards, c->worker, ember_last_error());
+      ember_shm_ring_destroy(rx);
+      return;
+    }
+    c->new_rx = rx;
+    c->new_tx = tx;
+  }
+}
+
+/* After PS_SHM's answer went out: the connection continues on the rings.
+ * Under s->mu, so that destroy either sees them (and closes them) or this
+ * sees it stopping.  EMBER_OK to go on serving. */
+static int start_shm(ember_ps_server *s, ps_conn *c) {
+  int rc = EMBER_OK;
+  pthread_mutex_lock(&s->mu);
+  if (s->stopping) {
+    ember_shm_ring_destroy(c->new_tx);
+    ember_shm_ring_destroy(c->new_rx);
+    rc = EMBER_ECLOSED;
+  } else {
+    ember__ps_link_use_rings(&c->link, c->new_tx, c->new_rx);
+    s->stats.shm_connections++;
+    c->shm_counted = 1;
+  }
+  c->new_tx = c->new_rx = NULL;
+  pthread_mutex_unlock(&s->mu);
+  return rc;
 }
 
 static void *conn_main(void *arg) {
@@ -510,21 +582,33 @@ static void *conn_main(void *arg) {
     case EMBER_MSG_PS_INIT: handle_push(s, c, h.type, payload, h.length, &r); break;
     case EMBER_MSG_PS_CLOCK: handle_clock(s, c, payload, h.length, &r); break;
     case EMBER_MSG_PS_SAVE: handle_save(s, payload, h.length, &r); break;
+    case EMBER_MSG_PS_SHM: handle_shm(s, c, payload, h.length, &r); break;
     default:
       refuse(&r, EMBER_EPROTO, "ps shard %u: unexpected %s frame", s->shard,
              ember_wire_type_name(h.type));
     }
-    if (r.status != EMBER_OK) {
+    /* a declined PS_SHM (ENOTFOUND: another host...) is the normal answer
+     * to every worker elsewhere, not a refused request */
+    if (r.status != EMBER_OK &&
+        !(h.type == EMBER_MSG_PS_SHM && r.status == EMBER_ENOTFOUND)) {
       pthread_mutex_lock(&s->mu);
       s->stats.requests_refused++;
       pthread_mutex_unlock(&s->mu);
     }
     if (send_reply(c, &r) != EMBER_OK) break;
+    if (c->new_rx && start_shm(s, c) != EMBER_OK) break;
   }
+  /* the worker learns at once that this connection is over (the fd and the
+   * rings are freed when the thread is reaped) */
+  ember_shm_ring_destroy(c->new_tx);
+  ember_shm_ring_destroy(c->new_rx);
+  c->new_tx = c->new_rx = NULL;
   pthread_mutex_lock(&s->mu);
+  ember__ps_link_shutdown(&c->link);
   c->done = 1;
   if (c->counted) s->stats.workers_connected--;
-  c->counted = 0;
+  if (c->shm_counted) s->stats.shm_connections--;
+  c->counted = c->shm_counted = 0;
   pthread_mutex_unlock(&s->mu);
   return NULL;
 }
@@ -539,8 +623,7 @@ static void reap(ember_ps_server *s) {
     }
     *at = c->next;
     if (c->started) pthread_join(c->thread, NULL);
-    ember_net_close(c->fd);
-    ember_sec_destroy(c->sec);
+    ember__ps_link_destroy(&c->link);
     free(c->in);
     free(c->ids);
     free(c->rows);
@@ -556,8 +639,8 @@ static void refuse_conn(ps_conn *c, int status, const char *why) {
   ember_wire_write_u32(&w, (uint32_t)status);
   ember_wire_write_str(&w, why);
   if (!w.err)
-    (void)ember_sec_send_frame(c->sec, c->fd, EMBER_MSG_REFUSED, w.buf, (uint32_t)w.len,
-                               ember_deadline_after(1000));
+    (void)ember_sec_send_frame(c->link.sec, c->link.fd, EMBER_MSG_REFUSED, w.buf,
+                               (uint32_t)w.len, ember_deadline_after(1000));
   ember_wire_writer_free(&w);
 }
 
@@ -574,10 +657,9 @@ static void on_accepted(void *arg, ember__accepted *a) {
     return;
   }
   c->srv = s;
-  c->fd = a->fd;
-  c->sec = a->sec;
+  ember__ps_link_init(&c->link, a->fd, a->sec);
   memcpy(c->peer, a->peer, sizeof c->peer);
-  if (c->sec) ember_sec_set_peer(c->sec, c->peer);
+  if (a->sec) ember_sec_set_peer(a->sec, c->peer);
   ember_wire_reader_init(&rd, a->payload, a->first.length);
   uint32_t worker = ember_wire_read_u32(&rd), workers = ember_wire_read_u32(&rd);
   uint32_t shard = ember_wire_read_u32(&rd), shards = ember_wire_read_u32(&rd);
@@ -669,13 +751,15 @@ void ember_ps_server_destroy(ember_ps_server *s) {
     (void)w;
     pthread_join(s->thread, NULL);
   }
-  /* Each connection thread blocks in a read: shutting the socket down ends it. */
-  for (c = s->conns; c; c = c->next) shutdown(c->fd, SHUT_RDWR);
+  /* Each connection thread blocks in a read: shutting the socket down and
+   * closing the rings ends it (under s->mu: see start_shm). */
+  pthread_mutex_lock(&s->mu);
+  for (c = s->conns; c; c = c->next) ember__ps_link_shutdown(&c->link);
+  pthread_mutex_unlock(&s->mu);
   for (c = s->conns; c; c = nx) {
     nx = c->next;
     if (c->started) pthread_join(c->thread, NULL);
-    ember_net_close(c->fd);
-    ember_sec_destroy(c->sec);
+    ember__ps_link_destroy(&c->link);
     free(c->in);
     free(c->ids);
     free(c->rows);
@@ -734,6 +818,8 @@ int ember_ps_server_create(ember_ps_server **out, const ember_ps_server_config *
   s->staleness = cfg->staleness;
   s->max_frame = cfg->max_frame ? cfg->max_frame : PS_DEFAULT_MAX_FRAME;
   if (s->max_frame > EMBER_WIRE_ABSOLUTE_MAX) s->max_frame = EMBER_WIRE_ABSOLUTE_MAX;
+  s->shm_enabled = !cfg->disable_shm && ember__ps_env_shm_enabled();
+  ember__ps_host_id(s->host_id);
   s->log_fn = cfg->log_fn ? cfg->log_fn : ember__log_stderr;
   s->log_arg = cfg->log_fn ? cfg->log_arg : NULL;
   pthread_mutex_init(&s->mu, NULL);

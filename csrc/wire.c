@@ -54,6 +54,7 @@ int ember_wire_known_type(uint16_t type) {
   case EMBER_MSG_PS_REPLY:
   case EMBER_MSG_PS_ASSIGN:
   case EMBER_MSG_PS_INIT:
+  case EMBER_MSG_PS_SHM:
     return 1;
   default:
     return 0;
@@ -93,6 +94,7 @@ const char *ember_wire_type_name(uint16_t type) {
   case EMBER_MSG_PS_REPLY: return "PS_REPLY";
   case EMBER_MSG_PS_ASSIGN: return "PS_ASSIGN";
   case EMBER_MSG_PS_INIT: return "PS_INIT";
+  case EMBER_MSG_PS_SHM: return "PS_SHM";
   default: return "UNKNOWN";
   }
 }

@@ -21,6 +21,9 @@
  * threads, the slower worker's included, keep running.  close() from another
  * thread aborts a call in flight (ember_ps_client_abort: it raises
  * EmberAborted at once), then closes.
+ *
+ * A client on the same host as a shard talks to it through shared memory
+ * (ps.h, "Transport"; PsClient's shm); `transports` says which shards do.
  */
 #include "_ember.h"
 
@@ -271,7 +274,8 @@ static void ps_server_destroy(void *p) { ember_ps_server_destroy(p); }
 
 static PyObject *PsServer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
   static char *kwlist[] = {"secret",    "shard", "num_shards", "num_workers", "staleness",
-                           "host",      "port",  "listen_fd",  "encrypt",     NULL};
+                           "host",      "port",  "listen_fd",  "encrypt",     "shm",
+                           NULL};
   ember_state *st = embpy_state_of_type(type);
   if (st == NULL)
     return NULL;
@@ -280,10 +284,10 @@ static PyObject *PsServer_new(PyTypeObject *type, PyObject *args, PyObject *kwar
   PyObject *staleness = Py_None;
   const char *host = "";
   uint16_t port = 0;
-  int listen_fd = -1, encrypt = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*nnn|$OsO&ip:PsServer", kwlist, &secret,
+  int listen_fd = -1, encrypt = 0, shm = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*nnn|$OsO&ipp:PsServer", kwlist, &secret,
                                    &shard, &num_shards, &num_workers, &staleness, &host,
-                                   embpy_port_conv, &port, &listen_fd, &encrypt))
+                                   embpy_port_conv, &port, &listen_fd, &encrypt, &shm))
     return NULL;
   PsServerObject *self = NULL;
   ember_ps_server_config cfg;
@@ -310,6 +314,7 @@ static PyObject *PsServer_new(PyTypeObject *type, PyObject *args, PyObject *kwar
   cfg.bind_host = host;
   cfg.port = port;
   cfg.encrypt = encrypt;
+  cfg.disable_shm = !shm;
 
   self = (PsServerObject *)type->tp_alloc(type, 0);
   if (self == NULL)
@@ -360,8 +365,9 @@ PyDoc_STRVAR(PsServer_stats_doc,
              "pulls, pushes, rows_pulled, rows_pushed, bytes_received, bytes_sent\n"
              "(request and reply payloads), requests_refused, stale_waits (pulls\n"
              "that waited for a slower worker) and min_clock (the slowest live\n"
-             "worker's clock; 2**64-1 once every worker finished) and\n"
-             "workers_connected (worker connections open now).");
+             "worker's clock; 2**64-1 once every worker finished),\n"
+             "workers_connected (worker connections open now) and shm_connections\n"
+             "(those of them on shared memory).");
 
 static PyObject *PsServer_stats(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   PsServerObject *self = (PsServerObject *)op;
@@ -372,14 +378,16 @@ static PyObject *PsServer_stats(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   if (ok < 0)
     return NULL;
   return Py_BuildValue(
-      "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tables", (unsigned long long)s.tables,
+      "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tables",
+      (unsigned long long)s.tables,
       "rows_held", (unsigned long long)s.rows_held, "pulls", (unsigned long long)s.pulls,
       "pushes", (unsigned long long)s.pushes, "rows_pulled", (unsigned long long)s.rows_pulled,
       "rows_pushed", (unsigned long long)s.rows_pushed, "bytes_received",
       (unsigned long long)s.bytes_received, "bytes_sent", (unsigned long long)s.bytes_sent,
       "requests_refused", (unsigned long long)s.requests_refused, "stale_waits",
       (unsigned long long)s.stale_waits, "min_clock", (unsigned long long)s.min_clock,
-      "workers_connected", (unsigned long long)s.workers_connected);
+      "workers_connected", (unsigned long long)s.workers_connected, "shm_connections",
+      (unsigned long long)s.shm_connections);
 }
 
 /* save / restore share this shape: fn(server, dir). */
@@ -444,7 +452,7 @@ static PyGetSetDef PsServer_getset[] = {
 
 PyDoc_STRVAR(PsServer_doc,
              "PsServer(secret, shard, num_shards, num_workers, *, staleness=None,\n"
-             "         host='', port=0, listen_fd=-1, encrypt=False)\n\n"
+             "         host='', port=0, listen_fd=-1, encrypt=False, shm=True)\n\n"
              "Shard `shard` of a parameter server of num_shards shards: it holds its\n"
              "part of every table the workers declare, applies their gradients\n"
              "with each table's optimizer and answers their pulls, serving each\n"
@@ -453,6 +461,9 @@ PyDoc_STRVAR(PsServer_doc,
              "(host '': all interfaces).  Every connection proves the job secret\n"
              "(at least 16 bytes); encrypt=True: connections carry AES-256-GCM\n"
              "records, and clients must pass encrypt=True too.\n"
+             "shm=True attaches the shared-memory rings that unencrypted workers on\n"
+             "this host offer, so their requests and replies bypass TCP; shm=False,\n"
+             "or EMBER_PS_SHM=0 in the environment, keeps every worker on TCP.\n"
              "staleness: None (PS_ASYNC) never holds a pull back; S lets no worker\n"
              "pull more than S clock()s ahead of the slowest of the num_workers\n"
              "workers (bounded staleness), its pull waiting for them meanwhile.\n"
@@ -491,6 +502,7 @@ typedef struct {
   ps_declared *tables; /* PyMem: the tables this client declared (GIL-protected) */
   size_t ntables;
   uint32_t num_shards, worker, num_workers;
+  uint8_t *shm_links; /* PyMem: 1 where shard k's link is shared memory (fixed at creation) */
 } PsClientObject;
 
 static void ps_client_destroy(void *p) { ember_ps_client_destroy(p); }
@@ -534,8 +546,8 @@ static int whole_table_rows(PsClientObject *self, const ps_declared *t, const ch
 }
 
 static PyObject *PsClient_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-  static char *kwlist[] = {"hosts",       "ports",     "secret",  "worker",
-                           "num_workers", "timeout_s", "encrypt", NULL};
+  static char *kwlist[] = {"hosts",     "ports",   "secret", "worker",    "num_workers",
+                           "timeout_s", "encrypt", "shm",    "shm_bytes", NULL};
   ember_state *st = embpy_state_of_type(type);
   if (st == NULL)
     return NULL;
@@ -544,9 +556,11 @@ static PyObject *PsClient_new(PyTypeObject *type, PyObject *args, PyObject *kwar
   Py_ssize_t worker, num_workers;
   int64_t ms = 600000;
   int encrypt = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOy*nn|$O&p:PsClient", kwlist, &hosts, &ports,
-                                   &secret, &worker, &num_workers, embpy_timeout_conv, &ms,
-                                   &encrypt))
+  PyObject *shm = Py_None;
+  Py_ssize_t shm_bytes = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOy*nn|$O&pOn:PsClient", kwlist, &hosts,
+                                   &ports, &secret, &worker, &num_workers, embpy_timeout_conv,
+                                   &ms, &encrypt, &shm, &shm_bytes))
     return NULL;
   PsClientObject *self = NULL;
   PyObject *host_tuple = NULL, *port_tuple = NULL;
@@ -561,6 +575,19 @@ static PyObject *PsClient_new(PyTypeObject *type, PyObject *args, PyObject *kwar
     PyErr_SetString(PyExc_ValueError, "timeout_s must be > 0");
     goto err;
   }
+  if (shm == Py_None) {
+    cfg.shm = EMBER_PS_SHM_AUTO;
+  } else {
+    int on = PyObject_IsTrue(shm);
+    if (on < 0)
+      goto err;
+    cfg.shm = on ? EMBER_PS_SHM_ON : EMBER_PS_SHM_OFF;
+  }
+  if (shm_bytes < 0) { /* libember checks the range */
+    PyErr_Format(PyExc_ValueError, "shm_bytes must be >= 0, not %zd", shm_bytes);
+    goto err;
+  }
+  cfg.shm_bytes = (size_t)shm_bytes;
   if (PyUnicode_Check(hosts) || PyBytes_Check(hosts)) {
     PyErr_SetString(PyExc_TypeError, "hosts must be a sequence of host names, one per shard");
     goto err;
@@ -624,6 +651,11 @@ static PyObject *PsClient_new(PyTypeObject *type, PyObject *args, PyObject *kwar
   self->num_shards = cfg.num_shards;
   self->worker = cfg.worker;
   self->num_workers = cfg.num_workers;
+  self->shm_links = PyMem_Calloc(cfg.num_shards, 1);
+  if (self->shm_links == NULL) {
+    PyErr_NoMemory();
+    goto err;
+  }
   ember_ps_client *c = NULL;
   embpy_err e;
   int rc;
@@ -633,6 +665,8 @@ static PyObject *PsClient_new(PyTypeObject *type, PyObject *args, PyObject *kwar
     goto err;
   }
   self->h.ptr = c;
+  for (uint32_t k = 0; k < cfg.num_shards; k++)
+    self->shm_links[k] = ember_ps_client_transport(c, k, NULL, NULL) == EMBER_PS_TRANSPORT_SHM;
   PyMem_Free(host_strs);
   PyMem_Free(port_nums);
   Py_DECREF(host_tuple);
@@ -655,6 +689,7 @@ static void PsClient_dealloc(PyObject *op) {
   PyObject_GC_UnTrack(op);
   embpy_handle_dealloc(&self->h);
   PyMem_Free(self->tables);
+  PyMem_Free(self->shm_links);
   tp->tp_free(op);
   Py_DECREF(tp);
 }
@@ -957,16 +992,43 @@ static PyObject *PsClient_save(PyObject *op, PyObject *arg) {
 }
 
 PyDoc_STRVAR(PsClient_bytes_doc,
-             "bytes() -> (sent, received)\n\n"
-             "The payload bytes this client sent and received so far.");
+             "bytes(shard=None) -> (sent, received)\n\n"
+             "The payload bytes this client sent and received so far, to and from\n"
+             "every shard, or `shard` alone; the same for either transport.");
 
-static PyObject *PsClient_bytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+/* ember_ps_client_transport's counters as an int status */
+static int shard_bytes(ember_ps_client *c, uint32_t shard, uint64_t *sent, uint64_t *received) {
+  int t = ember_ps_client_transport(c, shard, sent, received);
+  return t < 0 ? t : EMBER_OK;
+}
+
+static PyObject *PsClient_bytes(PyObject *op, PyObject *args, PyObject *kwargs) {
+  static char *kwlist[] = {"shard", NULL};
   PsClientObject *self = (PsClientObject *)op;
+  PyObject *shard_obj = Py_None;
   uint64_t sent = 0, received = 0;
+  uint32_t shard = 0;
   int ok;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:bytes", kwlist, &shard_obj))
+    return NULL;
+  if (shard_obj != Py_None) {
+    Py_ssize_t k = PyNumber_AsSsize_t(shard_obj, PyExc_OverflowError);
+    if (k == -1 && PyErr_Occurred())
+      return NULL;
+    if (k < 0 || (size_t)k >= self->num_shards) {
+      PyErr_Format(PyExc_ValueError, "shard must be in 0..%u, not %zd", self->num_shards - 1,
+                   k);
+      return NULL;
+    }
+    shard = (uint32_t)k;
+  }
   /* under the lock: a call in another thread updates the counters */
-  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
-                    (ember_ps_client_bytes(self->h.ptr, &sent, &received), EMBER_OK));
+  if (shard_obj == Py_None)
+    EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                      (ember_ps_client_bytes(self->h.ptr, &sent, &received), EMBER_OK));
+  else
+    EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op),
+                      shard_bytes(self->h.ptr, shard, &sent, &received));
   if (ok < 0)
     return NULL;
   return Py_BuildValue("(KK)", (unsigned long long)sent, (unsigned long long)received);
@@ -1004,8 +1066,28 @@ static PyObject *PsClient_get_num_shards(PyObject *op, void *c) {
   return PyLong_FromUnsignedLong(((PsClientObject *)op)->num_shards);
 }
 
+static PyObject *PsClient_get_transports(PyObject *op, void *c) {
+  PsClientObject *self = (PsClientObject *)op;
+  PyObject *list = PyList_New(self->num_shards);
+  if (list == NULL)
+    return NULL;
+  for (uint32_t k = 0; k < self->num_shards; k++) {
+    PyObject *name = PyUnicode_FromString(self->shm_links[k] ? "shm" : "tcp");
+    if (name == NULL) {
+      Py_DECREF(list);
+      return NULL;
+    }
+    PyList_SET_ITEM(list, k, name);
+  }
+  return list;
+}
+
 static PyGetSetDef PsClient_getset[] = {
     {"worker", PsClient_get_worker, NULL, "This worker (0..num_workers-1).", NULL},
+    {"transports", PsClient_get_transports, NULL,
+     "How each shard is reached, by shard: 'shm' (shared memory: the shard is\n"
+     "on this host) or 'tcp'.  Fixed when the client connects.",
+     NULL},
     {"num_workers", PsClient_get_num_workers, NULL, "The workers of the job.", NULL},
     {"num_shards", PsClient_get_num_shards, NULL, "The shards (ps nodes) of the job.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -1025,7 +1107,8 @@ static PyMethodDef PsClient_methods[] = {
     {"clock", PsClient_clock, METH_NOARGS, PsClient_clock_doc},
     {"finish", PsClient_finish, METH_NOARGS, PsClient_finish_doc},
     {"save", PsClient_save, METH_O, PsClient_save_doc},
-    {"bytes", PsClient_bytes, METH_NOARGS, PsClient_bytes_doc},
+    {"bytes", (PyCFunction)(void (*)(void))PsClient_bytes, METH_VARARGS | METH_KEYWORDS,
+     PsClient_bytes_doc},
     {"close", PsClient_close, METH_NOARGS,
      "close() -> None\n\nCloses the connections; a call in flight in another thread\n"
      "raises EmberAborted at once.  Idempotent."},
@@ -1036,17 +1119,22 @@ static PyMethodDef PsClient_methods[] = {
 
 PyDoc_STRVAR(PsClient_doc,
              "PsClient(hosts, ports, secret, worker, num_workers, *, timeout_s=600.0,\n"
-             "         encrypt=False)\n\n"
+             "         encrypt=False, shm=None, shm_bytes=0)\n\n"
              "Worker `worker` of num_workers's connection to every shard of a\n"
              "parameter server: shard k at hosts[k]:ports[k].  Connects (retrying\n"
              "until timeout_s: the shards may still be starting), proves the job\n"
              "secret and introduces itself; a shard that counts another number of\n"
              "workers or shards refuses it.  timeout_s is also every call's\n"
              "deadline, a pull's wait for slower workers included.  encrypt must\n"
-             "match the servers'.  Calls are serialized by a per-object lock and run\n"
-             "without the GIL.  After a call fails half-way (a connection lost) the\n"
-             "client is broken for good (EmberError EMBER_ESTATE); a refused request\n"
-             "(an unknown table, a wrong shape, a staleness timeout) leaves it usable.");
+             "match the servers'.  shm=None moves the connection of every shard on\n"
+             "this host to shared memory (two rings of shm_bytes each, 0: 8 MiB),\n"
+             "unless encrypt=True or EMBER_PS_SHM=0: the same requests and replies,\n"
+             "without TCP; shm=True requires it of every shard (EmberError naming\n"
+             "why not), shm=False keeps TCP; `transports` says what each shard got.\n"
+             "Calls are serialized by a per-object lock and run without the GIL.\n"
+             "After a call fails half-way (a connection lost) the client is broken\n"
+             "for good (EmberError EMBER_ESTATE); a refused request (an unknown\n"
+             "table, a wrong shape, a staleness timeout) leaves it usable.");
 
 static PyType_Slot PsClient_slots[] = {
     {Py_tp_doc, (void *)PsClient_doc},

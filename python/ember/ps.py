@@ -73,6 +73,13 @@ class Client:
     ``declare``, ``pull``, ``push``, ``assign``, ``clock``, ``finish``,
     ``save``, ``bytes``): what it adds is the job's layout, so a node says
     ``ctx.parameter_servers()`` and nothing else.  Not thread-safe.
+
+    A shard on this worker's host is reached through shared memory instead
+    of TCP (two rings the client offers once connected; see
+    ``docs/parameter-servers.md``), unless the job encrypts its connections
+    or ``EMBER_PS_SHM=0``: ``transports`` lists each shard's, such as
+    ``["shm", "tcp"]``.  Either way the calls, their results and ``bytes()``
+    are the same.
     """
 
     def __init__(self, client: Any) -> None:
@@ -83,6 +90,11 @@ class Client:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
+
+    @property
+    def transports(self) -> List[str]:
+        """How each shard is reached, by shard: ``"shm"`` or ``"tcp"``."""
+        return list(self._client.transports)
 
     def close(self) -> None:
         self._client.close()
@@ -135,6 +147,8 @@ def connect(nodes: Sequence[Dict[str, Any]], me: Dict[str, Any], secret: bytes,
     worker, workers = worker_rank(nodes, me)
     client = _ember.PsClient([h for h, _ in shards], [p for _, p in shards], secret, worker,
                              workers, timeout_s=timeout, encrypt=encrypt)
+    logger.info(f"worker {worker} of {workers}: parameter-server shards reached over "
+                f"{', '.join(client.transports)}")
     return Client(client)
 
 

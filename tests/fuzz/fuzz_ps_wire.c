@@ -1,6 +1,7 @@
 /* fuzz_ps_wire.c - libFuzzer harness for the parameter server's request
- * decoders (ps_codec.c), what a ps shard reads from any authenticated
- * worker: PS_DECLARE, PS_PULL and PS_PUSH.  Every input goes to all three.
+ * decoders (ps_codec.c, ps_link.c), what a ps shard reads from any
+ * authenticated worker: PS_DECLARE, PS_PULL, PS_PUSH and PS_SHM.  Every
+ * input goes to all four.
  *
  * Besides "no crash, no out-of-bounds read" (ASan/UBSan) it checks that a
  * decoded request's row ids and gradients lie inside the input, that a
@@ -11,6 +12,7 @@
 #include <string.h>
 
 #include "../../csrc/ps_internal.h"
+#include "../../csrc/ps_link.h"
 #include "ember/error.h"
 
 static void require(int cond) {
@@ -43,6 +45,19 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (!push.whole && push.n) require(inside(push.ids, (size_t)push.n * 8, data, size));
     require(inside(push.grads, (size_t)push.n * push.cols * 4, data, size) ||
             (size_t)push.n * push.cols == 0);
+  }
+  /* PS_SHM is fixed-size: decoded exactly when the size is right, and the
+   * descriptors re-encode to the input's bytes */
+  uint8_t host[16], again[EMBER_SHM_RING_DESC_WIRE_LEN];
+  ember_shm_ring_desc req, rep;
+  int ok = ember__ps_shm_decode(data, size, host, &req, &rep) == EMBER_OK;
+  require(ok == (size == EMBER__PS_SHM_LEN));
+  if (ok) {
+    require(memcmp(host, data, 16) == 0);
+    ember_shm_ring_desc_encode(&req, again);
+    require(memcmp(again, data + 16, sizeof again) == 0);
+    ember_shm_ring_desc_encode(&rep, again);
+    require(memcmp(again, data + 16 + sizeof again, sizeof again) == 0);
   }
   return 0;
 }

@@ -90,6 +90,7 @@ def keras_async(args: Dict[str, Any], ctx: Any) -> None:
         clicks_accuracy=float(clicks_history.history["accuracy"][-1]),
         clicks_received=after[1] - before[1], clicks_sent=after[0] - before[0],
         users_on_servers=getattr(clicker.get_layer("users"), "_ember_ps_table", None),
+        transports=ps.transports,
         clicks_steps=3 * batches, distinct_items=int(len(np.unique(items))),
         table_bytes=rows * dim * 4, at=time.time()))
 

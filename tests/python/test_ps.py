@@ -240,6 +240,54 @@ def test_encrypted_connections():
         np.testing.assert_allclose(client.pull("t", None, 2), np.full((3, 2), want), rtol=1e-6)
 
 
+# ---------------------------------------------------------------- transport
+
+def test_same_host_client_uses_shared_memory_and_matches_tcp():
+    with cluster(num_shards=2, num_workers=2) as (secret, servers, stack):
+        shm = connect(stack, servers, secret, 0, 2, timeout_s=10.0, shm_bytes=64 * 1024)
+        tcp = connect(stack, servers, secret, 1, 2, timeout_s=10.0, shm=False)
+        assert shm.transports == ["shm", "shm"]
+        assert tcp.transports == ["tcp", "tcp"]
+        assert [s.stats()["shm_connections"] for s in servers] == [1, 1]
+        assert [s.stats()["workers_connected"] for s in servers] == [2, 2]
+        for c in (shm, tcp):
+            c.declare("w", "dense", 4000, 50, "sgd", 0.5, init="uniform", init_scale=1.0, seed=3)
+            c.declare("e", "sparse", 10 ** 9, 16, "adam", 0.01, init="normal", init_scale=0.1,
+                      seed=4)
+        # 800 KB each way: many records of the 64 KiB rings
+        w = shm.pull("w", None, 50)
+        np.testing.assert_array_equal(w, tcp.pull("w", None, 50))
+        g = np.random.default_rng(1).standard_normal((4000, 50)).astype(np.float32)
+        shm.push("w", None, g)
+        expected = (w.astype(np.float64) - 0.5 * g).astype(np.float32)
+        np.testing.assert_allclose(tcp.pull("w", None, 50), expected, rtol=1e-6)
+        ids = np.array([7, 10 ** 8, 123456789, 7], dtype=np.uint64)
+        before = [shm.bytes(), tcp.bytes()]
+        rows = shm.pull("e", ids, 16)
+        np.testing.assert_array_equal(rows, tcp.pull("e", ids, 16))
+        after = [shm.bytes(), tcp.bytes()]
+        # the same payload bytes whichever the transport
+        assert [a - b for a, b in zip(after[0], before[0])] == \
+            [a - b for a, b in zip(after[1], before[1])]
+        assert sum(shm.bytes(k)[1] for k in range(2)) == shm.bytes()[1]
+        with pytest.raises(ValueError, match="shard"):
+            shm.bytes(2)
+
+
+def test_encrypted_or_refused_clients_stay_on_tcp():
+    with cluster(num_shards=2, encrypt=True) as (secret, servers, stack):
+        client = connect(stack, servers, secret, 0, 1, timeout_s=10.0, encrypt=True)
+        assert client.transports == ["tcp", "tcp"]
+        with pytest.raises(E.EmberError, match="encrypt"):
+            connect(stack, servers, secret, 0, 1, timeout_s=10.0, encrypt=True, shm=True)
+    with cluster(num_shards=1, shm=False) as (secret, servers, stack):
+        assert connect(stack, servers, secret, 0, 1, timeout_s=10.0).transports == ["tcp"]
+        with pytest.raises(E.EmberError, match="declined.*disabled"):
+            connect(stack, servers, secret, 0, 1, timeout_s=10.0, shm=True)
+        with pytest.raises(E.EmberError, match="shm_bytes"):
+            connect(stack, servers, secret, 0, 1, timeout_s=10.0, shm_bytes=1000)
+
+
 # ---------------------------------------------------------------- bounded staleness
 
 def test_bounded_staleness_timeout_names_the_slow_worker():

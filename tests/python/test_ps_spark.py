@@ -18,6 +18,8 @@ def test_keras_trains_asynchronously_on_two_ps_shards(local_spark, tmp_path):
                                              str(tmp_path), 8 + 4)
     for node in nodes.values():
         assert node["users_on_servers"] == "clicks/users/embeddings"
+        # local Spark: every shard is on the worker's host, so shared memory
+        assert node["transports"] == ["shm", "shm"], node["transports"]
 
 
 def test_a_killed_ps_is_named_and_the_job_resumes_from_the_ps_checkpoints(local_spark, tmp_path):

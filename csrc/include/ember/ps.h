@@ -45,11 +45,37 @@
  *   PS_INIT     as PS_ASSIGN, to the rows no push has reached only
  *   PS_CLOCK    u64 clock (the worker finished that many steps)
  *   PS_SAVE     str dir: the shard writes its checkpoint file there
+ *   PS_SHM      16-byte host id, request ring, reply ring (below)
  * The server keeps serving every other worker whatever one sends: a
  * malformed frame, an unknown table or a push of the wrong shape is
  * answered with a status and a reason naming the table, the shard and both
  * shapes (the connection stays usable after a refused request, and is
  * closed after a malformed frame).
+ *
+ * Transport.  A worker and a shard on one host move their requests and
+ * replies to shared memory once the connection is authenticated, as the
+ * feed does (feed.h): the worker creates two shm rings (shm_ring.h; 8 MiB
+ * each unless shm_bytes says otherwise), the request ring it writes and the
+ * reply ring it reads, and offers them in PS_SHM with this host's identity
+ * (the kernel's boot id and the network namespace).  A shard on the same
+ * host attaches both and answers status 0 over TCP; from the next request
+ * on, the rings carry the very frames the socket would (the socket stays
+ * open, idle).  A shard on another host, or one that cannot attach, or with
+ * shared memory disabled (disable_shm, EMBER_PS_SHM=0), declines with a
+ * reason: the worker stays on TCP (shm AUTO) or fails naming the reason
+ * (shm ON).  Encrypted connections always stay on TCP (encrypt and shm ON
+ * together are refused): encryption is asked for when the wire is not
+ * trusted, and the simple rule is easier to audit than "encrypted unless
+ * local".  Nothing else changes: the byte counters count the same payloads,
+ * a pull still lands straight in the caller's array and a whole dense push
+ * leaves from where its floats lie (the ring takes the place of the
+ * socket's kernel buffers: no staging copy is added), and a worker or
+ * shard that dies, even by SIGKILL, is seen through the rings' liveness
+ * locks (EMBER_ECLOSED) as a closed socket would be (a child forked
+ * without exec after the client connected holds them, as it holds the
+ * sockets: shm_ring.h, "Forking").  A record that breaks the ring's format
+ * ends that connection only, logged naming the shard and the worker.
+ * ember_ps_client_transport says which transport each shard's link uses.
  *
  * Checkpoints.  ember_ps_server_save writes every table of the shard and its
  * optimizer state to <dir>/ps-<shard>-of-<num_shards>.ckpt (written to a
@@ -130,6 +156,7 @@ typedef struct {
   uint32_t max_frame;     /* largest request; 0: 256 MiB */
   ember_log_fn log_fn;    /* refused peers and requests; NULL: stderr */
   void *log_arg;
+  int disable_shm;        /* 1: decline every PS_SHM (so does EMBER_PS_SHM=0) */
 } ember_ps_server_config;
 
 typedef struct ember_ps_server ember_ps_server;
@@ -145,6 +172,7 @@ typedef struct {
   uint64_t requests_refused, stale_waits;  /* pulls that waited for a slower worker */
   uint64_t min_clock;                      /* slowest live worker's clock */
   uint64_t workers_connected;              /* worker connections open now */
+  uint64_t shm_connections;                /* of those, on shared memory */
 } ember_ps_stats;
 void ember_ps_server_stats(ember_ps_server *s, ember_ps_stats *out);
 
@@ -158,6 +186,13 @@ void ember_ps_server_destroy(ember_ps_server *s);
 
 /* ------------------------------------------------------------ client */
 
+typedef enum {
+  EMBER_PS_SHM_AUTO = 0, /* shared memory with the shards on this host, unless the
+                            connection is encrypted or EMBER_PS_SHM=0 */
+  EMBER_PS_SHM_OFF = 1,  /* TCP only */
+  EMBER_PS_SHM_ON = 2    /* shared memory with every shard, or fail naming why */
+} ember_ps_shm_mode;
+
 typedef struct {
   const char *const *hosts; /* shard k at hosts[k]:ports[k] */
   const uint16_t *ports;
@@ -167,12 +202,15 @@ typedef struct {
   int encrypt;
   uint32_t worker, num_workers;
   int64_t timeout_ms;       /* each call's deadline; 0: 600000 */
+  int shm;                  /* ember_ps_shm_mode (0: AUTO) */
+  size_t shm_bytes;         /* each ring's capacity; 0: 8 MiB (64 KiB..1 GiB) */
 } ember_ps_client_config;
 
 typedef struct ember_ps_client ember_ps_client;
 
 /* Connects to every shard (retrying until the deadline: servers may still be
- * starting) and says HELLO. */
+ * starting), says HELLO and, as cfg->shm allows, offers shared memory
+ * (see "Transport" above). */
 int ember_ps_client_create(ember_ps_client **out, const ember_ps_client_config *cfg);
 
 /* Declares a table on every shard (idempotent for the same spec). */
@@ -217,6 +255,15 @@ void ember_ps_client_abort(ember_ps_client *c);
 
 /* Bytes this client sent and received (payloads), for tests and benches. */
 void ember_ps_client_bytes(const ember_ps_client *c, uint64_t *sent, uint64_t *received);
+
+typedef enum { EMBER_PS_TRANSPORT_TCP = 0, EMBER_PS_TRANSPORT_SHM = 1 } ember_ps_transport;
+
+/* The transport of the link to shard `shard` (EMBER_PS_TRANSPORT_*, fixed
+ * from ember_ps_client_create on), and the payload bytes sent to and
+ * received from that shard (each may be NULL); EMBER_EINVAL for no such
+ * shard.  Same thread rules as ember_ps_client_bytes. */
+int ember_ps_client_transport(const ember_ps_client *c, uint32_t shard, uint64_t *sent,
+                              uint64_t *received);
 
 void ember_ps_client_destroy(ember_ps_client *c); /* accepts NULL */
 

@@ -86,7 +86,12 @@ typedef enum {
   EMBER_MSG_PS_SAVE = 69,    /* str directory */
   EMBER_MSG_PS_REPLY = 70,   /* server->worker: u32 status, str reason, body */
   EMBER_MSG_PS_ASSIGN = 71,  /* as PS_PUSH, values instead of gradients */
-  EMBER_MSG_PS_INIT = 72     /* as PS_ASSIGN, only to rows no push reached */
+  EMBER_MSG_PS_INIT = 72,    /* as PS_ASSIGN, only to rows no push reached */
+  EMBER_MSG_PS_SHM = 73      /* 16-byte host id, then the request ring's and the
+                                reply ring's descriptors (u32 pid, u32 fd, u64
+                                bytes, 32-byte token each): answered PS_REPLY,
+                                status 0 when the shard attached both and every
+                                later request and reply goes through them */
 } ember_msg_type;
 
 typedef struct {
