@@ -297,10 +297,6 @@ def _records(x, y):
     return [(x[i].tolist(), int(y[i])) for i in range(len(y))]
 
 
-def test_keras_mnist_input_mode_spark(local_spark, tmp_path, fmnist):
-    _keras_mnist_spark(local_spark, tmp_path, fmnist)
-
-
 def _keras_mnist_spark(spark, tmp_path, fmnist):
     from tfos_programs import mnist_keras
 
@@ -538,6 +534,9 @@ def test_standalone_feed_and_inference(cluster_spark, tmp_path):
 
 
 def test_standalone_keras_mnist_input_mode_spark(cluster_spark, tmp_path, fmnist):
+    """TensorFlowOnSpark's Keras example in InputMode.SPARK on executors of
+    their own (its program on local Spark differs in nothing but the
+    executors, which this cluster makes real): train, export, inference."""
     _keras_mnist_spark(cluster_spark, tmp_path, fmnist)
 
 
