@@ -79,6 +79,13 @@ BENCHES: List[Bench] = [
           ["link_gbit", "rounds", "workers", "ps_min", "ps_max", "widedeep_async_rps",
            "widedeep_sync_rps", "widedeep_async_vs_sync"],
           {"tf": ("tf_", "vs_best"), "torch": ("torch_", "vs_best")}),
+    Bench("bench-train", "train",
+          ["vs_limit", "vs_tfos", "vs_torchdistributor", "vs_limit_tf", "steady_vs_tfos",
+           "steady_vs_torchdistributor"] +
+          ["%s_%s" % (side, k) for side in ("ember_spark", "ember_tf", "limit", "tfos",
+                                            "ember_torch", "torchdistributor")
+           for k in ("e2e_s", "rps", "acc")] + ["records", "epochs", "rounds"],
+          {"tfos": ("tfos",), "torchdistributor": ("torchdistributor",)}),
     Bench("bench-tf-feed", "tf_feed",
           ["op_vs_generator", "op_vs_limit", "op_rps", "generator_rps", "limit_rps", "records",
            "batch", "rounds"], part=2),

@@ -202,7 +202,7 @@ def pipeline(url: str, out: str) -> Dict[str, Any]:
                               train_records=15000)
     est = TFEstimator(fm.train_spark, args)
     fitted = fashion_pipeline(est, 2, out).fit(train)
-    scored = fitted.transform(test)
+    scored = fitted.transform(test).cache()  # scored once, for the evaluator and the ids
     accuracy = MulticlassClassificationEvaluator(
         labelCol="label", predictionCol="prediction", metricName="accuracy").evaluate(scored)
     first = {r["id"]: r["prediction"] for r in scored.select("id", "prediction").collect()}

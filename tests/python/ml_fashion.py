@@ -59,7 +59,7 @@ def check_fitted_pipeline(fitted: Any, pipeline: Any, test: Any, path: str,
 
     from ember.ml import _runtime
 
-    out = fitted.transform(test)
+    out = fitted.transform(test).cache()  # scored once, for the evaluator and the checks
     types = {f.name: f.dataType.simpleString() for f in out.schema.fields}
     assert types["class"] == "bigint" and types["probability"] == "array<float>"
     accuracy = MulticlassClassificationEvaluator(

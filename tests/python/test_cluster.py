@@ -27,6 +27,7 @@ import pytest
 
 import simcluster
 from conftest import REPO, read_json_files
+from spark_hosts import SparkOnHosts
 
 pytestmark = pytest.mark.skipif(simcluster.available() is not None,
                                 reason=f"no simulated hosts: {simcluster.available()}")
@@ -36,79 +37,11 @@ WORKERS = HOSTS[2:]
 PY = sys.executable
 
 
-class SparkOnHosts:
-    """A Spark standalone Master on host ``master`` and a Worker (1 core) on
-    each of w1..w3, every daemon binding and advertising its host's address."""
-
-    def __init__(self, sim: simcluster.SimCluster, root: str) -> None:
-        import pyspark
-
-        self.sim, self.root = sim, root
-        self.spark_home = os.path.dirname(pyspark.__file__)
-        self.url = "spark://master:7077"
-        self.workers: Dict[str, subprocess.Popen] = {}
-
-    def env(self, host: str) -> Dict[str, str]:
-        env = self.sim.env_for(host)
-        env.update(SPARK_HOME=self.spark_home, PYSPARK_PYTHON=PY,
-                   SPARK_WORKER_DIR=os.path.join(self.root, f"work-{host}"),
-                   PYTHONUNBUFFERED="1")
-        return env
-
-    def _daemon(self, host: str, *args: str) -> subprocess.Popen:
-        log = open(os.path.join(self.root, f"{host}.log"), "a")
-        return self.sim.popen(host, [os.path.join(self.spark_home, "bin", "spark-class"), *args],
-                              stdout=log, stderr=subprocess.STDOUT, env=self.env(host))
-
-    def start(self) -> None:
-        self._daemon("master", "org.apache.spark.deploy.master.Master", "--host", "master",
-                     "--port", "7077", "--webui-port", "8080")
-        for host in WORKERS:
-            self.start_worker(host)
-        self.wait_workers(len(WORKERS))
-
-    def start_worker(self, host: str) -> None:
-        self.workers[host] = self._daemon(
-            host, "org.apache.spark.deploy.worker.Worker", "--host", host, "--cores", "1",
-            "--memory", "2g", "--webui-port", "8081", self.url)
-
-    def alive_workers(self) -> List[str]:
-        probe = ("import json,urllib.request;"
-                 "s=json.load(urllib.request.urlopen('http://master:8080/json/',timeout=2));"
-                 "print(' '.join(w['host'] for w in s['workers'] if w['state']=='ALIVE'))")
-        r = self.sim.run("driver", [PY, "-c", probe], capture_output=True, text=True)
-        return r.stdout.split() if r.returncode == 0 else []
-
-    def wait_workers(self, n: int) -> None:
-        deadline = time.monotonic() + 120
-        while len(self.alive_workers()) < n:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"fewer than {n} Spark workers alive; logs in {self.root}")
-            time.sleep(1)
-
-    def driver(self, argv: List[str], log: str, cwd: str = REPO) -> subprocess.Popen:
-        """Starts a driver program on the driver host (stdout+stderr to ``log``)."""
-        out = open(os.path.join(self.root, log), "w")
-        return self.sim.popen("driver", argv, stdout=out, stderr=subprocess.STDOUT,
-                              env=self.env("driver"), cwd=cwd)
-
-    def run_driver(self, argv: List[str], log: str, timeout: float) -> str:
-        p = self.driver(argv, log)
-        try:
-            code = p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            code = "timeout"
-        text = open(os.path.join(self.root, log)).read()
-        assert code == 0, f"{argv[:3]} exited {code}; its log ends:\n{text[-6000:]}"
-        return text
-
-
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: Any) -> Iterator[SparkOnHosts]:
     root = str(tmp_path_factory.mktemp("hosts"))
     with simcluster.SimCluster(HOSTS, prefix="embt") as sim:
-        spark = SparkOnHosts(sim, root)
+        spark = SparkOnHosts(sim, root, WORKERS)
         spark.start()
         yield spark
     leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -396,9 +329,11 @@ def _trained_exactly_once(text: str) -> None:
 
 
 def test_main_job_all_modes_reach_one_host_accuracy(hosts, tmp_path, request):
-    """The main job in both input modes and from a stream of its files."""
+    """The main job in InputMode.SPARK and from a stream of its files.  (Its
+    InputMode.TENSORFLOW runs on these hosts over Spark Connect, below: the
+    nodes' code is the same whichever way they were launched.)"""
     sim = hosts.sim
-    text = _main_job(hosts, tmp_path, "main-job.log", "spark,tensorflow,stream")
+    text = _main_job(hosts, tmp_path, "main-job.log", "spark,stream")
     _trained_exactly_once(text)
     # the stream: 3 epochs of files, an epoch's 8 per micro-batch, each fed once
     streamed = [int(n) for n in re.findall(r"train: fed (\d+) records of micro-batch", text)]
@@ -406,9 +341,9 @@ def test_main_job_all_modes_reach_one_host_accuracy(hosts, tmp_path, request):
     _measured(request, "spark_train_records_per_s",
                     int(re.findall(r"mode=spark accuracy=\S+ train_records_per_s=(\d+)", text)[0]))
     results = dict(re.findall(r"RESULT demo mode=(\w+) accuracy=([\d.]+)", text))
-    assert set(results) == {"spark", "tensorflow", "stream"}, text[-3000:]
+    assert set(results) == {"spark", "stream"}, text[-3000:]
     ready = re.findall(r"cluster ready: (.*)", text)
-    assert len(ready) == 6  # train and inference, in each mode
+    assert len(ready) == 4  # train and inference, in each mode
     assert all(float(a) >= 0.85 for a in results.values()), results
     # the nodes ran on the worker hosts (the cluster-ready lines name them)
     workers = [sim.addr(w) for w in WORKERS]

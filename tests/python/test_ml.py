@@ -299,17 +299,13 @@ def _direct_workers(model_path):
     return pids
 
 
-def test_direct_path_tensor_column_and_worker_reuse(local_spark, small_models):
-    """A tensor column (ember.tensors) and a bigint column through the direct
-    path; the model's workers serve the second transform (no new process), and
-    workers killed while idle are replaced, never handed a task."""
-    import signal
-
+def _direct_path_check(spark, small_models):
+    """(transform-and-check, packed frame) of the direct-path tests: 400 rows
+    of a tensor column (ember.tensors) and a bigint column in 2 partitions,
+    2 workers a round (each loads TensorFlow and the model)."""
     from ember import tensors
 
-    # 2 partitions: 2 workers a round (each loads TensorFlow and the model),
-    # enough for the reuse and replacement this checks
-    df, x = _small_frame(local_spark, n=400, parts=2)
+    df, x = _small_frame(spark, n=400, parts=2)
     packed = tensors.pack(df, {"feats": (4,)})
     m = _sig_model(small_models["sig"]).setArrowPath("direct")
 
@@ -321,13 +317,28 @@ def test_direct_path_tensor_column_and_worker_reuse(local_spark, small_models):
         np.testing.assert_allclose(np.array([r["y"] for r in rows]), y, rtol=1e-6)
         np.testing.assert_allclose(np.array([r["s"] for r in rows]), s, rtol=1e-6)
         assert [r["k"] for r in rows] == k.tolist()
+    return check, packed, m
 
+
+def test_direct_path_tensor_column(local_spark, small_models):
+    """A tensor column and a bigint column through the direct path (the
+    Spark jar's side of it: the compatibility subset runs this one)."""
+    check, packed, m = _direct_path_check(local_spark, small_models)
+    check(packed)
+    assert m.transform(packed).schema["feats"].dataType.simpleString() == "binary"
+
+
+def test_direct_path_worker_reuse(local_spark, small_models):
+    """The model's workers serve the next transform (no new process), and
+    workers killed while idle are replaced, never handed a task."""
+    import signal
+
+    check, packed, m = _direct_path_check(local_spark, small_models)
     check(packed)
     first = _direct_workers(small_models["sig"])
     assert 1 <= len(first) <= local_spark.sparkContext.defaultParallelism
     check(packed)
     assert _direct_workers(small_models["sig"]) == first  # the model stayed loaded
-    assert m.transform(packed).schema["feats"].dataType.simpleString() == "binary"
     gone = set()
     for _ in range(3):  # the next task starts at once, before the JVM may have reaped them
         alive = _direct_workers(small_models["sig"]) - gone
