@@ -85,7 +85,7 @@ BENCHES: List[Bench] = [
           ["%s_%s" % (side, k) for side in ("ember_spark", "ember_tf", "limit", "tfos",
                                             "ember_torch", "torchdistributor")
            for k in ("e2e_s", "rps", "acc")] + ["records", "epochs", "rounds"],
-          {"tfos": ("tfos",), "torchdistributor": ("torchdistributor",)}),
+          {"tfos": ("tfos",), "torchdistributor": ("torchdistributor",)}, part=2),
     Bench("bench-tf-feed", "tf_feed",
           ["op_vs_generator", "op_vs_limit", "op_rps", "generator_rps", "limit_rps", "records",
            "batch", "rounds"], part=2),
@@ -100,7 +100,7 @@ BENCHES: List[Bench] = [
           ["ember_rps", "pbu_rps", "tfos_rps", "ratio_vs_pbu", "ratio_vs_tfos",
            "ember_udf_rps", "noop_udf_rps", "ratio_vs_noop_udf", "ember_rps_min", "ember_rps_max",
            "pbu_rps_min", "pbu_rps_max", "tfos_rps_min", "tfos_rps_max", "rounds"],
-          {"tfos": ("tfos",), "pbu": ("pbu",)}, part=2),
+          {"tfos": ("tfos",), "pbu": ("pbu",)}),
 ]
 
 

@@ -202,7 +202,8 @@ def torchdistributor_main(parquet: str, args: Dict[str, Any]) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     files = sorted(pads.dataset(parquet, format="parquet").files)[rank::size]
     table = pads.dataset(files, format="parquet").to_table()
-    x = torch.from_numpy(np.stack(table.column("image").to_numpy(zero_copy_only=False))
+    images = table.column("image").combine_chunks()  # list<float>, 784 per row
+    x = torch.from_numpy(images.flatten().to_numpy().reshape(len(images), 784)
                          .astype(np.float32))
     y = torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
     torch.manual_seed(1)
