@@ -40,7 +40,9 @@ if TYPE_CHECKING:
 #: worker runs.
 _CACHE: Dict[Tuple[Any, ...], Union["_Predictor", "TorchPredictor"]] = {}
 _CACHE_LOCK = threading.RLock()  # checkpoint_export runs inside predictor()
-_LOADS = 0  # how many models this process loaded (tests read it through a task)
+#: model source (export or checkpoint dir) -> times this process loaded it;
+#: tests read it through a task (a reused worker keeps earlier tests' models)
+_LOADS: Dict[str, int] = {}
 
 logger = logging.getLogger("ember.ml")
 
@@ -168,7 +170,6 @@ class _Predictor:
 
     def __init__(self, export_dir: str, tags: Optional[Sequence[str]], feeds: List[str],
                  fetches: List[str], keys_in: Sequence[str], keys_out: Sequence[str]) -> None:
-        global _LOADS
         tf = _import_tf()
         from tensorflow.python.saved_model import load_v1_in_v2
 
@@ -188,7 +189,6 @@ class _Predictor:
                         for k, t in zip(keys_out, outs)]
         if any(o.shape is None for o in self.outputs):
             self._probe_output_shapes()
-        _LOADS += 1
 
     def _probe_output_shapes(self) -> None:
         """Output ranks the graph does not record (a TF2 function call's outputs
@@ -214,7 +214,6 @@ def predictor(spec: Dict[str, Any]) -> Any:
     SavedModel's, or a TorchScript module's (``spec['format'] == 'torchscript'``,
     :class:`ember.ml._torch.TorchPredictor`); both have ``inputs``,
     ``outputs`` and ``run``."""
-    global _LOADS
     # executors without HADOOP_CONF_DIR take the driver's, where it exists on their host
     hdfs.ensure_conf_dir(spec.get("hadoop_conf_dir"))
     source = spec.get("checkpoint") or spec["export_dir"]
@@ -228,7 +227,6 @@ def predictor(spec: Dict[str, Any]) -> Any:
                 from ember.ml._torch import TorchPredictor
 
                 p = TorchPredictor(spec)
-                _LOADS += 1
             else:
                 export = checkpoint_export(spec["checkpoint"])[0] if spec.get("checkpoint") \
                     else spec["export_dir"]
@@ -237,6 +235,7 @@ def predictor(spec: Dict[str, Any]) -> Any:
                 if not spec.get("checkpoint") and p.stamp != spec["stamp"]:
                     logger.warning(f"ExportDir {export} changed after transform() checked it "
                                    "on the driver; running the version found now")
+            _LOADS[source] = _LOADS.get(source, 0) + 1
             _CACHE[key] = p
         return p
 
@@ -512,10 +511,12 @@ def infer_arrays(spec: Dict[str, Any], *columns: Any) -> Any:
 
 
 def worker_loads(_: Any) -> Iterator[Any]:
-    """mapInArrow helper for tests: (pid, models loaded by this Python worker)."""
+    """mapInArrow helper for tests: (pid, the most times this Python worker
+    loaded any one model)."""
     import pyarrow as pa
 
     for _b in _:
         pass
     yield pa.RecordBatch.from_pydict({"pid": pa.array([os.getpid()], pa.int64()),
-                                      "loads": pa.array([_LOADS], pa.int64())})
+                                      "loads": pa.array([max(_LOADS.values(), default=0)],
+                                                         pa.int64())})
