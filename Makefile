@@ -73,11 +73,14 @@ $(BUILD)/.apt-stamp: Makefile
 	@java -version >/dev/null 2>&1 || { echo "Java 17 is required (java not found)"; exit 1; }
 	@touch $@
 
+# --no-compile (here and in the other venvs): Python byte-compiles the
+# modules a process imports on first use; pip would compile every file of
+# TensorFlow, torch and Spark, most of which nothing here imports
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: requirements.txt requirements-bench.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt -r requirements-bench.txt
+	$(PY) -m pip install -q --no-compile -r requirements.txt -r requirements-bench.txt
 	$(PY) -m pip uninstall -q -y triton  # requirements.txt says why
 	@touch $@
 
@@ -92,7 +95,7 @@ venv-mlflow: $(MLFLOW_VENV)/.stamp
 $(MLFLOW_VENV)/.stamp: requirements-mlflow-server.txt
 	test -x $(MLFLOW_VENV)/bin/python || python3 -m venv $(MLFLOW_VENV)
 	$(MLFLOW_VENV)/bin/python -m pip install -q --upgrade pip
-	$(MLFLOW_VENV)/bin/python -m pip install -q -r requirements-mlflow-server.txt
+	$(MLFLOW_VENV)/bin/python -m pip install -q --no-compile -r requirements-mlflow-server.txt
 	@touch $@
 
 setup: apt venv build venv-mlflow
@@ -162,12 +165,14 @@ $(VENV)/.ember-installed: $(PKG_SRCS) $(VENV)/.stamp | $(BUILD)/.apt-stamp
 COMPAT_VENV := .venv-compat
 COMPAT_PY   := $(COMPAT_VENV)/bin/python
 COMPAT_SRC  := $(BUILD)/compat-src
-.PHONY: venv-compat test-compat
+.PHONY: venv-compat venv-compat-deps test-compat
 venv-compat: $(COMPAT_VENV)/.ember-installed
+# its pip part alone (make test starts it before the main venv is ready)
+venv-compat-deps: $(COMPAT_VENV)/.stamp
 $(COMPAT_VENV)/.stamp: requirements-compat.txt
 	test -x $(COMPAT_PY) || python3 -m venv $(COMPAT_VENV)
 	$(COMPAT_PY) -m pip install -q --upgrade pip
-	$(COMPAT_PY) -m pip install -q -r requirements-compat.txt
+	$(COMPAT_PY) -m pip install -q --no-compile -r requirements-compat.txt
 	@touch $@
 $(COMPAT_VENV)/.ember-installed: $(VENV)/.ember-installed $(COMPAT_VENV)/.stamp
 	rm -rf $(COMPAT_SRC) && mkdir -p $(COMPAT_SRC)/hadoop

@@ -3,7 +3,7 @@ and Ember vs Open MPI vs torch.distributed gloo over TCP loopback, with one
 TCP stream over loopback as the TCP ceiling; all measured in the same run.
 
     make bench-allreduce                      # 2 and 4 ranks, 4 KiB .. 256 MiB, 3 rounds
-    EMBER_BENCH_QUICK=1 make bench-allreduce  # tiny sizes (a smoke run, seconds)
+    EMBER_BENCH_QUICK=1 make bench-allreduce  # tiny sizes, one round (a smoke run)
     python bench/allreduce.py --ranks 2 --sizes 1M,64M --rounds 5
 
 Sides, each in its own documented best configuration:
@@ -381,7 +381,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--sizes", default=QUICK_SIZES if quick else DEFAULT_SIZES)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1 if quick else 3)
     ap.add_argument("--budget", type=parse_size, default=parse_size("8M" if quick else "512M"),
                     help="bytes of buffer per size and launch (calls = budget / size, 3..200)")
     ap.add_argument("--target-seconds", type=float, default=0.005 if quick else 0.05,

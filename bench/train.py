@@ -162,7 +162,9 @@ def _ember_args(job: Job, out: str, threads: int) -> Any:
         test_limit=0, partitions=PARTITIONS)
 
 
-_EPOCH_DONE = re.compile(r"(?:chief|worker):0 epoch (\d+) done: step (\d+) ([\d.]+)s")
+# the chief's line only: every node reports each epoch, and counting the
+# worker's too would add each epoch's seconds twice
+_EPOCH_DONE = re.compile(r"chief:0 epoch (\d+) done: step (\d+) ([\d.]+)s")
 
 
 def _ember_steady(job: Job, since: int) -> Dict[str, float]:

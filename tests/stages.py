@@ -73,9 +73,13 @@ STAGES: List[Stage] = [
                      "--durations=20", "--junitxml=build/test-logs/pytest-junit.xml",
                      "tests/python"], ("setup",), ("c-install",),
           what="the Python suite in two workers (tests/python/conftest.py: LANES)"),
-    # its venv builds beside the main suite (pip, then one compile of the jar
-    # and the op), its tests after it
-    Stage("compat-setup", MAKE + ["venv-compat"], ("setup",), what="the Spark 3.5 / TensorFlow 2.20 venv"),
+    # its pip part once the C tests and fuzzers are done, while the set-up
+    # waits on Maven Central and the cores are half idle; its ember (the jar
+    # and the op compiled) once the set-up has passed; its tests after pytest
+    Stage("compat-venv", MAKE + ["venv-compat-deps"], ("apt",), ("fuzz",),
+          what="the Spark 3.5 / TensorFlow 2.20 venv's packages"),
+    Stage("compat-setup", MAKE + ["venv-compat"], ("setup", "compat-venv"),
+          what="ember in the Spark 3.5 / TensorFlow 2.20 venv"),
     Stage("compat", MAKE + ["test-compat"], ("compat-setup",), ("pytest",),
           what="the compatibility subset on pyspark 3.5 and TensorFlow 2.20"),
     # in two halves (bench/smoke.py: Bench.part), so that they, compat and

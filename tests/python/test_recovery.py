@@ -82,7 +82,9 @@ def test_watchdog_kills_a_stopped_node_and_its_group(mode):
         stopped = time.monotonic()
         proc.wait(10)
         assert proc.returncode == -signal.SIGKILL
-        assert 0.8 < time.monotonic() - stopped < 3
+        # not at once: counted from when the watchdog last saw it run, which on
+        # a loaded machine (its 50 ms polls late) can be a few tenths before the stop
+        assert 0.5 < time.monotonic() - stopped < 3
         assert _gone(child, 2)  # its process group went with it
     finally:
         if proc.poll() is None:
