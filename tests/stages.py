@@ -88,8 +88,10 @@ STAGES: List[Stage] = [
           ("pytest",), what="half of the benchmarks at a tiny size"),
     Stage("bench-smoke-2", MAKE + ["bench-smoke", "BENCH_SMOKE_ARGS=--part 2"], ("setup",),
           ("pytest",), what="the other half of the benchmarks at a tiny size"),
-    # one core for a minute: beside bench-smoke
-    Stage("typecheck", MAKE + ["typecheck"], ("setup",), ("pytest",),
+    # beside pytest at the lowest priority: it runs where the suite leaves a
+    # core idle (waits, the end of a lane) and has no clock that starving it
+    # could upset
+    Stage("typecheck", ["nice", "-n", "19"] + MAKE + ["typecheck"], ("setup",),
           what="mypy over python/ember, stubtest of _ember.pyi"),
     Stage("main-job", ["bash", "-c", MAIN_JOB], ("setup",), ("pytest",),
           what="the main job, where test_cluster.py could not run it"),
