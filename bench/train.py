@@ -182,17 +182,23 @@ def _ember_steady(job: Job, since: int) -> Dict[str, float]:
                 steps=later[-1][1])
 
 
-def ember_spark(job: Job) -> Dict[str, float]:
+def _main_job(job: Job, side: str) -> Dict[str, float]:
+    """The main job in InputMode.SPARK (``ember_spark``: fed the cached
+    DataFrame) or InputMode.TENSORFLOW (``ember_tf``: its nodes read the
+    TFRecords)."""
     from ember.spark import InputMode, run
     from examples.fashion_mnist import model
 
-    out = job.fresh("ember_spark")
+    fed = side == "ember_spark"
+    out = job.fresh(side)
     since = len(job.reports)
     t0 = time.perf_counter()
-    cluster = run(job.sc, model.train_spark, _ember_args(job, out, 1), num_executors=NODES,
-                  input_mode=InputMode.SPARK)
+    cluster = run(job.sc, model.train_spark if fed else model.train_tf,
+                  _ember_args(job, out, 1), num_executors=NODES,
+                  input_mode=InputMode.SPARK if fed else InputMode.TENSORFLOW)
     try:
-        cluster.train(job.df, job.epochs)
+        if fed:
+            cluster.train(job.df, job.epochs)
     finally:
         cluster.shutdown()
     e2e = time.perf_counter() - t0
@@ -200,20 +206,12 @@ def ember_spark(job: Job) -> Dict[str, float]:
                 accuracy=_tf_accuracy(job, os.path.join(out, "export")))
 
 
-def ember_tf(job: Job) -> Dict[str, float]:
-    from ember.spark import InputMode, run
-    from examples.fashion_mnist import model
+def ember_spark(job: Job) -> Dict[str, float]:
+    return _main_job(job, "ember_spark")
 
-    out = job.fresh("ember_tf")
-    since = len(job.reports)
-    args = _ember_args(job, out, 1)
-    t0 = time.perf_counter()
-    cluster = run(job.sc, model.train_tf, args, num_executors=NODES,
-                  input_mode=InputMode.TENSORFLOW)
-    cluster.shutdown()
-    e2e = time.perf_counter() - t0
-    return dict(_ember_steady(job, since), e2e_s=e2e,
-                accuracy=_tf_accuracy(job, os.path.join(out, "export")))
+
+def ember_tf(job: Job) -> Dict[str, float]:
+    return _main_job(job, "ember_tf")
 
 
 def limit(job: Job) -> Dict[str, float]:
