@@ -320,8 +320,8 @@ test-long: setup
 
 # Every stage of the suite, timed, the independent ones at once
 # (tests/stages.py: set-up beside the C tests and fuzzers, the Python suite in
-# two xdist workers, then the PyTorch suite beside bench-smoke and
-# typecheck); it ends with each stage's duration.  The main job runs in
+# two xdist workers with mypy beside it, then the compatibility subset beside
+# bench-smoke's two halves); it ends with each stage's duration.  The main job runs in
 # tests/python/test_cluster.py, both modes on simulated hosts with the same
 # accuracy bar as demo-quick; where those hosts cannot be made (not root),
 # demo-quick runs it on this host instead.  Each fuzzer runs 5 s here (make

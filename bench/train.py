@@ -393,7 +393,7 @@ def main() -> int:
     logging.getLogger("ember").setLevel(logging.INFO)
     work = tempfile.mkdtemp(prefix="ember-bench-train-")
     if a.placement == "hosts":
-        argv = [x for x in sys.argv[1:]]
+        argv = list(sys.argv[1:])
         if "--placement" in argv:
             i = argv.index("--placement")
             del argv[i:i + 2]

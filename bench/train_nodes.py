@@ -24,7 +24,6 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-TRAIN_RECORDS = 60000
 
 
 def _write(out: str, side: str, info: Dict[str, Any]) -> None:
@@ -71,16 +70,6 @@ def _keras_clock(keras: Any, clock: _StepClock) -> Any:
     return Clock()
 
 
-def _export(tf: Any, model: Any, export_dir: str) -> None:
-    """The main job's SavedModel signature (model.py's _Trainer.save)."""
-    @tf.function(input_signature=[tf.TensorSpec([None, 784], tf.float32, name="image")])
-    def serve(image: Any) -> Any:
-        logits = model(image, training=False)
-        return {"classes": tf.argmax(logits, axis=-1)}
-
-    tf.saved_model.save(model, export_dir, signatures={"serving_default": serve})
-
-
 # --------------------------------------------------------------------------- the limit
 
 def limit(epochs: int, batch: int, threads: int, out: str, records: int) -> None:
@@ -96,7 +85,7 @@ def limit(epochs: int, batch: int, threads: int, out: str, records: int) -> None
     import tf_keras as keras
 
     sys.path.insert(0, REPO)
-    from examples.fashion_mnist.model import build_model
+    from examples.fashion_mnist.model import build_model, export_saved_model
 
     x, y = _train_arrays(records)
     model = build_model()
@@ -105,7 +94,7 @@ def limit(epochs: int, batch: int, threads: int, out: str, records: int) -> None
     clock = _StepClock(len(x) // batch)
     model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, shuffle=True,
               callbacks=[_keras_clock(keras, clock)])
-    _export(tf, model, os.path.join(out, "limit-export"))
+    export_saved_model(tf, model, os.path.join(out, "limit-export"))
     _write(out, "limit", clock.info())
 
 
@@ -123,7 +112,7 @@ def tfos_main(args: Any, ctx: Any) -> None:
     from tensorflowonspark import TFNode
 
     sys.path.insert(0, REPO)
-    from examples.fashion_mnist.model import build_model
+    from examples.fashion_mnist.model import build_model, export_saved_model
 
     tf.config.threading.set_intra_op_parallelism_threads(args["threads"])
     tf.config.threading.set_inter_op_parallelism_threads(args["threads"])
@@ -155,7 +144,7 @@ def tfos_main(args: Any, ctx: Any) -> None:
     chief = ctx.job_name == "chief"
     # every worker takes part in the save (MWMS); the others to a scratch dir
     export = os.path.join(args["out"], "tfos-export" if chief else f"tfos-export-{ctx.task_index}")
-    _export(tf, model, export)
+    export_saved_model(tf, model, export)
     if chief:
         _write(args["out"], "tfos", clock.info())
     feed.terminate()

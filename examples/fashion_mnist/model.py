@@ -65,6 +65,22 @@ def build_model():
     )
 
 
+def export_saved_model(tf, model, export_dir):
+    """``model`` as a SavedModel whose serving_default signature takes
+    ``image`` (float32 [n, 784]) and gives logits, probabilities and classes."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None, NUM_PIXELS], tf.float32, name="image")])
+    def serve(image):
+        logits = model(image, training=False)
+        return {
+            "logits": logits,
+            "probabilities": tf.nn.softmax(logits),
+            "classes": tf.argmax(logits, axis=-1),
+        }
+
+    tf.saved_model.save(model, export_dir, signatures={"serving_default": serve})
+
+
 # ---------------------------------------------------------------- helpers
 
 def _arg(args, name, default=None):
@@ -270,16 +286,7 @@ class _Trainer:
         else:
             export_dir = os.path.join(os.path.dirname(self._checkpoint_dir(args, chief)), "export")
 
-        @tf.function(input_signature=[tf.TensorSpec([None, NUM_PIXELS], tf.float32, name="image")])
-        def serve(image):
-            logits = model(image, training=False)
-            return {
-                "logits": logits,
-                "probabilities": tf.nn.softmax(logits),
-                "classes": tf.argmax(logits, axis=-1),
-            }
-
-        tf.saved_model.save(model, export_dir, signatures={"serving_default": serve})
+        export_saved_model(tf, model, export_dir)
         return (ckpt_path, export_dir) if chief else (None, None)
 
     def cleanup(self):
