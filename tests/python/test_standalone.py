@@ -68,13 +68,15 @@ def test_wrong_secret_rejected_on_cluster(cluster_spark, tmp_path):
 
 def test_killed_trainer_is_seen_within_the_heartbeat_bound(cluster_spark, tmp_path):
     sc = cluster_spark.sparkContext
+    # made before the kill: parallelizing 200,000 records takes seconds on a
+    # loaded machine, and a kill meanwhile is seen only once train() starts
+    rdd = sc.parallelize([(i, [1.0]) for i in range(200000)], 4)
     cluster = run(sc, nodefuns.sleep_in_feed, {"out": str(tmp_path)}, num_executors=2,
                   input_mode=InputMode.SPARK, reservation_timeout=120, heartbeat_timeout=4)
     holder: dict = {}
     killer = threading.Thread(target=signal_node_when_ready,
                               args=(str(tmp_path), holder, signal.SIGKILL))
     killer.start()
-    rdd = sc.parallelize([(i, [1.0]) for i in range(200000)], 4)
     with pytest.raises(EmberNodeError) as err:
         cluster.train(rdd, feed_timeout=60)
     seen = time.monotonic()
