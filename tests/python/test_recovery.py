@@ -110,6 +110,9 @@ def test_hung_node_is_ended_and_raised_within_the_heartbeat_bound(local_spark, t
     process is killed (with its process group), its ports closed."""
     sc = local_spark.sparkContext
     timeout = 4.0
+    # made before the signal: parallelizing takes seconds on a loaded machine,
+    # and a failure meanwhile is raised only once train() starts
+    rdd = sc.parallelize([(i, [1.0]) for i in range(200000)], 4)
     cluster = run(sc, nodefuns.sleep_in_feed, {"out": str(tmp_path)}, num_executors=2,
                   input_mode=InputMode.SPARK, reservation_timeout=60,
                   heartbeat_timeout=timeout)
@@ -117,7 +120,6 @@ def test_hung_node_is_ended_and_raised_within_the_heartbeat_bound(local_spark, t
     stopper = threading.Thread(target=signal_node_when_ready,
                                args=(str(tmp_path), holder, signal.SIGSTOP))
     stopper.start()
-    rdd = sc.parallelize([(i, [1.0]) for i in range(200000)], 4)
     try:
         with pytest.raises(EmberNodeError) as err:
             cluster.train(rdd, feed_timeout=60)
