@@ -143,7 +143,7 @@ install: $(BUILD)/libember.a $(SHLIB)
 # ApplicationMaster; Maven's local repository is build/m2, as for the mini
 # cluster).  Rerun when any source of the extension or the jars changes.
 PKG_SRCS      := pyproject.toml setup.py python/ember/_version.py $(LIB_SRCS) $(LIB_HDRS) \
-                 $(EXT_SRCS) $(EXT_HDRS) python/ember/_tf_feed_op.c \
+                 $(EXT_SRCS) $(EXT_HDRS) $(wildcard python/ember/_tf_*.c python/ember/_tf_*.h) \
                  $(wildcard spark/src/ember/spark/*.java spark/src-scala-*/ember/spark/*.java) \
                  $(shell find hadoop/yarn-app -type f 2>/dev/null)
 PIP_EDITABLE  = EMBER_M2_REPO=$(M2_REPO) $(1) -m pip install -q --no-build-isolation --no-deps -e .

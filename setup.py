@@ -29,14 +29,16 @@ copied, not compiled again (``make setup`` installs the package editable in
 two venvs of the same Python).  Otherwise the sources compile in parallel,
 one per CPU (``EMBER_BUILD_JOBS`` sets how many).
 
-A second, optional extension, ``ember._ember_tf``, is the TensorFlow op behind
-``ember.tf.feed_dataset`` (python/ember/_tf_feed_op.c, in C against
-TensorFlow's C kernel API).  It is built only when TensorFlow is installed
+A second, optional extension, ``ember._ember_tf``, holds the TensorFlow ops
+behind ``ember.tf.feed_dataset`` and ``ember.tf.allreduce``
+(python/ember/_tf_feed_op.c, _tf_allreduce_op.c, in C against TensorFlow's C
+kernel API).  It is built only when TensorFlow is installed
 where the build runs (found without importing it: see ``_tensorflow_dir``),
 since it links TensorFlow's libtensorflow_framework.so.2.  It is a plain
 shared library that ``tf.load_op_library`` loads, never a Python module to
 import; it is not linked with libember (it reaches the feed through the
-function table ember._ember hands out, ember/feed_reader.h).
+function tables ember._ember hands out, ember/feed_reader.h and
+collective.h).
 """
 
 from __future__ import annotations
@@ -282,7 +284,8 @@ extensions = [extension]
 if TF_DIR is not None:
     extensions.append(Extension(
         "ember._ember_tf",
-        sources=["python/ember/_tf_feed_op.c"],
+        sources=["python/ember/_tf_feed_op.c", "python/ember/_tf_allreduce_op.c",
+                 "python/ember/_tf_kernel.c"],
         include_dirs=["csrc/include"],
         define_macros=[("_GNU_SOURCE", None)],
         # -isystem: TensorFlow's headers are not held to the project's -Werror
@@ -296,7 +299,7 @@ if TF_DIR is not None:
         # TensorFlow it is loaded already, by soname.
         extra_link_args=["-pthread", f"-L{TF_DIR}", "-l:libtensorflow_framework.so.2",
                          f"-Wl,-rpath,{TF_DIR}", "-Wl,-z,defs"],
-        depends=_rel("csrc/include/ember/*.h"),
+        depends=_rel("csrc/include/ember/*.h") + ["python/ember/_tf_kernel.h"],
     ))
 
 if sysconfig.get_platform().startswith("linux") is False:

@@ -17,6 +17,7 @@
 #ifndef EMBER_COLL_INTERNAL_H
 #define EMBER_COLL_INTERNAL_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -104,6 +105,14 @@ struct ember_comm {
   _Atomic int abort_req;
   int broken;
   char broken_msg[1024];
+  /* One collective call at a time: the Python binding's thread and
+   * TensorFlow's op (through the api table) may both hold the communicator. */
+  pthread_mutex_t call_mu;
+  /* The registry of collective.c (for other libraries); under its lock. */
+  uint64_t id;             /* 0 until ember_comm_create succeeds */
+  unsigned refs;           /* acquired through the api table, not yet released */
+  pthread_cond_t idle;     /* signalled when refs drops to 0 */
+  struct ember_comm *next_registered;
 };
 
 #endif /* EMBER_COLL_INTERNAL_H */

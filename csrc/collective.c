@@ -5,6 +5,7 @@
  * (coll_mesh.c). */
 #include "ember/collective.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -58,7 +59,7 @@ const char *ember_comm_allreduce_algorithm(const ember_comm *c, size_t count, in
   }
 }
 
-int ember_comm_allreduce(ember_comm *c, void *buf, size_t count, int dtype, int op,
+static int comm_allreduce(ember_comm *c, void *buf, size_t count, int dtype, int op,
                          int64_t timeout_ms) {
   ember__coll_op o;
   int rc = check_comm(c, "allreduce");
@@ -84,7 +85,7 @@ int ember_comm_allreduce(ember_comm *c, void *buf, size_t count, int dtype, int 
   return ember__coll_op_end(c, rc);
 }
 
-int ember_comm_broadcast(ember_comm *c, void *buf, size_t nbytes, uint32_t root,
+static int comm_broadcast(ember_comm *c, void *buf, size_t nbytes, uint32_t root,
                          int64_t timeout_ms) {
   ember__coll_op o;
   int rc = check_comm(c, "broadcast");
@@ -99,7 +100,7 @@ int ember_comm_broadcast(ember_comm *c, void *buf, size_t nbytes, uint32_t root,
   return ember__coll_op_end(c, rc);
 }
 
-int ember_comm_allgather(ember_comm *c, const void *sendbuf, void *recvbuf, size_t nbytes,
+static int comm_allgather(ember_comm *c, const void *sendbuf, void *recvbuf, size_t nbytes,
                          int64_t timeout_ms) {
   ember__coll_op o;
   int rc = check_comm(c, "allgather");
@@ -127,7 +128,7 @@ int ember_comm_allgather(ember_comm *c, const void *sendbuf, void *recvbuf, size
   return ember__coll_op_end(c, rc);
 }
 
-int ember_comm_barrier(ember_comm *c, int64_t timeout_ms) {
+static int comm_barrier(ember_comm *c, int64_t timeout_ms) {
   ember__coll_op o;
   int rc = check_comm(c, "barrier");
   if (rc != EMBER_OK) return rc;
@@ -136,6 +137,108 @@ int ember_comm_barrier(ember_comm *c, int64_t timeout_ms) {
   rc = ember__coll_rd_allreduce(&o, NULL, 0);
   return ember__coll_op_end(c, rc);
 }
+
+/* The public calls: one at a time on a communicator (collective.h). */
+int ember_comm_allreduce(ember_comm *c, void *buf, size_t count, int dtype, int op,
+                         int64_t timeout_ms) {
+  if (c == NULL) return check_comm(c, "allreduce");
+  pthread_mutex_lock(&c->call_mu);
+  int rc = comm_allreduce(c, buf, count, dtype, op, timeout_ms);
+  pthread_mutex_unlock(&c->call_mu);
+  return rc;
+}
+
+int ember_comm_broadcast(ember_comm *c, void *buf, size_t nbytes, uint32_t root,
+                         int64_t timeout_ms) {
+  if (c == NULL) return check_comm(c, "broadcast");
+  pthread_mutex_lock(&c->call_mu);
+  int rc = comm_broadcast(c, buf, nbytes, root, timeout_ms);
+  pthread_mutex_unlock(&c->call_mu);
+  return rc;
+}
+
+int ember_comm_allgather(ember_comm *c, const void *sendbuf, void *recvbuf, size_t nbytes,
+                         int64_t timeout_ms) {
+  if (c == NULL) return check_comm(c, "allgather");
+  pthread_mutex_lock(&c->call_mu);
+  int rc = comm_allgather(c, sendbuf, recvbuf, nbytes, timeout_ms);
+  pthread_mutex_unlock(&c->call_mu);
+  return rc;
+}
+
+int ember_comm_barrier(ember_comm *c, int64_t timeout_ms) {
+  if (c == NULL) return check_comm(c, "barrier");
+  pthread_mutex_lock(&c->call_mu);
+  int rc = comm_barrier(c, timeout_ms);
+  pthread_mutex_unlock(&c->call_mu);
+  return rc;
+}
+
+/* ------------------------------------------------------------ registry */
+
+/* Communicators by id, for the api table (collective.h).  A list: a process
+ * holds a handful. */
+static pthread_mutex_t registry_mu = PTHREAD_MUTEX_INITIALIZER;
+static ember_comm *registry;
+static uint64_t registry_next_id = 1;
+
+static void registry_add(ember_comm *c) {
+  pthread_mutex_lock(&registry_mu);
+  c->id = registry_next_id++;
+  c->next_registered = registry;
+  registry = c;
+  pthread_mutex_unlock(&registry_mu);
+}
+
+/* Unlists c (no new acquires), aborts a call made through the table and
+ * waits until its holders have released it. */
+static void registry_remove(ember_comm *c) {
+  pthread_mutex_lock(&registry_mu);
+  for (ember_comm **p = &registry; *p != NULL; p = &(*p)->next_registered)
+    if (*p == c) {
+      *p = c->next_registered;
+      break;
+    }
+  if (c->refs > 0) ember_comm_abort(c);
+  while (c->refs > 0) pthread_cond_wait(&c->idle, &registry_mu);
+  pthread_mutex_unlock(&registry_mu);
+}
+
+static int comm_acquire(uint64_t id, ember_comm **out) {
+  *out = NULL;
+  pthread_mutex_lock(&registry_mu);
+  ember_comm *c = registry;
+  while (c != NULL && c->id != id) c = c->next_registered;
+  if (c != NULL) c->refs++;
+  pthread_mutex_unlock(&registry_mu);
+  if (c == NULL)
+    return ember__set_error(EMBER_ENOTFOUND, "no communicator %llu in this process (closed: "
+                            "the node's main_fun returned, or the collective was closed)",
+                            (unsigned long long)id);
+  *out = c;
+  return EMBER_OK;
+}
+
+static void comm_release(ember_comm *c) {
+  pthread_mutex_lock(&registry_mu);
+  if (--c->refs == 0) pthread_cond_broadcast(&c->idle);
+  pthread_mutex_unlock(&registry_mu);
+}
+
+uint64_t ember_comm_id(const ember_comm *c) { return c ? c->id : 0; }
+
+static const ember_comm_api api_table = {
+    .abi = EMBER_COMM_ABI,
+    .size = sizeof(ember_comm_api),
+    .acquire = comm_acquire,
+    .release = comm_release,
+    .allreduce = ember_comm_allreduce,
+    .rank = ember_comm_rank,
+    .size_of = ember_comm_size,
+    .last_error = ember_last_error,
+};
+
+const ember_comm_api *ember_comm_api_table(void) { return &api_table; }
 
 void ember_comm_abort(ember_comm *c) {
   if (c == NULL) return;
@@ -154,6 +257,7 @@ int ember_comm_peer_is_shm(const ember_comm *c, uint32_t peer) {
 
 void ember_comm_destroy(ember_comm *c) {
   if (c == NULL) return;
+  if (c->id != 0) registry_remove(c);
   if (c->peers != NULL) {
     for (uint32_t j = 0; j < c->size; j++) {
       ember__coll_peer *p = &c->peers[j];
@@ -167,6 +271,8 @@ void ember_comm_destroy(ember_comm *c) {
   if (c->inbox != NULL) munmap(c->inbox, COLL_INBOX_LEN);
   free(c->peers);
   free(c->tmp);
+  pthread_mutex_destroy(&c->call_mu);
+  pthread_cond_destroy(&c->idle);
   free(c);
 }
 
@@ -204,6 +310,8 @@ int ember_comm_create(ember_comm **out, const ember_comm_config *cfg, int64_t ti
     rc = ember__set_error(EMBER_ENOMEM, "comm_create: out of memory");
     goto fail;
   }
+  pthread_mutex_init(&c->call_mu, NULL);
+  pthread_cond_init(&c->idle, NULL);
   c->rank = cfg->rank;
   c->size = cfg->size;
   c->small_max = cfg->small_max ? cfg->small_max : SMALL_MAX_DEFAULT;
@@ -266,6 +374,7 @@ int ember_comm_create(ember_comm **out, const ember_comm_config *cfg, int64_t ti
     if (rc != EMBER_OK) goto fail;
   }
   ember_net_close(listen_fd);
+  registry_add(c);
   *out = c;
   return EMBER_OK;
 fail:

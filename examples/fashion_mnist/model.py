@@ -310,20 +310,22 @@ class _Trainer:
 class _CollectiveTrainer(_Trainer):
     """The same training on Ember's collective instead of MWMS: each step's
     gradients (and the "I have a next batch" flag) are flattened into one
-    float32 buffer, summed over the nodes by ``ctx.allreduce`` (shared
+    float32 tensor, summed over the nodes by ``ember.tf.allreduce`` (shared
     memory between nodes on one host, Ember's ring over TCP across hosts),
-    then applied.  No TensorFlow collective and no gRPC server; rank 0's
-    initial weights are broadcast once.  Checkpoints and exports are the
-    same files as the MWMS trainer's."""
+    then applied, all in one tf.function call: no copy out of TensorFlow and
+    no second call per step.  No TensorFlow collective and no gRPC server;
+    rank 0's initial weights are broadcast once.  Checkpoints and exports are
+    the same files as the MWMS trainer's."""
 
     def __init__(self, tf, ctx, args):  # not _Trainer.__init__: that builds MWMS steps
+        import ember.tf
+        import tf_keras as keras
+
         self.tf = tf
         self.ctx = ctx
         self.strategy = None
         self.replicas = ctx.num_workers
         self.global_batch = int(args.batch_size) * self.replicas
-        import tf_keras as keras
-
         _configure_threads(tf, args)
         self.model = model = build_model()
         self.optimizer = optimizer = keras.optimizers.Adam(
@@ -331,45 +333,34 @@ class _CollectiveTrainer(_Trainer):
         variables = model.trainable_variables
         shapes = [v.shape for v in variables]
         sizes = [int(np.prod(shape)) for shape in shapes]
-        self._size = sum(sizes)
         global_batch = self.global_batch
         x_spec = tf.TensorSpec([None, NUM_PIXELS], tf.float32, name="image")
         y_spec = tf.TensorSpec([None], tf.int64, name="label")
 
-        @tf.function(input_signature=[x_spec, y_spec])
-        def gradients(x, y):
+        @tf.function(input_signature=[x_spec, y_spec, tf.TensorSpec([], tf.float32)])
+        def step(x, y, have_next):
             with tf.GradientTape() as tape:
                 per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
                     labels=y, logits=model(x, training=True))
                 loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
             grads = tape.gradient(loss, variables)
-            return tf.reduce_mean(per_example), tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
-
-        @tf.function(input_signature=[tf.TensorSpec([self._size], tf.float32)])
-        def apply(flat):
-            parts = tf.split(flat, sizes)
+            flat = tf.concat([tf.reshape(g, [-1]) for g in grads] + [tf.reshape(have_next, [1])], 0)
+            summed = ember.tf.allreduce(flat, ctx)
+            parts = tf.split(summed[:-1], sizes)
             optimizer.apply_gradients(
                 [(tf.reshape(g, shape), v) for g, shape, v in zip(parts, shapes, variables)])
+            return tf.reduce_mean(per_example), summed[-1]
 
-        @tf.function(input_signature=[tf.TensorSpec([self._size], tf.float32)])
-        def assign(flat):
-            for part, shape, v in zip(tf.split(flat, sizes), shapes, variables):
-                v.assign(tf.reshape(part, shape))
-
-        self._gradients, self._apply = gradients, apply
+        self._step = step
         # every node starts from rank 0's weights
-        weights = np.concatenate([v.numpy().reshape(-1) for v in variables]).astype(np.float32)
-        assign(ctx.broadcast(weights, 0))
-        self._buf = np.empty(self._size + 1, np.float32)  # the gradients, then the flag
+        weights = ctx.broadcast(
+            np.concatenate([v.numpy().reshape(-1) for v in variables]).astype(np.float32), 0)
+        for part, shape, v in zip(np.split(weights, np.cumsum(sizes)[:-1]), shapes, variables):
+            v.assign(part.reshape(shape))
 
     def step_count(self, x, y, have_next=True):
-        loss, flat = self._gradients(x, y)
-        buf = self._buf
-        buf[:-1] = flat.numpy()
-        buf[-1] = 1.0 if have_next else 0.0
-        self.ctx.allreduce(buf, "sum")
-        self._apply(buf[:-1])
-        return float(loss), int(round(float(buf[-1])))
+        loss, ready = self._step(x, y, 1.0 if have_next else 0.0)
+        return float(loss), int(round(float(ready)))
 
     def ready_count(self, have):
         return int(round(float(self.ctx.allreduce(np.array([1.0 if have else 0.0],

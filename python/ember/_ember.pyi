@@ -233,6 +233,8 @@ class FeedServer:
 
 # the address of libember's ember_feed_reader_api table (feed_reader.h)
 FEED_READER_API: int
+# the address of libember's ember_comm_api table (collective.h)
+COLLECTIVE_API: int
 
 @final
 class FeedReader:
@@ -309,6 +311,8 @@ class Communicator:
     def closed(self) -> bool: ...
     @property
     def timeout(self) -> float: ...
+    @property
+    def id(self) -> int: ...
     # op: 'sum', 'avg' (or 'mean'), 'min', 'max'; timeout None: the
     # communicator's.  Each returns its (in-place) buffer argument.
     def allreduce(self, buf: _W, op: str = "sum", timeout: float | None = None) -> _W: ...

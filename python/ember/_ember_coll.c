@@ -21,6 +21,7 @@ typedef struct {
   embpy_handle h;   /* h.lock serializes collective calls */
   int64_t timeout_ms; /* default per-call timeout; -1 = none */
   uint32_t rank, size;
+  uint64_t id;        /* ember_comm_id: how the TensorFlow op names it */
 } CommObject;
 
 static void comm_destroy(void *p) { ember_comm_destroy(p); }
@@ -191,6 +192,7 @@ static PyObject *Comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     goto err;
   }
   self->h.ptr = c;
+  self->id = ember_comm_id(c);
   PyMem_Free(addrs);
   Py_DECREF(fast);
   PyBuffer_Release(&secret);
@@ -457,6 +459,9 @@ static PyObject *Comm_get_size(PyObject *op, void *c) {
 static PyObject *Comm_get_closed(PyObject *op, void *c) {
   return PyBool_FromLong(((CommObject *)op)->h.closed);
 }
+static PyObject *Comm_get_id(PyObject *op, void *c) {
+  return PyLong_FromUnsignedLongLong(((CommObject *)op)->id);
+}
 static PyObject *Comm_get_timeout(PyObject *op, void *c) {
   int64_t ms = ((CommObject *)op)->timeout_ms;
   return PyFloat_FromDouble((double)ms / 1000.0);
@@ -467,6 +472,9 @@ static PyGetSetDef Comm_getset[] = {
     {"size", Comm_get_size, NULL, "The number of ranks.", NULL},
     {"closed", Comm_get_closed, NULL, "True after close().", NULL},
     {"timeout", Comm_get_timeout, NULL, "Default timeout of a call, in seconds.", NULL},
+    {"id", Comm_get_id, NULL,
+     "The communicator's id, by which the api table at COLLECTIVE_API finds it\n"
+     "(TensorFlow's op EmberAllreduce); after close() it names nothing.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -528,5 +536,11 @@ int embpy_coll_exec(PyObject *m, ember_state *st) {
   st->Communicator_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Comm_spec, NULL);
   if (st->Communicator_Type == NULL || PyModule_AddType(m, st->Communicator_Type) < 0)
     return -1;
+  /* the address of the static ember_comm_api table, for the op */
+  PyObject *api = PyLong_FromVoidPtr((void *)ember_comm_api_table());
+  if (api == NULL || PyModule_AddObject(m, "COLLECTIVE_API", api) < 0) {
+    Py_XDECREF(api);
+    return -1;
+  }
   return 0;
 }

@@ -56,15 +56,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "tensorflow/c/kernels.h"
-/* ops.h declares these as bare struct tags and then uses them without
- * `struct`: valid C++, not C.  The typedefs make it compile as C (a repeated
- * identical typedef is allowed in C11). */
-typedef struct TF_OpDefinitionBuilder TF_OpDefinitionBuilder;
-typedef struct TF_ShapeHandle TF_ShapeHandle;
-typedef struct TF_ShapeInferenceContext TF_ShapeInferenceContext;
-typedef struct TF_DimensionHandle TF_DimensionHandle;
-#include "tensorflow/c/ops.h"
+#define EMBER_TF_UNIT feed_op
+#include "_tf_kernel.h"
 #include "tensorflow/c/tf_tstring.h"
 
 #include "ember/batch.h"
@@ -119,45 +112,6 @@ typedef struct {
 
 /* ------------------------------------------------------------ helpers */
 
-static void set_statusv(TF_Status *st, TF_Code code, const char *fmt, va_list ap) {
-  char msg[2048];
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  TF_SetStatus(st, code, msg);
-}
-
-static void __attribute__((format(printf, 3, 4)))
-set_status(TF_Status *st, TF_Code code, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  set_statusv(st, code, fmt, ap);
-  va_end(ap);
-}
-
-/* Fails the running Compute with a printf-style message. */
-static void __attribute__((format(printf, 3, 4)))
-fail(TF_OpKernelContext *ctx, TF_Code code, const char *fmt, ...) {
-  TF_Status *st = TF_NewStatus();
-  va_list ap;
-  va_start(ap, fmt);
-  set_statusv(st, code, fmt, ap);
-  va_end(ap);
-  TF_OpKernelContext_Failure(ctx, st);
-  TF_DeleteStatus(st);
-}
-
-/* The status's own name, from error.h's table (libember's ember_err_name is
- * out of reach: this library is not linked with it). */
-static const char *ember_code_name(int rc) {
-  switch (rc) {
-#define EMBER__TF_NAME(name, value, desc) \
-  case value:                             \
-    return "EMBER_" #name " (" desc ")";
-    EMBER_ERRNO_MAP(EMBER__TF_NAME)
-#undef EMBER__TF_NAME
-  }
-  return "an unknown ember status";
-}
-
 static TF_Code tf_code_of(int rc) {
   switch (rc) {
   case EMBER_ESCHEMA:
@@ -178,55 +132,9 @@ static TF_Code tf_code_of(int rc) {
  * failed call: last_error is the calling thread's. */
 static void fail_ember(TF_OpKernelContext *ctx, const ember_feed_reader_api *api, int rc,
                        const char *what) {
-  const char *msg = api->last_error();
-  if (msg != NULL && msg[0] != '\0')
-    fail(ctx, tf_code_of(rc), "%s", msg);
-  else
-    fail(ctx, tf_code_of(rc), "feed reader %s failed: %s", what, ember_code_name(rc));
-}
-
-/* The column dtype each supported TensorFlow dtype reads; 0 for the rest. */
-static uint8_t ember_dtype_for(TF_DataType t) {
-  switch (t) {
-  case TF_FLOAT:
-    return EMBER_DT_F32;
-  case TF_DOUBLE:
-    return EMBER_DT_F64;
-  case TF_INT32:
-    return EMBER_DT_I32;
-  case TF_INT64:
-    return EMBER_DT_I64;
-  case TF_UINT8:
-    return EMBER_DT_U8;
-  case TF_BOOL:
-    return EMBER_DT_BOOL;
-  case TF_STRING:
-    return EMBER_DT_BYTES;
-  default:
-    return 0;
-  }
-}
-
-/* Names as numpy and tf.dtypes spell them, for messages. */
-static const char *ember_dtype_name(uint8_t d) {
-  switch (d) {
-  case EMBER_DT_F32:
-    return "float32";
-  case EMBER_DT_F64:
-    return "float64";
-  case EMBER_DT_I32:
-    return "int32";
-  case EMBER_DT_I64:
-    return "int64";
-  case EMBER_DT_U8:
-    return "uint8";
-  case EMBER_DT_BYTES:
-    return "string";
-  case EMBER_DT_BOOL:
-    return "bool";
-  default:
-    return "an unknown dtype";
-  }
+  char op[64];
+  snprintf(op, sizeof op, "feed reader %s", what);
+  embtf_fail_ember(ctx, tf_code_of(rc), rc, api->last_error(), op);
 }
 
 /* "float32 x 784" or "string", into buf. */
@@ -234,14 +142,8 @@ static const char *describe(char *buf, size_t cap, uint8_t dtype, uint32_t width
   if (dtype == EMBER_DT_BYTES)
     snprintf(buf, cap, "string");
   else
-    snprintf(buf, cap, "%s x %" PRIu32 " per row", ember_dtype_name(dtype), width);
+    snprintf(buf, cap, "%s x %" PRIu32 " per row", embtf_dtype_name(dtype), width);
   return buf;
-}
-
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
 /* ------------------------------------------------------------ kernel: create */
@@ -272,7 +174,7 @@ static void *feed_next_create(TF_OpKernelConstruction *ctx) {
       get_int(ctx, "timeout_ms", &timeout_ms, st))
     goto err;
   if (batch_size < 1 || batch_size > UINT32_MAX) {
-    set_status(st, TF_INVALID_ARGUMENT, OP_NAME ": batch_size must be in 1..%" PRIu32
+    embtf_set_status(st, TF_INVALID_ARGUMENT, OP_NAME ": batch_size must be in 1..%" PRIu32
                ", not %" PRId64, UINT32_MAX, batch_size);
     goto err;
   }
@@ -284,12 +186,12 @@ static void *feed_next_create(TF_OpKernelConstruction *ctx) {
   if (TF_GetCode(st) != TF_OK)
     goto err;
   if (ndtypes < 1 || (uint32_t)ndtypes > EMBER_BATCH_MAX_COLS) {
-    set_status(st, TF_INVALID_ARGUMENT, OP_NAME ": %" PRId32 " dtypes; a feed batch has "
+    embtf_set_status(st, TF_INVALID_ARGUMENT, OP_NAME ": %" PRId32 " dtypes; a feed batch has "
                "1..%u columns", ndtypes, EMBER_BATCH_MAX_COLS);
     goto err;
   }
   if (nwidths != ndtypes) {
-    set_status(st, TF_INVALID_ARGUMENT, OP_NAME ": %" PRId32 " widths for %" PRId32
+    embtf_set_status(st, TF_INVALID_ARGUMENT, OP_NAME ": %" PRId32 " widths for %" PRId32
                " dtypes (one width per component)", nwidths, ndtypes);
     goto err;
   }
@@ -297,7 +199,7 @@ static void *feed_next_create(TF_OpKernelConstruction *ctx) {
   widths = malloc((size_t)ndtypes * sizeof *widths);
   k = calloc(1, sizeof *k + (size_t)ndtypes * sizeof k->comp[0]);
   if (dtypes == NULL || widths == NULL || k == NULL) {
-    set_status(st, TF_RESOURCE_EXHAUSTED, OP_NAME ": out of memory");
+    embtf_set_status(st, TF_RESOURCE_EXHAUSTED, OP_NAME ": out of memory");
     goto err;
   }
   TF_OpKernelConstruction_GetAttrTypeList(ctx, "dtypes", dtypes, ndtypes, st);
@@ -310,9 +212,9 @@ static void *feed_next_create(TF_OpKernelConstruction *ctx) {
   for (int32_t i = 0; i < ndtypes; i++) {
     component *c = &k->comp[i];
     c->dtype = dtypes[i];
-    c->ember_dtype = ember_dtype_for(dtypes[i]);
+    c->ember_dtype = embtf_ember_dtype(dtypes[i]);
     if (c->ember_dtype == 0) { /* the op def restricts dtypes; this is a backstop */
-      set_status(st, TF_INVALID_ARGUMENT, OP_NAME ": component %" PRId32 " has TensorFlow "
+      embtf_set_status(st, TF_INVALID_ARGUMENT, OP_NAME ": component %" PRId32 " has TensorFlow "
                  "dtype %d; the feed carries float32, float64, int32, int64, uint8, bool "
                  "and string", i, (int)dtypes[i]);
       goto err;
@@ -328,9 +230,9 @@ static void *feed_next_create(TF_OpKernelConstruction *ctx) {
     if (widths[i] < 0 || widths[i] > UINT32_MAX || elem == 0 ||
         __builtin_mul_overflow(batch_size, widths[i], &bytes) ||
         __builtin_mul_overflow(bytes, (int64_t)elem, &bytes)) {
-      set_status(st, TF_INVALID_ARGUMENT, OP_NAME ": component %" PRId32 " (%s): width %"
+      embtf_set_status(st, TF_INVALID_ARGUMENT, OP_NAME ": component %" PRId32 " (%s): width %"
                  PRId64 " is out of range for batch_size %" PRId64, i,
-                 ember_dtype_name(c->ember_dtype), widths[i], batch_size);
+                 embtf_dtype_name(c->ember_dtype), widths[i], batch_size);
       goto err;
     }
     c->width = (uint32_t)widths[i];
@@ -342,7 +244,7 @@ static void *feed_next_create(TF_OpKernelConstruction *ctx) {
   k->ncomp = (uint32_t)ndtypes;
   int e = pthread_mutex_init(&k->mu, NULL);
   if (e != 0) {
-    set_status(st, TF_INTERNAL, OP_NAME ": pthread_mutex_init: %s", strerror(e));
+    embtf_set_status(st, TF_INTERNAL, OP_NAME ": pthread_mutex_init: %s", strerror(e));
     goto err;
   }
   free(dtypes);
@@ -402,11 +304,11 @@ static int set_more(TF_OpKernelContext *ctx, bool more) {
 /* Waits for the next batch: 0 with *rows set, or -1 after failing ctx. */
 static int wait_batch(TF_OpKernelContext *ctx, const feed_next *k,
                       const ember_feed_reader_api *api, ember_feed_reader *r, uint32_t *rows) {
-  int64_t start = now_ms();
+  int64_t start = embtf_now_ms();
   for (;;) {
     int64_t slice = WAIT_SLICE_MS;
     if (k->timeout_ms >= 0) {
-      int64_t left = k->timeout_ms - (now_ms() - start);
+      int64_t left = k->timeout_ms - (embtf_now_ms() - start);
       if (left < slice)
         slice = left < 0 ? 0 : left;
     }
@@ -417,8 +319,8 @@ static int wait_batch(TF_OpKernelContext *ctx, const feed_next *k,
       fail_ember(ctx, api, rc, "wait");
       return -1;
     }
-    if (k->timeout_ms >= 0 && now_ms() - start >= k->timeout_ms) {
-      fail(ctx, TF_DEADLINE_EXCEEDED, "no data arrived on the feed for %g s (feed_timeout); "
+    if (k->timeout_ms >= 0 && embtf_now_ms() - start >= k->timeout_ms) {
+      embtf_fail(ctx, TF_DEADLINE_EXCEEDED, "no data arrived on the feed for %g s (feed_timeout); "
            "is cluster.train() running?", (double)k->timeout_ms / 1000.0);
       return -1;
     }
@@ -438,7 +340,7 @@ static int check_layout(TF_OpKernelContext *ctx, const feed_next *k, uint32_t nc
         break;
       at += (size_t)n;
     }
-    fail(ctx, TF_INVALID_ARGUMENT, "the feed's rows have %" PRIu32 " columns (%s); the "
+    embtf_fail(ctx, TF_INVALID_ARGUMENT, "the feed's rows have %" PRIu32 " columns (%s); the "
          "dataset declares %" PRIu32 " components", ncols, names, k->ncomp);
     return -1;
   }
@@ -449,7 +351,7 @@ static int check_layout(TF_OpKernelContext *ctx, const feed_next *k, uint32_t nc
                 (c->ember_dtype == EMBER_DT_BYTES || col->width == c->width);
     if (!same) {
       char want[64], got[64];
-      fail(ctx, TF_INVALID_ARGUMENT, "feed column %" PRIu32 " (\"%.*s\"): the dataset "
+      embtf_fail(ctx, TF_INVALID_ARGUMENT, "feed column %" PRIu32 " (\"%.*s\"): the dataset "
            "declares %s, the rows received have %s", i, (int)col->name_len, col->name,
            describe(want, sizeof want, c->ember_dtype, c->width),
            describe(got, sizeof got, col->dtype, col->width));
@@ -470,7 +372,7 @@ static void feed_next_compute(void *p, TF_OpKernelContext *ctx) {
 
   pthread_mutex_lock(&k->mu);
   if (api == NULL || reader == 0) {
-    fail(ctx, TF_FAILED_PRECONDITION, OP_NAME ": no Ember feed reader in this process: the "
+    embtf_fail(ctx, TF_FAILED_PRECONDITION, OP_NAME ": no Ember feed reader in this process: the "
          "dataset reads the feed of an Ember node, so it must run in a node's process "
          "(ember.tf.feed_dataset, or ember.ps.tensorflow_server on a fed worker)");
     goto out;
@@ -478,7 +380,7 @@ static void feed_next_compute(void *p, TF_OpKernelContext *ctx) {
   if ((rc = api->acquire(reader, &r)) != EMBER_OK) {
     r = NULL;
     if (rc == EMBER_ENOTFOUND)
-      fail(ctx, TF_FAILED_PRECONDITION,
+      embtf_fail(ctx, TF_FAILED_PRECONDITION,
            "the node's feed reader is closed (the node is shutting down)");
     else
       fail_ember(ctx, api, rc, "acquire");
@@ -508,7 +410,7 @@ static void feed_next_compute(void *p, TF_OpKernelContext *ctx) {
   for (uint32_t i = 0; i < k->ncomp; i++)
     nstrings += k->comp[i].ember_dtype == EMBER_DT_BYTES;
   if (nstrings > 0 && (refs = malloc(nstrings * rows * sizeof *refs)) == NULL) {
-    fail(ctx, TF_RESOURCE_EXHAUSTED, OP_NAME ": out of memory for %" PRIu32 " rows of %zu "
+    embtf_fail(ctx, TF_RESOURCE_EXHAUSTED, OP_NAME ": out of memory for %" PRIu32 " rows of %zu "
          "string columns", rows, nstrings);
     goto out;
   }

@@ -19,6 +19,12 @@ where the call's data ends.
 
 The dataset and ``ctx.get_data_feed()`` must not read one node's feed at
 once: each would get part of the rows.
+
+``allreduce(tensor, ctx)`` sums (or averages, ...) a tensor over the node's
+collective inside the graph, with a second op in C (``_tf_allreduce_op.c``):
+a ``tf.function`` training step computes, reduces and applies its gradients
+in one call, where ``ctx.allreduce`` on numpy arrays needs the step cut in
+two around it.
 """
 
 from __future__ import annotations
@@ -60,9 +66,13 @@ def _ops() -> Any:
             module = tf.load_op_library(found[0])
             # the op reaches this process's readers through libember's table
             # (the .so is loaded already: CDLL only looks it up)
-            attach = ctypes.CDLL(found[0]).ember_tf_attach
+            library = ctypes.CDLL(found[0])
+            attach = library.ember_tf_attach
             attach.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
-            if attach(_ember.FEED_READER_API, 0) != 0:
+            attach_collective = library.ember_tf_attach_collective
+            attach_collective.argtypes = [ctypes.c_void_p]
+            if attach(_ember.FEED_READER_API, 0) != 0 or \
+                    attach_collective(_ember.COLLECTIVE_API) != 0:
                 raise EmberError(f"{found[0]} and ember._ember are from different builds: "
                                  "reinstall ember")
             _op_module, _attach = module, attach
@@ -241,3 +251,45 @@ def _declared(element_spec: Any) -> Layout:
         widths.append(0 if spec.dtype == tf.string else int(np.prod(row, dtype=np.int64)))
         shapes.append(() if spec.dtype == tf.string else row)
     return fields, dtypes, widths, shapes
+
+
+_REDUCTIONS = {"sum": "sum", "avg": "avg", "mean": "avg", "min": "min", "max": "max"}
+
+
+def allreduce(tensor: Any, source: Any, op: str = "sum", timeout: Optional[float] = None) -> Any:
+    """``tensor`` reduced elementwise over the ranks of a node's collective,
+    as a TensorFlow op: usable inside ``tf.function`` (and eagerly).
+
+    The chief and worker nodes are the ranks (:mod:`ember.collective`); every
+    rank must run the same reductions in the same order, as with
+    ``ctx.allreduce``.  Inside one ``tf.function`` the op runs in program
+    order with the function's other stateful ops.  A dead or silent peer
+    fails the step (``tf.errors.AbortedError``, or ``DeadlineExceededError``
+    after ``timeout``) with libember's message naming the rank; the
+    collective is then broken for good, as after a failed ``ctx.allreduce``.
+
+    :param tensor: float32, float64, int32 or int64, any shape, the same on
+        every rank.
+    :param source: the node's context (``main_fun``'s ``ctx``) or an
+        :class:`ember.collective.Collective`.
+    :param op: ``"sum"``, ``"avg"`` (alias ``"mean"``), ``"min"`` or ``"max"``.
+    :param timeout: seconds; None for the collective's own (``ctx.collective.timeout``).
+    :returns: a tensor of ``tensor``'s shape and dtype, bit-identical on
+        every rank.
+    """
+    import tensorflow as tf
+
+    from ember.collective import collective_of
+
+    if not isinstance(op, str) or op not in _REDUCTIONS:
+        raise ValueError(f"op must be one of {sorted(_REDUCTIONS)}, not {op!r}")
+    coll = collective_of(source)
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.dtype not in (tf.float32, tf.float64, tf.int32, tf.int64):
+        raise TypeError(f"allreduce takes float32, float64, int32 or int64 tensors, not "
+                        f"{tensor.dtype.name}")
+    seconds = coll.timeout if timeout is None else float(timeout)
+    # the communicator connects on first use (every rank reaches this while
+    # tracing the same step), so its id is known when the op is made
+    return _ops().ember_allreduce(tensor, comm=coll.communicator().id, op=_REDUCTIONS[op],
+                                  timeout_ms=-1 if seconds < 0 else int(seconds * 1000))

@@ -585,6 +585,67 @@ static int rank_abort(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *a
 
 TEST(abort_from_another_thread) { CHECK_EQ_INT(run_world(2, NULL, rank_abort, NULL), 0); }
 
+/* ------------------------------------------------------------ the api table */
+
+typedef struct {
+  const ember_comm_api *api;
+  uint64_t id;
+  int rc;
+} held_call;
+
+/* Holds the communicator through the table in an allreduce rank 1 never
+ * joins, as TensorFlow's op would while the node closes its collective. */
+static void *hold_in_allreduce(void *p) {
+  held_call *h = p;
+  ember_comm *c = NULL;
+  h->rc = h->api->acquire(h->id, &c);
+  if (h->rc != EMBER_OK) return NULL;
+  float b[4] = {0};
+  h->rc = h->api->allreduce(c, b, 4, EMBER_DT_F32, EMBER_RED_SUM, RANK_TIMEOUT_MS);
+  h->api->release(c);
+  return NULL;
+}
+
+static int rank_api_table(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *arg) {
+  const ember_comm_api *api = ember_comm_api_table();
+  RCHECK(api->abi == EMBER_COMM_ABI && api->size == sizeof(ember_comm_api));
+  ember_comm *c = NULL, *got = NULL;
+  RCHECK(ember_comm_create(&c, cfg, RANK_TIMEOUT_MS) == 0);
+  uint64_t id = ember_comm_id(c);
+  RCHECK(id != 0);
+  RCHECK(api->acquire(id, &got) == EMBER_OK && got == c);
+  RCHECK(api->rank(got) == rank && api->size_of(got) == n);
+  float b[3] = {1.0f + (float)rank, 2.0f, 0.5f};
+  RCHECK(api->allreduce(got, b, 3, EMBER_DT_F32, EMBER_RED_SUM, RANK_TIMEOUT_MS) == 0);
+  RCHECK(b[0] == 3.0f && b[1] == 4.0f && b[2] == 1.0f);
+  api->release(got);
+  RCHECK(api->acquire(id + 1000, &got) == EMBER_ENOTFOUND && got == NULL);
+  RCHECK(strstr(api->last_error(), "no communicator") != NULL);
+  RCHECK(ember_comm_barrier(c, RANK_TIMEOUT_MS) == 0);
+  if (rank == 1) { /* stays silent while rank 0's holder waits */
+    struct timespec ts = {1, 0};
+    nanosleep(&ts, NULL);
+    ember_comm_destroy(c);
+    return 0;
+  }
+  held_call h = {.api = api, .id = id, .rc = 1};
+  pthread_t t;
+  RCHECK(pthread_create(&t, NULL, hold_in_allreduce, &h) == 0);
+  struct timespec ts = {0, 200 * 1000000L};
+  nanosleep(&ts, NULL);
+  int64_t t0 = now_ms();
+  ember_comm_destroy(c); /* aborts the held call and waits for its release */
+  RCHECK(now_ms() - t0 < 1000);
+  pthread_join(t, NULL);
+  RCHECK(h.rc == EMBER_EABORTED);
+  RCHECK(api->acquire(id, &got) == EMBER_ENOTFOUND);
+  return 0;
+}
+
+TEST(api_table_by_id_and_destroy_while_held) {
+  CHECK_EQ_INT(run_world(2, NULL, rank_api_table, NULL), 0);
+}
+
 static int rank_bad_config(uint32_t rank, uint32_t n, ember_comm_config *cfg, void *arg) {
   ember_comm *c = NULL;
   const char *bad[2] = {"127.0.0.1", "127.0.0.1:1"};
@@ -666,4 +727,4 @@ RUN_TESTS(T(ops_2_shm), T(ops_2_tcp_ring), T(ops_3_shm_ring), T(ops_3_tcp), T(op
           T(peer_killed_mid_allreduce_tcp_4_halving),
           T(silent_peer_times_out_shm), T(silent_peer_times_out_tcp),
           T(wrong_secret_rejected), T(mismatched_calls_detected),
-          T(abort_from_another_thread), T(bad_config), T(strangers_do_not_delay_the_mesh))
+          T(abort_from_another_thread), T(api_table_by_id_and_destroy_while_held), T(bad_config), T(strangers_do_not_delay_the_mesh))

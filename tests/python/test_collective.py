@@ -11,6 +11,7 @@ collectives give every rank the same bits).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import multiprocessing as mp
 import os
 import threading
@@ -38,13 +39,14 @@ def _host(rank: int, own_hosts: bool) -> str:
     return "127.0.0.%d" % (rank + 1) if own_hosts else "127.0.0.1"
 
 
-def _rank_main(rank: int, n: int, to_parent: Any, from_parent: Any, fn_name: str,
+def _rank_main(rank: int, n: int, to_parent: Any, from_parent: Any, module: str, fn_name: str,
                own_hosts: bool, kwargs: Dict[str, Any]) -> None:
     try:
         fd, port = E.reserve_port(_host(rank, own_hosts))
         to_parent.put((rank, port))
         addresses = from_parent.get(timeout=60)
-        result = globals()[fn_name](rank, n, addresses, fd, **kwargs)
+        fn = getattr(importlib.import_module(module), fn_name)  # a test module's rank program
+        result = fn(rank, n, addresses, fd, **kwargs)
         to_parent.put((rank, "ok", result))
     except BaseException:  # reported to the parent, which fails the test
         to_parent.put((rank, "error", traceback.format_exc()))
@@ -59,8 +61,8 @@ def run_world(n: int, fn: Callable[..., Any], timeout: float = 120.0,
     to_parent = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(n)]
     procs = [ctx.Process(target=_rank_main,
-                         args=(r, n, to_parent, inboxes[r], fn.__name__, own_hosts,
-                               kwargs),
+                         args=(r, n, to_parent, inboxes[r], fn.__module__, fn.__name__,
+                               own_hosts, kwargs),
                          daemon=True) for r in range(n)]
     for p in procs:
         p.start()

@@ -67,9 +67,11 @@
  * random token, and unlinked as soon as the peers have mapped it (on every
  * exit path), so nothing is left in /dev/shm.
  *
- * Thread-safety: a communicator is used by one thread at a time, except
- * ember_comm_abort, which any thread may call at any time before destroy.
- * All ranks must call the same collectives in the same order.
+ * Thread-safety: calls on one communicator are serialized (a second
+ * thread's call waits for the first's to return), and ember_comm_abort may
+ * be called from any thread at any time before destroy.  All ranks must call
+ * the same collectives in the same order: two threads of one rank that race
+ * their calls leave that order to chance.
  */
 #ifndef EMBER_COLLECTIVE_H
 #define EMBER_COLLECTIVE_H
@@ -184,8 +186,40 @@ int ember_comm_barrier(ember_comm *c, int64_t timeout_ms);
 void ember_comm_abort(ember_comm *c);
 
 /* Closes connections, unmaps shared memory.  Accepts NULL.  Must not race a
- * call in progress (abort it and let it return first). */
+ * call in progress on another thread of the caller's (abort it and let it
+ * return first); a holder through the api table below is aborted and
+ * waited for. */
 void ember_comm_destroy(ember_comm *c);
+
+/* ------------------------------------------------------------ for other libraries
+ *
+ * A shared library loaded into the same process but not linked with this
+ * copy of libember (the TensorFlow op EmberAllreduce: TensorFlow loads it,
+ * and libember's symbols are private to Ember's Python extension) reaches
+ * communicators through this table, whose address the extension hands out
+ * (ember._ember.COLLECTIVE_API), as feed readers are reached (feed_reader.h).
+ * Communicators are named by id, so a stale id fails cleanly
+ * (EMBER_ENOTFOUND) instead of touching freed memory; destroy aborts a call
+ * made through the table and waits for its release. */
+#define EMBER_COMM_ABI 1u
+
+/* The communicator's id in this process (never 0, never reused). */
+uint64_t ember_comm_id(const ember_comm *c);
+
+typedef struct {
+  uint32_t abi;  /* EMBER_COMM_ABI */
+  uint32_t size; /* sizeof(ember_comm_api) */
+  /* Looks the communicator up and holds it for the caller until release. */
+  int (*acquire)(uint64_t id, ember_comm **out);
+  void (*release)(ember_comm *c);
+  int (*allreduce)(ember_comm *c, void *buf, size_t count, int dtype, int op,
+                   int64_t timeout_ms);
+  uint32_t (*rank)(const ember_comm *c);
+  uint32_t (*size_of)(const ember_comm *c);
+  const char *(*last_error)(void); /* the calling thread's message */
+} ember_comm_api;
+
+const ember_comm_api *ember_comm_api_table(void);
 
 #ifdef __cplusplus
 }
