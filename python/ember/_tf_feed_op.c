@@ -48,13 +48,11 @@
  */
 #include <inttypes.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #define EMBER_TF_UNIT feed_op
 #include "_tf_kernel.h"
