@@ -205,7 +205,6 @@ static void allreduce_shape(TF_ShapeInferenceContext *ctx, TF_Status *status) {
 }
 
 __attribute__((constructor)) static void register_allreduce(void) {
-  TF_Status *st = TF_NewStatus();
   TF_OpDefinitionBuilder *b = TF_NewOpDefinitionBuilder(OP_NAME);
   TF_OpDefinitionBuilderAddAttr(b, "T: {float, double, int32, int64}");
   TF_OpDefinitionBuilderAddAttr(b, "comm: int");
@@ -216,18 +215,5 @@ __attribute__((constructor)) static void register_allreduce(void) {
   /* it talks to the other ranks: never folded or pruned, run in order */
   TF_OpDefinitionBuilderSetIsStateful(b, true);
   TF_OpDefinitionBuilderSetShapeInferenceFunction(b, allreduce_shape);
-  TF_RegisterOpDefinition(b, st); /* frees b */
-  if (TF_GetCode(st) != TF_OK) {
-    fprintf(stderr, "ember: registering the TensorFlow op " OP_NAME " failed: %s\n",
-            TF_Message(st));
-    goto out;
-  }
-  TF_KernelBuilder *kb = TF_NewKernelBuilder(OP_NAME, "CPU", allreduce_create,
-                                             allreduce_compute, allreduce_delete);
-  TF_RegisterKernelBuilder(OP_NAME, kb, st); /* takes kb */
-  if (TF_GetCode(st) != TF_OK)
-    fprintf(stderr, "ember: registering the TensorFlow op " OP_NAME "'s CPU kernel failed: "
-            "%s\n", TF_Message(st));
-out:
-  TF_DeleteStatus(st);
+  embtf_register_op(OP_NAME, b, allreduce_create, allreduce_compute, allreduce_delete);
 }

@@ -464,15 +464,7 @@ static void feed_next_shape(TF_ShapeInferenceContext *ctx, TF_Status *status) {
   TF_DeleteShapeHandle(scalar);
 }
 
-/* A constructor cannot return an error; a registration that fails here is
- * reported on stderr, and tf.load_op_library's module then lacks the op. */
-static void report(const char *what, TF_Status *st) {
-  fprintf(stderr, "ember: registering the TensorFlow op " OP_NAME " (%s) failed: %s\n", what,
-          TF_Message(st));
-}
-
 __attribute__((constructor)) static void register_feed_next(void) {
-  TF_Status *st = TF_NewStatus();
   TF_OpDefinitionBuilder *b = TF_NewOpDefinitionBuilder(OP_NAME);
   TF_OpDefinitionBuilderAddAttr(b, "reader: int");
   TF_OpDefinitionBuilderAddAttr(b, "batch_size: int >= 1");
@@ -486,16 +478,5 @@ __attribute__((constructor)) static void register_feed_next(void) {
   /* it pops a queue: never constant-folded, deduplicated or skipped */
   TF_OpDefinitionBuilderSetIsStateful(b, true);
   TF_OpDefinitionBuilderSetShapeInferenceFunction(b, feed_next_shape);
-  TF_RegisterOpDefinition(b, st); /* frees b */
-  if (TF_GetCode(st) != TF_OK) {
-    report("op", st);
-    goto out;
-  }
-  TF_KernelBuilder *kb = TF_NewKernelBuilder(OP_NAME, "CPU", feed_next_create,
-                                             feed_next_compute, feed_next_delete);
-  TF_RegisterKernelBuilder(OP_NAME, kb, st); /* takes kb */
-  if (TF_GetCode(st) != TF_OK)
-    report("CPU kernel", st);
-out:
-  TF_DeleteStatus(st);
+  embtf_register_op(OP_NAME, b, feed_next_create, feed_next_compute, feed_next_delete);
 }

@@ -93,6 +93,24 @@ const char *embtf_dtype_name(uint8_t d) {
   }
 }
 
+void embtf_register_op(const char *name, TF_OpDefinitionBuilder *b,
+                       void *(*create)(TF_OpKernelConstruction *),
+                       void (*compute)(void *, TF_OpKernelContext *), void (*destroy)(void *)) {
+  TF_Status *st = TF_NewStatus();
+  TF_RegisterOpDefinition(b, st); /* frees b */
+  if (TF_GetCode(st) != TF_OK) {
+    fprintf(stderr, "ember: registering the TensorFlow op %s failed: %s\n", name,
+            TF_Message(st));
+  } else {
+    TF_KernelBuilder *kb = TF_NewKernelBuilder(name, "CPU", create, compute, destroy);
+    TF_RegisterKernelBuilder(name, kb, st); /* takes kb */
+    if (TF_GetCode(st) != TF_OK)
+      fprintf(stderr, "ember: registering the TensorFlow op %s's CPU kernel failed: %s\n",
+              name, TF_Message(st));
+  }
+  TF_DeleteStatus(st);
+}
+
 int64_t embtf_now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -59,6 +59,13 @@ uint8_t embtf_ember_dtype(TF_DataType t);
 /* As numpy and tf.dtypes spell an ember_dtype, for messages. */
 const char *embtf_dtype_name(uint8_t ember_dtype);
 
+/* Registers the op that b defines (taking b) and its CPU kernel.  A
+ * constructor cannot return an error: a failure is reported on stderr, and
+ * tf.load_op_library's module then lacks the op. */
+void embtf_register_op(const char *name, TF_OpDefinitionBuilder *b,
+                       void *(*create)(TF_OpKernelConstruction *),
+                       void (*compute)(void *, TF_OpKernelContext *), void (*destroy)(void *));
+
 /* CLOCK_MONOTONIC in milliseconds. */
 int64_t embtf_now_ms(void);
 
