@@ -28,9 +28,16 @@ import scala.Option;
  * <p>The grouping is a {@link PartitionCoalescer} (no shuffle): group
  * {@code i} holds the parent partitions {@code idx} with
  * {@code (first + idx) % nodes == i}, in increasing order, which
- * {@code CoalescedRDD} computes one after the other.  The groups carry no
- * preferred location, so no node's feeder waits for a busy executor that
- * caches its data.
+ * {@code CoalescedRDD} computes one after the other.
+ *
+ * <p>The groups carry no preferred location of their own, so Spark's
+ * scheduler gives each the location of its first parent partition that has
+ * one: for cached data, the executor caching it.  That keeps the feeder's
+ * reads local, but two groups whose first partitions are cached on one
+ * executor both prefer it, and with one core there the second waits
+ * {@code spark.locality.wait} before it runs elsewhere (docs/performance.md,
+ * bench-train).  Preferring the fed node's host instead removed that wait
+ * but read most cached blocks remotely, which cost more on 2 cores.
  */
 public final class NodeGroups implements PartitionCoalescer, ScalaSerializable {
   private static final long serialVersionUID = 1L;
