@@ -283,7 +283,7 @@ test-torch: setup hadoop test-jvm-archive
 COMPAT_TESTS := tests/python/test_spark_local.py tests/python/test_tfrecord_spark.py \
 	tests/python/test_recovery.py tests/python/test_errors.py tests/python/test_jars.py \
 	"tests/python/test_ml.py::test_estimator_persistence_and_args" \
-	"tests/python/test_ml.py::test_signature_model_types_and_values" \
+	"tests/python/test_ml.py::test_signature_model_types_and_values[mapInArrow]" \
 	"tests/python/test_ml.py::test_direct_path_tensor_column"
 test-compat: venv-compat
 	$(COMPAT_PY) -m pytest -q -p no:cacheprovider --durations=5 $(COMPAT_TESTS)
@@ -320,8 +320,9 @@ test-long: setup
 
 # Every stage of the suite, timed, the independent ones at once
 # (tests/stages.py: set-up beside the C tests and fuzzers, the Python suite in
-# two xdist workers with mypy beside it, then the compatibility subset beside
-# bench-smoke's two halves); it ends with each stage's duration.  The main job runs in
+# two xdist workers, the compatibility subset from when its first lane ends,
+# then six of the ten smoke benchmarks and mypy; make bench-smoke runs all
+# ten); it ends with each stage's duration.  The main job runs in
 # tests/python/test_cluster.py, both modes on simulated hosts with the same
 # accuracy bar as demo-quick; where those hosts cannot be made (not root),
 # demo-quick runs it on this host instead.  Each fuzzer runs 5 s here (make

@@ -4,9 +4,10 @@ Run by ``make test`` with the system's python3 (the standard library only:
 the venv does not exist yet when it starts).  Each stage is a command; a
 stage starts as soon as the stages it needs have passed, so stages that need
 different things overlap: the C tests and fuzzers build and run while pip
-and Maven set up the Python side, and the smoke benchmarks, the Spark 3.5
-compatibility subset and the type check run together after the main suite (which keeps
-both cores busy by itself: two pytest-xdist workers).  Every line a stage prints is shown with
+and Maven set up the Python side; the main suite keeps both cores busy by
+itself (two pytest-xdist workers); the Spark 3.5 compatibility subset starts
+on the core its first lane to end leaves idle, and six of the smoke
+benchmarks, then the type check, run beside it after the main suite.  Every line a stage prints is shown with
 its name and the run's clock (minutes:seconds) in front, and kept in
 build/test-logs/<stage>.log.
 
@@ -37,6 +38,9 @@ WARN_MINUTES = 40
 FAILURE_LINES = 25  #: lines of a failed stage's log repeated at the end
 MAKE = ["make", "--no-print-directory"]
 PY = os.path.join(REPO, ".venv", "bin", "python")
+#: tests/python/conftest.py appends a line here when a pytest-xdist worker
+#: has run its last test (pytest_testnodedown)
+LANE_DONE = os.path.join(LOGS, "pytest-lane-done")
 
 #: The main job runs on simulated hosts in test_cluster.py; where those hosts
 #: cannot be made (not root), demo-quick runs it on this host instead.
@@ -52,6 +56,9 @@ class Stage(NamedTuple):
     needs: Sequence[str] = ()  #: stages that must have passed
     after: Sequence[str] = ()  #: stages that must have ended (passed or not)
     what: str = ""
+    #: or, instead of waiting for ``after``: start once pytest has a lane
+    #: done (LANE_DONE: a core is idle while the other lane ends)
+    on_lane_done: bool = False
 
 
 STAGES: List[Stage] = [
@@ -69,7 +76,8 @@ STAGES: List[Stage] = [
           what="each libFuzzer harness: its corpus, then 5 s of fuzzing"),
     Stage("c-install", MAKE + ["test-c-install"], ("setup",),
           what="libember installed; examples/c built through pkg-config"),
-    Stage("pytest", [PY, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
+    Stage("pytest", ["env", f"EMBER_LANE_DONE_FILE={LANE_DONE}",
+                     PY, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
                      "--durations=20", "--junitxml=build/test-logs/pytest-junit.xml",
                      "tests/python"], ("setup",), ("c-install",),
           what="the Python suite in two workers (tests/python/conftest.py: LANES)"),
@@ -80,18 +88,17 @@ STAGES: List[Stage] = [
           what="the Spark 3.5 / TensorFlow 2.20 venv's packages"),
     Stage("compat-setup", MAKE + ["venv-compat"], ("setup", "compat-venv"),
           what="ember in the Spark 3.5 / TensorFlow 2.20 venv"),
+    # on the core the first pytest lane to end leaves idle (the lanes end
+    # minutes apart): the longest of the stages after pytest
     Stage("compat", MAKE + ["test-compat"], ("compat-setup",), ("pytest",),
-          what="the compatibility subset on pyspark 3.5 and TensorFlow 2.20"),
-    # in two halves (bench/smoke.py: Bench.part), so that they, compat and
-    # typecheck keep both cores busy for about as long
-    Stage("bench-smoke", MAKE + ["bench-smoke", "BENCH_SMOKE_ARGS=--part 1"], ("setup",),
-          ("pytest",), what="half of the benchmarks at a tiny size"),
-    Stage("bench-smoke-2", MAKE + ["bench-smoke", "BENCH_SMOKE_ARGS=--part 2"], ("setup",),
-          ("pytest",), what="the other half of the benchmarks at a tiny size"),
-    # beside pytest at the lowest priority: it runs where the suite leaves a
-    # core idle (waits, the end of a lane) and has no clock that starving it
-    # could upset
-    Stage("typecheck", ["nice", "-n", "19"] + MAKE + ["typecheck"], ("setup",),
+          what="the compatibility subset on pyspark 3.5 and TensorFlow 2.20",
+          on_lane_done=True),
+    # the benchmarks that start no cluster per side (bench/smoke.py:
+    # Bench.in_make_test; make bench-smoke runs all ten), beside compat
+    Stage("bench-smoke", MAKE + ["bench-smoke", "BENCH_SMOKE_ARGS=--make-test"], ("setup",),
+          ("pytest",), what="six of the ten benchmarks at a tiny size"),
+    # after the smoke benchmarks, beside compat: no CPU taken from pytest
+    Stage("typecheck", MAKE + ["typecheck"], ("setup",), ("pytest", "bench-smoke"),
           what="mypy over python/ember, stubtest of _ember.pyi"),
     Stage("main-job", ["bash", "-c", MAIN_JOB], ("setup",), ("pytest",),
           what="the main job, where test_cluster.py could not run it"),
@@ -141,6 +148,8 @@ class Runner:
 
     def run(self) -> int:
         os.makedirs(LOGS, exist_ok=True)
+        if os.path.exists(LANE_DONE):
+            os.remove(LANE_DONE)
         self.t0 = t0 = time.monotonic()
         threads: List[threading.Thread] = []
         with self.changed:
@@ -154,7 +163,9 @@ class Runner:
                         self.results[s.name] = Result(f"not run ({blocked[0]} failed)", 0.0)
                         self.say(s.name, self.results[s.name].status)
                         continue
-                    if all(d in self.results for d in (*s.needs, *s.after)):
+                    ready = all(d in self.results for d in s.after) or \
+                        (s.on_lane_done and os.path.exists(LANE_DONE))
+                    if ready and all(d in self.results for d in s.needs):
                         self.started[s.name] = time.monotonic()
                         t = threading.Thread(target=self._run, args=(s,), daemon=True)
                         threads.append(t)

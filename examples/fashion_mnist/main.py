@@ -27,6 +27,7 @@ GPU, assigned by Spark (``run(gpus_per_node=)``).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -82,9 +83,29 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+#: What setup_data wrote, in a local --data-dir: a later run with the same
+#: limits and partitions reuses the files instead of converting them again.
+DATA_MANIFEST = "written.json"
+
+
 def setup_data(spark: Any, args: argparse.Namespace) -> Tuple[int, int]:
     """Converts the idx files to CSV and TFRecords with Spark; returns (train, test) sizes.
-    (A Connect client writes the TFRecords only: its DataFrames come from the arrays.)"""
+    (A Connect client writes the TFRecords only: its DataFrames come from the arrays.)
+    A local --data-dir that an earlier run filled with the same limits and
+    partitions (its DATA_MANIFEST says so) is used as it is."""
+    wanted = {"train_limit": args.train_limit, "test_limit": args.test_limit,
+              "partitions": args.partitions}
+    manifest = "" if args.data_dir.startswith("hdfs://") else \
+        os.path.join(args.data_dir, DATA_MANIFEST)
+    if manifest and os.path.exists(manifest):
+        with open(manifest) as f:
+            written = json.load(f)
+        if {k: written.get(k) for k in wanted} == wanted and (written["csv"] or args.remote):
+            print(f"data: {written['sizes'][0]} train / {written['sizes'][1]} test records "
+                  f"under {args.data_dir}, written by an earlier run ({DATA_MANIFEST})",
+                  flush=True)
+            return written["sizes"][0], written["sizes"][1]
+        os.remove(manifest)  # rewritten below, once the files are
     start = time.monotonic()
     sizes = []
     for split, limit in (("train", args.train_limit), ("test", args.test_limit)):
@@ -95,8 +116,12 @@ def setup_data(spark: Any, args: argparse.Namespace) -> Tuple[int, int]:
         data.to_tfrecords(spark, images, labels, os.path.join(args.data_dir, "tfrecords", split),
                           args.partitions)
         sizes.append(len(labels))
-    print(f"data: {sizes[0]} train / {sizes[1]} test records as CSV and TFRecords under "
+    kinds = "TFRecords" if args.remote else "CSV and TFRecords"
+    print(f"data: {sizes[0]} train / {sizes[1]} test records as {kinds} under "
           f"{args.data_dir} ({time.monotonic() - start:.1f} s)", flush=True)
+    if manifest:
+        with open(manifest, "w") as f:
+            json.dump(dict(wanted, csv=not args.remote, sizes=sizes), f)
     return sizes[0], sizes[1]
 
 

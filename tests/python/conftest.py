@@ -49,10 +49,7 @@ os.environ.setdefault("JAVA_TOOL_OPTIONS", jvm_options_for_tests())
 LANES = {m: "hadoop" for m in (
     "test_hadoop", "test_hdfs_paths", "test_hdfs_fmnist", "test_spark_yarn", "test_yarn_run",
     "test_yarn_experiments", "test_packaging", "test_mlflow",
-    "test_cluster",
-    # local Spark only, which this lane starts anyway (test_hdfs_paths): it
-    # evens the lanes (a fresh clone's junit: spark 2,124 s, hadoop 1,986 s)
-    "test_stream")}
+    "test_cluster")}
 #: A test of another module that uses the mini Hadoop runs in the hadoop lane
 #: too, so that one worker starts it (the rest of its module may run in the
 #: spark lane, which balances the lanes).
@@ -61,6 +58,20 @@ HADOOP_FIXTURE = "hadoop_cluster"
 #: their lane, so that each process starts the local session once and the
 #: standalone one once.
 STANDALONE_LAST = ("test_compat_tfos", "test_standalone")
+
+
+#: make test (tests/stages.py) sets this: the file the controller appends a
+#: line to when a worker has run its last test, so that the next stage can
+#: start on the core that lane leaves idle while the other lane finishes.
+LANE_DONE_FILE = "EMBER_LANE_DONE_FILE"
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: a venv without it runs serially
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    path = os.environ.get(LANE_DONE_FILE)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{node.gateway.id} {time.time():.1f}\n")
 
 
 def _module_name(item: Any) -> str:

@@ -294,11 +294,18 @@ def test_encrypted_data_plane_hides_fed_and_allreduced_bytes(hosts, tmp_path):
     assert found["encrypted"] == (False, False), found
 
 
+def _data_dir(hosts: SparkOnHosts) -> str:
+    """The main job's CSV and TFRecords, written by its first run on these
+    hosts and reused by the others (examples/fashion_mnist/main.py: setup_data)."""
+    return os.path.join(hosts.root, "fashion-mnist-data")
+
+
 def _main_job(hosts: SparkOnHosts, tmp_path: Any, log: str, modes: str) -> str:
     sim = hosts.sim
     return hosts.run_driver(
         [PY, "-m", "examples.fashion_mnist.main", "--master", hosts.url, "--epochs", "3",
          "--num-executors", "2", "--require-accuracy", "0.85", "--work-dir", str(tmp_path),
+         "--data-dir", _data_dir(hosts),
          "--modes", modes,
          "--threads", "1",
          "--conf", "spark.driver.host=driver",
@@ -355,9 +362,11 @@ def test_main_job_all_modes_reach_one_host_accuracy(hosts, tmp_path, request):
 def test_main_job_over_spark_connect_on_hosts(hosts, tmp_path):
     """A Spark Connect server on the driver host (its application's executors
     on the worker hosts) and the main job as its client (another process, no
-    JVM) in both input modes: the nodes start on the worker hosts, the
-    coordinator on one of them, the feed crosses hosts, and each mode
-    reaches the job's accuracy bar."""
+    JVM): training in InputMode.TENSORFLOW, then inference fed through
+    Connect across hosts; the nodes start on the worker hosts, the
+    coordinator on one of them, and the job reaches its accuracy bar.  (The
+    main job's InputMode.SPARK training runs on these hosts above: its
+    nodes' code is the same whichever way they were launched.)"""
     import glob as _glob
 
     import pyspark
@@ -391,8 +400,9 @@ def test_main_job_over_spark_connect_on_hosts(hosts, tmp_path):
             open(os.path.join(hosts.root, "connect-server.log")).read()[-3000:]
         text = hosts.run_driver(
             [PY, "-m", "examples.fashion_mnist.main", "--remote", f"sc://driver:{port}",
-             "--modes", "spark,tensorflow", "--epochs", "3", "--num-executors", "2",
-             "--threads", "1", "--require-accuracy", "0.85", "--work-dir", str(tmp_path)],
+             "--modes", "tensorflow", "--epochs", "3", "--num-executors", "2",
+             "--threads", "1", "--require-accuracy", "0.85", "--work-dir", str(tmp_path),
+             "--data-dir", _data_dir(hosts)],
             "connect-main-job.log", 900)
     finally:
         os.killpg(server.pid, 15)
@@ -401,13 +411,11 @@ def test_main_job_over_spark_connect_on_hosts(hosts, tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, 9)
     results = dict(re.findall(r"RESULT demo mode=(\w+) accuracy=([\d.]+)", text))
-    assert set(results) == {"spark", "tensorflow"}, text[-3000:]
+    assert set(results) == {"tensorflow"}, text[-3000:]
     assert all(float(a) >= 0.85 for a in results.values()), results
-    fed = [int(n) for n in re.findall(r"train: fed (\d+) records in", text)]
-    assert fed == [60000 * 3], text[-3000:]  # SPARK mode; TENSORFLOW mode reads TFRecords
     workers = {sim.addr(w) for w in WORKERS}
     ready = re.findall(r"cluster ready: (.*)", text)
-    assert len(ready) == 4, text[-3000:]  # train and inference, in each mode
+    assert len(ready) == 2, text[-3000:]  # train and inference
     for line in ready:
         placed = re.findall(r"@([\d.]+):", line)
         assert len(placed) == 2 and set(placed) <= workers, line

@@ -191,17 +191,21 @@ def test_keras_experiment_hdfs_model_dir(hadoop_cluster, monkeypatch):
 
 @needs_torch
 def test_pytorch_experiment_ddp_two_workers(local_spark, tmp_path):
-    results = _run(local_spark.sparkContext, functools.partial(fns.torch_fmnist, epochs=4),
+    """DDP's ranks, steps and replicas on Spark nodes, on 8,192 images for 2
+    epochs: the same experiment reaches the 0.85 bar on all the data in
+    test_yarn_experiments.py, in YARN containers."""
+    results = _run(local_spark.sparkContext,
+                   functools.partial(fns.torch_fmnist, epochs=2, rows=8192),
                    tmp_path / "out", ["chief:0", "worker:0"], num_executors=2, master_node="chief")
     assert sorted(results) == ["chief:0", "worker:0"]
     a, b = results["chief:0"], results["worker:0"]
     assert (a["rank"], b["rank"], a["world_size"]) == (0, 1, 2)
     assert a["device"] == "cpu"
-    # DistributedSampler: each rank 30,000 images a pass, 468 full batches of 64
-    assert a["metrics"]["steps"] == b["metrics"]["steps"] == 4 * (30000 // 64)
+    # DistributedSampler: each rank 4,096 images a pass, 64 full batches of 64
+    assert a["metrics"]["steps"] == b["metrics"]["steps"] == 2 * (4096 // 64)
     assert a["metrics"]["params_sha256"] == b["metrics"]["params_sha256"]  # DDP replicas
     assert a["metrics"]["accuracy"] == b["metrics"]["accuracy"]
-    assert a["metrics"]["accuracy"] >= 0.85, a["metrics"]
+    assert a["metrics"]["accuracy"] >= 0.6, a["metrics"]  # chance is 0.1
 
 
 @needs_torch
