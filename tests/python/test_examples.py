@@ -1,0 +1,57 @@
+"""The main job's own logic that needs no Spark (examples/fashion_mnist/main.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from examples.fashion_mnist import main as job
+
+
+class _NoSpark:
+    """Any use of Spark fails: the data must have been reused."""
+
+    def __getattr__(self, name: str) -> None:
+        raise AssertionError(f"setup_data used Spark ({name}) where it should reuse the data")
+
+
+def _args(tmp_path, *extra: str):
+    args = job.parse_args(["--data-dir", str(tmp_path / "data"), "--partitions", "4",
+                           "--train-limit", "600", *extra])
+    os.makedirs(args.data_dir, exist_ok=True)
+    return args
+
+
+def _write_manifest(args, **changes) -> str:
+    path = os.path.join(args.data_dir, job.DATA_MANIFEST)
+    written = dict(train_limit=600, test_limit=0, partitions=4, csv=True, sizes=[600, 10000])
+    written.update(changes)
+    with open(path, "w") as f:
+        json.dump(written, f)
+    return path
+
+
+def test_setup_data_reuses_what_an_earlier_run_wrote(tmp_path) -> None:
+    args = _args(tmp_path)
+    _write_manifest(args)
+    assert job.setup_data(_NoSpark(), args) == (600, 10000)
+    # a Connect client needs the TFRecords only: a classic run's data serves it
+    remote = _args(tmp_path, "--remote", "sc://nowhere:15002")
+    assert job.setup_data(_NoSpark(), remote) == (600, 10000)
+
+
+@pytest.mark.parametrize("changes, extra", [
+    ({"partitions": 8}, ()),              # other partitions
+    ({"train_limit": 0}, ()),             # other limits
+    ({"csv": False}, ()),                 # a Connect client's data: no CSV for a classic run
+])
+def test_setup_data_writes_again_when_the_data_differs(tmp_path, changes, extra) -> None:
+    args = _args(tmp_path, *extra)
+    manifest = _write_manifest(args, **changes)
+    with pytest.raises(AssertionError, match="setup_data used Spark"):
+        job.setup_data(_NoSpark(), args)
+    # the old manifest is gone before anything is written: an interrupted
+    # rewrite is never taken for complete data
+    assert not os.path.exists(manifest)
