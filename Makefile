@@ -100,6 +100,15 @@ $(MLFLOW_VENV)/.stamp: requirements-mlflow-server.txt
 
 setup: apt venv build venv-mlflow
 
+# The byte code of what every test process imports (pip installs with
+# --no-compile), written once by one process: otherwise the first dozen
+# nodes, workers and drivers that make test's two lanes start at once would
+# each compile TensorFlow, Keras, PyTorch and PySpark (importing TensorFlow
+# and Keras: 15 s here the first time, 5 s once compiled).
+.PHONY: warm-imports
+warm-imports: venv
+	$(PY) -c "import tensorflow, keras, torch, pyspark.sql, pandas, pyarrow"
+
 # ---------------------------------------------------------------- build
 build: lib ext
 lib: $(BUILD)/libember.a

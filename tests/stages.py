@@ -5,9 +5,9 @@ the venv does not exist yet when it starts).  Each stage is a command; a
 stage starts as soon as the stages it needs have passed, so stages that need
 different things overlap: the C tests and fuzzers build and run while pip
 and Maven set up the Python side; the main suite keeps both cores busy by
-itself (two pytest-xdist workers); the Spark 3.5 compatibility subset starts
-on the core its first lane to end leaves idle, and six of the smoke
-benchmarks, then the type check, run beside it after the main suite.  Every line a stage prints is shown with
+itself (two pytest-xdist workers); the Spark 3.5 compatibility subset, the
+type check and six of the smoke benchmarks run one after the other on the
+core its first lane to end leaves idle.  Every line a stage prints is shown with
 its name and the run's clock (minutes:seconds) in front, and kept in
 build/test-logs/<stage>.log.
 
@@ -56,8 +56,8 @@ class Stage(NamedTuple):
     needs: Sequence[str] = ()  #: stages that must have passed
     after: Sequence[str] = ()  #: stages that must have ended (passed or not)
     what: str = ""
-    #: or, instead of waiting for ``after``: start once pytest has a lane
-    #: done (LANE_DONE: a core is idle while the other lane ends)
+    #: "pytest" in ``after`` counts as ended once pytest has a lane done
+    #: (LANE_DONE: a core is idle while the other lane ends)
     on_lane_done: bool = False
 
 
@@ -65,7 +65,7 @@ STAGES: List[Stage] = [
     Stage("apt", MAKE + ["apt"], what="Debian packages (a no-op when installed)"),
     # -j2: pip for the venvs and the C library at once (Maven runs once at
     # a time: the Makefile builds the jars before the mini Hadoop)
-    Stage("setup", MAKE + ["-j2", "setup", "hadoop", "test-jvm-archive"], ("apt",),
+    Stage("setup", MAKE + ["-j2", "setup", "hadoop", "test-jvm-archive", "warm-imports"], ("apt",),
           what="venvs, libember, the extension and its jars, the mini Hadoop, "
                "the tests' JVM archive"),
     # build/san and build/fuzz are their own objects: they build beside setup
@@ -88,18 +88,18 @@ STAGES: List[Stage] = [
           what="the Spark 3.5 / TensorFlow 2.20 venv's packages"),
     Stage("compat-setup", MAKE + ["venv-compat"], ("setup", "compat-venv"),
           what="ember in the Spark 3.5 / TensorFlow 2.20 venv"),
-    # on the core the first pytest lane to end leaves idle (the lanes end
-    # minutes apart): the longest of the stages after pytest
+    # compat, typecheck and bench-smoke one after the other on the core the
+    # first pytest lane to end leaves idle (the lanes end minutes apart)
     Stage("compat", MAKE + ["test-compat"], ("compat-setup",), ("pytest",),
           what="the compatibility subset on pyspark 3.5 and TensorFlow 2.20",
           on_lane_done=True),
     # the benchmarks that start no cluster per side (bench/smoke.py:
-    # Bench.in_make_test; make bench-smoke runs all ten), beside compat
+    # Bench.in_make_test; make bench-smoke runs all ten)
     Stage("bench-smoke", MAKE + ["bench-smoke", "BENCH_SMOKE_ARGS=--make-test"], ("setup",),
-          ("pytest",), what="six of the ten benchmarks at a tiny size"),
-    # after the smoke benchmarks, beside compat: no CPU taken from pytest
-    Stage("typecheck", MAKE + ["typecheck"], ("setup",), ("pytest", "bench-smoke"),
-          what="mypy over python/ember, stubtest of _ember.pyi"),
+          ("pytest", "typecheck"), what="six of the ten benchmarks at a tiny size",
+          on_lane_done=True),
+    Stage("typecheck", MAKE + ["typecheck"], ("setup",), ("pytest", "compat"),
+          what="mypy over python/ember, stubtest of _ember.pyi", on_lane_done=True),
     Stage("main-job", ["bash", "-c", MAIN_JOB], ("setup",), ("pytest",),
           what="the main job, where test_cluster.py could not run it"),
 ]
@@ -163,9 +163,10 @@ class Runner:
                         self.results[s.name] = Result(f"not run ({blocked[0]} failed)", 0.0)
                         self.say(s.name, self.results[s.name].status)
                         continue
-                    ready = all(d in self.results for d in s.after) or \
-                        (s.on_lane_done and os.path.exists(LANE_DONE))
-                    if ready and all(d in self.results for d in s.needs):
+                    lane_free = s.on_lane_done and os.path.exists(LANE_DONE)
+                    ready = all(d in self.results or (d == "pytest" and lane_free)
+                                for d in (*s.needs, *s.after))
+                    if ready:
                         self.started[s.name] = time.monotonic()
                         t = threading.Thread(target=self._run, args=(s,), daemon=True)
                         threads.append(t)
