@@ -67,7 +67,7 @@ STAGES: List[Stage] = [
     # a time: the Makefile builds the jars before the mini Hadoop)
     Stage("setup", MAKE + ["-j2", "setup", "hadoop", "test-jvm-archive", "warm-imports"], ("apt",),
           what="venvs, libember, the extension and its jars, the mini Hadoop, "
-               "the tests' JVM archive"),
+               "the tests' JVM archive, the byte code of the heavy imports"),
     # build/san and build/fuzz are their own objects: they build beside setup
     Stage("c-tests", MAKE + ["-j2", "test-c"], ("apt",),
           what="C tests under ASan/UBSan"),
@@ -76,7 +76,7 @@ STAGES: List[Stage] = [
           what="each libFuzzer harness: its corpus, then 5 s of fuzzing"),
     Stage("c-install", MAKE + ["test-c-install"], ("setup",),
           what="libember installed; examples/c built through pkg-config"),
-    Stage("pytest", ["env", f"EMBER_LANE_DONE_FILE={LANE_DONE}",
+    Stage("pytest", ["env", f"EMBER_LANE_DONE_FILE={LANE_DONE}",  # conftest.LANE_DONE_FILE
                      PY, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
                      "--durations=20", "--junitxml=build/test-logs/pytest-junit.xml",
                      "tests/python"], ("setup",), ("c-install",),

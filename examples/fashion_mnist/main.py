@@ -100,7 +100,7 @@ def setup_data(spark: Any, args: argparse.Namespace) -> Tuple[int, int]:
     if manifest and os.path.exists(manifest):
         with open(manifest) as f:
             written = json.load(f)
-        if {k: written.get(k) for k in wanted} == wanted and (written["csv"] or args.remote):
+        if {k: written.get(k) for k in wanted} == wanted and (written.get("csv") or args.remote):
             print(f"data: {written['sizes'][0]} train / {written['sizes'][1]} test records "
                   f"under {args.data_dir}, written by an earlier run ({DATA_MANIFEST})",
                   flush=True)

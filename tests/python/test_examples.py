@@ -42,13 +42,13 @@ def test_setup_data_reuses_what_an_earlier_run_wrote(tmp_path) -> None:
     assert job.setup_data(_NoSpark(), remote) == (600, 10000)
 
 
-@pytest.mark.parametrize("changes, extra", [
-    ({"partitions": 8}, ()),              # other partitions
-    ({"train_limit": 0}, ()),             # other limits
-    ({"csv": False}, ()),                 # a Connect client's data: no CSV for a classic run
+@pytest.mark.parametrize("changes", [
+    {"partitions": 8},              # other partitions
+    {"train_limit": 0},             # other limits
+    {"csv": False},                 # a Connect client's data: no CSV for a classic run
 ])
-def test_setup_data_writes_again_when_the_data_differs(tmp_path, changes, extra) -> None:
-    args = _args(tmp_path, *extra)
+def test_setup_data_writes_again_when_the_data_differs(tmp_path, changes) -> None:
+    args = _args(tmp_path)
     manifest = _write_manifest(args, **changes)
     with pytest.raises(AssertionError, match="setup_data used Spark"):
         job.setup_data(_NoSpark(), args)
