@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -350,6 +351,8 @@ def main() -> int:
         rdd.unpersist()
     finally:
         spark.stop()
+        os.chdir(ROOT)
+        shutil.rmtree(workdir, ignore_errors=True)
     results["memcpy"] = [run_memcpy(n) for _ in range(rounds)]
     channel = run_channel()
 

@@ -965,7 +965,8 @@ def main() -> int:
         import ps_train
 
         print("\n== wide-and-deep training, 2 workers, local Spark: async (1 ps) vs allreduce")
-        got = ps_train.widedeep(train_rounds, quick, tempfile.mkdtemp(prefix="ember-bench-wd-"))
+        with tempfile.TemporaryDirectory(prefix="ember-bench-wd-") as wd_dir:
+            got = ps_train.widedeep(train_rounds, quick, wd_dir)
         for side in ("async", "sync"):
             print("%-6s %s records/s" % (side, cell(got[side], ".0f", 24)))
         wd_async, wd_sync = med(got["async"]), med(got["sync"])

@@ -392,6 +392,13 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("ember").setLevel(logging.INFO)
     work = tempfile.mkdtemp(prefix="ember-bench-train-")
+    try:
+        return _run(a, sides, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(a: Any, sides: List[str], work: str) -> int:
     if a.placement == "hosts":
         argv = list(sys.argv[1:])
         if "--placement" in argv:

@@ -24,6 +24,49 @@ from ember.spark import EmberNodeError, InputMode, run
 from test_feed_spark import lockstep_epochs
 
 
+def test_feeding_tasks_prefer_distinct_executors_caching_their_partitions(cluster_spark):
+    """NodeGroups gives each node's feeding task the executor caching most
+    of its partitions, a different one for each task: without a location of
+    its own, a task takes its first partition's, and two feeders that prefer
+    one busy 1-core executor wait spark.locality.wait (docs/performance.md).
+    It must know where the blocks are right after the job that cached them,
+    when the scheduler's own answer (getPreferredLocs) still says nowhere."""
+    from ember import _grouping
+
+    sc = cluster_spark.sparkContext
+    jsc = sc._jsc.sc()
+
+    def locations(jrdd, index):
+        seq = jsc.getPreferredLocs(jrdd, index)
+        return [str(seq.apply(j).toString()) for j in range(seq.size())]
+
+    rdd = sc.parallelize(range(8000), 8).cache()
+    try:
+        rdd.count()  # caches it: the next grouping runs before any other job
+        chosen = {}
+        for first in (0, 1):  # the call's numbering shifts which partitions a node gets
+            grouped = _grouping.java_class(sc).groupPython(rdd._jrdd, 2, first, 8).rdd()
+            chosen[first] = [locations(grouped, g) for g in range(2)]
+        rdd.count()  # a job: the scheduler now knows where the blocks are
+        cached = {i: locations(rdd._jrdd.rdd(), i) for i in range(8)}
+        assert all(len(v) == 1 and v[0].startswith("executor_") for v in cached.values()), cached
+        for first, groups in chosen.items():
+            assert all(len(c) == 1 for c in groups) and groups[0] != groups[1], (groups, cached)
+            mine = [collections.Counter(cached[i][0] for i in range(8) if (first + i) % 2 == g)
+                    for g in range(2)]
+            for g, [where] in enumerate(groups):
+                # an executor caching some of its partitions, or (when the
+                # other group took that one) that executor's host
+                assert where in mine[g] or any(c.split("_")[1] == where for c in mine[g]), \
+                    (first, g, where, mine)
+            pairs = sorted(((n, loc, g) for g in range(2) for loc, n in mine[g].items()),
+                           reverse=True)
+            if len(pairs) == 1 or pairs[0][0] > pairs[1][0]:  # the strongest preference is kept
+                assert groups[pairs[0][2]] == [pairs[0][1]], (pairs, groups)
+    finally:
+        rdd.unpersist()
+
+
 def test_two_node_training_on_two_executors(cluster_spark, tmp_path):
     sc = cluster_spark.sparkContext
     cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,

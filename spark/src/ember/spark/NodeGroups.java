@@ -1,8 +1,17 @@
 package ember.spark;
 
+import java.util.ArrayList;
+import java.util.HashMap;
+import java.util.HashSet;
 import java.util.Iterator;
+import java.util.List;
+import java.util.Map;
+import java.util.Set;
+import java.util.TreeMap;
 
+import org.apache.spark.NarrowDependency;
 import org.apache.spark.Partition;
+import org.apache.spark.SparkEnv;
 import org.apache.spark.api.java.JavaRDD;
 import org.apache.spark.api.java.function.FlatMapFunction;
 import org.apache.spark.rdd.PartitionCoalescer;
@@ -11,6 +20,10 @@ import org.apache.spark.rdd.RDD;
 import org.apache.spark.sql.Dataset;
 import org.apache.spark.sql.Row;
 import org.apache.spark.sql.catalyst.InternalRow;
+import org.apache.spark.storage.BlockId;
+import org.apache.spark.storage.BlockManagerId;
+import org.apache.spark.storage.RDDBlockId;
+import org.apache.spark.storage.StorageLevel;
 
 import scala.Option;
 
@@ -30,14 +43,18 @@ import scala.Option;
  * {@code (first + idx) % nodes == i}, in increasing order, which
  * {@code CoalescedRDD} computes one after the other.
  *
- * <p>The groups carry no preferred location of their own, so Spark's
- * scheduler gives each the location of its first parent partition that has
- * one: for cached data, the executor caching it.  That keeps the feeder's
- * reads local, but two groups whose first partitions are cached on one
- * executor both prefer it, and with one core there the second waits
+ * <p>Each group prefers the location most of its partitions prefer (for
+ * cached data, the executor caching their blocks), a different one for each
+ * group, so that the feeders read locally and no two of them wait for the
+ * same core.  A group that would carry no location of its own would take
+ * its first parent partition's (Spark's scheduler looks through narrow
+ * dependencies): two groups whose first partitions are cached on one
+ * executor then both prefer it, and with one core there the second waits
  * {@code spark.locality.wait} before it runs elsewhere (docs/performance.md,
- * bench-train).  Preferring the fed node's host instead removed that wait
- * but read most cached blocks remotely, which cost more on 2 cores.
+ * bench-train).  A group whose preferred executors the others took prefers
+ * that executor's host instead.  Preferring the fed node's host for every
+ * group removed the wait too, but read most cached blocks remotely, which
+ * cost more on 2 cores.
  */
 public final class NodeGroups implements PartitionCoalescer, ScalaSerializable {
   private static final long serialVersionUID = 1L;
@@ -68,15 +85,160 @@ public final class NodeGroups implements PartitionCoalescer, ScalaSerializable {
       throw new IllegalStateException("ember: the data has " + parts.length
           + " partitions where train() counted " + expected);
     }
+    String[] where = placements(parent, parts.length);
     PartitionGroup[] groups = new PartitionGroup[nodes];
     for (int i = 0; i < nodes; i++) {
-      groups[i] = new PartitionGroup(Option.<String>empty());
+      groups[i] = new PartitionGroup(Option.apply(where[i]));
     }
     for (int idx = 0; idx < parts.length; idx++) {
       // $plus$eq is ArrayBuffer's += in Scala 2.12 and 2.13 (2.12 has no addOne)
       groups[(int) ((first + (long) idx) % nodes)].partitions().$plus$eq(parts[idx]);
     }
     return groups;
+  }
+
+  /**
+   * Each group's preferred location (null: none): greedily, the (group,
+   * location) pair with the most of that group's partitions preferring it,
+   * among the groups still without one and the locations no group took yet;
+   * then each group left without one prefers the host of its most preferred
+   * location.  Locations are the scheduler's strings: {@code
+   * executor_<host>_<id>} for a cached block, a host name for a file's block.
+   */
+  private String[] placements(RDD<?> parent, int count) {
+    List<Map<String, Integer>> votes = new ArrayList<>();
+    for (int i = 0; i < nodes; i++) {
+      votes.add(new TreeMap<>());  // sorted: the same data, the same choice
+    }
+    Map<Integer, List<List<String>>> cached = new HashMap<>();
+    for (int idx = 0; idx < count; idx++) {
+      Map<String, Integer> group = votes.get((int) ((first + (long) idx) % nodes));
+      for (String where : locations(parent, idx, cached, new HashSet<>())) {
+        group.merge(where, 1, Integer::sum);
+      }
+    }
+    String[] where = new String[nodes];
+    Set<String> taken = new HashSet<>();
+    for (int round = 0; round < nodes; round++) {
+      int bestGroup = -1;
+      String best = null;
+      int most = 0;
+      for (int g = 0; g < nodes; g++) {
+        if (where[g] != null) {
+          continue;
+        }
+        for (Map.Entry<String, Integer> e : votes.get(g).entrySet()) {
+          if (e.getValue() > most && !taken.contains(e.getKey())) {
+            most = e.getValue();
+            best = e.getKey();
+            bestGroup = g;
+          }
+        }
+      }
+      if (best == null) {
+        break;
+      }
+      where[bestGroup] = best;
+      taken.add(best);
+    }
+    for (int g = 0; g < nodes; g++) {
+      if (where[g] == null && !votes.get(g).isEmpty()) {
+        Map.Entry<String, Integer> top = null;
+        for (Map.Entry<String, Integer> e : votes.get(g).entrySet()) {
+          if (top == null || e.getValue() > top.getValue()) {
+            top = e;
+          }
+        }
+        where[g] = hostOf(top.getKey());
+      }
+    }
+    return where;
+  }
+
+  /**
+   * Where partition {@code idx} of {@code rdd} is best computed, as the
+   * DAGScheduler decides it (getPreferredLocsInternal): the executors caching
+   * its block, else the partition's own preferred hosts, else the first
+   * answer through its narrow dependencies.  The cached blocks are asked of
+   * the BlockManagerMaster here, not through {@code
+   * SparkContext.getPreferredLocs}: that answers from the scheduler's cache
+   * of block locations, which still says "nowhere" for data cached by the
+   * job just before (the scheduler clears it when the next job is submitted,
+   * and a job's partitions, so this coalescer, are computed before that).
+   *
+   * @param cached block locations already asked, by RDD id (one ask per RDD)
+   */
+  private static List<String> locations(RDD<?> rdd, int idx,
+                                        Map<Integer, List<List<String>>> cached,
+                                        Set<String> visited) {
+    if (!visited.add(rdd.id() + ":" + idx)) {
+      return List.of();
+    }
+    if (!rdd.getStorageLevel().equals(StorageLevel.NONE())) {
+      List<String> blocks = cachedBlocks(rdd, cached).get(idx);
+      if (!blocks.isEmpty()) {
+        return blocks;
+      }
+    }
+    List<String> own = new ArrayList<>();
+    var preferred = rdd.preferredLocations(rdd.partitions()[idx]).iterator();
+    while (preferred.hasNext()) {
+      own.add(preferred.next());
+    }
+    if (!own.isEmpty()) {
+      return own;
+    }
+    var deps = rdd.dependencies().iterator();
+    while (deps.hasNext()) {
+      Object dep = deps.next();
+      if (dep instanceof NarrowDependency) {
+        NarrowDependency<?> narrow = (NarrowDependency<?>) dep;
+        var parents = narrow.getParents(idx).iterator();
+        while (parents.hasNext()) {
+          List<String> found = locations(narrow.rdd(), (Integer) parents.next(), cached, visited);
+          if (!found.isEmpty()) {
+            return found;
+          }
+        }
+      }
+    }
+    return List.of();
+  }
+
+  /** Each partition's cached block locations, as the scheduler writes them. */
+  private static List<List<String>> cachedBlocks(RDD<?> rdd,
+                                                 Map<Integer, List<List<String>>> cached) {
+    return cached.computeIfAbsent(rdd.id(), id -> {
+      int n = rdd.partitions().length;
+      BlockId[] ids = new BlockId[n];
+      for (int i = 0; i < n; i++) {
+        ids[i] = new RDDBlockId(id, i);
+      }
+      var answer = SparkEnv.get().blockManager().master().getLocations(ids);
+      List<List<String>> out = new ArrayList<>();
+      for (int i = 0; i < n; i++) {
+        List<String> here = new ArrayList<>();
+        var managers = answer.apply(i).iterator();
+        while (managers.hasNext()) {
+          BlockManagerId bm = managers.next();
+          // ExecutorCacheTaskLocation's form, which the scheduler parses back
+          here.add("executor_" + bm.host() + "_" + bm.executorId());
+        }
+        out.add(here);
+      }
+      return out;
+    });
+  }
+
+  /** The host of a scheduler location string (see {@link #placements}). */
+  static String hostOf(String location) {
+    if (location.startsWith("executor_")) {
+      int end = location.lastIndexOf('_');
+      return end > "executor_".length() ? location.substring("executor_".length(), end)
+          : location;
+    }
+    return location.startsWith("hdfs_cache_") ? location.substring("hdfs_cache_".length())
+        : location;
   }
 
   static <T> RDD<T> group(RDD<T> rdd, int nodes, int first, int expected) {
