@@ -21,11 +21,14 @@ peer on the same cached data, the same partitions and the same record count:
                   configuration: its own TFSparkNode.train() pushing every record
                   into the node's multiprocessing.Manager queue, the manager in
                   'local' mode (as TFoS's own nodes start it) and one feeding
-                  task per node, consumed by its TFNode.DataFeed
+                  task per node, consumed by its TFNode.DataFeed; in a
+                  comparison of its own with Ember's feed after the ceiling's
+                  (ember_rdd_beside_tfos; see main)
 
-Each comparison first runs each side once, not counted (a warm-up: the JVM
-compiles each side's path over its first runs; TensorFlowOnSpark, whose
-rounds are long and whose JVM path is spark_rdd's, excepted), then runs
+Each comparison first runs each side three times, not counted (warm-ups:
+the JVM compiles each side's path over its first runs; TensorFlowOnSpark,
+whose rounds are long and whose JVM path is spark_rdd's, excepted), and
+each side's tasks run in Python workers of its own, then it runs
 --rounds interleaved rounds (every side once per round,
 the order rotated from round to round so that no side always goes first:
 bench/rounds.py) and reports every side's median and [min-max]; records/s
@@ -339,15 +342,26 @@ def main() -> int:
         rdd = _source(spark, rn, a.partitions).rdd.mapPartitions(records).cache()
         assert rdd.count() == rn
         rwant = expected_sum(rn)
-        sides = {"ember_rdd": lambda: _checked("ember_rdd", run_ember(spark, rdd, rn, a.batch,
-                                                                      workdir), rn, rwant),
-                 "spark_rdd": lambda: run_spark_rdd(rdd, rn)}
-        # TensorFlowOnSpark gets no warm-up run: one of its rounds is about 50
-        # s of a Python loop per record, and its JVM path (coalesce(1)) is
-        # the one spark_rdd's warm-up warms
-        results.update(_compare(rounds, sides, unwarmed={
+        def ember_rdd() -> Dict[str, float]:
+            return _checked("ember_rdd", run_ember(spark, rdd, rn, a.batch, workdir), rn, rwant)
+
+        results.update(_compare(rounds, {"ember_rdd": ember_rdd,
+                                         "spark_rdd": lambda: run_spark_rdd(rdd, rn)}))
+        # TensorFlowOnSpark in a comparison of its own, after the ceiling's:
+        # one of its rounds (about 70 s of the JVM feeding one record at a
+        # time through the ceiling's own path, coalesce(1)) slowed the JVM
+        # side of whatever ran after it.  With the three sides interleaved,
+        # spark_rdd ran 171,875-196,407 records/s before TensorFlowOnSpark's
+        # first round and 110,091-116,970 after (2026-11-28).  It gets no
+        # warm-up: Ember's side is warm by now, and one TensorFlowOnSpark
+        # round is a minute of a Python loop per record.
+        print("  TensorFlowOnSpark's comparison (Ember's rounds: ember_rdd_beside_tfos):",
+              flush=True)
+        beside = _compare(rounds, {}, unwarmed={
+            "ember_rdd": ember_rdd,  # the name keeps its Python workers (_own_workers)
             "tfos": lambda: _checked("tfos", run_tfos(spark, rdd.coalesce(1), a.batch, workdir),
-                                     rn, rwant)}))
+                                     rn, rwant)})
+        results["ember_rdd_beside_tfos"], results["tfos"] = beside["ember_rdd"], beside["tfos"]
         rdd.unpersist()
     finally:
         spark.stop()
@@ -358,22 +372,24 @@ def main() -> int:
 
     rps = {k: [r["rows"] / r["secs"] for r in rs] for k, rs in results.items()}
     med = {k: rnd.spread(v).median for k, v in rps.items()}
-    print(f"\n{'path':<20}{'records':>10}{'rounds':>7}{'median records/s':>18}"
+    print(f"\n{'path':<22}{'records':>10}{'rounds':>7}{'median records/s':>18}"
           f"{'[min - max]':>24}{'median GB/s':>13}")
     for name, v in rps.items():
-        print(f"{name:<20}{int(results[name][0]['rows']):>10}{len(v):>7}{med[name]:>18,.0f}"
+        print(f"{name:<22}{int(results[name][0]['rows']):>10}{len(v):>7}{med[name]:>18,.0f}"
               f"{rnd.fmt_range(v, ',.0f', ' - '):>24}{gbps(med[name]):>13.3f}")
     for k, v in channel.items():
-        print(f"{'channel':<20}{k} = {v:.3f}")
+        print(f"{'channel':<22}{k} = {v:.3f}")
     print("GB/s = 1e9 bytes/s of record payload; ratios are ratios of medians")
     print(f"RESULT feed rdd_vs_spark_rdd={med['ember_rdd'] / med['spark_rdd']:.2f} "
-          f"rdd_vs_tfos={med['ember_rdd'] / med['tfos']:.1f} "
+          f"rdd_vs_tfos={med['ember_rdd_beside_tfos'] / med['tfos']:.1f} "
           f"tensor_vs_spark_arrow_tensor={med['ember_tensor'] / med['spark_arrow_tensor']:.2f} "
           f"df_vs_spark_arrow={med['ember_df'] / med['spark_arrow']:.2f} "
           + " ".join(f"{k}_gbps={gbps(med[k]):.3f}" for k in
                      ("ember_rdd", "spark_rdd", "tfos", "ember_tensor", "spark_arrow_tensor",
                       "ember_df", "spark_arrow", "memcpy"))
-          + f" ember_rdd_rps={med['ember_rdd']:.0f} tfos_rps={med['tfos']:.0f} "
+          + f" ember_rdd_rps={med['ember_rdd']:.0f} "
+          f"ember_rdd_beside_tfos_rps={med['ember_rdd_beside_tfos']:.0f} "
+          f"tfos_rps={med['tfos']:.0f} "
           f"channel_gbps={channel.get('channel_gbps', float('nan')):.3f} "
           f"df_records={n} rdd_records={rn} rounds={rounds} load={load:.1f}")
     return 0
@@ -388,25 +404,65 @@ Run = Callable[[], Dict[str, float]]
 
 def _compare(rounds: int, sides: Dict[str, Run],
              unwarmed: Optional[Dict[str, Run]] = None) -> Dict[str, List[Dict[str, float]]]:
-    """One comparison: a warm-up run of each of ``sides`` (:func:`_warm_up`),
-    then ``rounds`` interleaved rounds of them and of ``unwarmed``."""
+    """One comparison: warm-up runs of each of ``sides`` (:func:`_warm_up`),
+    then ``rounds`` interleaved rounds of them and of ``unwarmed``, each side
+    in Python workers of its own (:func:`_own_workers`)."""
+    sides = {name: _own_workers(name, run) for name, run in sides.items()}
     _warm_up(sides)
-    return rnd.interleaved(rounds, report=_report, sides={**sides, **(unwarmed or {})})
+    return rnd.interleaved(rounds, report=_report, sides={
+        **sides, **{name: _own_workers(name, run) for name, run in (unwarmed or {}).items()}})
+
+
+#: Set to the side's name while it runs (see _own_workers).
+WORKER_POOL_VAR = "EMBER_BENCH_FEED_SIDE"
+
+
+def _own_workers(name: str, run: Run) -> Run:
+    """``run`` with its tasks in PySpark workers no other side's task ran in.
+
+    PySpark reuses its Python workers from task to task, one pool per set of
+    environment variables of the task's function (the SparkContext's
+    ``environment`` when the function is wrapped).  TensorFlowOnSpark's
+    feeding task imports TensorFlow into the worker it runs in (321,869
+    objects), and every task of another side that ran in that worker after it
+    carried those objects, its cyclic collections included.  A variable
+    naming the side gives each side its own pool, so that none is measured
+    in the state another left."""
+    def in_own_workers() -> Dict[str, float]:
+        from pyspark import SparkContext
+
+        sc = SparkContext._active_spark_context
+        assert sc is not None, "bench-feed: no SparkContext"
+        env = sc.environment
+        env[WORKER_POOL_VAR] = name
+        try:
+            return run()
+        finally:
+            env.pop(WORKER_POOL_VAR, None)
+    return in_own_workers
+
+
+#: Uncounted runs of each side before the rounds (see _warm_up).
+WARM_UP_RUNS = 3
 
 
 def _warm_up(sides: Dict[str, Run]) -> None:
-    """One run of each side before the rounds, not counted: each side's path
-    through the JVM is compiled by its JIT over the first runs (Ember's RDD
-    feed ran 155,000-186,000 records/s in its first three runs on a fresh
-    session, 199,000-217,000 after), and without it whichever side another
-    comparison's runs had already warmed would be measured warm and the
-    other cold."""
+    """WARM_UP_RUNS runs of each side before the rounds, interleaved, not
+    counted: each side's path through the JVM is compiled by its JIT over
+    the first runs, and without them whichever side another comparison's
+    runs had already warmed would be measured warm and the other cold.
+    Ember's RDD feed ran 155,000-186,000 records/s in its first three runs
+    on a fresh session, 199,000-217,000 after; on 2026-11-28 the driver
+    JVM's CPU per run fell over three runs from 3.15 to 1.52 s (Ember's RDD
+    feed) and from 1.97 to 1.34 s (Spark's RDD ceiling), and with one
+    warm-up the ceiling's rounds spread over 113,187-170,502 records/s."""
     if QUICK:
         return  # the smoke run only checks that every side runs
-    for name, run in sides.items():
-        r = run()
-        print(f"  warm-up: {name}: {r['rows'] / r['secs']:,.0f} records/s (not counted)",
-              flush=True)
+    for i in range(WARM_UP_RUNS):
+        for name, run in sides.items():
+            r = run()
+            print(f"  warm-up {i + 1}: {name}: {r['rows'] / r['secs']:,.0f} records/s "
+                  "(not counted)", flush=True)
 
 
 def _report(i: int, name: str, r: Dict[str, float], _secs: float) -> None:
