@@ -348,7 +348,7 @@ def main() -> int:
         results.update(_compare(rounds, {"ember_rdd": ember_rdd,
                                          "spark_rdd": lambda: run_spark_rdd(rdd, rn)}))
         # TensorFlowOnSpark in a comparison of its own, after the ceiling's:
-        # one of its rounds (about 70 s of the JVM feeding one record at a
+        # one of its rounds (about 65 s of the JVM feeding one record at a
         # time through the ceiling's own path, coalesce(1)) slowed the JVM
         # side of whatever ran after it.  With the three sides interleaved,
         # spark_rdd ran 171,875-196,407 records/s before TensorFlowOnSpark's

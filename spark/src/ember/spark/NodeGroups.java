@@ -17,6 +17,7 @@ import org.apache.spark.api.java.function.FlatMapFunction;
 import org.apache.spark.rdd.PartitionCoalescer;
 import org.apache.spark.rdd.PartitionGroup;
 import org.apache.spark.rdd.RDD;
+import org.apache.spark.scheduler.TaskLocation;
 import org.apache.spark.sql.Dataset;
 import org.apache.spark.sql.Row;
 import org.apache.spark.sql.catalyst.InternalRow;
@@ -102,8 +103,8 @@ public final class NodeGroups implements PartitionCoalescer, ScalaSerializable {
    * location) pair with the most of that group's partitions preferring it,
    * among the groups still without one and the locations no group took yet;
    * then each group left without one prefers the host of its most preferred
-   * location.  Locations are the scheduler's strings: {@code
-   * executor_<host>_<id>} for a cached block, a host name for a file's block.
+   * location.  Locations are the scheduler's strings ({@link TaskLocation}):
+   * an executor for a cached block, a host for a file's block.
    */
   private String[] placements(RDD<?> parent, int count) {
     List<Map<String, Integer>> votes = new ArrayList<>();
@@ -149,7 +150,7 @@ public final class NodeGroups implements PartitionCoalescer, ScalaSerializable {
             top = e;
           }
         }
-        where[g] = hostOf(top.getKey());
+        where[g] = TaskLocation.apply(top.getKey()).host();
       }
     }
     return where;
@@ -221,24 +222,12 @@ public final class NodeGroups implements PartitionCoalescer, ScalaSerializable {
         var managers = answer.apply(i).iterator();
         while (managers.hasNext()) {
           BlockManagerId bm = managers.next();
-          // ExecutorCacheTaskLocation's form, which the scheduler parses back
-          here.add("executor_" + bm.host() + "_" + bm.executorId());
+          here.add(TaskLocation.apply(bm.host(), bm.executorId()).toString());
         }
         out.add(here);
       }
       return out;
     });
-  }
-
-  /** The host of a scheduler location string (see {@link #placements}). */
-  static String hostOf(String location) {
-    if (location.startsWith("executor_")) {
-      int end = location.lastIndexOf('_');
-      return end > "executor_".length() ? location.substring("executor_".length(), end)
-          : location;
-    }
-    return location.startsWith("hdfs_cache_") ? location.substring("hdfs_cache_".length())
-        : location;
   }
 
   static <T> RDD<T> group(RDD<T> rdd, int nodes, int first, int expected) {
