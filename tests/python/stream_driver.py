@@ -2,7 +2,11 @@
 (streamfuns.checkpointed_ids) on a file stream until every file is trained,
 then writes ``<out>/driver-done``.
 
-    python stream_driver.py <src dir> <out dir> <checkpoint location>
+    python stream_driver.py <src dir> <out dir> <checkpoint location> [<slow micro-batch>]
+
+A slow micro-batch's training steps take 0.5 s each instead of 0.05 s, so
+that a test which kills this driver in its middle kills it there however
+loaded the machine is.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ sys.path[:0] = [os.path.join(REPO, "python"), HERE]
 
 def main() -> int:
     src, out, ckpt = sys.argv[1:4]
+    slow = (int(sys.argv[4]), 0.5) if len(sys.argv) > 4 else (None, 0)
     from pyspark.sql import SparkSession
 
     import streamfuns
@@ -33,7 +38,7 @@ def main() -> int:
     spark.sparkContext.setLogLevel("WARN")
     df = spark.readStream.schema("id long").option("maxFilesPerTrigger", 1).json(src)
     cluster = run(spark.sparkContext, streamfuns.checkpointed_ids,
-                  {"out": out, "step": 0.05, "batch": 25, "every": 2},
+                  {"out": out, "step": 0.05, "batch": 25, "every": 2, "slow": slow},
                   num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60,
                   heartbeat_timeout=4)
     try:

@@ -20,7 +20,9 @@ def checkpointed_ids(args: Dict[str, Any], ctx: Any) -> None:
 
     It resumes from its checkpoint (``ckpt-<index>.json``: the ids and the
     stream's next micro-batch), reads the stream micro-batch by micro-batch
-    (``args["step"]`` s per batch of ``args["batch"]``), checkpoints after
+    (``args["step"]`` s per batch of ``args["batch"]``; ``args["slow"]``, a
+    micro-batch id and a step, slows that one in the node's first run, so a
+    test can act in its middle), checkpoints after
     every ``args["every"]``-th micro-batch and, unless the feed ended in the
     middle of one, at the end.  ``live-<index>.json`` says how far this run
     is: its pid, the micro-batch being read, the records read of it, the
@@ -35,6 +37,7 @@ def checkpointed_ids(args: Dict[str, Any], ctx: Any) -> None:
     live = os.path.join(out, f"live-{me}.json")
     restart = int(os.environ.get("EMBER_RESTART", "0"))
     column, every = args.get("column", "id"), args.get("every", 2)
+    slow_micro_batch, slow_step = args.get("slow", (None, 0)) if restart == 0 else (None, 0)
 
     def progress(micro_batch: Any, read: int) -> None:
         _save(live, dict(pid=os.getpid(), restart=restart, micro_batch=micro_batch, read=read,
@@ -48,7 +51,8 @@ def checkpointed_ids(args: Dict[str, Any], ctx: Any) -> None:
             if len(batch):
                 ids.extend(int(v) for v in batch.column(column))
             read += len(batch)
-            time.sleep(args.get("step", 0))  # the training step
+            # the training step
+            time.sleep(slow_step if micro_batch == slow_micro_batch else args.get("step", 0))
             progress(micro_batch, read)
         if feed.mid_micro_batch:
             break  # the feed ended in the middle of this micro-batch

@@ -82,14 +82,15 @@ def test_file_stream_query_stopped_or_failed_mid_micro_batch_and_restarted(local
     assert logged and logged[0] >= 4 and logged[-1] == files - 1, logged
 
 
-def _rate_stream_cluster(spark, out, rows_per_s, every, max_restarts=0):
+def _rate_stream_cluster(spark, out, rows_per_s, every, max_restarts=0, slow=(None, 0)):
     """A rate stream of ``id``s and 2 nodes training on it
-    (streamfuns.checkpointed_ids, a checkpoint every ``every`` micro-batches)."""
+    (streamfuns.checkpointed_ids, a checkpoint every ``every`` micro-batches;
+    ``slow``: its micro-batch and step)."""
     out.mkdir()
     df = (spark.readStream.format("rate").option("rowsPerSecond", rows_per_s)
           .option("numPartitions", 2).load().selectExpr("value AS id"))
     cluster = run(spark.sparkContext, streamfuns.checkpointed_ids,
-                  {"out": str(out), "step": 0.02, "batch": 20, "every": every},
+                  {"out": str(out), "step": 0.02, "batch": 20, "every": every, "slow": slow},
                   num_executors=2, input_mode=InputMode.SPARK, reservation_timeout=60,
                   heartbeat_timeout=4, max_restarts=max_restarts)
     return df, cluster
@@ -102,14 +103,18 @@ def test_rate_stream_node_killed_restarts_and_resumes_from_its_checkpoint(local_
     micro-batches after them are fed again from the stream's feed log (Spark
     had committed some), and every row the query produced is trained once."""
     out, ckpt = tmp_path / "out", str(tmp_path / "ckpt")
-    df, cluster = _rate_stream_cluster(local_spark, out, 300, every=3, max_restarts=1)
+    # micro-batch 5, after which the nodes checkpoint, is slow in their
+    # first run (0.5 s a step): the victim cannot finish it between the wait
+    # and the kill, however loaded the machine is
+    df, cluster = _rate_stream_cluster(local_spark, out, 300, every=3, max_restarts=1,
+                                       slow=(5, 0.5))
     try:
         query = cluster.train_stream(df, checkpoint_location=ckpt, feed_timeout=60,
                                      trigger={"processingTime": "500 milliseconds"})
         victim = streamfuns.wait_for(
-            "node 1 in a micro-batch after its checkpoint",
-            lambda: (lambda s: s if len(s.get("done", [])) >= 4 and s.get("read", 0) > 0
-                     and s["micro_batch"] not in s["done"] else None)(
+            "node 1 in micro-batch 5, after its checkpoint",
+            lambda: (lambda s: s if s.get("micro_batch") == 5 and s.get("read", 0) > 0
+                     and 5 not in s["done"] else None)(
                 streamfuns.live(str(out), 1)))
         os.kill(victim["pid"], signal.SIGKILL)
         streamfuns.wait_for("the restarted nodes to read 3 micro-batches",
@@ -148,7 +153,10 @@ def test_driver_killed_mid_stream_and_started_again(tmp_path):
     driver = [sys.executable, os.path.join(os.path.dirname(__file__), "stream_driver.py"),
               str(src), str(out), ckpt]
     with open(tmp_path / "driver-1.log", "w") as log:
-        first = subprocess.Popen(driver, stdout=log, stderr=subprocess.STDOUT,
+        # micro-batch 3's steps are slow (0.5 s) in this first run: the nodes,
+        # which read its end in 0.4 s at the usual pace, were seen finishing it
+        # between the wait below and the kill on a loaded machine
+        first = subprocess.Popen(driver + ["3"], stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
     try:
         _wait_mid(out, 0, 3, per_file / 2 - 25)
