@@ -1,12 +1,13 @@
 """One feeding task per fed node: ``train()``'s data grouped by node, without a shuffle.
 
-Partition ``p`` of a ``train()`` call goes to fed node ``p % n``.  Fed one
+Partition ``p`` of a ``train()`` call goes to fed node ``p % n``, or as the
+call's routes say (:mod:`ember._routing`).  Fed one
 Spark task per partition, a node can starve: Spark may run two partitions of
 node 0 at once while node 1 has no feeder, and under a synchronous strategy
 (an all-reduce every step) node 0 then stops consuming, waiting for node 1,
 so both feeding tasks block until the feed timeout.  Grouped, task ``i``
-feeds node ``i``'s partitions (``p ≡ i mod n``, increasing) one after the
-other, so every node has its feeder as soon as the job has ``n`` slots.
+feeds node ``i``'s partitions (``_routing.node_partitions``, increasing) one
+after the other, so every node has its feeder as soon as the job has ``n`` slots.
 
 The grouping is ``ember.spark.NodeGroups`` (Ember's Spark jar): a
 ``PartitionCoalescer``, so a narrow dependency, no shuffle.  The feeding task
@@ -30,15 +31,18 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import threading
 from collections import deque
-from typing import Any, Deque, Iterator, List, Optional, Set, Tuple
+from typing import AbstractSet, Any, Deque, Iterator, List, Optional, Sequence, Set, Tuple
 
 from pyspark.serializers import (AutoBatchedSerializer, BatchedSerializer, CloudPickleSerializer,
                                  FramedSerializer, PickleSerializer, SpecialLengths,
                                  UTF8Deserializer, read_int)
 
 from ember.errors import EmberError
+
+logger = logging.getLogger("ember.grouping")
 
 #: The feeding task's mark of a partition's start in a grouped RDD.
 BOUNDARY = type("PartitionBoundary", (), {"__repr__": lambda self: "<partition boundary>"})()
@@ -48,11 +52,6 @@ PARTITION_COLUMN = "__ember_partition__"
 _JAVA_CLASS = "ember.spark.NodeGroups"
 _jar_lock = threading.Lock()  # one ADD JAR per driver
 _PICKLES = (PickleSerializer, CloudPickleSerializer)
-
-
-def node_partitions(node: int, first: int, parts: int, nodes: int) -> List[int]:
-    """The call's partitions that fed node ``node`` gets, in the order its task feeds them."""
-    return list(range(first + (node - first) % nodes, parts, nodes))
 
 
 # --------------------------------------------------------------------------- driver
@@ -116,12 +115,20 @@ def _readable(ser: Any) -> bool:
     return type(ser) in _PICKLES or type(ser) is UTF8Deserializer
 
 
-def group_rdd(rdd: Any, groups: Any, nodes: int, first: int) -> Tuple[Any, Any]:
+#: A grouped call's wish for routes: (partitions per epoch, each fed node's
+#: host names); see :func:`ember._routing.local_routes`.
+LocalTo = Tuple[int, Sequence[AbstractSet[str]]]
+
+
+def group_rdd(rdd: Any, groups: Any, nodes: int, first: int,
+              local_to: Optional[LocalTo] = None) -> Tuple[Any, Any, Optional[Tuple[int, ...]]]:
     """``rdd`` as one partition per fed node (``groups``: the JVM class from
     :func:`java_class`), each source partition's records preceded by
-    :data:`BOUNDARY`; and the function ``f(split, records)`` the feeding task
+    :data:`BOUNDARY`; the function ``f(split, records)`` the feeding task
     applies to each source partition (a ``PipelinedRDD``'s Python pipeline,
-    as PySpark runs it; None for none)."""
+    as PySpark runs it; None for none); and the call's routes, chosen from
+    where the partitions are when ``local_to`` asks for them (None:
+    round-robin)."""
     from pyspark import RDD
     from pyspark.rdd import PipelinedRDD
 
@@ -133,19 +140,54 @@ def group_rdd(rdd: Any, groups: Any, nodes: int, first: int) -> Tuple[Any, Any]:
         if not _readable(rdd._jrdd_deserializer):  # pairs, raw bytes: pickle them
             rdd = rdd.map(lambda x: x)
         jrdd, ser, func = rdd._jrdd, rdd._jrdd_deserializer, None
-    grouped = groups.groupPython(jrdd, nodes, first, count)
-    return RDD(grouped, rdd.ctx, BoundaryDeserializer(ser)), func
+    routes = _routes(groups, jrdd.rdd(), local_to)
+    grouped = groups.groupPython(jrdd, nodes, first, count, _java_routes(rdd.ctx, routes))
+    return RDD(grouped, rdd.ctx, BoundaryDeserializer(ser)), func, routes
 
 
-def group_dataframe(df: Any, groups: Any, nodes: int, first: int, expected: int) -> Any:
-    """``df`` plus :data:`PARTITION_COLUMN` as one partition per fed node."""
+def group_dataframe(df: Any, groups: Any, nodes: int, first: int, expected: int,
+                    local_to: Optional[LocalTo] = None) -> Tuple[Any, Optional[Tuple[int, ...]]]:
+    """``df`` plus :data:`PARTITION_COLUMN` as one partition per fed node, and
+    the call's routes (as :func:`group_rdd`)."""
     from pyspark.sql import DataFrame
     from pyspark.sql.functions import spark_partition_id
 
     # spark_partition_id() is nondeterministic: the optimizer keeps it where
     # it is, over the epochs' union, so it numbers the union's partitions
     tagged = df.withColumn(PARTITION_COLUMN, spark_partition_id())
-    return DataFrame(groups.groupRows(tagged._jdf, nodes, first, expected), df.sparkSession)
+    rows = groups.rowsOf(tagged._jdf)
+    routes = _routes(groups, rows, local_to)
+    grouped = groups.groupRows(tagged._jdf, rows, nodes, first, expected,
+                               _java_routes(df.sparkSession.sparkContext, routes))
+    return DataFrame(grouped, df.sparkSession), routes
+
+
+def _routes(groups: Any, jrdd: Any, local_to: Optional[LocalTo]) -> Optional[Tuple[int, ...]]:
+    """Routes giving each fed node the partitions held on its host
+    (:func:`ember._routing.local_routes`) of the JVM RDD ``jrdd`` (the epochs'
+    union: its first ``per_epoch`` partitions are the data's), or None."""
+    from ember import _routing
+
+    if local_to is None:
+        return None
+    per_epoch, node_hosts = local_to
+    where = [set().union(*(_routing.host_names(str(h)) for h in hosts))
+             for hosts in groups.hosts(jrdd, per_epoch)]
+    routes = _routing.local_routes(where, node_hosts)
+    if routes is None:
+        return None
+    logger.info(f"train: each node gets the partitions held on its host (routes {routes})")
+    return tuple(routes)
+
+
+def _java_routes(sc: Any, routes: Optional[Sequence[int]]) -> Any:
+    """``routes`` as a Java int[] (None: round-robin)."""
+    if not routes:
+        return None
+    array = sc._gateway.new_array(sc._jvm.int, len(routes))
+    for i, n in enumerate(routes):
+        array[i] = int(n)
+    return array
 
 
 class InputBroken(EmberError, RuntimeError):

@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from ember import _ember, _gpu, _log, executor
+from ember import _ember, _gpu, _log, _routing, executor
 from ember import mlflow as _mlflow
 from ember._env import bind_host
 from ember.errors import (EmberError, EmberFeedError, EmberJobError, EmberNodeError,
@@ -773,6 +773,10 @@ class Cluster:
                         encrypt=bool(self.encrypt), first=first,
                         parts=parts, per_epoch=per_epoch, qname=qname, stream=stream,
                         report=self._report_channel(), micro_batch=micro_batch)
+        # Each node gets the partitions held on its host where round-robin
+        # would send them elsewhere (ember._routing), so that its feeding
+        # task reads them where they are cached
+        local_to = (per_epoch, [_routing.host_names(host) for host, _, _ in targets])
         # One feeding task per fed node (ember._grouping), so that no node is
         # left without a feeder whatever Spark's scheduler runs first.  Grouped
         # in the job's own thread: py4j finds Ember's class through the
@@ -784,27 +788,31 @@ class Cluster:
                 from ember import _grouping
 
                 groups = _grouping_class(sc) if self._group_feeds else None
-                data = source if groups is None else \
-                    _grouping.group_dataframe(source, groups, nodes, first, count)
-                fn = executor.arrow_feeder(dataclasses.replace(call, grouped=groups is not None),
-                                           self.chunk_bytes, tensors, self._fault_feed_fail_at)
+                data, routes = (source, None) if groups is None else \
+                    _grouping.group_dataframe(source, groups, nodes, first, count, local_to)
+                fn = executor.arrow_feeder(
+                    dataclasses.replace(call, grouped=groups is not None, routes=routes),
+                    self.chunk_bytes, tensors, self._fault_feed_fail_at)
                 return sum(r[0] for r in data.mapInArrow(fn, "fed long").collect())
         else:
             def action() -> int:
                 from ember import _grouping
 
                 groups = _grouping_class(sc) if self._group_feeds else None
-                data, upstream = (source, None) if groups is None else \
-                    _grouping.group_rdd(source, groups, nodes, first)
-                fn = executor.rdd_feeder(dataclasses.replace(call, grouped=groups is not None),
-                                         self.chunk_rows, upstream)
+                data, upstream, routes = (source, None, None) if groups is None else \
+                    _grouping.group_rdd(source, groups, nodes, first, local_to)
+                fn = executor.rdd_feeder(
+                    dataclasses.replace(call, grouped=groups is not None, routes=routes),
+                    self.chunk_rows, upstream)
                 return data.mapPartitions(fn).sum()
         logger.info(f"train: feeding {count} partitions ({epochs - first_epoch} epoch(s)"
                     + (f": {first_epoch}..{epochs - 1}" if first_epoch else "")
                     + f") to {len(targets)} node(s)")
-        # Partition p feeds node p % n.  A node given no partition would wait for
-        # data forever while its peers wait for it in their collectives: end its
-        # feed now, so it stops and a synchronous loop stops with it.
+        # Partition p feeds node p % n (routes, chosen in the job, only ever
+        # reorder an epoch among all nodes).  A node given no partition would
+        # wait for data forever while its peers wait for it in their
+        # collectives: end its feed now, so it stops and a synchronous loop
+        # stops with it.
         fed_nodes = {p % len(targets) for p in range(first, min(parts, first + len(targets)))}
         for i, (host, port, name) in enumerate(targets):
             if i in fed_nodes:

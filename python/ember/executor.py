@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ember import _ember, _gpu
+from ember import _ember, _gpu, _routing
 from ember.errors import EmberFeedError, EmberNodeError, from_core, in_context
 
 #: A fed node as its feeding tasks reach it: (host, feed port, name for messages).
@@ -34,7 +34,7 @@ class FeedCall:
     """One feed call (a ``train()`` or ``inference()``) as its feeding tasks see it.
 
     :param targets: the fed nodes (chief and workers, in index order); partition
-        ``p`` goes to ``targets[p % len(targets)]``.
+        ``p`` goes to ``targets[p % len(targets)]``, or as ``routes`` say.
     :param secret: the job secret the nodes' feed servers check.
     :param seq: the call's id (the feed's 64-bit call number).
     :param timeout: seconds each feed operation may wait (``feed_timeout``).
@@ -44,6 +44,8 @@ class FeedCall:
     :param parts: ``train()``: the end of the call's partitions; task ``i``
         feeds partition ``first + i``, of epoch ``p // per_epoch``.
     :param per_epoch: partitions per epoch (0: not told to the nodes).
+    :param routes: ``train()``: the fed node of each of the data's partitions,
+        the same every epoch (:mod:`ember._routing`); None: round-robin.
     :param grouped: task ``i`` feeds fed node ``i`` all its partitions of the
         call, one after the other (:mod:`ember._grouping`).
     :param labelled: every row names its partition of the call
@@ -82,10 +84,16 @@ class FeedCall:
     micro_batch: Optional[int] = None
     encrypt: bool = False
     coordinator: Optional[Tuple[str, int]] = None
+    routes: Optional[Tuple[int, ...]] = None
 
     def target(self, p: int) -> Target:
         """The node that gets partition ``p``."""
-        return self.targets[p % len(self.targets)]
+        return self.targets[_routing.node_of(p, len(self.targets), self.routes)]
+
+    def node_partitions(self, node: int) -> List[int]:
+        """The call's partitions that fed node ``node`` gets, in feeding order."""
+        return _routing.node_partitions(node, self.first, self.parts, len(self.targets),
+                                        self.routes)
 
 
 # --------------------------------------------------------------------------- nodes
@@ -221,8 +229,7 @@ def rdd_feeder(call: FeedCall, chunk_rows: int,
         assert ctx is not None  # a Spark task
         task = ctx.partitionId()
         if call.grouped:
-            work: Any = _grouping.partitions(iterator, _grouping.node_partitions(
-                task, call.first, call.parts, len(call.targets)))
+            work: Any = _grouping.partitions(iterator, call.node_partitions(task))
         else:
             work = [(call.first + task, iterator)]
         total = 0
@@ -342,8 +349,7 @@ def arrow_feeder(call: FeedCall, chunk_bytes: int, tensors: Dict[str, Any],
         if call.labelled:
             work: Any = _grouping.arrow_partitions(source, None, call.first)
         elif call.grouped:
-            work = _grouping.arrow_partitions(source, _grouping.node_partitions(
-                task, call.first, call.parts, len(call.targets)), call.first)
+            work = _grouping.arrow_partitions(source, call.node_partitions(task), call.first)
         else:
             work = [(call.first + task, source)]
         total = 0
@@ -482,10 +488,10 @@ def partition_client(call: FeedCall, p: int) -> Any:
             host, port, call.secret, p, want_results=call.want_results, timeout_s=timeout,
             encrypt=call.encrypt,
             resume=not call.want_results, call=call.seq,
-            call_partitions=0 if call.want_results else node_share(p, call.first, call.parts,
-                                                                   nodes),
+            call_partitions=0 if call.want_results else _routing.node_share(
+                p, call.first, call.parts, nodes, call.routes),
             tag=partition_tag(call.per_epoch, call.first, call.parts, nodes, call.qname,
-                              call.want_results, call.stream, call.micro_batch))
+                              call.want_results, call.stream, call.micro_batch, call.routes))
 
     if call.coordinator is None:
         return connect(call.timeout)
@@ -532,27 +538,24 @@ def ask_coordinator(address: Tuple[str, int], secret: bytes, encrypt: bool, seq:
     return dict(json.loads(str(reply[0] if isinstance(reply, (list, tuple)) else reply)))
 
 
-def node_share(p: int, first: int, parts: int, nodes: int) -> int:
-    """How many of the call's partitions ``first..parts-1`` (round-robin over
-    ``nodes``) go to the node that gets partition ``p``: the feed ends the
-    call for that node after as many partition ends (CALL_END, ember/feed.h)."""
-    return len(range(first + (p - first) % nodes, parts, nodes))
-
-
 def partition_tag(per_epoch: int, first: int, parts: int, nodes: int, qname: str,
-                  want_results: bool, stream: bool, micro_batch: Optional[int] = None) -> bytes:
+                  want_results: bool, stream: bool, micro_batch: Optional[int] = None,
+                  routes: Optional[Tuple[int, ...]] = None) -> bytes:
     """A partition's description for the node (the feed's START tag, read by
     ``DataFeed``): the node's queue, whether results are wanted, whether the
     call is one micro-batch of a stream, and in train() the plan: partitions
     per epoch (partition ``p`` is of epoch ``p // per_epoch``), the call's
     first and end partition and the number of fed nodes, so the node can tell
     when all its partitions of an epoch have ended (``DataFeed.epochs_done``),
-    and the stream micro-batch the call is."""
+    with the call's routes when it has them, and the stream micro-batch the
+    call is."""
     tag: Dict[str, Any] = {"queue": qname, "results": want_results, "stream": stream}
     if micro_batch is not None:
         tag["micro_batch"] = micro_batch
     if per_epoch and not want_results:
         tag["plan"] = [per_epoch, first, parts, nodes]
+        if routes:
+            tag["routes"] = list(routes)
     return json.dumps(tag, separators=(",", ":")).encode()
 
 

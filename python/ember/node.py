@@ -21,7 +21,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ember import _columns, _ember
+from ember import _columns, _ember, _routing
 from ember.errors import FeedProducerError
 
 #: The code of the control-channel progress REPORT by which a node tells the
@@ -175,7 +175,8 @@ class DataFeed:
         self._epochs: Dict[int, int] = {}  # partition -> its epoch, from the partitions' tags
         # the call's (partitions per epoch, first, end, fed nodes, this node's
         # residue): partitions first..end-1 go round-robin, from the partitions' tags
-        self._plan: Optional[Tuple[int, int, int, int, int]] = None
+        # train(): per epoch, first, end, nodes, routes, this node (ember._routing)
+        self._plan: Optional[Tuple[int, int, int, int, Tuple[int, ...], int]] = None
         #: the epoch (within its train() call) of the last batch ``next_batch``
         #: returned; None before the first, and for data of ``inference``
         self.epoch: Optional[int] = None
@@ -245,8 +246,10 @@ class DataFeed:
                 plan = tag.get("plan")
                 if plan:
                     per_epoch, first, end, nodes = (int(v) for v in plan)
+                    routes = tuple(int(n) for n in tag.get("routes") or ())
                     self._epochs[item.partition] = item.partition // per_epoch
-                    self._plan = (per_epoch, first, end, nodes, item.partition % nodes)
+                    self._plan = (per_epoch, first, end, nodes, routes,
+                                  _routing.node_of(item.partition, nodes, routes))
                 if await_round and new:
                     return _ROUND
                 continue
@@ -370,11 +373,12 @@ class DataFeed:
         """
         if self._plan is None:
             return None
-        per_epoch, first, end, nodes, mine = self._plan
+        per_epoch, first, end, nodes, routes, mine = self._plan
         e = first // per_epoch
         while e * per_epoch < end:
             lo, hi = max(first, e * per_epoch), min(end, (e + 1) * per_epoch)
-            if any(p not in self._call_ended for p in range(lo + (mine - lo) % nodes, hi, nodes)):
+            if any(p not in self._call_ended
+                   for p in _routing.node_partitions(mine, lo, hi, nodes, routes)):
                 break
             e += 1
         return e

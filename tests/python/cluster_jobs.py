@@ -122,21 +122,27 @@ def crosshost_node(args: Any, ctx: Any) -> None:
         address=socket.gethostbyname(socket.gethostname())))
 
 
-def _noting_feeder_host(out: str, p: int, rows: Iterator[Any]) -> Iterator[Any]:
+def _noting_feeder_host(out: str, name: str, p: int, rows: Iterator[Any]) -> Iterator[Any]:
     """Partition ``p``'s rows, after noting the host of the task that feeds
-    them (the same task: a narrow transformation); partition 0 after 3 s."""
-    with open(os.path.join(out, f"feeder-{p}.host"), "w") as f:
+    them (the same task: a narrow transformation) in ``<name>-<p>.host``;
+    ``feeder``'s partition 0 after 3 s."""
+    with open(os.path.join(out, f"{name}-{p}.host"), "w") as f:
         f.write(socket.gethostname())
-    if p == 0:
+    if name == "feeder" and p == 0:
         time.sleep(3)
     return rows
+
+
+def _noted_hosts(out: str, name: str) -> Dict[int, str]:
+    return {int(f[len(name) + 1:-len(".host")]): open(os.path.join(out, f)).read()
+            for f in os.listdir(out) if f.startswith(name + "-") and f.endswith(".host")}
 
 
 def crosshost(spark: Any, out: str) -> None:
     from ember.spark import InputMode, run
 
     sc, nodes = spark.sparkContext, 3
-    per_call = 6000  # two calls: an RDD, then a DataFrame
+    per_call = 6000  # three calls: an RDD, a DataFrame, a cached RDD
     args = argparse.Namespace(out=out)
     cluster = run(sc, crosshost_node, args, num_executors=nodes, input_mode=InputMode.SPARK,
                   master_node=None, reservation_timeout=120)
@@ -150,21 +156,32 @@ def crosshost(spark: Any, out: str) -> None:
     # task per node wherever Spark has a free executor, which may be each
     # node's own host.)
     rdd = (sc.parallelize([(i, float(i)) for i in range(per_call)], 12)
-           .mapPartitionsWithIndex(functools.partial(_noting_feeder_host, out)))
+           .mapPartitionsWithIndex(functools.partial(_noting_feeder_host, out, "feeder")))
     cluster._group_feeds = False
     fed_rdd = cluster.train(rdd, 1)
     cluster._group_feeds = True
-    feeders = {int(f[len("feeder-"):-len(".host")]): open(os.path.join(out, f)).read()
-               for f in os.listdir(out) if f.startswith("feeder-")}
+    feeders = _noted_hosts(out, "feeder")
     df = spark.createDataFrame([(per_call + i, float(i)) for i in range(per_call)],
                                "id long, x double").repartition(12)
     fed_df = cluster.train(df, 1)
+    # Cached wherever the caching job's tasks ran: each node should get the
+    # partitions cached on its host (ember._routing), in both epochs
+    cached = sc.parallelize([(2 * per_call + i, float(i)) for i in range(per_call)], 12).cache()
+    cached.count()
+    fed_cached = cluster.train(cached.mapPartitionsWithIndex(
+        functools.partial(_noting_feeder_host, out, "cached")), 2)
+    jsc = sc._jsc.sc()
+    cached_at = {}
+    for p in range(12):
+        where = jsc.getPreferredLocs(cached._jrdd.rdd(), p)  # "executor_<host>_<id>"
+        cached_at[p] = [str(where.apply(j).host()) for j in range(where.size())]
     port = cluster._server.port
     listening = {str(k): v for k, v in _listening([port]).items()}
     cluster.shutdown()
     dump(os.path.join(out, "driver.json"), dict(
-        placed=placed, fed=[fed_rdd, fed_df], feeders=feeders, driver_host=socket.gethostname(),
-        listening=listening, rendezvous_port=port))
+        placed=placed, fed=[fed_rdd, fed_df, fed_cached], feeders=feeders,
+        cached_at=cached_at, cached_feeders=_noted_hosts(out, "cached"),
+        driver_host=socket.gethostname(), listening=listening, rendezvous_port=port))
 
 
 # --------------------------------------------------------------------------- transform

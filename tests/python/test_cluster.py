@@ -185,9 +185,11 @@ def test_feed_and_collectives_cross_hosts_over_tcp(hosts, tmp_path):
     spark_hosts = {p["index"]: p["executor"].rsplit(":", 1)[0] for p in driver["placed"]}
     assert {p["index"]: p["host"] for p in driver["placed"]} == spark_hosts
     assert sorted(spark_hosts.values()) == [hosts.sim.addr(w) for w in WORKERS]
-    # every record of both calls arrived exactly once
-    assert driver["fed"] == [6000, 6000]
-    assert sorted(r for n in nodes for r in n["rows"]) == list(range(12000))
+    # every record of the first two calls arrived exactly once, of the
+    # cached one (2 epochs) twice
+    assert driver["fed"] == [6000, 6000, 12000]
+    assert sorted(r for n in nodes for r in n["rows"]) == \
+        sorted(list(range(12000)) + 2 * list(range(12000, 18000)))
     for n in nodes:
         # the feed counted exactly the data records (partition and call ends
         # travel as feed frames, not as records)
@@ -206,6 +208,16 @@ def test_feed_and_collectives_cross_hosts_over_tcp(hosts, tmp_path):
     for i in range(3):  # node-{i}.json is the node of index (worker_num) i
         feed = nodes[i]["feed"]
         assert feed["partitions_acked"] - feed["shm_producers"] >= crossed[i], (i, crossed, feed)
+    # The cached call: each node got the partitions cached on its host, as
+    # many as equal shares (4 of the 12 per node) allow; round-robin would
+    # have sent most elsewhere (ember._routing)
+    cached_at = {int(p): hs for p, hs in driver["cached_at"].items()}
+    assert all(len(hs) == 1 for hs in cached_at.values()), cached_at
+    got = {(r - 12000) // 500: i for i, n in enumerate(nodes) for r in n["rows"] if r >= 12000}
+    local = sum(node_addr[got[p]] == hosts.sim.addr(cached_at[p][0]) for p in range(12))
+    per_host = collections.Counter(hs[0] for hs in cached_at.values())
+    assert local == sum(min(c, 4) for c in per_host.values()), \
+        (got, cached_at, driver["cached_feeders"])
     for n in nodes:
         assert n["transports"] == ["self" if r == n["rank"] else "tcp" for r in range(3)]
         assert n["allreduce_ok"]

@@ -12,6 +12,7 @@ import pytest
 
 import nodefuns
 from conftest import read_json_files
+from ember import _routing
 from ember.errors import EmberFeedError
 from ember.spark import InputMode, run
 
@@ -214,8 +215,8 @@ def test_grouped_feed_splits_at_partition_boundaries():
         list(g.partitions([B, 1], [0, 2]))
     with pytest.raises(RuntimeError, match="holds more than"):
         list(g.partitions([B, 1, B], [0]))
-    assert g.node_partitions(1, 0, 10, 2) == [1, 3, 5, 7, 9]
-    assert g.node_partitions(0, 3, 10, 2) == [4, 6, 8]  # a feed resumed at partition 3
+    assert _routing.node_partitions(1, 0, 10, 2) == [1, 3, 5, 7, 9]
+    assert _routing.node_partitions(0, 3, 10, 2) == [4, 6, 8]  # a feed resumed at partition 3
     ids = pa.array([0, 0, 2, 2, 2], pa.int32())  # partitions 10 and 12 of the call
     rb = pa.RecordBatch.from_pydict({"x": [1, 2, 3, 4, 5], g.PARTITION_COLUMN: ids})
     got = [(p, [b.to_pydict() for b in r])
@@ -223,6 +224,30 @@ def test_grouped_feed_splits_at_partition_boundaries():
     assert got == [(10, [{"x": [1, 2]}]), (12, [{"x": [3, 4, 5]}]), (14, [])]
     with pytest.raises(RuntimeError, match="partition 12 came after 10"):
         list(g.arrow_partitions([rb], [10, 14], 10))
+
+
+def test_routes_give_each_node_the_partitions_on_its_host():
+    """Partitions cached on hosts b, a, a, b for nodes on a and b: each node
+    gets the two on its host, in every epoch; a resumed call and the nodes'
+    epoch accounting route the same way."""
+    a, b = {"a", "10.0.0.1"}, {"b", "10.0.0.2"}
+    routes = _routing.local_routes([b, a, a, b], [a, b])
+    assert routes == [1, 0, 0, 1]
+    assert _routing.node_partitions(0, 0, 12, 2, routes) == [1, 2, 5, 6, 9, 10]
+    assert _routing.node_partitions(1, 4, 12, 2, routes) == [4, 7, 8, 11]  # resumed at epoch 1
+    assert [_routing.node_share(p, 0, 12, 2, routes) for p in range(4)] == [6, 6, 6, 6]
+    assert _routing.node_of(6, 2, routes) == 0 and _routing.node_of(6, 2) == 0
+    # round-robin already local, or nothing known, or one host for all: no routes
+    assert _routing.local_routes([a, b, a, b], [a, b]) is None
+    assert _routing.local_routes([set()] * 4, [a, b]) is None
+    assert _routing.local_routes([a | b] * 4, [a, b]) is None
+    assert _routing.local_routes([a, a, b, b], [a, b]) == [0, 0, 1, 1]
+    # shares stay equal: three of four on host a, so one of them goes to b
+    assert _routing.local_routes([b, a, a, a], [a, b]) == [1, 0, 0, 1]
+    # a count the nodes do not divide keeps round-robin (epochs alternate its extra one)
+    assert _routing.local_routes([b, a, a], [a, b]) is None
+    # a partition held on two hosts goes where there is room
+    assert _routing.local_routes([b, a | b, a, b], [a, b]) == [1, 0, 0, 1]
 
 
 def test_fewer_task_slots_than_fed_nodes_is_warned(caplog):

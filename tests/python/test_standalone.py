@@ -45,7 +45,7 @@ def test_feeding_tasks_prefer_distinct_executors_caching_their_partitions(cluste
         rdd.count()  # caches it: the next grouping runs before any other job
         chosen = {}
         for first in (0, 1):  # the call's numbering shifts which partitions a node gets
-            grouped = _grouping.java_class(sc).groupPython(rdd._jrdd, 2, first, 8).rdd()
+            grouped = _grouping.java_class(sc).groupPython(rdd._jrdd, 2, first, 8, None).rdd()
             chosen[first] = [locations(grouped, g) for g in range(2)]
         rdd.count()  # a job: the scheduler now knows where the blocks are
         cached = {i: locations(rdd._jrdd.rdd(), i) for i in range(8)}

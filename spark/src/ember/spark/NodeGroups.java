@@ -8,6 +8,7 @@ import java.util.List;
 import java.util.Map;
 import java.util.Set;
 import java.util.TreeMap;
+import java.util.TreeSet;
 
 import org.apache.spark.NarrowDependency;
 import org.apache.spark.Partition;
@@ -32,7 +33,9 @@ import scala.Option;
  * The feeding job of {@code Cluster.train()}: one task per fed node, which
  * feeds that node's partitions one after the other.
  *
- * <p>Why: partition {@code p} of a call goes to node {@code p % nodes}.  With
+ * <p>Why: partition {@code p} of a call goes to node {@code p % nodes}, or
+ * to the node its call's routes name ({@code routes[p % routes.length]}, the
+ * same in every epoch: {@code ember._routing}).  With
  * one task per partition, Spark may run two partitions of node 0 at once while
  * node 1 has no feeder; under a synchronous strategy node 0 then stops
  * consuming (it waits in an all-reduce for node 1) and every feeding task
@@ -41,7 +44,7 @@ import scala.Option;
  *
  * <p>The grouping is a {@link PartitionCoalescer} (no shuffle): group
  * {@code i} holds the parent partitions {@code idx} with
- * {@code (first + idx) % nodes == i}, in increasing order, which
+ * {@code (first + idx)} routed to node {@code i}, in increasing order, which
  * {@code CoalescedRDD} computes one after the other.
  *
  * <p>Each group prefers the location most of its partitions prefer (for
@@ -63,20 +66,37 @@ public final class NodeGroups implements PartitionCoalescer, ScalaSerializable {
   private final int nodes;
   private final int first;
   private final int expected;
+  private final int[] routes;
 
   /**
    * @param nodes the fed nodes (groups)
    * @param first the call's number of the parent's partition 0
    * @param expected the parent's partitions, as the driver counted them (a
    *     mismatch would route partitions to the wrong node: fail instead)
+   * @param routes the node of each of the data's partitions, every epoch
+   *     (null or empty: round-robin)
    */
-  public NodeGroups(int nodes, int first, int expected) {
+  public NodeGroups(int nodes, int first, int expected, int[] routes) {
     if (nodes < 1) {
       throw new IllegalArgumentException("ember: NodeGroups needs at least one node");
     }
     this.nodes = nodes;
     this.first = first;
     this.expected = expected;
+    this.routes = routes == null || routes.length == 0 ? null : routes.clone();
+    if (this.routes != null) {
+      for (int n : this.routes) {
+        if (n < 0 || n >= nodes) {
+          throw new IllegalArgumentException("ember: a route to node " + n + " of " + nodes);
+        }
+      }
+    }
+  }
+
+  /** The group (fed node) of the parent's partition {@code idx}. */
+  private int groupOf(int idx) {
+    long p = first + (long) idx;
+    return routes == null ? (int) (p % nodes) : routes[(int) (p % routes.length)];
   }
 
   @Override
@@ -93,7 +113,7 @@ public final class NodeGroups implements PartitionCoalescer, ScalaSerializable {
     }
     for (int idx = 0; idx < parts.length; idx++) {
       // $plus$eq is ArrayBuffer's += in Scala 2.12 and 2.13 (2.12 has no addOne)
-      groups[(int) ((first + (long) idx) % nodes)].partitions().$plus$eq(parts[idx]);
+      groups[groupOf(idx)].partitions().$plus$eq(parts[idx]);
     }
     return groups;
   }
@@ -113,7 +133,7 @@ public final class NodeGroups implements PartitionCoalescer, ScalaSerializable {
     }
     Map<Integer, List<List<String>>> cached = new HashMap<>();
     for (int idx = 0; idx < count; idx++) {
-      Map<String, Integer> group = votes.get((int) ((first + (long) idx) % nodes));
+      Map<String, Integer> group = votes.get(groupOf(idx));
       for (String where : locations(parent, idx, cached, new HashSet<>())) {
         group.merge(where, 1, Integer::sum);
       }
@@ -230,9 +250,37 @@ public final class NodeGroups implements PartitionCoalescer, ScalaSerializable {
     });
   }
 
-  static <T> RDD<T> group(RDD<T> rdd, int nodes, int first, int expected) {
-    NodeGroups coalescer = new NodeGroups(nodes, first, expected);
+  static <T> RDD<T> group(RDD<T> rdd, int nodes, int first, int expected, int[] routes) {
+    NodeGroups coalescer = new NodeGroups(nodes, first, expected, routes);
     return rdd.coalesce(nodes, false, Option.<PartitionCoalescer>apply(coalescer), null);
+  }
+
+  /**
+   * The hosts holding each of {@code rdd}'s partitions {@code 0..count-1}, as
+   * the scheduler would place them (the executors caching a block, else the
+   * partition's preferred hosts, through narrow dependencies): what the
+   * driver chooses a call's routes from.
+   */
+  public static String[][] hosts(RDD<?> rdd, int count) {
+    Map<Integer, List<List<String>>> cached = new HashMap<>();
+    String[][] out = new String[count][];
+    for (int idx = 0; idx < count; idx++) {
+      Set<String> hosts = new TreeSet<>();
+      for (String where : locations(rdd, idx, cached, new HashSet<>())) {
+        hosts.add(TaskLocation.apply(where).host());
+      }
+      out[idx] = hosts.toArray(new String[0]);
+    }
+    return out;
+  }
+
+  /**
+   * A DataFrame's rows ({@code queryExecution().toRdd()}), for {@link #hosts}
+   * and {@link #groupRows}: made once, as making them may run the plan's
+   * shuffles (adaptive execution).
+   */
+  public static RDD<InternalRow> rowsOf(Dataset<Row> df) {
+    return Plans.rows(df);
   }
 
   /**
@@ -242,9 +290,10 @@ public final class NodeGroups implements PartitionCoalescer, ScalaSerializable {
    * next partition (neither a pickle nor a text line is ever null).
    */
   public static JavaRDD<Object> groupPython(JavaRDD<Object> rdd, int nodes, int first,
-                                            int expected) {
+                                            int expected, int[] routes) {
     JavaRDD<Object> marked = rdd.mapPartitions(new MarkStart<Object>(), true);
-    return JavaRDD.fromRDD(group(marked.rdd(), nodes, first, expected), marked.classTag());
+    return JavaRDD.fromRDD(group(marked.rdd(), nodes, first, expected, routes),
+                           marked.classTag());
   }
 
   /**
@@ -252,10 +301,11 @@ public final class NodeGroups implements PartitionCoalescer, ScalaSerializable {
    * (Spark's {@code spark_partition_id()} in a column): Arrow batches span
    * the partitions of a group.
    */
-  public static Dataset<Row> groupRows(Dataset<Row> df, int nodes, int first, int expected) {
-    // rows are read one at a time downstream (RDDScanExec projects each
-    // before the next), so toRdd's reuse of its row objects is harmless
-    RDD<InternalRow> grouped = group(Plans.rows(df), nodes, first, expected);
+  public static Dataset<Row> groupRows(Dataset<Row> df, RDD<InternalRow> rows, int nodes,
+                                       int first, int expected, int[] routes) {
+    // rows ({@link #rowsOf} df) are read one at a time downstream (RDDScanExec
+    // projects each before the next), so toRdd's reuse of its row objects is harmless
+    RDD<InternalRow> grouped = group(rows, nodes, first, expected, routes);
     return Plans.frame(df, grouped, df.schema());
   }
 
