@@ -329,8 +329,8 @@ test-long: setup
 
 # Every stage of the suite, timed, the independent ones at once
 # (tests/stages.py: set-up beside the C tests and fuzzers, the Python suite in
-# two xdist workers, and from when its first lane ends the compatibility
-# subset, mypy and six of the ten smoke benchmarks, one after the other; make
+# two xdist workers, from when its first lane ends the compatibility subset
+# then mypy, and once it ends six of the ten smoke benchmarks beside them; make
 # bench-smoke runs all ten); it ends with each stage's duration.  The main job runs in
 # tests/python/test_cluster.py, both modes on simulated hosts with the same
 # accuracy bar as demo-quick; where those hosts cannot be made (not root),

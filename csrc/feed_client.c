@@ -49,6 +49,7 @@ struct ember_feed_client {
   int resume_delivered;    /* FEED_RESUME: the partition was delivered whole */
   int broken; /* a send failed half-way or the server refused us */
   int ended;  /* END_PARTITION or END_FEED acknowledged */
+  int end_sent; /* END_PARTITION sent, its ACK not yet read (end_partition_send) */
   char peer[64];
   /* RESULTS that arrived while end_partition waited for the ACK; handed out
    * by recv_results first, in order. */
@@ -449,7 +450,7 @@ static int client_prepare(ember_feed_client *c, const char *what, const ember_co
   int rc = client_usable(c, what);
   if (rc != EMBER_OK) return rc;
   c->pending = PENDING_NONE;
-  if (c->ended)
+  if (c->ended || c->end_sent)
     return ember__set_error(EMBER_ESTATE, "feed %s: partition %u already ended", what,
                             c->partition);
   rc = client_check_refused(c, deadline);
@@ -695,14 +696,23 @@ cleanup:
 
 /* Sends a control frame and waits for its ACK; RESULTS arriving meanwhile
  * are kept for recv_results when the producer asked for them. */
+static int client_await_ack(ember_feed_client *c, int64_t deadline, const char *what);
+
 static int client_request(ember_feed_client *c, uint16_t type, const uint8_t *p, uint32_t len,
                           int64_t timeout_ms, const char *what) {
   int64_t deadline = ember__feed_deadline(timeout_ms);
   int rc = ember_sec_send_frame(c->sec, c->fd, type, p, len, deadline);
   if (rc != EMBER_OK) {
     c->broken = 1;
-    goto cleanup;
+    return rc;
   }
+  return client_await_ack(c, deadline, what);
+}
+
+/* Reads up to the ACK (or REFUSED) of the request sent last, keeping the
+ * RESULTS frames that come before it. */
+static int client_await_ack(ember_feed_client *c, int64_t deadline, const char *what) {
+  int rc;
   for (;;) {
     ember_frame_header fh;
     uint8_t *payload = NULL;
@@ -745,12 +755,12 @@ static int client_end_ring(ember_feed_client *c, int64_t *timeout_ms, const char
   return EMBER_OK;
 }
 
-int ember_feed_client_end_partition(ember_feed_client *c, int64_t timeout_ms) {
+int ember_feed_client_end_partition_send(ember_feed_client *c, int64_t timeout_ms) {
   uint8_t cnt[8];
   int rc = client_usable(c, "end_partition");
   if (rc != EMBER_OK) goto cleanup;
   c->pending = PENDING_NONE; /* a begun batch is dropped */
-  if (c->ended) {
+  if (c->ended || c->end_sent) {
     rc = ember__set_error(EMBER_ESTATE, "feed end_partition: partition %u already ended",
                           c->partition);
     goto cleanup;
@@ -758,18 +768,47 @@ int ember_feed_client_end_partition(ember_feed_client *c, int64_t timeout_ms) {
   ember_wire_put_u64(cnt, c->rows_sent);
   rc = client_end_ring(c, &timeout_ms, "end_partition");
   if (rc != EMBER_OK) goto cleanup;
-  rc = client_request(c, EMBER_MSG_END_PARTITION, cnt, sizeof cnt, timeout_ms, "end_partition");
-  /* Any answer ends the partition on this connection. */
-  if (rc == EMBER_OK || !c->broken) c->ended = 1;
+  rc = ember_sec_send_frame(c->sec, c->fd, EMBER_MSG_END_PARTITION, cnt, sizeof cnt,
+                            ember__feed_deadline(timeout_ms));
+  if (rc != EMBER_OK) {
+    c->broken = 1;
+    goto cleanup;
+  }
+  c->end_sent = 1;
 cleanup:
   return rc;
+}
+
+int ember_feed_client_end_partition_wait(ember_feed_client *c, int64_t timeout_ms) {
+  int rc = client_usable(c, "end_partition");
+  if (rc != EMBER_OK) goto cleanup;
+  if (!c->end_sent) {
+    rc = ember__set_error(EMBER_ESTATE, "feed end_partition: partition %u %s", c->partition,
+                          c->ended ? "already ended" : "was not ended (end_partition_send)");
+    goto cleanup;
+  }
+  rc = client_await_ack(c, ember__feed_deadline(timeout_ms), "end_partition");
+  /* Any answer ends the partition on this connection. */
+  if (rc == EMBER_OK || !c->broken) {
+    c->ended = 1;
+    c->end_sent = 0;
+  }
+cleanup:
+  return rc;
+}
+
+int ember_feed_client_end_partition(ember_feed_client *c, int64_t timeout_ms) {
+  int64_t deadline = ember__feed_deadline(timeout_ms);
+  int rc = ember_feed_client_end_partition_send(c, timeout_ms);
+  if (rc != EMBER_OK) return rc;
+  return ember_feed_client_end_partition_wait(c, ms_left(deadline));
 }
 
 int ember_feed_client_end_feed(ember_feed_client *c, int64_t timeout_ms) {
   int rc = client_usable(c, "end_feed");
   if (rc != EMBER_OK) goto cleanup;
   c->pending = PENDING_NONE; /* a begun batch is dropped */
-  if (c->ended) {
+  if (c->ended || c->end_sent) {
     rc = ember__set_error(EMBER_ESTATE, "feed end_feed: this connection already ended");
     goto cleanup;
   }
@@ -786,7 +825,7 @@ int ember_feed_client_fail(ember_feed_client *c, const char *reason, int64_t tim
   int rc = client_usable(c, "fail");
   if (rc != EMBER_OK) goto cleanup;
   c->pending = PENDING_NONE; /* a begun batch is dropped */
-  if (c->ended) {
+  if (c->ended || c->end_sent) {
     rc = ember__set_error(EMBER_ESTATE, "feed fail: partition %u already ended", c->partition);
     goto cleanup;
   }

@@ -849,7 +849,7 @@ static PyObject *FeedClient_recv_results(PyObject *op, PyObject *arg) {
   return res;
 }
 
-/* end_partition / end_feed share this shape: fn(client, timeout). */
+/* end_partition (and its halves) / end_feed share this shape: fn(client, timeout). */
 static PyObject *client_timed_call(PyObject *op, PyObject *arg,
                                    int (*fn)(ember_feed_client *, int64_t)) {
   FeedClientObject *self = (FeedClientObject *)op;
@@ -867,6 +867,17 @@ PyDoc_STRVAR(FeedClient_end_partition_doc,
              "end_partition(timeout_s) -> None\n\n"
              "Sends END_PARTITION and waits until the trainer has consumed every\n"
              "batch.  Raises EmberAborted if the trainer terminated the feed.");
+PyDoc_STRVAR(FeedClient_end_partition_send_doc,
+             "end_partition_send(timeout_s) -> None\n\n"
+             "The first half of end_partition: sends END_PARTITION without waiting.\n"
+             "A producer feeds the node's next partition on another client, then\n"
+             "calls end_partition_wait, so the node's queue never drains between\n"
+             "its partitions.  The client takes nothing else until then.");
+PyDoc_STRVAR(FeedClient_end_partition_wait_doc,
+             "end_partition_wait(timeout_s) -> None\n\n"
+             "The second half of end_partition: waits until the trainer has\n"
+             "consumed every batch.  Raises EmberAborted if the trainer terminated\n"
+             "the feed.");
 PyDoc_STRVAR(FeedClient_end_feed_doc,
              "end_feed(timeout_s) -> None\n\n"
              "Sends END_FEED (driver only): the trainer's next() yields an 'end'\n"
@@ -874,6 +885,12 @@ PyDoc_STRVAR(FeedClient_end_feed_doc,
 
 static PyObject *FeedClient_end_partition(PyObject *op, PyObject *arg) {
   return client_timed_call(op, arg, ember_feed_client_end_partition);
+}
+static PyObject *FeedClient_end_partition_send(PyObject *op, PyObject *arg) {
+  return client_timed_call(op, arg, ember_feed_client_end_partition_send);
+}
+static PyObject *FeedClient_end_partition_wait(PyObject *op, PyObject *arg) {
+  return client_timed_call(op, arg, ember_feed_client_end_partition_wait);
 }
 static PyObject *FeedClient_end_feed(PyObject *op, PyObject *arg) {
   return client_timed_call(op, arg, ember_feed_client_end_feed);
@@ -968,6 +985,10 @@ static PyMethodDef FeedClient_methods[] = {
      METH_VARARGS | METH_KEYWORDS, FeedClient_send_records_doc},
     {"recv_results", FeedClient_recv_results, METH_O, FeedClient_recv_results_doc},
     {"end_partition", FeedClient_end_partition, METH_O, FeedClient_end_partition_doc},
+    {"end_partition_send", FeedClient_end_partition_send, METH_O,
+     FeedClient_end_partition_send_doc},
+    {"end_partition_wait", FeedClient_end_partition_wait, METH_O,
+     FeedClient_end_partition_wait_doc},
     {"end_feed", FeedClient_end_feed, METH_O, FeedClient_end_feed_doc},
     {"fail", FeedClient_fail, METH_VARARGS, FeedClient_fail_doc},
     {"close", FeedClient_close, METH_NOARGS,

@@ -240,26 +240,78 @@ def rdd_feeder(call: FeedCall, chunk_rows: int,
         # of the task's CPU.  Collections stay on, only rarer, while it feeds.
         thresholds = gc.get_threshold()
         gc.set_threshold(max(thresholds[0], 50 * chunk_rows), *thresholds[1:])
+        acks = _Acks(call) if call.grouped and not call.want_results else None
         try:
             for p, records in work:
                 if upstream is not None:
                     records = upstream(p - call.first, records)
-                sent, aborted = yield from _feed_rdd_partition(call, p, records, cut)
+                sent, aborted = yield from _feed_rdd_partition(call, p, records, cut, acks)
                 total += sent
-                if aborted:
+                if aborted or (acks is not None and acks.settle(keep=1)):
                     break  # the node terminated its feed: TensorFlowOnSpark drops the rest
+            else:
+                if acks is not None:
+                    acks.settle(keep=0)
         finally:
             gc.set_threshold(*thresholds)
+            if acks is not None:
+                acks.close()
         if not call.want_results:
             yield total
     return feed
 
 
-def _feed_rdd_partition(call: FeedCall, p: int, iterator: Any, cut: Dict[str, int]) -> Any:
+class _Acks:
+    """The partitions of a grouped feeding task whose end is sent but whose
+    ACK is not yet read (``FeedClient.end_partition_send``).  The node
+    acknowledges a partition once its trainer has read all of it: waiting
+    for that before feeding the next partition drained the node's queue at
+    every partition boundary, and the trainer waited for the next
+    partition's connection and first batch (bench-train, between hosts).
+    So the task reads a partition's ACK only after feeding the next one."""
+
+    def __init__(self, call: FeedCall) -> None:
+        self._call = call
+        self._held: List[Tuple[int, Any]] = []
+
+    def hold(self, p: int, client: Any) -> None:
+        """Ends partition ``p`` on ``client`` without waiting for its ACK."""
+        client.end_partition_send(self._call.timeout)
+        self._held.append((p, client))
+
+    def settle(self, keep: int) -> bool:
+        """Reads the ACKs of all but the last ``keep`` held partitions;
+        returns whether the node terminated its feed."""
+        while len(self._held) > keep:
+            p, client = self._held.pop(0)
+            try:
+                client.end_partition_wait(self._call.timeout)
+            except _ember.EmberAborted:
+                return True
+            except Exception as exc:
+                if from_core(exc):
+                    raise _in_feed_context(self._call, p, exc) from exc
+                raise
+            finally:
+                client.close()
+        return False
+
+    def close(self) -> None:
+        """Drops what is still held (the task failed: Spark's retry resumes
+        after what the node holds)."""
+        for _, client in self._held:
+            client.close()
+        self._held.clear()
+
+
+def _feed_rdd_partition(call: FeedCall, p: int, iterator: Any, cut: Dict[str, int],
+                        acks: Optional[_Acks] = None) -> Any:
     """Feeds partition ``p`` (yields its results in inference); returns
     (records fed or skipped as delivered, whether the node terminated its feed).
     ``cut["rows"]``: records per chunk, cut down to what a batch written in
-    place takes (kept for the task's next partition)."""
+    place takes (kept for the task's next partition).  ``acks``: the task's
+    partitions awaiting their ACK, where this one's end goes (None: wait for
+    it here)."""
     from ember import _columns, _grouping
 
     client = partition_client(call, p)
@@ -283,7 +335,11 @@ def _feed_rdd_partition(call: FeedCall, p: int, iterator: Any, cut: Dict[str, in
             sent += len(chunk)
             cut["rows"] = _columns.rows_in_place(client.in_place_max, cut["rows"],
                                                  len(chunk), nbytes)
-        client.end_partition(call.timeout)
+        if acks is None:
+            client.end_partition(call.timeout)
+        else:
+            acks.hold(p, client)
+            client = None  # acks closes it
     except _ember.EmberAborted:
         return sent, True
     except Exception as exc:
@@ -295,7 +351,8 @@ def _feed_rdd_partition(call: FeedCall, p: int, iterator: Any, cut: Dict[str, in
                           tell_node=not isinstance(exc, _grouping.InputBroken))
         raise
     finally:
-        client.close()
+        if client is not None:
+            client.close()
     return sent, False
 
 
@@ -353,21 +410,30 @@ def arrow_feeder(call: FeedCall, chunk_bytes: int, tensors: Dict[str, Any],
         else:
             work = [(call.first + task, source)]
         total = 0
-        for p, rbs in work:
-            sent, aborted = _feed_arrow_partition(call, p, rbs, source, chunk_bytes, tensors,
-                                                  fail_at)
-            total += sent
-            if aborted:
-                break  # the node terminated its feed: TensorFlowOnSpark drops the rest
+        acks = _Acks(call) if call.grouped or call.labelled else None
+        try:
+            for p, rbs in work:
+                sent, aborted = _feed_arrow_partition(call, p, rbs, source, chunk_bytes, tensors,
+                                                      fail_at, acks)
+                total += sent
+                if aborted or (acks is not None and acks.settle(keep=1)):
+                    break  # the node terminated its feed: TensorFlowOnSpark drops the rest
+            else:
+                if acks is not None:
+                    acks.settle(keep=0)
+        finally:
+            if acks is not None:
+                acks.close()
         yield pa.RecordBatch.from_pydict({"fed": pa.array([total], pa.int64())})
     return feed
 
 
 def _feed_arrow_partition(call: FeedCall, p: int, rbs: Any, source: "_Input", chunk_bytes: int,
-                          tensors: Dict[str, Any], fail_at: Optional[Tuple[Any, ...]]
-                          ) -> Tuple[int, bool]:
+                          tensors: Dict[str, Any], fail_at: Optional[Tuple[Any, ...]],
+                          acks: Optional[_Acks] = None) -> Tuple[int, bool]:
     """Feeds partition ``p``'s record batches; returns (rows fed or skipped as
-    delivered, whether the node terminated its feed)."""
+    delivered, whether the node terminated its feed).  ``acks``: as for
+    :func:`_feed_rdd_partition`."""
     from ember import _columns
 
     client = partition_client(call, p)
@@ -397,7 +463,11 @@ def _feed_arrow_partition(call: FeedCall, p: int, rbs: Any, source: "_Input", ch
                     layout=layout)
                 client.send(cols, n, call.timeout)
                 sent += n
-        client.end_partition(call.timeout)
+        if acks is None:
+            client.end_partition(call.timeout)
+        else:
+            acks.hold(p, client)
+            client = None  # acks closes it
     except _ember.EmberAborted:
         return sent, True
     except Exception as exc:
@@ -411,7 +481,8 @@ def _feed_arrow_partition(call: FeedCall, p: int, rbs: Any, source: "_Input", ch
         _partition_failed(call, client, p, sent, exc, tell_node=not source.broke)
         raise
     finally:
-        client.close()
+        if client is not None:
+            client.close()
     return sent, False
 
 

@@ -1193,6 +1193,48 @@ TEST(shm_and_tcp_deliver_identical_batches) {
   LEAK_CHECK();
 }
 
+/* end_partition in halves: a producer sends one partition's end, feeds the
+ * next partition on another connection while the first is still unread,
+ * then reads the first's ACK.  Between the halves the client takes
+ * nothing else. */
+TEST(end_partition_halves_let_the_next_partition_flow) {
+  ember_feed_server *s = start_server(0, 0);
+  uint16_t port = ember_feed_server_port(s);
+  ember_feed_client *first = connect_opts(port, 1, EMBER_FEED_SHM_ON, 65536);
+  ember_feed_client *second = NULL;
+  ember_feed_stats st;
+  gen_batch g[2];
+  uint64_t next1 = 0, next2 = 0;
+  gen_make(&g[0], 1, 0, 10, 3);
+  gen_make(&g[1], 2, 0, 20, 3);
+  CHECK_OK(ember_feed_client_send(first, g[0].cols, 4, g[0].nrows, 5000));
+  CHECK_OK(ember_feed_client_end_partition_send(first, 5000));
+  CHECK_EQ_INT(ember_feed_client_send(first, g[0].cols, 4, g[0].nrows, 5000), EMBER_ESTATE);
+  CHECK_EQ_INT(ember_feed_client_end_partition_send(first, 5000), EMBER_ESTATE);
+  /* the next partition goes in while the first is still unread */
+  second = connect_opts(port, 2, EMBER_FEED_SHM_ON, 65536);
+  CHECK_OK(ember_feed_client_send(second, g[1].cols, 4, g[1].nrows, 5000));
+  CHECK_OK(ember_feed_client_end_partition_send(second, 5000));
+  for (int n = 0; n < 2; n++) {
+    ember_feed_item *it = NULL;
+    CHECK_OK(ember_feed_server_next(s, &it, 5000));
+    CHECK_EQ_INT(verify_item(it, it->partition, it->partition == 1 ? &next1 : &next2),
+                 it->partition == 1 ? 10 : 20);
+    ember_feed_item_free(it);
+  }
+  CHECK_OK(ember_feed_client_end_partition_wait(first, 5000));
+  CHECK_OK(ember_feed_client_end_partition_wait(second, 5000));
+  CHECK_EQ_INT(ember_feed_client_end_partition_wait(first, 5000), EMBER_ESTATE);
+  ember_feed_server_stats(s, &st);
+  CHECK_EQ_INT(st.partitions_acked, 2);
+  CHECK_EQ_INT(st.records_received, 30);
+  for (int i = 0; i < 2; i++) gen_free(&g[i]);
+  ember_feed_client_destroy(first);
+  ember_feed_client_destroy(second);
+  ember_feed_server_destroy(s);
+  LEAK_CHECK();
+}
+
 TEST(shm_declined_when_the_node_disables_it) {
   ember_feed_server_config cfg;
   ember_feed_server *s = NULL;
@@ -2214,6 +2256,7 @@ RUN_TESTS(T(dtype_sizes), T(codec_roundtrip_every_dtype), T(codec_zero_columns_a
           T(terminate_aborts_and_never_blocks_producers), T(results_round_trip_in_order),
           T(end_feed_item_after_queued_batches), T(destroy_with_connected_producers_leaks_nothing),
           T(create_rejects_bad_config), T(shm_and_tcp_deliver_identical_batches),
+          T(end_partition_halves_let_the_next_partition_flow),
           T(shm_declined_when_the_node_disables_it), T(shm_raw_negotiation_and_malformed_batch),
           T(shm_refusal_reason_outlives_the_ring_reader),
           T(client_fail_marker), T(shm_trainer_killed_producer_gets_error),

@@ -304,8 +304,17 @@ int ember_feed_client_recv_results(ember_feed_client *c, uint8_t **batch, size_t
 
 /* Sends END_PARTITION(records sent) and waits for the ACK.  EMBER_OK when the
  * whole partition was delivered; EMBER_EABORTED if the trainer terminated the
- * feed; EMBER_ECLOSED if the node went away. */
+ * feed; EMBER_ECLOSED if the node went away.  The same as _send then _wait. */
 int ember_feed_client_end_partition(ember_feed_client *c, int64_t timeout_ms);
+
+/* The two halves of end_partition.  The node acknowledges a partition only
+ * once its trainer has read all of it, so a producer with more partitions
+ * for the same node sends the end of one, feeds the next on a connection of
+ * its own, and only then waits for the first's ACK: the trainer never finds
+ * the node's queue drained at a partition boundary.  After _send the client
+ * takes nothing but _wait (or destroy); _wait answers as end_partition does. */
+int ember_feed_client_end_partition_send(ember_feed_client *c, int64_t timeout_ms);
+int ember_feed_client_end_partition_wait(ember_feed_client *c, int64_t timeout_ms);
 
 /* Sends END_FEED (driver only). */
 int ember_feed_client_end_feed(ember_feed_client *c, int64_t timeout_ms);
