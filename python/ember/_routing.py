@@ -39,8 +39,18 @@ def node_share(p: int, first: int, parts: int, nodes: int,
                routes: Optional[Sequence[int]] = None) -> int:
     """How many of the call's partitions ``first..parts-1`` go to the node that
     gets partition ``p``: the feed ends the call for that node after as many
-    partition ends (CALL_END, ember/feed.h)."""
-    return len(node_partitions(node_of(p, nodes, routes), first, parts, nodes, routes))
+    partition ends (CALL_END, ember/feed.h).  Asked on every partition's
+    connection, so it counts per epoch rather than walking the call."""
+    node = node_of(p, nodes, routes)
+    if not routes:
+        return len(range(first + (node - first) % nodes, parts, nodes))
+    mine = [i for i, n in enumerate(routes) if n == node]
+
+    def before(q: int) -> int:  # the node's partitions among 0..q-1
+        epochs, rest = divmod(q, len(routes))
+        return epochs * len(mine) + sum(1 for i in mine if i < rest)
+
+    return before(parts) - before(first)
 
 
 def local_routes(where: Sequence[AbstractSet[str]], node_hosts: Sequence[AbstractSet[str]]

@@ -232,33 +232,51 @@ def rdd_feeder(call: FeedCall, chunk_rows: int,
             work: Any = _grouping.partitions(iterator, call.node_partitions(task))
         else:
             work = [(call.first + task, iterator)]
-        total = 0
         cut = {"rows": chunk_rows}
+
+        def feed_one(p: int, records: Any, acks: Optional[_Acks]) -> Any:
+            if upstream is not None:
+                records = upstream(p - call.first, records)
+            return (yield from _feed_rdd_partition(call, p, records, cut, acks))
+
         # A feeding task holds a chunk of records while it converts them, so
         # with Python's gen-0 threshold (700 allocations) the cyclic GC ran
         # every few hundred records and walked the chunk each time: about 7%
         # of the task's CPU.  Collections stay on, only rarer, while it feeds.
         thresholds = gc.get_threshold()
         gc.set_threshold(max(thresholds[0], 50 * chunk_rows), *thresholds[1:])
-        acks = _Acks(call) if call.grouped and not call.want_results else None
         try:
-            for p, records in work:
-                if upstream is not None:
-                    records = upstream(p - call.first, records)
-                sent, aborted = yield from _feed_rdd_partition(call, p, records, cut, acks)
-                total += sent
-                if aborted or (acks is not None and acks.settle(keep=1)):
-                    break  # the node terminated its feed: TensorFlowOnSpark drops the rest
-            else:
-                if acks is not None:
-                    acks.settle(keep=0)
+            total = yield from _feed_partitions(call, work, feed_one)
         finally:
             gc.set_threshold(*thresholds)
-            if acks is not None:
-                acks.close()
         if not call.want_results:
             yield total
     return feed
+
+
+def _feed_partitions(call: FeedCall, work: Any,
+                     feed_one: Callable[[int, Any, Optional["_Acks"]], Any]) -> Any:
+    """Feeds each ``(p, data)`` of ``work`` in turn with the generator
+    ``feed_one(p, data, acks)`` (what it yields, inference results, is
+    yielded; it returns (records, whether the node terminated its feed)),
+    until the node terminates its feed; returns the records fed.  A train()
+    task feeding several partitions (grouped or labelled) reads each one's
+    ACK after feeding the next (:class:`_Acks`)."""
+    acks = _Acks(call) if (call.grouped or call.labelled) and not call.want_results else None
+    total = 0
+    try:
+        for p, data in work:
+            sent, aborted = yield from feed_one(p, data, acks)
+            total += sent
+            if aborted or (acks is not None and acks.settle(keep=1)):
+                break  # the node terminated its feed: TensorFlowOnSpark drops the rest
+        else:
+            if acks is not None:
+                acks.settle(keep=0)
+    finally:
+        if acks is not None:
+            acks.close()
+    return total
 
 
 class _Acks:
@@ -409,21 +427,12 @@ def arrow_feeder(call: FeedCall, chunk_bytes: int, tensors: Dict[str, Any],
             work = _grouping.arrow_partitions(source, call.node_partitions(task), call.first)
         else:
             work = [(call.first + task, source)]
-        total = 0
-        acks = _Acks(call) if call.grouped or call.labelled else None
-        try:
-            for p, rbs in work:
-                sent, aborted = _feed_arrow_partition(call, p, rbs, source, chunk_bytes, tensors,
-                                                      fail_at, acks)
-                total += sent
-                if aborted or (acks is not None and acks.settle(keep=1)):
-                    break  # the node terminated its feed: TensorFlowOnSpark drops the rest
-            else:
-                if acks is not None:
-                    acks.settle(keep=0)
-        finally:
-            if acks is not None:
-                acks.close()
+        def feed_one(p: int, rbs: Any, acks: Optional[_Acks]) -> Any:
+            return _feed_arrow_partition(call, p, rbs, source, chunk_bytes, tensors, fail_at,
+                                         acks)
+            yield  # a generator, as _feed_partitions takes: it yields nothing
+
+        total = yield from _feed_partitions(call, work, feed_one)
         yield pa.RecordBatch.from_pydict({"fed": pa.array([total], pa.int64())})
     return feed
 

@@ -236,6 +236,10 @@ def test_routes_give_each_node_the_partitions_on_its_host():
     assert _routing.node_partitions(0, 0, 12, 2, routes) == [1, 2, 5, 6, 9, 10]
     assert _routing.node_partitions(1, 4, 12, 2, routes) == [4, 7, 8, 11]  # resumed at epoch 1
     assert [_routing.node_share(p, 0, 12, 2, routes) for p in range(4)] == [6, 6, 6, 6]
+    for first in range(12):  # the count agrees with the list, from any first partition
+        for p in range(first, 12):
+            assert _routing.node_share(p, first, 12, 2, routes) == len(_routing.node_partitions(
+                _routing.node_of(p, 2, routes), first, 12, 2, routes))
     assert _routing.node_of(6, 2, routes) == 0 and _routing.node_of(6, 2) == 0
     # round-robin already local, or nothing known, or one host for all: no routes
     assert _routing.local_routes([a, b, a, b], [a, b]) is None
