@@ -173,9 +173,8 @@ class DataFeed:
         self._skip_before = skip_before
         self._skipped: set = set()  # the calls of those micro-batches
         self._epochs: Dict[int, int] = {}  # partition -> its epoch, from the partitions' tags
-        # the call's (partitions per epoch, first, end, fed nodes, this node's
-        # residue): partitions first..end-1 go round-robin, from the partitions' tags
-        # train(): per epoch, first, end, nodes, routes, this node (ember._routing)
+        # train(): the call's partitions per epoch, first and end partition, fed
+        # nodes, routes and this node (ember._routing), from the partitions' tags
         self._plan: Optional[Tuple[int, int, int, int, Tuple[int, ...], int]] = None
         #: the epoch (within its train() call) of the last batch ``next_batch``
         #: returned; None before the first, and for data of ``inference``
