@@ -17,7 +17,7 @@
 #define FEED_CTL_MAX 4096u
 #define FEED_REASON_MAX 1024u
 
-#define FEED_DEFAULT_RING (4u * 1024u * 1024u)
+#define FEED_DEFAULT_RING (1u * 1024u * 1024u)
 /* FEED_SHM payload: host id, pid, fd, segment bytes, token */
 #define FEED_SHM_REQ_LEN (16u + EMBER_SHM_RING_DESC_WIRE_LEN) /* host id, ring */
 

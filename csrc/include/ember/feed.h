@@ -68,7 +68,7 @@
  * gathered from the caller's columns into split messages.
  * EMBER_FEED_SHM=0 in the environment turns shared memory off (the server
  * declines, clients do not offer); EMBER_FEED_SHM_BYTES sets the clients'
- * default ring size (4 MiB).  A producer that dies, a consumer that
+ * default ring size (1 MiB).  A producer that dies, a consumer that
  * terminates or a server that is destroyed is noticed through the ring at
  * once (no hang): see ember_feed_client_send.
  *
@@ -222,7 +222,7 @@ typedef enum {
 
 typedef struct {
   int shm;          /* ember_feed_shm_mode */
-  size_t shm_bytes; /* ring capacity; 0 = EMBER_FEED_SHM_BYTES, else 4 MiB */
+  size_t shm_bytes; /* ring capacity; 0 = EMBER_FEED_SHM_BYTES, else 1 MiB */
   uint64_t call;    /* the call this partition belongs to; 0 = anonymous */
   uint32_t call_partitions; /* partitions of the call this node gets; 0 =
                                not counted (no CALL_END) */
