@@ -1011,7 +1011,7 @@ PyDoc_STRVAR(FeedClient_doc,
              "on this host, unless EMBER_FEED_SHM=0 is set; True offers it whatever\n"
              "the environment says; False keeps to TCP.  The node may decline (other\n"
              "host, shm disabled): TCP then, transparently.  shm_bytes: the ring's\n"
-             "size (0: EMBER_FEED_SHM_BYTES, else 4 MiB); a batch larger than half\n"
+             "size (0: EMBER_FEED_SHM_BYTES, else 1 MiB); a batch larger than half\n"
              "the ring is split through it.  See uses_shm.\n"
              "resume: resume a partition an earlier attempt fed part of (see\n"
              "resume_point); refused with EmberError while that attempt's\n"
