@@ -43,6 +43,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # caller's wins.  Benchmarks never get them.
 os.environ.setdefault("JAVA_TOOL_OPTIONS", jvm_options_for_tests())
 
+# The processes the tests start (nodes, Spark's Python workers, inference
+# workers, YARN tasks) write the byte code of what they import, as the
+# Makefile has them do (its `unexport PYTHONDONTWRITEBYTECODE`), also when
+# pytest is run directly from an environment that sets the variable.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 #: The xdist lane of each test module that does not run in the default lane
 #: ("spark": local and standalone Spark sessions, the C engine's tests).
 #: "hadoop": the mini HDFS + YARN, and the simulated hosts (test_cluster.py).
