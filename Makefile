@@ -345,7 +345,7 @@ test-long: setup
 # fuzz: FUZZ_SECONDS, 30 s).
 # docs/testing.md: where the time goes, and which fixture a new test uses.
 test:
-	python3 tests/stages.py
+	EMBER_CALLER_DONTWRITEBYTECODE=$(PYTHONDONTWRITEBYTECODE) python3 tests/stages.py
 
 # Where the Python suite's time goes, module by module (tests/python/timing_plugin.py),
 # one worker so that each module's CPU share is its own: build/test-profile.txt

@@ -6,9 +6,12 @@
  * next.  Workers are few (tens) and each has one request in flight, so a
  * thread per connection costs little and lets a pull wait for bounded
  * staleness on a condition variable without holding up anyone else.  Each
- * table has its own reader-writer lock (pulls of held rows share it, so
- * workers' pulls overlap; pushes take it alone); the registry, the clocks
- * and the counters share s->mu.  A worker on this host moves its
+ * table has its own reader-writer lock: pulls and pushes of rows it holds
+ * share it, so workers' requests to one shard run at once (ps_table.c locks
+ * each row while it copies or updates it); creating rows, assigns and
+ * checkpoints take it alone.  With pushes exclusive, two threads' sparse
+ * rounds on one shard were slower than one thread's.  The registry, the
+ * clocks and the counters share s->mu.  A worker on this host moves its
  * connection to two shm rings it offers in PS_SHM (ps_link.h); the thread
  * then reads and answers through them. */
 #include "ember/ps.h"
@@ -48,8 +51,8 @@
 
 typedef struct {
   ember__ps_table *table;
-  /* shared: pulls of held rows, stats, saves; exclusive: pushes, assigns
-   * and pulls that create rows, so workers' pulls of one shard overlap */
+  /* shared: pulls and pushes of held rows, stats; exclusive: assigns,
+   * saves, and pulls and pushes that create rows */
   pthread_rwlock_t lock;
 } ps_entry;
 
@@ -75,6 +78,8 @@ typedef struct ps_conn {
   size_t ids_cap;
   float *rows;     /* a pull's reply body, a push's gradients (aligned) */
   size_t rows_cap;
+  size_t *slots;   /* a push's table slots (ember__ps_table_push_held) */
+  size_t slots_cap;
 } ps_conn;
 
 struct ember_ps_server {
@@ -400,10 +405,24 @@ static void handle_push(ember_ps_server *s, ps_conn *c, uint16_t type, const uin
     memcpy(c->rows, q.grads, floats * sizeof *c->rows); /* little-endian hosts: as sent */
     grads = c->rows;
   }
-  pthread_rwlock_wrlock(&e->lock);
-  rc = assign ? ember__ps_table_assign(e->table, ids, q.n, grads, type == EMBER_MSG_PS_INIT)
-              : ember__ps_table_push(e->table, ids, q.n, grads);
-  pthread_rwlock_unlock(&e->lock);
+  rc = 0; /* not applied yet */
+  if (!assign) {
+    if (grow((void **)&c->slots, &c->slots_cap, (size_t)q.n * sizeof *c->slots) != EMBER_OK) {
+      refuse(r, EMBER_ENOMEM, "ps shard %u: out of memory for %u rows", s->shard, q.n);
+      return;
+    }
+    pthread_rwlock_rdlock(&e->lock);
+    rc = ember__ps_table_push_held(e->table, ids, q.n, grads, c->slots);
+    pthread_rwlock_unlock(&e->lock);
+  }
+  if (rc == 0) { /* an assign, or a push that creates a row: alone */
+    pthread_rwlock_wrlock(&e->lock);
+    rc = assign ? ember__ps_table_assign(e->table, ids, q.n, grads, type == EMBER_MSG_PS_INIT)
+                : ember__ps_table_push(e->table, ids, q.n, grads);
+    pthread_rwlock_unlock(&e->lock);
+  } else if (rc == 1) {
+    rc = EMBER_OK;
+  }
   if (rc != EMBER_OK) {
     refuse(r, rc, "%s", ember_last_error());
     return;
@@ -627,6 +646,7 @@ static void reap(ember_ps_server *s) {
     free(c->in);
     free(c->ids);
     free(c->rows);
+    free(c->slots);
     free(c);
   }
 }
@@ -763,6 +783,7 @@ void ember_ps_server_destroy(ember_ps_server *s) {
     free(c->in);
     free(c->ids);
     free(c->rows);
+    free(c->slots);
     free(c);
   }
   ember__acceptor_destroy(s->acc);
@@ -898,7 +919,8 @@ int ember_ps_server_save(ember_ps_server *s, const char *dir) {
   pthread_mutex_lock(&s->mu);
   ember_wire_write_u32(&w, (uint32_t)s->ntables);
   for (size_t i = 0; i < s->ntables; i++) {
-    pthread_rwlock_rdlock(&s->tables[i]->lock);
+    /* alone: a checkpoint holds each row as one moment left it */
+    pthread_rwlock_wrlock(&s->tables[i]->lock);
     ember__ps_table_encode(s->tables[i]->table, &w);
     pthread_rwlock_unlock(&s->tables[i]->lock);
   }

@@ -1,8 +1,11 @@
 /* ps_table.h - internal: one shard's part of a parameter-server table (ps.h):
  * its rows, their optimizer state, the update rules and the checkpoint
- * encoding.  No I/O and no locking here: ps_server.c holds each table's
- * reader-writer lock around every call (shared only for the calls that
- * take a const table).
+ * encoding.  No I/O here.  ps_server.c holds each table's reader-writer
+ * lock around every call: shared for ember__ps_table_read and
+ * ember__ps_table_push_held, which change no table structure and may run on
+ * several threads at once; exclusive for every other call.  Those two copy
+ * and update each row under a spinlock of the table's own (a stripe of
+ * slots), so rows are never read or written half-updated.
  *
  * Storage.  Each held row is one slot: the row id, Adam's step count and
  * cols x (1 + state) floats, the values first, then the optimizer's state
@@ -23,7 +26,7 @@
  * Decoding bounds every length and count by the bytes left (nanopb's
  * bytes_left) and refuses rows outside the table or the shard's range.
  *
- * Thread-safety: none; the caller serialises calls on one table. */
+ * Thread-safety: as above; the caller's lock orders everything else. */
 #ifndef EMBER_PS_TABLE_H
 #define EMBER_PS_TABLE_H
 
@@ -84,6 +87,13 @@ int ember__ps_table_read(const ember__ps_table *t, const uint64_t *ids, size_t n
  * table's optimizer; the same row checks as pull, all made before any row
  * changes (a refused push changes nothing). */
 int ember__ps_table_push(ember__ps_table *t, const uint64_t *ids, size_t n, const float *grads);
+
+/* ember__ps_table_push for rows already held, under the caller's shared
+ * lock, beside reads and other such pushes: 1 when every row was held and
+ * updated, 0 when one is not held yet (nothing changed: push, exclusively),
+ * or the errors of push.  slots: n entries of the caller's, used here. */
+int ember__ps_table_push_held(ember__ps_table *t, const uint64_t *ids, size_t n,
+                              const float *grads, size_t *slots);
 
 /* Sets the values of rows ids[0..n) (n x cols, in order; the last wins for
  * a row named twice), leaving their optimizer state and step counts: how a

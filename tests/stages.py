@@ -43,6 +43,15 @@ PY = os.path.join(REPO, ".venv", "bin", "python")
 #: has run its last test (pytest_testnodedown)
 LANE_DONE = os.path.join(LOGS, "pytest-lane-done")
 
+#: The Makefile unexports PYTHONDONTWRITEBYTECODE (every stage's Python writes
+#: the byte code of what it imports) and passes on whether its caller had set
+#: it, which changes how long the suite takes (docs/testing.md).
+BYTE_CODE_NOTE = ("byte code: written by every stage; the caller's environment "
+                  + ("set PYTHONDONTWRITEBYTECODE, which make test unsets"
+                     if os.environ.get("EMBER_CALLER_DONTWRITEBYTECODE")
+                     or os.environ.get("PYTHONDONTWRITEBYTECODE")
+                     else "did not set PYTHONDONTWRITEBYTECODE"))
+
 #: The main job runs on simulated hosts in test_cluster.py; where those hosts
 #: cannot be made (not root), demo-quick runs it on this host instead.
 MAIN_JOB = ("PYTHONPATH=tests/python .venv/bin/python -c 'import simcluster, sys; "
@@ -60,6 +69,8 @@ class Stage(NamedTuple):
     #: "pytest" in ``after`` counts as ended once pytest has a lane done
     #: (LANE_DONE: a core is idle while the other lane ends)
     on_lane_done: bool = False
+    #: one of these must have ended too (whichever frees a core first)
+    after_any: Sequence[str] = ()
 
 
 STAGES: List[Stage] = [
@@ -89,10 +100,12 @@ STAGES: List[Stage] = [
           what="the Spark 3.5 / TensorFlow 2.20 venv's packages"),
     Stage("compat-setup", MAKE + ["venv-compat"], ("setup", "compat-venv"),
           what="ember in the Spark 3.5 / TensorFlow 2.20 venv"),
-    # compat then typecheck on the core the first pytest lane to end leaves
-    # idle (the lanes end up to minutes apart); bench-smoke on the other
-    # core once the second lane ends (after typecheck, it had one core idle
-    # for its 80 s: CI, 2026-11-28)
+    # compat on the core the first pytest lane to end leaves idle (the
+    # lanes end up to minutes apart); bench-smoke on the other core once the
+    # second lane ends (after typecheck, it had one core idle for its 80 s:
+    # CI, 2026-11-28); typecheck on whichever of the two cores frees first
+    # (after compat, it ran 35 s with the other core idle when the lanes
+    # ended together: CI, 2026-11-29)
     Stage("compat", MAKE + ["test-compat"], ("compat-setup",), ("pytest",),
           what="the compatibility subset on pyspark 3.5 and TensorFlow 2.20",
           on_lane_done=True),
@@ -100,8 +113,9 @@ STAGES: List[Stage] = [
     # Bench.in_make_test; make bench-smoke runs all ten)
     Stage("bench-smoke", MAKE + ["bench-smoke", "BENCH_SMOKE_ARGS=--make-test"], ("setup",),
           ("pytest",), what="six of the ten benchmarks at a tiny size"),
-    Stage("typecheck", MAKE + ["typecheck"], ("setup",), ("pytest", "compat"),
-          what="mypy over python/ember, stubtest of _ember.pyi", on_lane_done=True),
+    Stage("typecheck", MAKE + ["typecheck"], ("setup",), ("pytest",),
+          what="mypy over python/ember, stubtest of _ember.pyi", on_lane_done=True,
+          after_any=("compat", "bench-smoke")),
     Stage("main-job", ["bash", "-c", MAIN_JOB], ("setup",), ("pytest",),
           what="the main job, where test_cluster.py could not run it"),
 ]
@@ -123,8 +137,8 @@ class Runner:
 
     def say(self, stage: str, line: str) -> None:
         with self.print_lock:
-            at = time.monotonic() - self.t0
-            sys.stdout.write(f"[{stage} {at // 60:02.0f}:{at % 60:02.0f}] {line}\n")
+            minutes, seconds = divmod(int(time.monotonic() - self.t0), 60)
+            sys.stdout.write(f"[{stage} {minutes:02d}:{seconds:02d}] {line}\n")
             sys.stdout.flush()
 
     def _run(self, stage: Stage) -> None:
@@ -167,7 +181,8 @@ class Runner:
                         continue
                     lane_free = s.on_lane_done and os.path.exists(LANE_DONE)
                     ready = all(d in self.results or (d == "pytest" and lane_free)
-                                for d in (*s.needs, *s.after))
+                                for d in (*s.needs, *s.after)) and (
+                        not s.after_any or any(d in self.results for d in s.after_any))
                     if ready:
                         self.started[s.name] = time.monotonic()
                         t = threading.Thread(target=self._run, args=(s,), daemon=True)
@@ -191,6 +206,7 @@ class Runner:
               + (f"  FAILED: {', '.join(failed)}" if failed else "  all stages passed"))
         for name in failed:
             self._print_failure(name)
+        print(BYTE_CODE_NOTE)
         if total > WARN_MINUTES * 60:
             print(f"WARNING: make test took {total / 60:.1f} min, more than {WARN_MINUTES} min: "
                   "the suite's ceiling is 45 min and CI stops at 90; see docs/testing.md "
@@ -227,7 +243,8 @@ def _needed(names: Sequence[str]) -> List[Stage]:
         if n not in want:
             want.add(n)
             todo.extend(by_name[n].needs)
-    return [s._replace(after=[d for d in s.after if d in want])
+    return [s._replace(after=[d for d in s.after if d in want],
+                       after_any=[d for d in s.after_any if d in want])
             for s in STAGES if s.name in want]
 
 

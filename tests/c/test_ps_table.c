@@ -4,6 +4,7 @@
  * pushes, and the checkpoint codec against truncation, bit flips and files
  * of another shard.  (libember links no libm, so neither does this test:
  * the reference square root is a few Newton steps.) */
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -494,6 +495,87 @@ TEST(duplicate_ids_in_one_push_apply_both_in_order) {
   ember__ps_table_destroy(t);
 }
 
+/* ------------------------------------------------------------ shared pushes */
+
+TEST(push_held_applies_only_when_every_row_is_held) {
+  ember_ps_table_spec s = spec_of("held", EMBER_PS_SPARSE, 100, 2, EMBER_PS_SGD, EMBER_PS_INIT_ZEROS);
+  ember__ps_table *t = make(&s, 0, 1);
+  const uint64_t ids[2] = {3, 4};
+  const float g[4] = {1, 2, 3, 4};
+  float v[4];
+  size_t slots[2];
+  CHECK_OK(ember__ps_table_pull(t, ids, 1, v)); /* row 3 held, row 4 not */
+  CHECK_EQ_INT(ember__ps_table_push_held(t, ids, 2, g, slots), 0);
+  CHECK_OK(ember__ps_table_pull(t, ids, 1, v));
+  CHECK(v[0] == 0.0f && v[1] == 0.0f); /* nothing applied */
+  CHECK_EQ_INT(ember__ps_table_held(t), 1);
+  CHECK_OK(ember__ps_table_pull(t, ids, 2, v));
+  CHECK_EQ_INT(ember__ps_table_push_held(t, ids, 2, g, slots), 1);
+  CHECK_OK(ember__ps_table_pull(t, ids, 2, v));
+  CHECK_CLOSE(v[0], -0.1);
+  CHECK_CLOSE(v[3], -0.4);
+  const uint64_t bad[2] = {3, 100};
+  CHECK(ember__ps_table_push_held(t, bad, 2, g, slots) == EMBER_EINVAL);
+  CHECK(has("row 100"));
+  CHECK_OK(ember__ps_table_pull(t, ids, 1, v));
+  CHECK_CLOSE(v[0], -0.1); /* the refused push changed nothing */
+  ember__ps_table_destroy(t);
+}
+
+enum { SHARED_ROWS = 64, SHARED_COLS = 16, SHARED_PUSHES = 3000 };
+
+typedef struct {
+  ember__ps_table *t;
+  int reader;
+  int torn; /* reader: rows seen with columns of different pushes */
+} shared_arg;
+
+/* Every push moves every column of every row by exactly 1 (SGD, lr 1,
+ * gradient 1, from zeros), so a row read whole has one value throughout. */
+static void *shared_pushes(void *p) {
+  shared_arg *a = p;
+  uint64_t ids[SHARED_ROWS];
+  size_t slots[SHARED_ROWS];
+  static float g[SHARED_ROWS * SHARED_COLS];
+  float out[SHARED_ROWS * SHARED_COLS];
+  for (int i = 0; i < SHARED_ROWS; i++) ids[i] = (uint64_t)(SHARED_ROWS - 1 - i) * 7 % SHARED_ROWS;
+  for (int i = 0; i < SHARED_ROWS * SHARED_COLS; i++) g[i] = 1.0f;
+  for (int k = 0; k < SHARED_PUSHES; k++) {
+    if (a->reader) {
+      if (ember__ps_table_read(a->t, ids, SHARED_ROWS, out) != 1) a->torn++;
+      for (int r = 0; r < SHARED_ROWS; r++)
+        for (int c = 1; c < SHARED_COLS; c++)
+          if (out[r * SHARED_COLS + c] != out[r * SHARED_COLS]) a->torn++;
+    } else if (ember__ps_table_push_held(a->t, ids, SHARED_ROWS, g, slots) != 1) {
+      return (void *)1;
+    }
+  }
+  return NULL;
+}
+
+TEST(shared_pushes_lose_no_update_and_reads_see_whole_rows) {
+  ember_ps_table_spec s = spec_of("shared", EMBER_PS_SPARSE, 1000, SHARED_COLS, EMBER_PS_SGD,
+                                  EMBER_PS_INIT_ZEROS);
+  s.optimizer.learning_rate = 1.0f;
+  ember__ps_table *t = make(&s, 0, 1);
+  uint64_t ids[SHARED_ROWS];
+  float v[SHARED_ROWS * SHARED_COLS];
+  for (int i = 0; i < SHARED_ROWS; i++) ids[i] = (uint64_t)i;
+  CHECK_OK(ember__ps_table_pull(t, ids, SHARED_ROWS, v)); /* held */
+  shared_arg args[3] = {{t, 0, 0}, {t, 0, 0}, {t, 1, 0}};
+  pthread_t th[3];
+  for (int i = 0; i < 3; i++) CHECK(pthread_create(&th[i], NULL, shared_pushes, &args[i]) == 0);
+  for (int i = 0; i < 3; i++) {
+    void *ret;
+    CHECK(pthread_join(th[i], &ret) == 0);
+    CHECK(ret == NULL);
+  }
+  CHECK_EQ_INT(args[2].torn, 0);
+  CHECK_OK(ember__ps_table_pull(t, ids, SHARED_ROWS, v));
+  for (int i = 0; i < SHARED_ROWS * SHARED_COLS; i++) CHECK(v[i] == -2.0f * SHARED_PUSHES);
+  ember__ps_table_destroy(t);
+}
+
 /* ------------------------------------------------------------ init */
 
 TEST(init_is_a_function_of_seed_row_and_col) {
@@ -612,7 +694,9 @@ TEST(sparse_rows_materialise_on_first_touch) {
 TEST(sparse_table_grows_past_many_rehashes) {
   ember_ps_table_spec s = spec_of("grow", EMBER_PS_SPARSE, UINT64_MAX, 3, EMBER_PS_MOMENTUM, EMBER_PS_INIT_UNIFORM);
   ember__ps_table *t = make(&s, 2, 3);
-  enum { N = 20000 };
+  /* past 2 MiB, where the slot arrays and the map become huge-page
+   * allocations copied on growth (ps_table.c: grow_array) */
+  enum { N = 120000 };
   uint64_t *ids = malloc(N * sizeof *ids);
   CHECK(ids != NULL);
   uint64_t r = 0;
@@ -877,6 +961,8 @@ RUN_TESTS(T(spec_normalize_fills_defaults_and_copies_the_name),
           T(adagrad_epsilon_inside_the_root_as_keras_3),
           T(optimizers_match_reference_per_row), T(adam_steps_are_per_row),
           T(duplicate_ids_in_one_push_apply_both_in_order),
+          T(push_held_applies_only_when_every_row_is_held),
+          T(shared_pushes_lose_no_update_and_reads_see_whole_rows),
           T(init_is_a_function_of_seed_row_and_col), T(init_distributions),
           T(sparse_rows_materialise_on_first_touch), T(sparse_table_grows_past_many_rehashes),
           T(refused_push_changes_nothing_and_names_the_row), T(encode_decode_round_trip),
