@@ -697,6 +697,24 @@ int ember__ps_table_read(const ember__ps_table *t, const uint64_t *ids, size_t n
   return 1;
 }
 
+/* w -= lr * g in float32, as TensorFlow's and Keras's SGD compute it, eight
+ * floats at a time: the compiler does not vectorize this loop at -O2, and
+ * it was a quarter of a shard's CPU in bench-ps's sparse rounds. */
+typedef float ps_f32x8 __attribute__((vector_size(32)));
+
+static void sgd_row(float *w, const float *g, float lr, size_t cols) {
+  size_t j = 0;
+  ps_f32x8 rate = {lr, lr, lr, lr, lr, lr, lr, lr};
+  for (; j + 8 <= cols; j += 8) {
+    ps_f32x8 wv, gv;
+    memcpy(&wv, w + j, sizeof wv);
+    memcpy(&gv, g + j, sizeof gv);
+    wv -= rate * gv;
+    memcpy(w + j, &wv, sizeof wv);
+  }
+  for (; j < cols; j++) w[j] -= lr * g[j];
+}
+
 /* One gradient row into one slot.  Arithmetic in double, stored as float:
  * Keras computes in the variable's float32, so this is at least as exact. */
 static void apply(ember__ps_table *t, size_t slot, const float *g) {
@@ -707,7 +725,7 @@ static void apply(ember__ps_table *t, size_t slot, const float *g) {
   if (t->steps[slot] != UINT64_MAX) t->steps[slot]++; /* saturate, never back to 0 */
   switch (o->kind) {
     case EMBER_PS_SGD:
-      for (size_t j = 0; j < cols; j++) w[j] = (float)(w[j] - lr * g[j]);
+      sgd_row(w, g, o->learning_rate, cols);
       break;
     case EMBER_PS_MOMENTUM: {
       double mom = o->momentum;
