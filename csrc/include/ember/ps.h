@@ -19,10 +19,18 @@
  * optimizer's state per row, so weights never travel from workers.  A push
  * naming a row twice applies both gradients, in order.
  *
- * Consistency.  Pushes and pulls of one table are applied atomically per
- * shard, in the order the shard receives them.  With staleness S (config),
- * every worker also reports its clock (ember_ps_client_clock, once per
- * step); a pull by a worker at clock c is answered only once every worker of
+ * Consistency.  Each row is read and updated whole: a pull never sees half
+ * of a push's update to a row, and pushes that reach one row are applied to
+ * it one after the other, none lost.  A request is not atomic across its
+ * rows: different workers' pulls and pushes to one shard run at once, so a
+ * pull may see another worker's concurrent push on some of its rows and not
+ * yet on others (per-row consistency, as asynchronous parameter servers such
+ * as ps-lite give per key).  One worker's requests are applied in the order
+ * it sends them (one request at a time a connection).
+ *
+ * Staleness.  With staleness S (config), every worker also reports its
+ * clock (ember_ps_client_clock, once per step); a pull by a worker at clock
+ * c is answered only once every worker of
  * the job reached at least c - S (bounded staleness: no worker more than S
  * steps ahead of the slowest), or fails naming the slowest worker when that
  * takes longer than the client's timeout.  EMBER_PS_ASYNC: never waits.  A
