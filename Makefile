@@ -4,7 +4,7 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
 # Python writes byte code for what it imports.  Some environments (this
-# project's sessions and CI among them) set PYTHONDONTWRITEBYTECODE=1, and then
+# project's sessions, likely CI too) set PYTHONDONTWRITEBYTECODE=1, and then
 # every process compiles TensorFlow, PySpark and the rest from source again:
 # importing TensorFlow took 12 CPU seconds instead of 5, and test_spark_local.py
 # 60 CPU seconds instead of 39-43 (docs/testing.md).

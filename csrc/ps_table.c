@@ -715,8 +715,9 @@ static void sgd_row(float *w, const float *g, float lr, size_t cols) {
   for (; j < cols; j++) w[j] -= lr * g[j];
 }
 
-/* One gradient row into one slot.  Arithmetic in double, stored as float:
- * Keras computes in the variable's float32, so this is at least as exact. */
+/* One gradient row into one slot.  SGD in float32 (sgd_row); the others in
+ * double, stored as float: Keras computes them in the variable's float32, so
+ * this is at least as exact. */
 static void apply(ember__ps_table *t, size_t slot, const float *g) {
   const ember_ps_optimizer *o = &t->spec.optimizer;
   size_t cols = t->spec.cols;

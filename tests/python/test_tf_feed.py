@@ -112,7 +112,8 @@ def test_keras_fit_trains_from_the_feed(server):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(2)])
-    model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     ds = ember_tf.feed_dataset(server, 32)
     history = model.fit(ds, epochs=1, verbose=0)
