@@ -189,6 +189,10 @@ $(COMPAT_VENV)/.stamp: requirements-compat.txt
 	test -x $(COMPAT_PY) || python3 -m venv $(COMPAT_VENV)
 	$(COMPAT_PY) -m pip install -q --upgrade pip
 	$(COMPAT_PY) -m pip install -q --no-compile -r requirements-compat.txt
+	# the byte code of its heavy imports, as warm-imports writes the main venv's:
+	# written here, on the cores the set-up leaves half idle, not by the first
+	# processes of make test's compat stage, each compiling TensorFlow at once
+	$(COMPAT_PY) -c "import tensorflow, keras, pyspark.sql, pandas, pyarrow"
 	@touch $@
 $(COMPAT_VENV)/.ember-installed: $(VENV)/.ember-installed $(COMPAT_VENV)/.stamp
 	rm -rf $(COMPAT_SRC) && mkdir -p $(COMPAT_SRC)/hadoop

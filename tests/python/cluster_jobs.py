@@ -301,7 +301,7 @@ def ps(spark: Any, out: str) -> None:
     sc = spark.sparkContext
     result: Dict[str, Any] = {}
     for phase, staleness in (("async", None), ("bounded", 2)):
-        args = {"out": out, "phase": phase, "n": 60000, "epochs": 5}
+        args = {"out": out, "phase": phase, "n": 60000, "epochs": 4}
         cluster = run(sc, psfuns.fmnist_steps, args, num_executors=5, num_ps=2,
                       driver_ps_nodes=True, parameter_servers=ParameterServers(staleness),
                       input_mode=InputMode.TENSORFLOW, reservation_timeout=120)
@@ -457,7 +457,12 @@ def encrypted(spark: Any, out: str) -> None:
 
 
 def main() -> int:
+    """``cluster_jobs.py JOB[+JOB...] MASTER OUT``: the jobs one after the
+    other in one Spark application (each starts about 50 CPU seconds of
+    JVMs on make test's two cores), each writing to ``OUT/<job>`` when there
+    are several, to ``OUT`` when there is one."""
     job, master, out = sys.argv[1:4]
+    names = job.split("+")
     os.makedirs(out, exist_ok=True)
     jobs = {"crosshost": crosshost, "transform": transform, "hostloss": hostloss,
             # the same lockstep training, slower (about 20 s), with no restart
@@ -470,7 +475,10 @@ def main() -> int:
     conf = {"spark.executorEnv.EMBER_FEED_SHM": "0"} if job == "encrypted" else {}
     spark = session(master, f"ember-cluster-{job}", 3, conf)
     try:
-        jobs[job](spark, out)
+        for name in names:
+            where = os.path.join(out, name) if len(names) > 1 else out
+            os.makedirs(where, exist_ok=True)
+            jobs[name](spark, where)
     finally:
         spark.stop()
     return 0

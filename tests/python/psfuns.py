@@ -96,8 +96,8 @@ def keras_async(args: Dict[str, Any], ctx: Any) -> None:
 
 
 def fmnist_steps(args: Dict[str, Any], ctx: Any) -> None:
-    """Fashion-MNIST (the main job's 784-256-128-10 model, Adam) trained on
-    the parameter servers, each worker its shard; notes its pid first (so
+    """Fashion-MNIST (an MLP of 128 hidden units, Adam) trained on the
+    parameter servers, each worker its shard; notes its pid first (so
     the test can freeze it) and the wall-clock time of every step, then its
     test accuracy, in ``<out>/<phase>-<rank>.json``."""
     keras = _keras()
@@ -114,10 +114,12 @@ def fmnist_steps(args: Dict[str, Any], ctx: Any) -> None:
     x = images[:n].reshape(n, -1).astype(np.float32) / 255.0
     y = labels[:n].astype(np.int64)
     x, y = x[rank::size], y[rank::size]
-    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
-                              keras.layers.Dense(128, activation="relu"),
+    # 784-128-10, not the main job's 784-256-128-10: 101,770 weights to pull
+    # and push a step instead of 235,146 (with 4 epochs, not 5, the async and
+    # the bounded run cost make test's cores about a third of what they did)
+    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(128, activation="relu"),
                               keras.layers.Dense(10)], name="fmnist")
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+    model.compile(optimizer=keras.optimizers.Adam(2e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     callbacks = ember.keras.parameter_servers(model, ctx)

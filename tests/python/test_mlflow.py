@@ -53,7 +53,10 @@ def mlflow_server(tmp_path_factory):
         [_server_python(), "-m", "mlflow", "server", "--backend-store-uri",
          f"sqlite:///{root}/mlflow.db", "--default-artifact-root", f"file://{root}/artifacts",
          "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        # no server-side job runner (huey consumers, which polled for jobs
+        # Ember never submits: about 60 CPU seconds of make test's two cores)
+        env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"))
     uri = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

@@ -1,7 +1,10 @@
 """ember.spark.run on Spark on YARN (client mode) against the mini YARN: a
 2-executor training + inference job (tests/python/yarn_job.py, in its own
-process), with the Python environment shipped two ways: the same-host venv
-(``spark.pyspark.python``) and an archive in ``spark.archives``."""
+process), with the Python environment shipped in ``spark.archives``.  The
+other way, the same-host venv (``spark.pyspark.python``, yarn_job.py's
+``--mode venv``), is how test_kerberos.py's main job reaches its YARN
+executors: a second run of the same job here cost make test about 135 CPU
+seconds for no path the two do not cover."""
 
 from __future__ import annotations
 
@@ -39,21 +42,18 @@ def _app_state(cluster: HadoopCluster, app_id: str) -> dict:
         return json.load(r)["app"]
 
 
-@pytest.mark.parametrize("mode", ["venv", "archive"])
-def test_ember_on_spark_on_yarn(hadoop_cluster: HadoopCluster, tmp_path, mode: str) -> None:
-    r = _yarn_job(hadoop_cluster, mode, tmp_path)
+def test_ember_on_spark_on_yarn_with_the_environment_in_an_archive(
+        hadoop_cluster: HadoopCluster, tmp_path) -> None:
+    r = _yarn_job(hadoop_cluster, "archive", tmp_path)
     assert r["master"] == "yarn" and r["app_id"].startswith("application_")
     # two executors, each in a YARN container
     containers = {e[0] for e in r["executors"]}
     assert len(r["executors"]) == 2 and all(c.startswith("container_") for c in containers)
     for _cid, ember_file, model_file, python, cwd in r["executors"]:
         assert python == sys.executable
-        if mode == "archive":  # imported from the unpacked archive in the container
-            assert ember_file.startswith(os.path.realpath(cwd)), (ember_file, cwd)
-            assert "/deps/ember/" in ember_file and "/deps/examples/" in model_file
-        else:
-            assert ember_file == os.path.realpath(os.path.join(REPO, "python", "ember",
-                                                               "__init__.py"))
+        # imported from the unpacked archive in the container
+        assert ember_file.startswith(os.path.realpath(cwd)), (ember_file, cwd)
+        assert "/deps/ember/" in ember_file and "/deps/examples/" in model_file
     assert r["trained"] == 2 * 4000 and r["inferred"] == 1000  # 2 epochs
     # 4,000 records for 2 epochs: far above chance (0.1), not the full model
     assert r["accuracy"] >= 0.7, r
