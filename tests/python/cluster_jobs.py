@@ -2,7 +2,7 @@
 simulated cluster's driver host against its standalone master and writes what
 it saw as JSON for the test to check.
 
-    python cluster_jobs.py <job> <spark master URL> <out dir> [args...]
+    python cluster_jobs.py <job>[+<job>...] <spark master URL> <out dir>
 
 Jobs: ``crosshost`` (feed and collectives between hosts, bound addresses),
 ``transform`` (EmberEstimator.fit, then EmberModel.transform), ``hostloss``
