@@ -113,8 +113,10 @@ setup: apt venv build venv-mlflow
 # each compile TensorFlow, Keras, PyTorch and PySpark (importing TensorFlow
 # and Keras: 15 s here the first time, 5 s once compiled).
 .PHONY: warm-imports
+#: the heavy imports whose byte code the set-up writes (the compat venv: all but torch)
+HEAVY_IMPORTS := tensorflow, keras, pyspark.sql, pandas, pyarrow
 warm-imports: venv
-	$(PY) -c "import tensorflow, keras, torch, pyspark.sql, pandas, pyarrow"
+	$(PY) -c "import $(HEAVY_IMPORTS), torch"
 
 # ---------------------------------------------------------------- build
 build: lib ext
@@ -192,7 +194,7 @@ $(COMPAT_VENV)/.stamp: requirements-compat.txt
 	# the byte code of its heavy imports, as warm-imports writes the main venv's:
 	# written here, on the cores the set-up leaves half idle, not by the first
 	# processes of make test's compat stage, each compiling TensorFlow at once
-	$(COMPAT_PY) -c "import tensorflow, keras, pyspark.sql, pandas, pyarrow"
+	$(COMPAT_PY) -c "import $(HEAVY_IMPORTS)"
 	@touch $@
 $(COMPAT_VENV)/.ember-installed: $(VENV)/.ember-installed $(COMPAT_VENV)/.stamp
 	rm -rf $(COMPAT_SRC) && mkdir -p $(COMPAT_SRC)/hadoop

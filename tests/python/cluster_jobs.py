@@ -288,8 +288,9 @@ def ps(spark: Any, out: str) -> None:
     chief and 2 workers on the worker hosts, asynchronous then with
     staleness 2; in each, worker 2 is frozen (SIGSTOP) for 5 s mid-training.
     Then PyTorch with staleness 2, and its click model with a 1,000,000-row
-    table (torch_psfuns.torch_async).  Then a ps node is SIGKILLed mid-training with max_restarts=1: the
-    restart must name it and the job resume from the ps checkpoints.  Then
+    table (torch_psfuns.torch_async).  Then a ps node is SIGKILLed
+    mid-training with max_restarts=1: the restart must name it and the job
+    resume from the ps checkpoints.  Then
     TensorFlow's ParameterServerStrategy trains from TFRecords."""
     import signal
     import threading
@@ -472,7 +473,7 @@ def main() -> int:
             "stream": stream, "encrypted": encrypted, "ps": ps}
     # encrypted: every partition goes over TCP (no shared-memory rings), between hosts
     # or over a host's loopback (both captured by test_cluster)
-    conf = {"spark.executorEnv.EMBER_FEED_SHM": "0"} if job == "encrypted" else {}
+    conf = {"spark.executorEnv.EMBER_FEED_SHM": "0"} if "encrypted" in names else {}
     spark = session(master, f"ember-cluster-{job}", 3, conf)
     try:
         for name in names:

@@ -57,7 +57,7 @@ LANES = {m: "hadoop" for m in (
     "test_yarn_experiments", "test_packaging", "test_mlflow",
     "test_cluster",
     # its own standalone cluster with discovered GPUs (about 2.5 min): in the
-    # spark lane, that lane ended 7.6 min after this one (fresh clone, 2026-11-29)
+    # spark lane, that lane ended 7.5 min after this one (fresh clone, 2026-11-29)
     "test_gpu")}
 #: A test of another module that uses the mini Hadoop runs in the hadoop lane
 #: too, so that one worker starts it (the rest of its module may run in the

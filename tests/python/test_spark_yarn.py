@@ -23,11 +23,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 
-def _yarn_job(cluster: HadoopCluster, mode: str, tmp_path, *extra: str) -> dict:
+def _yarn_job(cluster: HadoopCluster, tmp_path, *extra: str) -> dict:
     out = tmp_path / "result.json"
     env = dict(cluster.env(), HADOOP_USER_NAME=cluster.user, PYSPARK_PYTHON=sys.executable,
                PYTHONPATH=os.pathsep.join([REPO, HERE]))
-    p = subprocess.run([sys.executable, os.path.join(HERE, "yarn_job.py"), "--mode", mode,
+    p = subprocess.run([sys.executable, os.path.join(HERE, "yarn_job.py"), "--mode", "archive",
                         "--work", str(tmp_path / "work"), "--out", str(out), *extra],
                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=840)
@@ -44,7 +44,7 @@ def _app_state(cluster: HadoopCluster, app_id: str) -> dict:
 
 def test_ember_on_spark_on_yarn_with_the_environment_in_an_archive(
         hadoop_cluster: HadoopCluster, tmp_path) -> None:
-    r = _yarn_job(hadoop_cluster, "archive", tmp_path)
+    r = _yarn_job(hadoop_cluster, tmp_path)
     assert r["master"] == "yarn" and r["app_id"].startswith("application_")
     # two executors, each in a YARN container
     containers = {e[0] for e in r["executors"]}
