@@ -80,15 +80,24 @@ $(BUILD)/.apt-stamp: Makefile
 	@java -version >/dev/null 2>&1 || { echo "Java 17 is required (java not found)"; exit 1; }
 	@touch $@
 
-# --no-compile (here and in the other venvs): Python byte-compiles the
-# modules a process imports on first use; pip would compile every file of
-# TensorFlow, torch and Spark, most of which nothing here imports
+# The venvs' pinned requirements are installed by uv (from PyPI, pinned
+# here), not pip: it downloads in parallel and links the files of the wheels
+# it has unpacked once into each venv.  The main venv (7.2 GB, most of it
+# torch's CUDA libraries) took 129 s with pip's cache warm, 85 s with uv's
+# cache cold and 37 s warm.  pip stays in each venv: Ember itself is
+# installed with pip, the way users install it.  No byte code at install
+# time (uv's default; pip's --no-compile): Python compiles the modules a
+# process imports on first use, and most files of TensorFlow, torch and
+# Spark are never imported here.
+UV_VERSION := 0.13.9
+# $(call VENV_REQUIREMENTS,venv dir,requirement files)
+VENV_REQUIREMENTS = test -x $(1)/bin/python || python3 -m venv $(1); \
+	$(1)/bin/python -m pip install -q --upgrade pip uv==$(UV_VERSION) && \
+	$(1)/bin/uv pip install -q --python $(1)/bin/python $(foreach r,$(2),-r $(r))
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: requirements.txt requirements-bench.txt
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile -r requirements.txt -r requirements-bench.txt
-	$(PY) -m pip uninstall -q -y triton  # requirements.txt says why
+	$(call VENV_REQUIREMENTS,$(VENV),requirements.txt requirements-bench.txt)
+	$(VENV)/bin/uv pip uninstall -q --python $(PY) triton  # requirements.txt says why
 	@touch $@
 
 # The tests' MLflow tracking server (tests/python/test_mlflow.py) runs from a
@@ -100,15 +109,13 @@ MLFLOW_VENV := .venv-mlflow
 .PHONY: venv-mlflow
 venv-mlflow: $(MLFLOW_VENV)/.stamp
 $(MLFLOW_VENV)/.stamp: requirements-mlflow-server.txt
-	test -x $(MLFLOW_VENV)/bin/python || python3 -m venv $(MLFLOW_VENV)
-	$(MLFLOW_VENV)/bin/python -m pip install -q --upgrade pip
-	$(MLFLOW_VENV)/bin/python -m pip install -q --no-compile -r requirements-mlflow-server.txt
+	$(call VENV_REQUIREMENTS,$(MLFLOW_VENV),requirements-mlflow-server.txt)
 	@touch $@
 
 setup: apt venv build venv-mlflow
 
-# The byte code of what every test process imports (pip installs with
-# --no-compile), written once by one process: otherwise the first dozen
+# The byte code of what every test process imports (the venvs are installed
+# without it), written once by one process: otherwise the first dozen
 # nodes, workers and drivers that make test's two lanes start at once would
 # each compile TensorFlow, Keras, PyTorch and PySpark (importing TensorFlow
 # and Keras: 15 s here the first time, 5 s once compiled).
@@ -158,7 +165,7 @@ install: $(BUILD)/libember.a $(SHLIB)
 # `pip install -e .` (pyproject.toml + setup.py), which compiles the C
 # extension in place and builds the two jars it ships as package data
 # (python/ember/jars: EmberModel's direct path and run_on_yarn's
-# ApplicationMaster; Maven's local repository is build/m2, as for the mini
+# ApplicationMaster; Maven's local repository is M2_REPO, as for the mini
 # cluster).  Rerun when any source of the extension or the jars changes.
 PKG_SRCS      := pyproject.toml setup.py python/ember/_version.py $(LIB_SRCS) $(LIB_HDRS) \
                  $(EXT_SRCS) $(EXT_HDRS) $(wildcard python/ember/_tf_*.c python/ember/_tf_*.h) \
@@ -188,9 +195,7 @@ venv-compat: $(COMPAT_VENV)/.ember-installed
 # its pip part alone (make test starts it before the main venv is ready)
 venv-compat-deps: $(COMPAT_VENV)/.stamp
 $(COMPAT_VENV)/.stamp: requirements-compat.txt
-	test -x $(COMPAT_PY) || python3 -m venv $(COMPAT_VENV)
-	$(COMPAT_PY) -m pip install -q --upgrade pip
-	$(COMPAT_PY) -m pip install -q --no-compile -r requirements-compat.txt
+	$(call VENV_REQUIREMENTS,$(COMPAT_VENV),requirements-compat.txt)
 	# the byte code of its heavy imports, as warm-imports writes the main venv's:
 	# written here, on the cores the set-up leaves half idle, not by the first
 	# processes of make test's compat stage, each compiling TensorFlow at once
@@ -210,12 +215,14 @@ $(COMPAT_VENV)/.ember-installed: $(VENV)/.ember-installed $(COMPAT_VENV)/.stamp
 
 # ---------------------------------------------------------------- test Hadoop (HDFS + YARN)
 # hadoop/minicluster: one JVM with a MiniDFSCluster and a MiniYARNCluster, for
-# tests (tests/python/hadoop_fixture.py).  Maven's local repository is
-# build/m2 (filled from Maven Central on the first build; later builds run
-# offline); the fixture runs build/hadoop/ember-minicluster.jar with the jars
-# listed in build/hadoop/classpath.txt.
+# tests (tests/python/hadoop_fixture.py).  Maven's local repository,
+# M2_REPO, is Maven's own default (filled from Maven Central by the first
+# build on a machine; later builds, of any clone, run offline): a fresh
+# clone's set-up took 50 s longer with one of its own (build/m2) to fill.
+# The fixture runs build/hadoop/ember-minicluster.jar with the jars listed
+# in build/hadoop/classpath.txt.
 MVN       ?= mvn
-M2_REPO   ?= $(abspath $(BUILD)/m2)
+M2_REPO   ?= $(HOME)/.m2/repository
 HADOOP_MVN = $(MVN) -B -q -f hadoop/minicluster/pom.xml -Dmaven.repo.local=$(M2_REPO) -Drevision=$(VERSION) \
              -Dember.out=$(abspath $(BUILD)/hadoop) package
 hadoop: apt $(BUILD)/hadoop/classpath.txt ext
