@@ -285,16 +285,20 @@ def test_streaming_file_source_to_file_sink(local_spark, small_models, tmp_path)
 
 # --------------------------------------------------------------------------- direct path
 
-def _direct_workers(model_path):
-    """pids of the direct-path inference workers serving ``model_path``."""
+def _direct_workers(spark):
+    """pids of the direct-path inference workers of ``spark``'s JVM (local
+    mode: the executor's), whatever model each started for."""
+    jvm = str(spark.sparkContext._jvm.ProcessHandle.current().pid())
     pids = set()
     for d in os.listdir("/proc"):
         try:
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
+            with open(f"/proc/{d}/stat") as f:
+                ppid = f.read().rsplit(")", 1)[1].split()[1]
         except OSError:
             continue
-        if b"ember.ml._direct_worker" in argv and model_path.encode() in argv:
+        if b"ember.ml._direct_worker" in argv and ppid == jvm:
             pids.add(int(d))
     return pids
 
@@ -329,24 +333,37 @@ def test_direct_path_tensor_column(local_spark, small_models):
 
 
 def test_direct_path_worker_reuse(local_spark, small_models):
-    """The model's workers serve the next transform (no new process), and
-    workers killed while idle are replaced, never handed a task."""
+    """The model's workers serve the next transform (no new process), another
+    model's transform too (the workers load it), and workers killed while
+    idle are replaced, never handed a task."""
     import signal
 
     check, packed, m = _direct_path_check(local_spark, small_models)
     check(packed)
-    first = _direct_workers(small_models["sig"])
-    assert 1 <= len(first) <= local_spark.sparkContext.defaultParallelism
+    first = _direct_workers(local_spark)
+    assert first
     check(packed)
-    assert _direct_workers(small_models["sig"]) == first  # the model stayed loaded
+    assert _direct_workers(local_spark) == first  # the model stayed loaded
+    # a TF1 graph: other inputs, outputs and batch size, on the same workers
+    df, x = _small_frame(local_spark, n=400, parts=2)
+    graph = (EmberModel().setExportDir(small_models["graph"]).setSignatureDefKey(None)
+             .setInputMapping({"feats": "x"}).setOutputMapping({"y:0": "y"})
+             .setBatchSize(50).setArrowPath("direct"))
+    rows = sorted(graph.transform(df).select("id", "y").collect(), key=lambda r: r["id"])
+    ids = np.array([r["id"] for r in rows])
+    assert len(ids) == 400
+    np.testing.assert_allclose(np.array([r["y"] for r in rows]), x[ids] @ W, rtol=1e-5)
+    assert _direct_workers(local_spark) == first
+    check(packed)  # and back to the first model
+    assert _direct_workers(local_spark) == first
     gone = set()
     for _ in range(3):  # the next task starts at once, before the JVM may have reaped them
-        alive = _direct_workers(small_models["sig"]) - gone
+        alive = _direct_workers(local_spark) - gone
         for pid in alive:
             os.kill(pid, signal.SIGKILL)
         gone |= alive
         check(packed)
-        assert _direct_workers(small_models["sig"]) - gone
+        assert _direct_workers(local_spark) - gone
 
 
 @pytest.mark.parametrize("path", [UDF, "mapInArrow"])

@@ -81,7 +81,8 @@ def transform(dataset: Any, spec: Dict[str, Any], columns: List, output_fields: 
     sc = spark.sparkContext
     batch_size = int(spec["batch_size"])
     # what the worker needs, and nothing of this DataFrame's other columns: a
-    # worker serves every later transform with the same model and inputs
+    # worker keeps the model loaded for every later transform with the same
+    # model and inputs
     spec = {k: v for k, v in spec.items() if k not in ("keep", "batch_size", "struct")}
     spec["direct_columns"] = [(c, dtype, list(shape)) for c, _k, dtype, shape in columns]
     blob = cloudpickle.dumps(spec)
@@ -91,8 +92,12 @@ def transform(dataset: Any, spec: Dict[str, Any], columns: List, output_fields: 
     for i, (c, kind, _d, _s) in enumerate(columns):
         names[i], kinds[i] = c, kind
     schema = T.StructType(list(dataset.schema.fields) + list(output_fields))
+    # workers are shared by the models of one runtime (a worker loads the
+    # model a task needs), never across runtimes: TensorFlow and torch in one
+    # process is what Ember's own venv avoids (requirements.txt: triton)
     jdf = _java_class(spark).transform(dataset._jdf, names, kinds, blob,
                                        hashlib.sha256(blob).hexdigest(),
+                                       spec.get("format", "savedmodel"),
                                        str(spec.get("checkpoint") or spec["export_dir"]), schema.json(),
                                        sc.pythonExec, batch_size)
     return DataFrame(jdf, spark)

@@ -1,13 +1,15 @@
 """Ember's inference worker: the Python end of EmberModel's direct path.
 
 The executor JVM (``ember.spark.DirectInference``) starts this module as
-``python -m ember.ml._direct_worker <model path>`` (the path shows in
-``ps``; nothing reads it) and keeps it for later tasks of the
-same model.  Over stdin it sends the pickled inference spec once, then
-batches: a big-endian int32 row count followed, per input column, by the
-rows' values packed little-endian (``count * row bytes``); a count of 0 ends
-a task, and -1 asks for an empty answer (the JVM's check, before it gives an
-idle worker a task, that the worker still lives).  For each batch this
+``python -m ember.ml._direct_worker <model path>`` (the path of the model
+it starts for shows in ``ps``; nothing reads it) and keeps it for later
+tasks, of that model or of another of the same runtime.  Over stdin it sends
+the pickled inference spec once, then batches: a big-endian int32 row count
+followed, per input column, by the rows' values packed little-endian
+(``count * row bytes``); a count of 0 ends a task, -1 asks for an empty
+answer (the JVM's check, before it gives an idle worker a task, that the
+worker still lives), and -2, followed by an int32 length and a pickled spec,
+hands the worker another model, which replaces the one it holds.  For each batch this
 process answers on stdout with int32 status, int32 length and either one
 Arrow IPC stream holding the output columns (status 0) or a UTF-8 message
 naming what was wrong (status 1, after which it exits).  A reader thread
@@ -22,12 +24,22 @@ import queue
 import struct
 import sys
 import threading
-from typing import Any, BinaryIO, List, Optional, Protocol, Tuple
+from typing import Any, BinaryIO, Dict, List, NamedTuple, Optional, Protocol, Tuple
 
 import numpy as np
 
 MAGIC = 0x454D4231
 PING = -1
+LOAD = -2
+
+Columns = List[Tuple[str, np.dtype, Tuple[int, ...]]]
+
+
+class _Model(NamedTuple):
+    """An inference spec and the input columns it names."""
+
+    spec: Dict[str, Any]
+    columns: Columns
 
 
 class _Input(Protocol):
@@ -54,9 +66,21 @@ def _int(f: _Input) -> Optional[int]:
     return struct.unpack(">i", b)[0] if _read_into(f, b) else None
 
 
-def _batches(f: _Input, columns: List[Tuple[str, np.dtype, Tuple[int, ...]]], out: "queue.Queue"):
-    """Reader thread: (rows, [row arrays per column]) per batch, None per task end;
-    an exception object on failure; stops at the end of input."""
+def _model(f: _Input) -> _Model:
+    """The next inference spec on ``f`` (length-prefixed pickle)."""
+    size = _int(f)
+    blob = bytearray(size or 0)
+    if size is None or not _read_into(f, blob):
+        raise EOFError("input ended before the inference spec")
+    spec = pickle.loads(bytes(blob))
+    return _Model(spec, [(name, np.dtype(dtype), tuple(shape))
+                         for name, dtype, shape in spec["direct_columns"]])
+
+
+def _batches(f: _Input, columns: Columns, out: "queue.Queue"):
+    """Reader thread: (rows, [row arrays per column]) per batch, None per task end,
+    a :class:`_Model` per model handed over (whose columns the next batches
+    have); an exception object on failure; stops at the end of input."""
     try:
         while True:
             n = _int(f)
@@ -68,6 +92,11 @@ def _batches(f: _Input, columns: List[Tuple[str, np.dtype, Tuple[int, ...]]], ou
                 continue
             if n == PING:
                 out.put(PING)
+                continue
+            if n == LOAD:
+                model = _model(f)
+                columns = model.columns
+                out.put(model)
                 continue
             arrays = []
             for _name, dtype, shape in columns:
@@ -93,17 +122,17 @@ def serve(inp: _Input, out: BinaryIO) -> int:
 
     if _int(inp) != MAGIC:
         raise ValueError("not an Ember direct-inference stream (bad magic)")
-    size = _int(inp)
-    blob = bytearray(size or 0)
-    if size is None or not _read_into(inp, blob):
-        raise EOFError("input ended before the inference spec")
-    spec = pickle.loads(bytes(blob))
-    columns = [(name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in spec["direct_columns"]]
-    p = _runtime.predictor(spec)
-    out_cols = spec["output_columns"]
-    schema = pa.schema([pa.field(c, _runtime.arrow_type(info)) for c, info in zip(out_cols, p.outputs)])
+    model = _model(inp)
+
+    def load(spec: Dict[str, Any]) -> Tuple[Any, List[str], Any]:
+        p = _runtime.predictor(spec)
+        out_cols = spec["output_columns"]
+        return p, out_cols, pa.schema([pa.field(c, _runtime.arrow_type(info))
+                                       for c, info in zip(out_cols, p.outputs)])
+
+    p, out_cols, schema = load(model.spec)
     ready: "queue.Queue" = queue.Queue(maxsize=2)
-    threading.Thread(target=_batches, args=(inp, columns, ready), daemon=True).start()
+    threading.Thread(target=_batches, args=(inp, model.columns, ready), daemon=True).start()
     rows_seen = 0
     while True:
         item = ready.get()
@@ -113,6 +142,11 @@ def serve(inp: _Input, out: BinaryIO) -> int:
         if item is PING:
             _reply(out, 0, b"")
             continue
+        if isinstance(item, _Model):  # another model: it replaces this one (one model's memory)
+            _runtime.forget(model.spec)
+            model = item
+            p, out_cols, schema = load(model.spec)
+            continue
         if isinstance(item, EOFError) and not str(item):
             return 0  # the JVM closed the pipe: the executor is done with this worker
         if isinstance(item, BaseException):
@@ -120,7 +154,7 @@ def serve(inp: _Input, out: BinaryIO) -> int:
         n, arrays = item
         where = f"rows {rows_seen}..{rows_seen + n - 1} of the task's partition"
         xs = [_runtime.fit_input(x, name, info, where)
-              for (name, _d, _s), x, info in zip(columns, arrays, p.inputs)]
+              for (name, _d, _s), x, info in zip(model.columns, arrays, p.inputs)]
         batch = pa.RecordBatch.from_arrays(
             _runtime.outputs_to_arrow(p, p.run(xs), out_cols, n), schema=schema)
         sink = pa.BufferOutputStream()

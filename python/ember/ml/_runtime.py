@@ -209,6 +209,19 @@ class _Predictor:
         return [o.numpy() for o in out]
 
 
+def _cache_key(spec: Dict[str, Any]) -> Tuple[Any, ...]:
+    return (spec.get("format", "savedmodel"), spec.get("checkpoint") or spec["export_dir"],
+            spec.get("signature"), tuple(spec.get("tags") or ()), tuple(spec["feeds"]),
+            tuple(spec["fetches"]), spec["stamp"])
+
+
+def forget(spec: Dict[str, Any]) -> None:
+    """Drops this process's predictor of ``spec`` (an inference worker handed
+    another model holds one model at a time)."""
+    with _CACHE_LOCK:
+        _CACHE.pop(_cache_key(spec), None)
+
+
 def predictor(spec: Dict[str, Any]) -> Any:
     """The cached predictor of ``spec`` in this process (loaded on first use): a
     SavedModel's, or a TorchScript module's (``spec['format'] == 'torchscript'``,
@@ -217,9 +230,7 @@ def predictor(spec: Dict[str, Any]) -> Any:
     # executors without HADOOP_CONF_DIR take the driver's, where it exists on their host
     hdfs.ensure_conf_dir(spec.get("hadoop_conf_dir"))
     source = spec.get("checkpoint") or spec["export_dir"]
-    key = (spec.get("format", "savedmodel"), source, spec.get("signature"),
-           tuple(spec.get("tags") or ()), tuple(spec["feeds"]), tuple(spec["fetches"]),
-           spec["stamp"])
+    key = _cache_key(spec)
     with _CACHE_LOCK:
         p = _CACHE.get(key)
         if p is None:

@@ -51,8 +51,8 @@ import scala.Tuple2;
  * EmberModel.transform's direct path: the executor JVM writes the model's
  * input columns of each batch of rows, as packed little-endian values, down a
  * pipe to an Ember inference worker (a Python process, {@code python -m
- * ember.ml._direct_worker <model>}, one per concurrent task, kept and reused by later
- * tasks of the same model), and appends the output columns it sends back (one
+ * ember.ml._direct_worker <the model it started for>}, one per concurrent task, kept
+ * and reused by later tasks, of the same model or, loading it, of another), and appends the output columns it sends back (one
  * Arrow IPC batch per input batch) to the rows.
  *
  * <p>Why not Spark's Arrow UDF path: Spark's row-to-Arrow writer handles an
@@ -71,10 +71,12 @@ public final class DirectInference {
   static final int MAGIC = 0x454d4231;  // "EMB1"
   /** A row count asking an idle worker to answer (status 0, no body). */
   static final int PING = -1;
+  /** A row count telling an idle worker to serve another model: its spec follows. */
+  static final int LOAD = -2;
 
   /** The DataFrame {@code df} plus the model's output columns. */
   public static Dataset<Row> transform(Dataset<Row> df, String[] columns, String[] kinds,
-                                       byte[] spec, String specKey, String label,
+                                       byte[] spec, String specKey, String runtime, String label,
                                        String outputSchemaJson, String pythonExec, int batchSize) {
     StructType in = df.schema();
     StructType out = (StructType) DataType.fromJson(outputSchemaJson);
@@ -82,8 +84,8 @@ public final class DirectInference {
     for (int i = 0; i < columns.length; i++) {
       ordinals[i] = in.fieldIndex(columns[i]);
     }
-    Partition fn = new Partition(columns, kinds, ordinals, spec, specKey, label, pythonExec,
-                                 Math.max(1, batchSize));
+    Partition fn = new Partition(columns, kinds, ordinals, spec, specKey, runtime, label,
+                                 pythonExec, Math.max(1, batchSize));
     JavaRDD<InternalRow> mapped = Plans.rows(df).toJavaRDD().mapPartitions(fn);
     return Plans.frame(df, mapped.rdd(), out);
   }
@@ -136,17 +138,19 @@ public final class DirectInference {
     final int[] ordinals;
     final byte[] spec;
     final String specKey;
+    final String runtime;
     final String label;
     final String pythonExec;
     final int batchSize;
 
     Partition(String[] names, String[] kinds, int[] ordinals, byte[] spec, String specKey,
-              String label, String pythonExec, int batchSize) {
+              String runtime, String label, String pythonExec, int batchSize) {
       this.names = names;
       this.kinds = kinds;
       this.ordinals = ordinals;
       this.spec = spec;
       this.specKey = specKey;
+      this.runtime = runtime;
       this.label = label;
       this.pythonExec = pythonExec;
       this.batchSize = batchSize;
@@ -159,7 +163,7 @@ public final class DirectInference {
         cols[i] = new Column(names[i], kinds[i], ordinals[i]);
       }
       TaskContext task = TaskContext.get();
-      Worker worker = Worker.borrow(pythonExec, specKey, label, spec, gpus(task));
+      Worker worker = Worker.borrow(pythonExec, runtime, specKey, label, spec, gpus(task));
       return new Results(task, worker, cols, input, batchSize);
     }
   }
@@ -455,12 +459,17 @@ public final class DirectInference {
 
   /**
    * An inference worker process and its pipes.  Idle workers wait for the
-   * next task of their model; one idle longer than {@code EMBER_DIRECT_IDLE_SECONDS}
-   * (default 60, as Spark's Python workers) is stopped, and at most as many
-   * stay idle as this executor has had tasks at once (a model's memory each).
-   * A task given GPUs gets a worker started with exactly those visible
-   * ({@code CUDA_VISIBLE_DEVICES}): workers are pooled per model and GPU set,
-   * so a model loaded on one GPU never serves a task given another.
+   * next task: one of the model they hold if there is one, else of any model
+   * of the same runtime (TensorFlow or TorchScript), which the worker then
+   * loads in place of its own (a process's start and its framework's import,
+   * seconds, are paid once per concurrent task, not once per model: a
+   * cross-validator's or a pipeline's models share the workers).  One idle
+   * longer than {@code EMBER_DIRECT_IDLE_SECONDS} (default 60, as Spark's
+   * Python workers) is stopped, and at most as many stay idle as this
+   * executor has had tasks at once (a model's memory each).  A task given
+   * GPUs gets a worker started with exactly those visible
+   * ({@code CUDA_VISIBLE_DEVICES}): workers are pooled per runtime and GPU
+   * set, so a model loaded on one GPU never serves a task given another.
    */
   static final class Worker {
     static final Map<String, ConcurrentLinkedDeque<Worker>> IDLE = new ConcurrentHashMap<>();
@@ -482,34 +491,45 @@ public final class DirectInference {
     }
 
     final String key;
+    /** The spec key of the model this worker holds. */
+    String loaded;
     final Process process;
     final DataOutputStream out;
     final DataInputStream in;
     final File errors;
     volatile boolean broken;
 
-    Worker(String key, Process process, File errors) {
+    Worker(String key, String loaded, Process process, File errors) {
       this.key = key;
+      this.loaded = loaded;
       this.process = process;
       this.errors = errors;
       this.out = new DataOutputStream(new BufferedOutputStream(process.getOutputStream(), 1 << 20));
       this.in = new DataInputStream(new BufferedInputStream(process.getInputStream(), 1 << 16));
     }
 
-    static Worker borrow(String pythonExec, String specKey, String label, byte[] spec,
-        String gpus) throws IOException {
-      String key = pythonExec + "\u0000" + specKey + "\u0000" + gpus;
+    static Worker borrow(String pythonExec, String runtime, String specKey, String label,
+        byte[] spec, String gpus) throws IOException {
+      String key = pythonExec + "\u0000" + runtime + "\u0000" + gpus;
       PEAK.accumulateAndGet(ACTIVE.incrementAndGet(), Math::max);
       ConcurrentLinkedDeque<Worker> idle = IDLE.computeIfAbsent(key, k -> new ConcurrentLinkedDeque<>());
+      for (Worker w : idle) {  // one holding this model first
+        if (w.loaded.equals(specKey) && idle.remove(w)) {
+          if (w.answers()) {
+            return w;
+          }
+          w.stop();
+        }
+      }
       for (Worker w; (w = idle.pollFirst()) != null; ) {
-        if (w.answers()) {
+        if (w.answers() && w.load(spec, specKey)) {
           return w;
         }
         w.stop();
       }
       Worker w = null;
       try {
-        w = start(key, pythonExec, label, gpus);
+        w = start(key, specKey, pythonExec, label, gpus);
         w.out.writeInt(MAGIC);
         w.out.writeInt(spec.length);
         w.out.write(spec);
@@ -528,7 +548,7 @@ public final class DirectInference {
       }
     }
 
-    static Worker start(String key, String pythonExec, String label, String gpus)
+    static Worker start(String key, String specKey, String pythonExec, String label, String gpus)
         throws IOException {
       ProcessBuilder pb = new ProcessBuilder(pythonExec, "-m", "ember.ml._direct_worker", label);
       Map<String, String> env = pb.environment();
@@ -570,7 +590,25 @@ public final class DirectInference {
       File errors = File.createTempFile("ember-direct-worker-", ".log");
       errors.deleteOnExit();
       pb.redirectError(ProcessBuilder.Redirect.to(errors));
-      return new Worker(key, pb.start(), errors);
+      return new Worker(key, specKey, pb.start(), errors);
+    }
+
+    /**
+     * Hands this idle worker another model's spec; it loads the model before
+     * its next batch, and a model that fails to load fails that batch, as at
+     * a worker's start.  False if the pipe is closed.
+     */
+    boolean load(byte[] spec, String specKey) {
+      try {
+        out.writeInt(LOAD);
+        out.writeInt(spec.length);
+        out.write(spec);
+        out.flush();
+      } catch (IOException e) {
+        return false;
+      }
+      loaded = specKey;
+      return true;
     }
 
     /**
