@@ -58,7 +58,11 @@ LANES = {m: "hadoop" for m in (
     "test_cluster",
     # its own standalone cluster with discovered GPUs (about 2.5 min): in the
     # spark lane, that lane ended 7.5 min after this one (fresh clone, 2026-11-29)
-    "test_gpu")}
+    "test_gpu",
+    # local Spark only, about 85 s: the spark lane still ended 408 s after
+    # this one (fresh clone of 1bd95f8, 2026-11-29); the direct path's shared
+    # inference workers since then shorten that lane by about 100 s more
+    "test_spark_local", "test_collective_spark")}
 #: A test of another module that uses the mini Hadoop runs in the hadoop lane
 #: too, so that one worker starts it (the rest of its module may run in the
 #: spark lane, which balances the lanes).

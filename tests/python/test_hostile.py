@@ -153,7 +153,14 @@ def test_strangers_on_every_port_do_not_stall_training(local_spark, tmp_path, ca
         strangers = Strangers(ports, idle=idle, slow=20)
         strangers.start()
         attack_start = time.monotonic()
-        time.sleep(1.5)  # the first wave is in, the deadlines are running
+        # every port holds its first wave before train() starts: the
+        # collective ports listen until the communicator is built, in this
+        # round (5,000 connections took more than 1.5 s on a loaded machine,
+        # and the last port then had none)
+        while min(strangers.max_held[p] for p in ports) < 100:
+            assert time.monotonic() - attack_start < 60, dict(strangers.max_held)
+            time.sleep(0.1)
+        time.sleep(1.5)  # the deadlines are running
         t0 = time.monotonic()
         # a stalled feed fails in a minute instead of the default ten
         assert cluster.train(_ids_rdd(sc, n, n, 4), feed_timeout=60) == n
