@@ -51,9 +51,10 @@ import scala.Tuple2;
  * EmberModel.transform's direct path: the executor JVM writes the model's
  * input columns of each batch of rows, as packed little-endian values, down a
  * pipe to an Ember inference worker (a Python process, {@code python -m
- * ember.ml._direct_worker <the model it started for>}, one per concurrent task, kept
- * and reused by later tasks, of the same model or, loading it, of another), and appends the output columns it sends back (one
- * Arrow IPC batch per input batch) to the rows.
+ * ember.ml._direct_worker <the model it started for>}, one per concurrent
+ * task, kept and reused by later tasks, of the same model or, loading it, of
+ * another), and appends the output columns it sends back (one Arrow IPC batch
+ * per input batch) to the rows.
  *
  * <p>Why not Spark's Arrow UDF path: Spark's row-to-Arrow writer handles an
  * {@code array<float>} one element at a time, and its UDF operator copies
