@@ -5,10 +5,9 @@ the venv does not exist yet when it starts).  Each stage is a command; a
 stage starts as soon as the stages it needs have passed, so stages that need
 different things overlap: the C tests and fuzzers build and run while pip
 and Maven set up the Python side; the main suite keeps both cores busy by
-itself (two pytest-xdist workers); the Spark 3.5 compatibility subset, the
-type check run one after the other on the core its first lane to end
-leaves idle, and six of the smoke benchmarks on the other once the suite
-ends.  Every line a stage prints is shown with
+itself (two pytest-xdist workers); the Spark 3.5 compatibility subset and
+six of the smoke benchmarks start once its first lane ends, and the type
+check once either of them is done.  Every line a stage prints is shown with
 its name and the run's clock (minutes:seconds) in front, and kept in
 build/test-logs/<stage>.log.
 
@@ -100,19 +99,18 @@ STAGES: List[Stage] = [
           what="the Spark 3.5 / TensorFlow 2.20 venv's packages"),
     Stage("compat-setup", MAKE + ["venv-compat"], ("setup", "compat-venv"),
           what="ember in the Spark 3.5 / TensorFlow 2.20 venv"),
-    # compat on the core the first pytest lane to end leaves idle (the
-    # lanes end up to minutes apart); bench-smoke on the other core once the
-    # second lane ends (after typecheck, it had one core idle for its 80 s:
-    # CI, 2026-11-28); typecheck on whichever of the two cores frees first
-    # (after compat, it ran 35 s with the other core idle when the lanes
-    # ended together: CI, 2026-11-29)
+    # compat and bench-smoke once the first pytest lane ends (the lanes end
+    # up to minutes apart): three at once on two cores until the other lane
+    # ends, rather than bench-smoke alone on one core once it has (120 s of
+    # the run's end with the other core idle: fresh clone of aec6652,
+    # 2026-11-29); typecheck once either of them is done
     Stage("compat", MAKE + ["test-compat"], ("compat-setup",), ("pytest",),
           what="the compatibility subset on pyspark 3.5 and TensorFlow 2.20",
           on_lane_done=True),
     # the benchmarks that start no cluster per side (bench/smoke.py:
     # Bench.in_make_test; make bench-smoke runs all ten)
     Stage("bench-smoke", MAKE + ["bench-smoke", "BENCH_SMOKE_ARGS=--make-test"], ("setup",),
-          ("pytest",), what="six of the ten benchmarks at a tiny size"),
+          ("pytest",), what="six of the ten benchmarks at a tiny size", on_lane_done=True),
     Stage("typecheck", MAKE + ["typecheck"], ("setup",), ("pytest",),
           what="mypy over python/ember, stubtest of _ember.pyi", on_lane_done=True,
           after_any=("compat", "bench-smoke")),
