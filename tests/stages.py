@@ -3,8 +3,8 @@
 Run by ``make test`` with the system's python3 (the standard library only:
 the venv does not exist yet when it starts).  Each stage is a command; a
 stage starts as soon as the stages it needs have passed, so stages that need
-different things overlap: the C tests and fuzzers build and run while pip
-and Maven set up the Python side; the main suite keeps both cores busy by
+different things overlap: the C tests and fuzzers build and run while uv,
+pip and Maven set up the Python side; the main suite keeps both cores busy by
 itself (two pytest-xdist workers); the Spark 3.5 compatibility subset and
 six of the smoke benchmarks start once its first lane ends, and the type
 check once either of them is done.  Every line a stage prints is shown with
@@ -92,9 +92,10 @@ STAGES: List[Stage] = [
                      "--durations=20", "--junitxml=build/test-logs/pytest-junit.xml",
                      "tests/python"], ("setup",), ("c-install",),
           what="the Python suite in two workers (tests/python/conftest.py: LANES)"),
-    # its pip part once the C tests and fuzzers are done, while the set-up
-    # waits on Maven Central and the cores are half idle; its ember (the jar
-    # and the op compiled) once the set-up has passed; its tests after pytest
+    # its packages once the C tests and fuzzers are done (since the set-up
+    # takes uv and ~/.m2, 212 s instead of 385, that is beside pytest's
+    # start); its ember (the jar and the op compiled) once the set-up has
+    # passed; its tests once the first pytest lane ends
     Stage("compat-venv", MAKE + ["venv-compat-deps"], ("apt",), ("fuzz",),
           what="the Spark 3.5 / TensorFlow 2.20 venv's packages"),
     Stage("compat-setup", MAKE + ["venv-compat"], ("setup", "compat-venv"),
