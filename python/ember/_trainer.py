@@ -32,7 +32,7 @@ import time
 import traceback
 from typing import Any, Dict, List
 
-from ember import _log, _watchdog
+from ember import _imports, _log, _watchdog
 from ember._env import bind_host
 
 FEED_ROLES = ("chief", "worker")
@@ -76,6 +76,8 @@ def main() -> None:
     # (argv[2], the node's index, names it in every line, the watchdog's too)
     name = f"node {sys.argv[2]}" if len(sys.argv) > 2 else "node"
     _log.default_handler(name)
+    # before main_fun's module is unpickled (it may import its framework)
+    _imports.pause_collector_on_heavy_imports()
     # first, before any thread exists: the watchdog that ends this node if it
     # is frozen for heartbeat_timeout (argv[1], seconds; see ember._watchdog)
     _watchdog.start(float(sys.argv[1]) if len(sys.argv) > 1 else 0.0, name)

@@ -29,6 +29,7 @@ from typing import (TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional
 import numpy as np
 
 from ember import hdfs
+from ember._imports import collector_paused
 from ember.errors import ModelInputError
 from ember.ml import _model_files
 
@@ -222,6 +223,21 @@ def forget(spec: Dict[str, Any]) -> None:
         _CACHE.pop(_cache_key(spec), None)
 
 
+def _load(spec: Dict[str, Any]) -> Any:
+    if spec.get("format") == "torchscript":
+        from ember.ml._torch import TorchPredictor
+
+        return TorchPredictor(spec)
+    export = checkpoint_export(spec["checkpoint"])[0] if spec.get("checkpoint") \
+        else spec["export_dir"]
+    p = _Predictor(export, spec["tags"], spec["feeds"], spec["fetches"],
+                   spec["input_keys"], spec["output_keys"])
+    if not spec.get("checkpoint") and p.stamp != spec["stamp"]:
+        logger.warning(f"ExportDir {export} changed after transform() checked it "
+                       "on the driver; running the version found now")
+    return p
+
+
 def predictor(spec: Dict[str, Any]) -> Any:
     """The cached predictor of ``spec`` in this process (loaded on first use): a
     SavedModel's, or a TorchScript module's (``spec['format'] == 'torchscript'``,
@@ -234,18 +250,10 @@ def predictor(spec: Dict[str, Any]) -> Any:
     with _CACHE_LOCK:
         p = _CACHE.get(key)
         if p is None:
-            if spec.get("format") == "torchscript":
-                from ember.ml._torch import TorchPredictor
-
-                p = TorchPredictor(spec)
-            else:
-                export = checkpoint_export(spec["checkpoint"])[0] if spec.get("checkpoint") \
-                    else spec["export_dir"]
-                p = _Predictor(export, spec["tags"], spec["feeds"], spec["fetches"],
-                               spec["input_keys"], spec["output_keys"])
-                if not spec.get("checkpoint") and p.stamp != spec["stamp"]:
-                    logger.warning(f"ExportDir {export} changed after transform() checked it "
-                                   "on the driver; running the version found now")
+            # a Spark Python worker's first model imports the framework: with
+            # the collector paused (ember._imports), and only for this load
+            with collector_paused():
+                p = _load(spec)
             _LOADS[source] = _LOADS.get(source, 0) + 1
             _CACHE[key] = p
         return p

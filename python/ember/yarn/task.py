@@ -38,7 +38,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from ember import _log
+from ember import _imports, _log
 from ember.yarn._topology import EXPERIMENT_FILE, HEARTBEAT_TIMEOUT_S, RDV_ORDER, node_index
 
 logger = logging.getLogger("ember.yarn.task")
@@ -110,6 +110,7 @@ def run_node(fn: Callable[[Any], Optional[Dict[str, Any]]],
     from ember import _trainer
 
     kind, index = _task()
+    _imports.pause_collector_on_heavy_imports()  # (a custom entry point's task too)
     local_rank = int(os.environ.get("EMBER_YARN_LOCAL_RANK", "0"))
     # this process's Ember lines: stderr, with a timestamp and the task's name
     _log.default_handler(f"{kind}:{index}" + (f" rank {local_rank}" if local_rank else ""))
