@@ -33,6 +33,8 @@ from connect_fixture import connect_server  # noqa: F401  (the Spark Connect ser
 from hadoop_fixture import hadoop_cluster, kerberized_hadoop, yarn  # noqa: F401  (mini Hadoops)
 from jvm_archive import jvm_options_for_tests
 
+from ember._imports import pause_collector_on_heavy_imports
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Every JVM the tests start (Spark drivers, executors and standalone daemons,
@@ -42,6 +44,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # pyspark's classes that make setup writes.  A JAVA_TOOL_OPTIONS of the
 # caller's wins.  Benchmarks never get them.
 os.environ.setdefault("JAVA_TOOL_OPTIONS", jvm_options_for_tests())
+
+# Tests that build a model in the test process import TensorFlow or torch
+# there: as Ember's nodes do (ember._imports), with the cyclic collector
+# paused, what the import made then frozen, so that the collector's later
+# full passes (the driver's threads allocate all along) do not go over it.
+pause_collector_on_heavy_imports()
 
 # The processes the tests start (nodes, Spark's Python workers, inference
 # workers, YARN tasks) write the byte code of what they import, as the

@@ -866,6 +866,9 @@ def _torch_spawn(experiment_fn: Callable[[], Any], ctx: Any, task: str, n: int,
 def _torch_child(payload: bytes, task: str, rank: int, world: int, local_rank: int,
                  queue: Any, tb_url: Optional[str]) -> None:
     """A process of n_workers_per_executor: rebuilds the experiment and trains."""
+    from ember import _imports
+
+    _imports.pause_collector_on_heavy_imports()  # a process Ember starts, as its task is
     try:
         experiment_fn = pickle.loads(payload)
         exp = experiment_fn()
