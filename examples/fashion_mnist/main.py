@@ -142,7 +142,7 @@ def input_data(spark: Any, args: argparse.Namespace, split: str) -> Any:
 
 def csv_rdd(sc: Any, args: argparse.Namespace, split: str) -> Any:
     return sc.textFile(os.path.join(args.data_dir, "csv", split), args.partitions) \
-        .map(data.parse_csv_line)
+        .mapPartitions(data.parse_csv_partition)
 
 
 def stream_dataframe(sc: Any, args: argparse.Namespace) -> Any:

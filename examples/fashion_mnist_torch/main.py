@@ -68,7 +68,7 @@ def setup_data(sc: Any, args: argparse.Namespace) -> Tuple[int, int]:
 
 def csv_rdd(sc: Any, args: argparse.Namespace, split: str) -> Any:
     return sc.textFile(os.path.join(args.data_dir, split), args.partitions) \
-        .map(data.parse_csv_line)
+        .mapPartitions(data.parse_csv_partition)
 
 
 def train_and_evaluate(sc: Any, args: argparse.Namespace, mode: str) -> Tuple[float, float]:

@@ -55,3 +55,46 @@ def test_setup_data_writes_again_when_the_data_differs(tmp_path, changes) -> Non
     # the old manifest is gone before anything is written: an interrupted
     # rewrite is never taken for complete data
     assert not os.path.exists(manifest)
+
+
+def _csv_lines(n: int):
+    from examples.fashion_mnist import data
+
+    images, labels = data.load_split("test")
+    return [",".join([str(int(labels[i]))] + [str(int(v)) for v in images[i].reshape(-1)])
+            for i in range(n)]
+
+
+def test_csv_partition_parses_as_line_by_line_across_chunks() -> None:
+    import numpy as np
+
+    from examples.fashion_mnist import data
+
+    lines = _csv_lines(data.CSV_CHUNK_LINES + 3)
+    lines[-1] += "\r"  # a line ending left on by a reader
+    records = list(data.parse_csv_partition(iter(lines)))
+    assert len(records) == len(lines)
+    for i in (0, data.CSV_CHUNK_LINES - 1, data.CSV_CHUNK_LINES, len(lines) - 1):
+        image, label = data.parse_csv_line(lines[i])
+        assert records[i][0].dtype == np.float32 and np.array_equal(records[i][0], image)
+        assert type(records[i][1]) is int and records[i][1] == label
+    assert list(data.parse_csv_partition(iter([]))) == []
+
+
+@pytest.mark.parametrize("bad, error", [
+    ("1,2,3", "3 fields, expected 785"),
+    ("x", "bad Fashion-MNIST CSV line 'x,0,0"),
+    ("11", "label 11.0 not in 0..9"),
+    ("1.5", "label 1.5 not in 0..9"),
+])
+def test_csv_partition_names_the_bad_line_as_line_by_line(bad: str, error: str) -> None:
+    from examples.fashion_mnist import data
+
+    good = _csv_lines(3)
+    line = bad if "," in bad else bad + good[0][1:]  # a bad field count, or a bad label
+    with pytest.raises(ValueError, match="bad Fashion-MNIST CSV line") as raised:
+        list(data.parse_csv_partition(iter(good + [line] + good)))
+    assert error in str(raised.value)
+    with pytest.raises(ValueError) as line_by_line:
+        data.parse_csv_line(line)
+    assert str(line_by_line.value) == str(raised.value)
