@@ -142,35 +142,67 @@ def parse_csv_line(line):
 CSV_CHUNK_LINES = 4096
 
 
-def parse_csv_lines(lines):
-    """Many 'label,p0,...,p783' lines at once -> (images float32 (n, 784) in
-    [0,1], labels int64 (n,)); the errors parse_csv_line gives, for the
-    first bad line.
+def parse_csv_lines(lines, scaled=True):
+    """Many 'label,p0,...,p783' lines at once (a list of str, or an Arrow
+    string array) -> (images float32 (n, 784), in [0,1], or the raw 0..255
+    with scaled=False; labels int64 (n,)); the errors parse_csv_line gives,
+    for the first bad line.
 
-    Arrow's string kernels split and convert every field in C: 37 us a
-    line here, where parse_csv_line (a Python float per field) takes 261,
+    Arrow's string kernels split and convert every field in C: 47 us a
+    line here, where parse_csv_line (a Python float per field) takes 253,
     and was what held the main job's InputMode.SPARK to about 3,800
     records/s per feeding core."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    text = pc.utf8_trim_whitespace(pa.array(lines, pa.string()))
-    fields = pc.split_pattern(text, ",")
+    text = lines if isinstance(lines, pa.Array) else pa.array(lines, pa.string())
+
+    def first_bad(mask):  # the per-line parser names what is wrong with it
+        line = text[int(np.flatnonzero(mask)[0])].as_py()
+        parse_csv_line(line if line is not None else "")
+        raise AssertionError("parse_csv_line took a line the chunk parser refused")
+
+    if text.null_count:
+        first_bad(text.is_null().to_numpy(zero_copy_only=False))
+    fields = pc.split_pattern(pc.utf8_trim_whitespace(text), ",")
     counts = pc.list_value_length(fields).to_numpy(zero_copy_only=False)
     if len(counts) and (counts != NUM_PIXELS + 1).any():
-        parse_csv_line(lines[int(np.flatnonzero(counts != NUM_PIXELS + 1)[0])])  # raises
+        first_bad(counts != NUM_PIXELS + 1)
     try:
         values = pc.cast(fields.flatten(), pa.float32()).to_numpy(zero_copy_only=False)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        for line in lines:  # the slow way, only to name the first line that fails
+        for line in text.to_pylist():  # the slow way, only to name the first line that fails
             parse_csv_line(line)
         raise
-    values = values.reshape(len(lines), NUM_PIXELS + 1)
+    values = values.reshape(len(text), NUM_PIXELS + 1)
     labels = values[:, 0].astype(np.int64)
     bad = (labels != values[:, 0]) | (labels < 0) | (labels >= NUM_CLASSES)
     if bad.any():
-        parse_csv_line(lines[int(np.flatnonzero(bad)[0])])  # raises
-    return values[:, 1:] / np.float32(255.0), labels
+        first_bad(bad)
+    return (values[:, 1:] / np.float32(255.0) if scaled else values[:, 1:]), labels
+
+
+def csv_tensors(lines):
+    """A DataFrame of CSV lines (its ``value`` column: spark.read.text, or
+    readStream) -> image (a tensor column of the 784 raw pixels 0..255 as
+    float32) and label (long), parsed in the Python workers by
+    parse_csv_lines (ember.tensors.to_arrow and declare: no array column
+    is ever built in the JVM)."""
+    from ember import tensors
+
+    parsed = lines.select("value").mapInArrow(_parse_csv_batches, "image binary, label long")
+    return tensors.declare(parsed, {"image": (np.float32, (NUM_PIXELS,))})
+
+
+def _parse_csv_batches(batches):
+    import pyarrow as pa
+
+    from ember import tensors
+
+    for rb in batches:
+        images, labels = parse_csv_lines(rb.column("value"), scaled=False)
+        yield pa.RecordBatch.from_arrays([tensors.to_arrow(images), pa.array(labels)],
+                                         names=["image", "label"])
 
 
 def parse_csv_partition(lines):

@@ -83,10 +83,54 @@ def pack(df: Any, shapes: Mapping[str, Sequence[int]]) -> Any:
         raise ValueError(f"ember.tensors.pack: no column {missing[0]!r} in {df.columns}")
     if not specs:
         return df
-    out = df.mapInArrow(_packer(specs), StructType(fields))
-    for name, (dtype, shape) in specs.items():  # what tensor_specs() and the feed read
-        out = out.withMetadata(name, {METADATA_KEY: {"dtype": dtype, "shape": list(shape)}})
-    return out
+    return declare(df.mapInArrow(_packer(specs), StructType(fields)), specs)
+
+
+def declare(df: Any, specs: Mapping[str, Tuple[Any, Sequence[int]]]) -> Any:
+    """``df`` with each named binary column marked as a tensor column of
+    ``(dtype, row shape)``: what :func:`pack` does once it has packed them,
+    for a column a ``mapInArrow`` function made with :func:`to_arrow`::
+
+        def decode(batches):
+            for rb in batches:
+                images = my_decoder(rb.column("jpeg"))   # (n, 224, 224, 3) uint8
+                yield pa.RecordBatch.from_arrays([ember.tensors.to_arrow(images)], ["image"])
+
+        df = ember.tensors.declare(files.mapInArrow(decode, "image binary"),
+                                   {"image": (np.uint8, (224, 224, 3))})
+    """
+    names = {f.name: f.dataType.simpleString() for f in df.schema.fields}
+    for name, (dtype, shape) in specs.items():
+        if names.get(name) != "binary":
+            raise TypeError(f"ember.tensors.declare: column {name!r} is "
+                            f"{names.get(name, 'missing')}; a tensor column is binary")
+        dt = np.dtype(dtype).newbyteorder("<")
+        if dt.kind not in "iuf":
+            raise TypeError(f"ember.tensors.declare: column {name!r}: dtype {dt} is not numeric")
+        df = df.withMetadata(name, {METADATA_KEY: {  # what tensor_specs() and the feed read
+            "dtype": dt.str, "shape": [int(d) for d in shape]}})
+    return df
+
+
+def to_arrow(values: np.ndarray) -> Any:
+    """The rows of ``values`` (``(n, *shape)``, numeric) as the Arrow values
+    of a tensor column: ``n`` byte strings, each one row little-endian (a
+    copy only where ``values`` is not contiguous little-endian).  Mark the
+    column with :func:`declare`."""
+    import pyarrow as pa
+
+    values = np.asarray(values)
+    if values.ndim < 2 or values.dtype.kind not in "iuf":
+        raise TypeError(f"ember.tensors.to_arrow: expected a numeric array of rows (n, *shape), "
+                        f"got {values.dtype} {values.shape}")
+    flat = np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<"))
+    n, row = flat.shape[0], int(np.prod(flat.shape[1:])) * flat.itemsize
+    if n * row >= 1 << 31:  # Arrow's binary offsets are int32
+        raise ValueError(f"ember.tensors.to_arrow: {n} rows of {row} bytes pass Arrow's 2 GiB "
+                         "per binary array; yield them in smaller batches")
+    offsets = np.arange(n + 1, dtype=np.int64) * row
+    return pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets.astype(np.int32)),
+                                                  pa.py_buffer(flat.reshape(-1))])
 
 
 def _packer(specs: Dict[str, Tuple[str, Tuple[int, ...]]]) -> Any:
@@ -120,8 +164,6 @@ def _packer(specs: Dict[str, Tuple[str, Tuple[int, ...]]]) -> Any:
 def _pack_column(col: Any, name: str, dtype: str, shape: Tuple[int, ...], where: str,
                  first: int = 0) -> Any:
     """One packed column; rows are named ``first`` + their index in ``col``."""
-    import pyarrow as pa
-
     width = int(np.prod(shape))
     n = len(col)
     if col.null_count:
@@ -138,9 +180,8 @@ def _pack_column(col: Any, name: str, dtype: str, shape: Tuple[int, ...], where:
         at = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
         raise EmberFeedError(f"{where}: column {name!r} row {first + at // width}, element "
                              f"{at % width} is null; a tensor holds none")
-    flat = np.ascontiguousarray(values.to_numpy(zero_copy_only=False), dtype=np.dtype(dtype))
-    offsets = np.arange(0, (n + 1) * width * flat.itemsize, width * flat.itemsize, dtype=np.int32)
-    return pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(flat)])
+    flat = values.to_numpy(zero_copy_only=False).astype(np.dtype(dtype), copy=False)
+    return to_arrow(flat.reshape((n,) + shape))
 
 
 def view(values: Any, offsets: np.ndarray, n: int, spec: TensorSpec, field: str,

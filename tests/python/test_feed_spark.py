@@ -8,6 +8,7 @@ import os
 import re
 import time
 
+import numpy as np
 import pytest
 
 import nodefuns
@@ -319,6 +320,37 @@ def test_tensor_columns_arrive_as_the_arrays_they_pack(local_spark, tmp_path):
         _feed_frame_twice(local_spark, packed, 1000, tmp_path)
     finally:
         packed.unpersist()
+
+
+def _tensors_made_in_arrow(batches):
+    import pyarrow as pa
+
+    from ember import tensors
+
+    for rb in batches:  # _frame's image of id i: [i * 0.5] * 4, as 2x2 float32
+        ids = rb.column("id").to_numpy()
+        images = np.repeat((ids * 0.5).astype(np.float32)[:, None], 4, axis=1).reshape(-1, 2, 2)
+        yield pa.RecordBatch.from_arrays([rb.column("id"), tensors.to_arrow(images)],
+                                         names=["id", "image"])
+
+
+def test_a_tensor_column_made_in_map_in_arrow_is_the_one_pack_makes(local_spark):
+    """ember.tensors.to_arrow and declare: a mapInArrow function that makes
+    the rows' tensors itself (no array column in the JVM) gives the column
+    ember.tensors.pack gives: the same bytes and the same tensor spec."""
+    from ember import tensors
+
+    df = _frame(local_spark, 200, 2).select("id", "image")
+    packed = tensors.pack(df, {"image": (2, 2)})
+    made = tensors.declare(df.select("id").mapInArrow(_tensors_made_in_arrow,
+                                                      "id long, image binary"),
+                           {"image": (np.float32, (2, 2))})
+    assert tensors.tensor_specs(made.schema) == tensors.tensor_specs(packed.schema)
+    assert sorted(made.collect()) == sorted(packed.collect())
+    with pytest.raises(TypeError, match="column 'id' is bigint; a tensor column is binary"):
+        tensors.declare(made, {"id": (np.int64, (1,))})
+    with pytest.raises(TypeError, match="dtype bool is not numeric"):
+        tensors.declare(made, {"image": (np.bool_, (4,))})
 
 
 def test_tensor_column_shapes_and_truncated_values():
