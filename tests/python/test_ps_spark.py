@@ -7,9 +7,19 @@ the rows its batches touch."""
 
 from __future__ import annotations
 
+import pytest
+
 import psfuns
+import simcluster
 from ember.ps import ParameterServers
 from ember.spark import InputMode, run
+
+#: test_cluster.py's parameter-server test runs these jobs across the
+#: simulated hosts, with more nodes; here they run for machines without them
+#: (about 85 CPU seconds of make test's two cores otherwise spent twice)
+ON_HOSTS = pytest.mark.skipif(
+    simcluster.available() is None,
+    reason="test_cluster.py's parameter-server test runs this job across the simulated hosts")
 
 
 def test_keras_trains_asynchronously_on_two_ps_shards(local_spark, tmp_path):
@@ -22,6 +32,7 @@ def test_keras_trains_asynchronously_on_two_ps_shards(local_spark, tmp_path):
         assert node["transports"] == ["shm", "shm"], node["transports"]
 
 
+@ON_HOSTS
 def test_a_killed_ps_is_named_and_the_job_resumes_from_the_ps_checkpoints(local_spark, tmp_path):
     """SIGKILL a ps node mid-training with max_restarts=1: the restart names
     it, the restarted shards restore their checkpoints (written every
@@ -61,6 +72,7 @@ def test_a_killed_ps_is_named_and_the_job_resumes_from_the_ps_checkpoints(local_
     assert not (out / "attempt-0-0.json").exists()  # the first attempt never finished
 
 
+@ON_HOSTS
 def test_tensorflow_parameter_server_strategy_runs_as_written(local_spark, tmp_path):
     """Existing TF2 parameter-server code (tf_keras, ClusterCoordinator,
     dataset_fn on TFRecords) on an Ember cluster in InputMode.TENSORFLOW:
