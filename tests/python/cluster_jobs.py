@@ -302,7 +302,10 @@ def ps(spark: Any, out: str) -> None:
     sc = spark.sparkContext
     result: Dict[str, Any] = {}
     for phase, staleness in (("async", None), ("bounded", 2)):
-        args = {"out": out, "phase": phase, "n": 60000, "epochs": 4}
+        # 5 epochs, as PyTorch's below: at 4 the bounded run once ended at
+        # 0.8499 (the async one at 0.8736 in the same run) and PyTorch's at
+        # 0.8575; asynchronous training is not deterministic
+        args = {"out": out, "phase": phase, "n": 60000, "epochs": 5}
         cluster = run(sc, psfuns.fmnist_steps, args, num_executors=5, num_ps=2,
                       driver_ps_nodes=True, parameter_servers=ParameterServers(staleness),
                       input_mode=InputMode.TENSORFLOW, reservation_timeout=120)
@@ -320,7 +323,7 @@ def ps(spark: Any, out: str) -> None:
 
     torch_out = os.path.join(out, "torch")
     os.makedirs(torch_out)
-    cluster = run(sc, torch_psfuns.torch_async, {"out": torch_out, "n": 60000, "epochs": 4},
+    cluster = run(sc, torch_psfuns.torch_async, {"out": torch_out, "n": 60000, "epochs": 5},
                   num_executors=5, num_ps=2, driver_ps_nodes=True,
                   parameter_servers=ParameterServers(2), input_mode=InputMode.TENSORFLOW,
                   reservation_timeout=120)
