@@ -149,9 +149,9 @@ def parse_csv_lines(lines, scaled=True):
     for the first bad line.
 
     Arrow's string kernels split and convert every field in C: 47 us a
-    line here, where parse_csv_line (a Python float per field) takes 253,
-    and was what held the main job's InputMode.SPARK to about 3,800
-    records/s per feeding core."""
+    line here, where parse_csv_line (a Python float per field) takes 253
+    (3 epochs of the 60,000 lines: about 9 CPU s of the feeding tasks
+    instead of 45)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
