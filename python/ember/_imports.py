@@ -29,14 +29,19 @@ is frozen: the collector is as it was once the model is loaded.
 
 from __future__ import annotations
 
+import dis
+import functools
 import gc
 import importlib.abc
+import importlib.util
+import inspect
 import sys
+import sysconfig
 from contextlib import contextmanager
-from types import ModuleType
-from typing import Any, Iterator, Optional, Sequence
+from types import CodeType, ModuleType
+from typing import Any, Dict, Iterator, Optional, Sequence, Set, Tuple
 
-__all__ = ["HEAVY", "collector_paused", "pause_collector_on_heavy_imports"]
+__all__ = ["HEAVY", "collector_paused", "frameworks_of", "pause_collector_on_heavy_imports"]
 
 #: The top-level packages whose import is paced by the collector's passes.
 HEAVY = frozenset({"tensorflow", "keras", "tf_keras", "torch", "jax", "transformers"})
@@ -109,3 +114,71 @@ def pause_collector_on_heavy_imports() -> None:
     with the collector paused (idempotent)."""
     if not any(isinstance(f, _HeavyImportFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _HeavyImportFinder())
+
+
+def frameworks_of(fn: Any, depth: int = 3) -> Tuple[str, ...]:
+    """The packages of :data:`HEAVY` that ``fn`` (a job's ``main_fun``)
+    imports, as far as its code says: the imports in its body and in the
+    functions nested in it, the modules it names as globals, and the same
+    in the functions it calls by a global name or holds in a closure
+    (``depth`` calls deep); and what the modules it imports import at their
+    top level, for Ember's own modules and the user's (not for the
+    standard library's or an installed package's, other than Ember).
+    These are what its node's fork server imports (:mod:`ember._forkserver`);
+    a framework imported some other way is imported by the node itself."""
+    found: Set[str] = set()
+    seen: Set[int] = set()
+    scanned: Set[str] = set()
+    installed = {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+
+    def visit_value(value: Any, left: int) -> None:
+        if isinstance(value, functools.partial):
+            value = value.func
+        if inspect.ismodule(value):
+            visit_import(value.__name__, left)
+        elif inspect.isfunction(value) and left > 0 and id(value) not in seen:
+            seen.add(id(value))
+            visit_code(value.__code__, value.__globals__, left - 1)
+            for cell in value.__closure__ or ():
+                try:
+                    visit_value(cell.cell_contents, left - 1)
+                except ValueError:  # an empty cell
+                    pass
+
+    def visit_code(code: CodeType, globs: Optional[Dict[str, Any]], left: int,
+                   nested: bool = True) -> None:
+        for ins in dis.get_instructions(code):
+            if ins.opname == "IMPORT_NAME":
+                visit_import(str(ins.argval), left)
+            elif ins.opname == "LOAD_GLOBAL" and globs is not None:
+                visit_value(globs.get(str(ins.argval)), left)
+        for const in code.co_consts if nested else ():
+            if isinstance(const, CodeType):
+                visit_code(const, globs, left)
+
+    def visit_import(name: str, left: int) -> None:
+        top = name.partition(".")[0]
+        if top in HEAVY:
+            found.add(top)
+            return
+        if left <= 0 or name in scanned or top == "__future__":
+            return
+        scanned.add(name)
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            return
+        origin = getattr(spec, "origin", None) or ""
+        if not origin.endswith(".py") or (
+                top != "ember" and any(origin.startswith(p + "/") for p in installed if p)):
+            return
+        try:
+            with open(origin, encoding="utf-8") as f:
+                code = compile(f.read(), origin, "exec")
+        except (OSError, SyntaxError, ValueError):
+            return
+        # what importing it imports: its top-level statements, not its functions
+        visit_code(code, None, left - 1, nested=False)
+
+    visit_value(fn, depth + 1)
+    return tuple(sorted(found))

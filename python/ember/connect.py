@@ -31,7 +31,7 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional
 
-from ember import _connect_stage, _ember, _gpu, _spark_compat, executor
+from ember import _connect_stage, _ember, _gpu, _imports, _spark_compat, executor
 from ember.errors import EmberJobError, EmberNodeError, spark_job_cause
 from ember.executor import FeedCall
 from ember.tensors import tensor_specs
@@ -82,7 +82,7 @@ class ConnectCluster:
         tb_node = ps_first + (0 if roles["chief"] else (1 if roles["evaluator"] else 0))
         self._boot = dict(
             secret=self._secret, encrypt=bool(encrypt), main_fun=main_fun, args=args,
-            input_mode=int(input_mode), reservation_timeout=float(reservation_timeout),
+            preload=_imports.frameworks_of(main_fun), input_mode=int(input_mode), reservation_timeout=float(reservation_timeout),
             heartbeat_interval_ms=max(100, int(heartbeat_timeout * 1000 / 5)),
             heartbeat_timeout=float(heartbeat_timeout), env=dict(env), working_dir=None,
             job_id=self.job_id, index_offset=0, tensorboard=tensorboard,

@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from ember import _ember, _gpu, _log, _routing, executor
+from ember import _ember, _gpu, _imports, _log, _routing, executor
 from ember import mlflow as _mlflow
 from ember._env import bind_host
 from ember.errors import (EmberError, EmberFeedError, EmberJobError, EmberNodeError,
@@ -142,6 +142,8 @@ class Cluster:
         self.restarts = 0
         self.restart_causes: List[EmberNodeError] = []  # the failures that caused restarts
         self._main_fun, self._args, self._num_nodes, self._roles = main_fun, args, num_nodes, roles
+        # what the nodes' fork server imports for them (ember._forkserver)
+        self._preload = _imports.frameworks_of(main_fun)
         self._reservation_timeout = reservation_timeout
         self._heartbeat_timeout = heartbeat_timeout
         self._max_restarts = max_restarts
@@ -193,6 +195,7 @@ class Cluster:
         boot = dict(driver_host=driver_host, driver_port=server.port, secret=self._secret,
                     encrypt=bool(self.encrypt),
                     main_fun=self._main_fun, args=self._args, input_mode=int(self.input_mode),
+                    preload=self._preload,
                     reservation_timeout=float(self._reservation_timeout),
                     heartbeat_interval_ms=max(100, int(self._heartbeat_timeout * 1000 / 5)),
                     heartbeat_timeout=float(self._heartbeat_timeout),
@@ -211,7 +214,8 @@ class Cluster:
             sc.setJobGroup(group, f"ember: launch {on_executors} nodes", interruptOnCancel=True)
             try:
                 for i in range(self._driver_nodes):
-                    executor.spawn_node(dict(boot, index=i, sys_path=list(sys.path),
+                    # the driver's nodes are parameter servers: they import no framework
+                    executor.spawn_node(dict(boot, index=i, sys_path=list(sys.path), preload=(),
                                              executor_id="driver", advertise_host=driver_host),
                                         self._reservation_timeout)
                 rdd = sc.parallelize(range(on_executors), on_executors)

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ember import _ember, _gpu, _routing
+from ember import _ember, _forkserver, _gpu, _routing
 from ember.errors import EmberFeedError, EmberNodeError, from_core, in_context
 
 #: A fed node as its feeding tasks reach it: (host, feed port, name for messages).
@@ -104,8 +104,11 @@ def spawn_node(node_boot: Dict[str, Any], start_timeout: float) -> int:
     The node runs ``python -m ember._trainer`` in its own session (so a STOP can
     kill its whole process group, and so can its watchdog when it is frozen
     for ``heartbeat_timeout``, see :mod:`ember._watchdog`); a reaper thread
-    collects its exit status so no zombie outlives it.  The boot record
-    crosses a local pipe, never a socket.  A node given GPUs
+    collects its exit status so no zombie outlives it.  A node whose
+    ``main_fun`` imports a heavy framework (``node_boot["preload"]``) is
+    forked, with it imported, from this host's fork server for its kind
+    (:mod:`ember._forkserver`), as the same process would have been
+    spawned.  The boot record crosses a local pipe, never a socket.  A node given GPUs
     (``node_boot["gpus"]``, its task's) sees only those, from its first
     instruction on (``CUDA_VISIBLE_DEVICES``).
     """
@@ -115,17 +118,35 @@ def spawn_node(node_boot: Dict[str, Any], start_timeout: float) -> int:
     # main_fun may live in a module only this process can import: give the
     # node this process's path before it unpickles its boot record
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in node_boot["sys_path"] if p))
-    env.update(_gpu.cuda_env(node_boot.get("gpus") or []))
+    gpus = node_boot.get("gpus") or []
+    env.update(_gpu.cuda_env(gpus))
     # argv[1]: the node's watchdog kills it once it is frozen this long (ember._watchdog);
     # argv[2]: the node's index, for its log lines
-    proc = spawn_detached(["-m", "ember._trainer",
-                           str(node_boot.get("heartbeat_timeout", 0.0)), str(index)],
-                          cloudpickle.dumps(node_boot), env)
+    args = ["-m", "ember._trainer", str(node_boot.get("heartbeat_timeout", 0.0)), str(index)]
+    boot = cloudpickle.dumps(node_boot)
+    preload = node_boot.get("preload") or ()
+    proc: Any = None
+    if _forkserver.wanted(preload, gpus):
+        # forked with its frameworks imported (in the environment it would
+        # have imported them in: the job's env= too)
+        proc = _forkserver.spawn(args, preload, env, dict(env, **node_boot.get("env", {})),
+                                 start_timeout)
+        if proc is not None:
+            assert proc.stdin is not None
+            proc.stdin.write(boot)
+            proc.stdin.close()
+    if proc is None:
+        proc = spawn_detached(args, boot, env)
     line = read_line(proc, start_timeout)
     assert proc.stdout is not None
     proc.stdout.close()
     if line != "registered":
         if not line:
+            # a node that died is being reaped (by a thread here or by its
+            # fork server): its exit status, once known, says more than a kill
+            deadline = time.monotonic() + 0.5
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
             try:
                 os.killpg(proc.pid, 9)
             except ProcessLookupError:

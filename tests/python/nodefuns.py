@@ -343,3 +343,24 @@ def keras_fit_on_feed_dataset(args: Dict[str, Any], ctx: Any) -> None:
     _, accuracy = model.evaluate(x, y, verbose=0)
     _write(args, ctx, rows=ds._ember_feed_reader.stats()["rows"], accuracy=float(accuracy),
            refused=refused)
+
+
+def report_fork(args: Dict[str, Any], ctx: Any) -> None:
+    """What a node forked by a fork server (ember._forkserver) starts with:
+    whether TensorFlow was imported before main_fun ran, its parent, its
+    session, environment, directory and a draw of numpy's global generator;
+    then a TensorFlow op.  Raises on node ``args["bad"]``."""
+    import sys
+
+    preloaded = "tensorflow" in sys.modules
+    import numpy as np
+    import tensorflow as tf
+
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        parent = f.read().replace(b"\0", b" ").decode()
+    if ctx.worker_num == args.get("bad"):
+        raise ValueError(f"boom from forked node {ctx.worker_num}")
+    _write(args, ctx, preloaded=preloaded, parent=parent, ppid=os.getppid(),
+           session_leader=os.getsid(0) == os.getpid(), job_env=os.environ.get("EMBER_TEST_JOB"),
+           cwd=os.getcwd(), main=sys.modules["__main__"].__name__,
+           draw=int(np.random.randint(1 << 30)), total=float(tf.reduce_sum(tf.ones([3]))))

@@ -119,7 +119,9 @@ def fmnist_steps(args: Dict[str, Any], ctx: Any) -> None:
     # make test's cores about half what they did)
     model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(128, activation="relu"),
                               keras.layers.Dense(10)], name="fmnist")
-    model.compile(optimizer=keras.optimizers.Adam(2e-3),
+    # Adam at 1e-3: at 2e-3 the servers' final weights once scored 0.8255
+    # (bounded, on CI) against 0.85-0.87 in other runs: the last steps' noise
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     callbacks = ember.keras.parameter_servers(model, ctx)

@@ -342,8 +342,10 @@ def test_direct_path_worker_reuse(local_spark, small_models):
     check(packed)
     first = _direct_workers(local_spark)
     assert first
+    # no new process from here on (a worker an earlier test left idle may
+    # reach its idle time, EMBER_DIRECT_IDLE_SECONDS, and go meanwhile)
     check(packed)
-    assert _direct_workers(local_spark) == first  # the model stayed loaded
+    assert first >= _direct_workers(local_spark)  # the model stayed loaded
     # a TF1 graph: other inputs, outputs and batch size, on the same workers
     df, x = _small_frame(local_spark, n=400, parts=2)
     graph = (EmberModel().setExportDir(small_models["graph"]).setSignatureDefKey(None)
@@ -353,9 +355,9 @@ def test_direct_path_worker_reuse(local_spark, small_models):
     ids = np.array([r["id"] for r in rows])
     assert len(ids) == 400
     np.testing.assert_allclose(np.array([r["y"] for r in rows]), x[ids] @ W, rtol=1e-5)
-    assert _direct_workers(local_spark) == first
+    assert first >= _direct_workers(local_spark)
     check(packed)  # and back to the first model
-    assert _direct_workers(local_spark) == first
+    assert first >= _direct_workers(local_spark) != set()
     gone = set()
     for _ in range(3):  # the next task starts at once, before the JVM may have reaped them
         alive = _direct_workers(local_spark) - gone

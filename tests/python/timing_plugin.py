@@ -41,6 +41,8 @@ KINDS: List[Tuple[str, str]] = [
     ("org.ember.hadoop.MiniHadoop", "mini HDFS+YARN"),
     ("SparkConnectServer", "Spark Connect server"),
     ("ember._trainer", "ember node"),
+    # a fork server, and the nodes (and their watchdogs) it forked
+    ("ember._forkserver", "ember node"),
     ("ember.yarn.task", "run_on_yarn task"),
     ("ember/ml/_direct_worker.py", "direct-inference worker"),
     ("ember.ml._direct_worker", "direct-inference worker"),
