@@ -161,6 +161,7 @@ def spawn(args: List[str], preload: Sequence[str], spawn_env: Dict[str, str],
     try:
         request = json.dumps(dict(argv=args[2:], cwd=os.getcwd(), env=spawn_env)).encode()
         socket.send_fds(conn, [request], [stdin_r, stdout_w, 2])
+        conn.shutdown(socket.SHUT_WR)  # the request's end
         conn.settimeout(start_timeout)
         reply = conn.recv(256).decode(errors="replace").split()
     except OSError as exc:
@@ -347,6 +348,13 @@ class _Server:
             if uid != os.getuid():
                 raise PermissionError(f"uid {uid} is not this server's user")
             data, fds, _, _ = socket.recv_fds(conn, _MAX_REQUEST, 3)
+            while data:  # up to the end the caller marks (shutdown of its writing side)
+                more = conn.recv(_MAX_REQUEST)
+                if not more:
+                    break
+                data += more
+                if len(data) > _MAX_REQUEST:
+                    raise ValueError(f"a request of more than {_MAX_REQUEST} bytes")
             request = json.loads(data)
             if len(fds) != 3:
                 raise ValueError(f"expected 3 file descriptors, got {len(fds)}")

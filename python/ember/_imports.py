@@ -33,7 +33,7 @@ import dis
 import functools
 import gc
 import importlib.abc
-import importlib.util
+import importlib.machinery
 import inspect
 import sys
 import sysconfig
@@ -116,14 +116,33 @@ def pause_collector_on_heavy_imports() -> None:
         sys.meta_path.insert(0, _HeavyImportFinder())
 
 
+def _source_of(name: str) -> Optional[str]:
+    """Where module ``name`` is, found without importing it or its packages
+    (``importlib.util.find_spec`` imports a dotted name's parents, and a
+    package's ``__init__`` may do anything)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return getattr(module, "__file__", None)
+    spec, parts = None, name.split(".")
+    for i in range(len(parts)):
+        if i and (spec is None or not spec.submodule_search_locations):
+            return None
+        path = list(spec.submodule_search_locations) if i else None
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:i + 1]), path)
+        except (ImportError, ValueError):
+            return None
+    return getattr(spec, "origin", None)
+
+
 def frameworks_of(fn: Any, depth: int = 3) -> Tuple[str, ...]:
     """The packages of :data:`HEAVY` that ``fn`` (a job's ``main_fun``)
     imports, as far as its code says: the imports in its body and in the
     functions nested in it, the modules it names as globals, and the same
     in the functions it calls by a global name or holds in a closure
-    (``depth`` calls deep); and what the modules it imports import at their
-    top level, for Ember's own modules and the user's (not for the
-    standard library's or an installed package's, other than Ember).
+    (``depth`` calls deep); what Ember's modules it imports import at
+    their top level; and what any code of the user's modules it imports
+    imports (not of the standard library's or of an installed package's).
     These are what its node's fork server imports (:mod:`ember._forkserver`);
     a framework imported some other way is imported by the node itself."""
     found: Set[str] = set()
@@ -147,11 +166,17 @@ def frameworks_of(fn: Any, depth: int = 3) -> Tuple[str, ...]:
 
     def visit_code(code: CodeType, globs: Optional[Dict[str, Any]], left: int,
                    nested: bool = True) -> None:
+        fromlist: Any = None
         for ins in dis.get_instructions(code):
             if ins.opname == "IMPORT_NAME":
                 visit_import(str(ins.argval), left)
+                # from package import module: the names may be modules
+                for item in fromlist if isinstance(fromlist, tuple) else ():
+                    if isinstance(item, str) and item != "*":
+                        visit_import(f"{ins.argval}.{item}", left)
             elif ins.opname == "LOAD_GLOBAL" and globs is not None:
                 visit_value(globs.get(str(ins.argval)), left)
+            fromlist = ins.argval if ins.opname == "LOAD_CONST" else None
         for const in code.co_consts if nested else ():
             if isinstance(const, CodeType):
                 visit_code(const, globs, left)
@@ -164,11 +189,7 @@ def frameworks_of(fn: Any, depth: int = 3) -> Tuple[str, ...]:
         if left <= 0 or name in scanned or top == "__future__":
             return
         scanned.add(name)
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            return
-        origin = getattr(spec, "origin", None) or ""
+        origin = _source_of(name) or ""
         if not origin.endswith(".py") or (
                 top != "ember" and any(origin.startswith(p + "/") for p in installed if p)):
             return
@@ -177,8 +198,11 @@ def frameworks_of(fn: Any, depth: int = 3) -> Tuple[str, ...]:
                 code = compile(f.read(), origin, "exec")
         except (OSError, SyntaxError, ValueError):
             return
-        # what importing it imports: its top-level statements, not its functions
-        visit_code(code, None, left - 1, nested=False)
+        # Ember's modules: what importing them imports (their top-level
+        # statements; their functions import a framework each only when
+        # called); the user's: what any of their code imports (main_fun
+        # may call any of it, as module.function, beyond this scan's sight)
+        visit_code(code, None, left - 1, nested=top != "ember")
 
     visit_value(fn, depth + 1)
     return tuple(sorted(found))

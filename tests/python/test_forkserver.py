@@ -62,6 +62,22 @@ def test_frameworks_of_finds_imports_in_the_body_helpers_closures_and_modules():
     assert frameworks_of(wrapper) == ("tensorflow",)
 
 
+def test_frameworks_of_reads_the_users_modules_without_importing_them(tmp_path, monkeypatch):
+    """``from pkg import sub``: sub is a module of the user's whose function
+    imports torch; finding that imports neither (a package's __init__ may
+    do anything: this one would write a file)."""
+    pkg = tmp_path / "embtest_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n")
+    (pkg / "sub.py").write_text("def build():\n    import torch\n    return torch\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    namespace: dict = {}
+    exec("def main_fun(args, ctx):\n    from embtest_pkg import sub as s\n    s.build()\n",
+         namespace)
+    assert frameworks_of(namespace["main_fun"]) == ("torch",)
+    assert not (tmp_path / "imported").exists() and "embtest_pkg" not in sys.modules
+
+
 # --------------------------------------------------------------------------- the server
 
 def _processes_with(arg):
@@ -126,6 +142,7 @@ def test_garbage_is_refused_and_the_server_keeps_forking(own_dir):
     def ask(payload, fds):
         c = _forkserver._dial(sock)
         socket.send_fds(c, [payload], fds) if fds else c.sendall(payload)
+        c.shutdown(socket.SHUT_WR)
         c.settimeout(20)
         return c, c.recv(256).decode()
 
