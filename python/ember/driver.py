@@ -214,7 +214,9 @@ class Cluster:
             sc.setJobGroup(group, f"ember: launch {on_executors} nodes", interruptOnCancel=True)
             try:
                 for i in range(self._driver_nodes):
-                    # the driver's nodes are parameter servers: they import no framework
+                    # spawned, never forked: the driver's ps nodes serve Ember's
+                    # parameter servers (no framework) or join TensorFlow's once,
+                    # and a fork server would outlive the job in the user's session
                     executor.spawn_node(dict(boot, index=i, sys_path=list(sys.path), preload=(),
                                              executor_id="driver", advertise_host=driver_host),
                                         self._reservation_timeout)
