@@ -301,11 +301,14 @@ def ps(spark: Any, out: str) -> None:
 
     sc = spark.sparkContext
     result: Dict[str, Any] = {}
-    for phase, staleness in (("async", None), ("bounded", 2)):
+    for phase, staleness, epochs in (("async", None, 5), ("bounded", 2, 6)):
         # 5 epochs, as PyTorch's below: at 4 the bounded run once ended at
         # 0.8499 (the async one at 0.8736 in the same run) and PyTorch's at
-        # 0.8575; asynchronous training is not deterministic
-        args = {"out": out, "phase": phase, "n": 60000, "epochs": 5}
+        # 0.8575; asynchronous training is not deterministic.  The bounded
+        # run ends lower than the async one in every run so far (at Adam
+        # 1e-3 and 5 epochs: 0.8647 and 0.8589 against 0.8764 and 0.8737):
+        # it trains a 6th epoch
+        args = {"out": out, "phase": phase, "n": 60000, "epochs": epochs}
         cluster = run(sc, psfuns.fmnist_steps, args, num_executors=5, num_ps=2,
                       driver_ps_nodes=True, parameter_servers=ParameterServers(staleness),
                       input_mode=InputMode.TENSORFLOW, reservation_timeout=120)
