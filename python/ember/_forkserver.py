@@ -164,6 +164,8 @@ def spawn(args: List[str], preload: Sequence[str], spawn_env: Dict[str, str],
         conn.shutdown(socket.SHUT_WR)  # the request's end
         conn.settimeout(start_timeout)
         reply = conn.recv(256).decode(errors="replace").split()
+        if len(reply) != 2 or reply[0] != "pid":
+            raise OSError(f"it answered {' '.join(reply)!r}")
     except OSError as exc:
         conn.close()
         os.close(stdin_w)
@@ -173,13 +175,6 @@ def spawn(args: List[str], preload: Sequence[str], spawn_env: Dict[str, str],
     finally:
         os.close(stdin_r)
         os.close(stdout_w)
-    if len(reply) != 2 or reply[0] != "pid":
-        conn.close()
-        os.close(stdin_w)
-        os.close(stdout_r)
-        logger.warning(f"the fork server {sock} answered {' '.join(reply)!r}: the node is "
-                       "started itself")
-        return None
     return Forked(int(reply[1]), conn, os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"))
 
 
@@ -209,19 +204,17 @@ def _dial(sock: str) -> socket.socket:
 
 def _start(sock: str, preload: Sequence[str], import_env: Dict[str, str],
            start_timeout: float) -> None:
-    """Starts the server (detached, its stdio /dev/null: it must hold no
-    pipe of its starter, whose readers would wait for it) and waits until
+    """Starts the server (detached, its stdin closed, its stderr /dev/null:
+    it must hold no pipe of its starter, whose readers would wait for it;
+    its stdout is /dev/null once it said "ready") and waits until
     it listens; RuntimeError naming why it did not."""
     import subprocess
 
-    idle = os.environ.get("EMBER_FORKSERVER_IDLE", "120")
-    proc = subprocess.Popen([sys.executable, "-m", "ember._forkserver", sock, idle, *preload],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, start_new_session=True, env=import_env,
-                            cwd=os.path.dirname(sock))
-    threading.Thread(target=proc.wait, name=f"ember-reap-{proc.pid}", daemon=True).start()
-    from ember.executor import read_line
+    from ember.executor import read_line, spawn_detached
 
+    idle = os.environ.get("EMBER_FORKSERVER_IDLE", "120")
+    proc = spawn_detached(["-m", "ember._forkserver", sock, idle, *preload], b"", import_env,
+                          stderr=subprocess.DEVNULL, cwd=os.path.dirname(sock))
     line = read_line(proc, start_timeout)
     assert proc.stdout is not None
     proc.stdout.close()

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ember import _ember, _forkserver, _gpu, _routing
+from ember import _ember, _gpu, _routing
 from ember.errors import EmberFeedError, EmberNodeError, from_core, in_context
 
 #: A fed node as its feeding tasks reach it: (host, feed port, name for messages).
@@ -126,6 +126,8 @@ def spawn_node(node_boot: Dict[str, Any], start_timeout: float) -> int:
     boot = cloudpickle.dumps(node_boot)
     preload = node_boot.get("preload") or ()
     proc: Any = None
+    from ember import _forkserver  # here: the feeding tasks' workers never need it
+
     if _forkserver.wanted(preload, gpus):
         # forked with its frameworks imported (in the environment it would
         # have imported them in: the job's env= too)
@@ -159,15 +161,18 @@ def spawn_node(node_boot: Dict[str, Any], start_timeout: float) -> int:
     return proc.pid
 
 
-def spawn_detached(args: List[str], boot: bytes, env: Dict[str, str]) -> Any:
+def spawn_detached(args: List[str], boot: bytes, env: Dict[str, str], stderr: Any = None,
+                   cwd: Optional[str] = None) -> Any:
     """``python <args>`` in a session of its own (a STOP or a watchdog can
     kill its whole group), given ``boot`` on its stdin (a local pipe, never
     a socket), its stdout a pipe for its start-up lines; a reaper thread
-    collects its exit status so no zombie outlives it."""
+    collects its exit status so no zombie outlives it.  ``stderr`` and
+    ``cwd`` as ``subprocess.Popen``'s (default: this process's)."""
     import subprocess
 
     proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, start_new_session=True, env=env)
+                            stdout=subprocess.PIPE, stderr=stderr, start_new_session=True,
+                            env=env, cwd=cwd)
     threading.Thread(target=proc.wait, name=f"ember-reap-{proc.pid}", daemon=True).start()
     assert proc.stdin is not None
     proc.stdin.write(boot)
