@@ -115,8 +115,7 @@ def fmnist_steps(args: Dict[str, Any], ctx: Any) -> None:
     y = labels[:n].astype(np.int64)
     x, y = x[rank::size], y[rank::size]
     # 784-128-10, not the main job's 784-256-128-10: 101,770 weights to pull
-    # and push a step instead of 235,146 (the async and the bounded run cost
-    # make test's cores about half what they did)
+    # and push a step instead of 235,146 (about half the CPU a step)
     model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(128, activation="relu"),
                               keras.layers.Dense(10)], name="fmnist")
     # Adam at 1e-3: at 2e-3 the servers' final weights once scored 0.8255
