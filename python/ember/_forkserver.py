@@ -1,4 +1,5 @@
-"""Nodes forked from a process that has already imported their framework.
+"""Nodes (and inference workers) forked from a process that has already
+imported their framework.
 
 A node is ``python -m ember._trainer`` (see :mod:`ember.executor`), and the
 first thing most ``main_fun`` do is ``import tensorflow`` (or Keras, or
@@ -20,7 +21,7 @@ is a hash of it, in a directory only this user can enter.
 A forked node gets what ``spawn_detached`` would have given it: its own
 session, the caller's pipes and stderr as its fds 0-2, the caller's working
 directory and environment (exactly), and ``sys.argv``; it then runs
-:mod:`ember._trainer` as ``python -m`` would.  The server reaps it and
+its program (:mod:`ember._trainer`) as ``python -m`` would.  The server reaps it and
 tells the caller its exit status, so the caller's handle (:class:`Forked`)
 behaves like the ``subprocess.Popen`` it replaces.
 
@@ -34,6 +35,13 @@ its error reaches the driver.
 
 A server exits once it has had no node alive and no request for
 ``EMBER_FORKSERVER_IDLE`` seconds (default 120).
+
+EmberModel's direct-path inference workers (:mod:`ember.ml._direct_worker`)
+are forked the same way, by servers of their own kind (the program a server
+forks is part of its kind): the executor JVM starts
+:mod:`ember._direct_launcher`, which asks for the worker to be forked with
+its own stdin, stdout and stderr, the JVM's pipes, and stands in for it
+until it exits.
 """
 
 from __future__ import annotations
@@ -63,6 +71,8 @@ __all__ = ["Forked", "spawn", "wanted"]
 _NAMESPACES = ("net", "uts", "mnt", "pid", "ipc", "user", "cgroup")
 #: variables no import reads, which differ between nodes of one kind
 _UNKEYED = ("EMBER_RESTART",)
+#: the programs a server forks: each one's ``main()`` runs in the child
+PROGRAMS = ("ember._trainer", "ember.ml._direct_worker")
 _MAX_REQUEST = 1 << 20
 
 
@@ -89,23 +99,25 @@ def _directory() -> str:
     return path
 
 
-def _kind(preload: Sequence[str], env: Dict[str, str]) -> str:
+def _kind(program: str, preload: Sequence[str], env: Dict[str, str]) -> str:
     namespaces = {}
     for ns in _NAMESPACES:
         try:
             namespaces[ns] = os.readlink(f"/proc/self/ns/{ns}")
         except OSError:
             pass
-    text = json.dumps(dict(python=sys.executable, preload=sorted(preload), env=sorted(
+    text = json.dumps(dict(python=sys.executable, program=program, preload=sorted(preload),
+                           env=sorted(
         (k, v) for k, v in env.items() if k not in _UNKEYED), ns=namespaces))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 class Forked:
     """A node forked by a server, as much of ``subprocess.Popen`` as the
-    callers use: ``pid``, ``stdin``/``stdout`` (the pipes), ``returncode``,
-    ``poll`` and ``wait``.  A thread reads the server's word of the node's
-    exit, as the reaper thread of a spawned node waits for it."""
+    callers use: ``pid``, ``stdin``/``stdout`` (the pipes; None when the
+    caller gave its own descriptors), ``returncode``, ``poll`` and ``wait``.
+    A thread reads the server's word of the node's exit, as the reaper
+    thread of a spawned node waits for it."""
 
     def __init__(self, pid: int, conn: socket.socket, stdin: Any, stdout: Any) -> None:
         self.pid, self.stdin, self.stdout = pid, stdin, stdout
@@ -142,25 +154,32 @@ class Forked:
 
 
 def spawn(args: List[str], preload: Sequence[str], spawn_env: Dict[str, str],
-          import_env: Dict[str, str], start_timeout: float) -> Optional[Forked]:
-    """``python <args>`` (``-m ember._trainer ...``) forked from the server
-    of its kind, started if none serves (``import_env``: the environment the
-    frameworks are imported in; ``spawn_env``: the node's own); None when
-    no server can fork it (the caller spawns it as before)."""
-    if args[:2] != ["-m", "ember._trainer"]:
-        raise ValueError(f"a fork server runs ember._trainer, not {args[:2]}")
+          import_env: Dict[str, str], start_timeout: float,
+          fds: Optional[Sequence[int]] = None) -> Optional[Forked]:
+    """``python <args>`` (``-m <one of PROGRAMS> ...``) forked from the
+    server of its kind, started if none serves (``import_env``: the
+    environment the frameworks are imported in; ``spawn_env``: the child's
+    own); None when no server can fork it (the caller spawns it as before).
+    The child's stdin, stdout and stderr: new pipes (the handle's) and this
+    process's stderr, or ``fds``."""
+    program = args[1] if args[:1] == ["-m"] and len(args) > 1 else ""
+    if program not in PROGRAMS:
+        raise ValueError(f"a fork server runs one of {', '.join(PROGRAMS)}, not {args[:2]}")
     try:
-        sock = os.path.join(_directory(), _kind(preload, import_env) + ".sock")
-        conn = _connect(sock, preload, import_env, start_timeout)
+        sock = os.path.join(_directory(), _kind(program, preload, import_env) + ".sock")
+        conn = _connect(sock, program, preload, import_env, start_timeout)
     except (OSError, RuntimeError) as exc:
-        logger.warning(f"no fork server for nodes importing {', '.join(preload)} ({exc}): "
-                       "the node is started, and imports them, itself")
+        logger.warning(f"no fork server for {program} importing {', '.join(preload)} ({exc}): "
+                       "the process is started, and imports them, itself")
         return None
-    stdin_r, stdin_w = os.pipe()
-    stdout_r, stdout_w = os.pipe()
+    pipes = fds is None
+    if fds is None:
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        fds = (stdin_r, stdout_w, 2)
     try:
         request = json.dumps(dict(argv=args[2:], cwd=os.getcwd(), env=spawn_env)).encode()
-        socket.send_fds(conn, [request], [stdin_r, stdout_w, 2])
+        socket.send_fds(conn, [request], list(fds))
         conn.shutdown(socket.SHUT_WR)  # the request's end
         conn.settimeout(start_timeout)
         reply = conn.recv(256).decode(errors="replace").split()
@@ -168,17 +187,21 @@ def spawn(args: List[str], preload: Sequence[str], spawn_env: Dict[str, str],
             raise OSError(f"it answered {' '.join(reply)!r}")
     except OSError as exc:
         conn.close()
-        os.close(stdin_w)
-        os.close(stdout_r)
-        logger.warning(f"the fork server {sock} failed ({exc}): the node is started itself")
+        if pipes:
+            os.close(stdin_w)
+            os.close(stdout_r)
+        logger.warning(f"the fork server {sock} failed ({exc}): the process is started itself")
         return None
     finally:
-        os.close(stdin_r)
-        os.close(stdout_w)
+        if pipes:
+            os.close(stdin_r)
+            os.close(stdout_w)
+    if not pipes:
+        return Forked(int(reply[1]), conn, None, None)
     return Forked(int(reply[1]), conn, os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"))
 
 
-def _connect(sock: str, preload: Sequence[str], import_env: Dict[str, str],
+def _connect(sock: str, program: str, preload: Sequence[str], import_env: Dict[str, str],
              start_timeout: float) -> socket.socket:
     """A connection to the server at ``sock``, started first if none listens
     there (one starter at a time: the lock file beside the socket)."""
@@ -188,7 +211,7 @@ def _connect(sock: str, preload: Sequence[str], import_env: Dict[str, str],
             return _dial(sock)
         except (FileNotFoundError, ConnectionRefusedError):
             pass
-        _start(sock, preload, import_env, start_timeout)
+        _start(sock, program, preload, import_env, start_timeout)
         return _dial(sock)
 
 
@@ -202,7 +225,7 @@ def _dial(sock: str) -> socket.socket:
     return conn
 
 
-def _start(sock: str, preload: Sequence[str], import_env: Dict[str, str],
+def _start(sock: str, program: str, preload: Sequence[str], import_env: Dict[str, str],
            start_timeout: float) -> None:
     """Starts the server (detached, its stdin closed, its stderr /dev/null:
     it must hold no pipe of its starter, whose readers would wait for it;
@@ -213,7 +236,8 @@ def _start(sock: str, preload: Sequence[str], import_env: Dict[str, str],
     from ember.executor import read_line, spawn_detached
 
     idle = os.environ.get("EMBER_FORKSERVER_IDLE", "120")
-    proc = spawn_detached(["-m", "ember._forkserver", sock, idle, *preload], b"", import_env,
+    proc = spawn_detached(["-m", "ember._forkserver", sock, idle, program, *preload], b"",
+                          import_env,
                           stderr=subprocess.DEVNULL, cwd=os.path.dirname(sock))
     line = read_line(proc, start_timeout)
     assert proc.stdout is not None
@@ -230,19 +254,21 @@ def _start(sock: str, preload: Sequence[str], import_env: Dict[str, str],
 # --------------------------------------------------------------------------- the server
 
 def main() -> None:
-    """``python -m ember._forkserver <socket> <idle seconds> <module>...``"""
+    """``python -m ember._forkserver <socket> <idle seconds> <program> <module>...``"""
     from ember import _imports
 
-    path, idle, modules = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+    path, idle, program, modules = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4:]
     status = os.fdopen(os.dup(1), "w")
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.close(devnull)
     _imports.pause_collector_on_heavy_imports()
     try:
+        if program not in PROGRAMS:
+            raise ValueError(f"{program} is none of {', '.join(PROGRAMS)}")
         for name in modules:
             importlib.import_module(name)
-        importlib.import_module("ember._trainer")
+        importlib.import_module(program)
         try:  # what a node's boot record is unpickled with
             importlib.import_module("pyspark.cloudpickle")
         except ImportError:
@@ -263,12 +289,12 @@ def main() -> None:
     gc.freeze()  # what the imports made stays shared with every node forked
     status.write("ready\n")
     status.close()
-    _Server(listener, path, idle).serve()
+    _Server(listener, path, idle, program).serve()
 
 
 class _Server:
-    def __init__(self, listener: socket.socket, path: str, idle: float) -> None:
-        self.listener, self.path, self.idle = listener, path, idle
+    def __init__(self, listener: socket.socket, path: str, idle: float, program: str) -> None:
+        self.listener, self.path, self.idle, self.program = listener, path, idle, program
         self.inode = os.stat(path).st_ino
         self.children: Dict[int, socket.socket] = {}
         self.wake_r, self.wake_w = os.pipe()
@@ -366,7 +392,7 @@ class _Server:
                 os.close(fd)
             return
         if pid == 0:
-            self._become_node(conn, fds, argv, cwd, env)
+            self._become_child(conn, fds, argv, cwd, env)
         for fd in fds:
             os.close(fd)
         self.children[pid] = conn
@@ -375,9 +401,9 @@ class _Server:
         except OSError:
             pass
 
-    def _become_node(self, conn: socket.socket, fds: List[int], argv: List[str], cwd: str,
-                     env: Dict[str, str]) -> None:
-        """In the forked child: what ``Popen([python, -m, ember._trainer, *argv],
+    def _become_child(self, conn: socket.socket, fds: List[int], argv: List[str], cwd: str,
+                      env: Dict[str, str]) -> None:
+        """In the forked child: what ``Popen([python, -m, <program>, *argv],
         start_new_session=True, env=env)`` from ``cwd`` would have made."""
         code = 1
         try:
@@ -406,11 +432,10 @@ class _Server:
             legacy_random = sys.modules.get("numpy.random")
             if legacy_random is not None:
                 legacy_random.seed()
-            trainer = sys.modules["ember._trainer"]
-            sys.modules["__main__"] = trainer
-            sys.argv = [trainer.__file__ or "-m", *argv]
-            trainer.main()  # ends with os._exit
-            code = 0
+            program = sys.modules[self.program]
+            sys.modules["__main__"] = program
+            sys.argv = [program.__file__ or "-m", *argv]
+            code = program.main() or 0  # a node's ends with os._exit
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
         except BaseException:

@@ -90,7 +90,7 @@ def _direct_worker_envs(work: str) -> Dict[int, Dict[str, str]]:
         try:
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
-            if b"ember.ml._direct_worker" not in argv or \
+            if b"ember._direct_launcher" not in argv or \
                     not any(a.startswith(work.encode()) for a in argv):
                 continue
             with open(f"/proc/{d}/environ", "rb") as f:

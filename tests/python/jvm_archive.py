@@ -32,6 +32,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 #: compiler and the parallel collector's threads cost more CPU than they win
 #: back: test_compat_tfos.py took 299 CPU s without these, 209 with them.
 TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+#: Every Spark the tests start (its conf reads ``spark.*`` system properties)
+#: runs its Python workers from ember.spark_daemon, which saves each worker
+#: about 0.4 CPU s (docs/spark.md, "A job"); the suite starts about 300.
+TEST_SPARK_DAEMON = "-Dspark.python.daemon.module=ember.spark_daemon"
 
 
 def archive_path() -> str:
@@ -46,13 +50,13 @@ def archive_path() -> str:
 
 
 def jvm_options_for_tests() -> str:
-    """TEST_JVM_OPTIONS, and this venv's archive with the JVM's warnings
-    about it off when it exists (a JVM that cannot use it, with another class
-    path, runs as it would without it)."""
+    """TEST_JVM_OPTIONS and TEST_SPARK_DAEMON, and this venv's archive with
+    the JVM's warnings about it off when it exists (a JVM that cannot use
+    it, with another class path, runs as it would without it)."""
     archive = archive_path()
     if not os.path.exists(archive):
-        return TEST_JVM_OPTIONS
-    return (f"{TEST_JVM_OPTIONS} -XX:SharedArchiveFile={archive} "
+        return f"{TEST_JVM_OPTIONS} {TEST_SPARK_DAEMON}"
+    return (f"{TEST_JVM_OPTIONS} {TEST_SPARK_DAEMON} -XX:SharedArchiveFile={archive} "
             "-Xlog:cds=off -Xlog:cds+dynamic=off")
 
 

@@ -135,8 +135,9 @@ def test_garbage_is_refused_and_the_server_keeps_forking(own_dir):
     node whose boot record is garbage: it fails with exit status 1, its
     traceback on the stderr it was given, and the server says so."""
     env = dict(os.environ)
-    sock = os.path.join(_forkserver._directory(), _forkserver._kind(["json"], env) + ".sock")
-    _forkserver._connect(sock, ["json"], env, 60).close()
+    sock = os.path.join(_forkserver._directory(),
+                        _forkserver._kind("ember._trainer", ["json"], env) + ".sock")
+    _forkserver._connect(sock, "ember._trainer", ["json"], env, 60).close()
     assert len(_processes_with(sock)) == 1
 
     def ask(payload, fds):
@@ -168,6 +169,74 @@ def test_garbage_is_refused_and_the_server_keeps_forking(own_dir):
     c.close()
     os.close(out_r)
     assert "UnpicklingError" in err.read_text()
+
+
+# --------------------------------------------------------------------------- direct-path workers
+
+def _launch_direct_worker(own_dir, name):
+    """``python -m ember._direct_launcher <name> savedmodel`` as the executor
+    JVM starts it: pipes for stdin and stdout, a log for stderr."""
+    import subprocess
+
+    log = open(own_dir / f"{name}.log", "wb")
+    launcher = subprocess.Popen([sys.executable, "-m", "ember._direct_launcher", name,
+                                 "savedmodel"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=log, env=dict(os.environ, TMPDIR=str(own_dir)))
+    log.close()
+    return launcher
+
+
+def _forked_worker(launcher, own_dir, name):
+    """pid of the worker the launcher had forked: the child of a server of
+    ember.ml._direct_worker that writes to the same log."""
+    log = str(own_dir / f"{name}.log")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for server in _processes_with("ember.ml._direct_worker"):
+            try:
+                with open(f"/proc/{server}/task/{server}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            for child in children:
+                try:
+                    if os.readlink(f"/proc/{child}/fd/2") == log:
+                        return child
+                except OSError:
+                    pass
+        assert launcher.poll() is None, (launcher.returncode, open(log).read())
+        time.sleep(0.1)
+    raise AssertionError(f"no forked worker for {name}")
+
+
+def test_direct_path_workers_are_forked_and_the_launcher_stands_in(own_dir):
+    """The JVM's launcher has the worker forked (TensorFlow imported) with
+    the JVM's pipes: the worker answers on them; its exit status is the
+    launcher's; a SIGTERM to the launcher reaches the worker."""
+    import struct
+
+    first = _launch_direct_worker(own_dir, "bad-magic")
+    worker = _forked_worker(first, own_dir, "bad-magic")
+    with open(f"/proc/{worker}/cmdline", "rb") as f:
+        assert b"ember._forkserver" in f.read()  # forked, not spawned
+    first.stdin.write(struct.pack(">i", 1234))
+    first.stdin.close()
+    status, size = struct.unpack(">ii", first.stdout.read(8))
+    assert status == 1 and b"bad magic" in first.stdout.read(size)
+    assert first.wait(60) == 1
+    assert "ValueError: not an Ember direct-inference stream" in \
+        (own_dir / "bad-magic.log").read_text()
+
+    second = _launch_direct_worker(own_dir, "terminated")
+    worker = _forked_worker(second, own_dir, "terminated")
+    second.send_signal(15)
+    assert second.wait(60) == 128 + 15
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{worker}")  # reaped by its server
+    for p in (first, second):
+        p.stdout.close()
 
 
 # --------------------------------------------------------------------------- forked nodes

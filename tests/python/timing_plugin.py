@@ -41,13 +41,17 @@ KINDS: List[Tuple[str, str]] = [
     ("org.ember.hadoop.MiniHadoop", "mini HDFS+YARN"),
     ("SparkConnectServer", "Spark Connect server"),
     ("ember._trainer", "ember node"),
+    # the direct path's launcher; a fork server of its workers and the workers
+    # it forked (that server's command line names its program)
+    ("ember._direct_launcher", "direct-inference worker"),
+    ("ember/ml/_direct_worker.py", "direct-inference worker"),
+    ("ember.ml._direct_worker", "direct-inference worker"),
     # a fork server, and the nodes (and their watchdogs) it forked
     ("ember._forkserver", "ember node"),
     ("ember.yarn.task", "run_on_yarn task"),
-    ("ember/ml/_direct_worker.py", "direct-inference worker"),
-    ("ember.ml._direct_worker", "direct-inference worker"),
     (" mlflow server", "mlflow server"),
     ("pyspark.daemon", "pyspark daemon"),
+    ("ember.spark_daemon", "pyspark daemon"),
     ("-m build", "python -m build"),
     ("mpirun", "mpirun"),
 ]

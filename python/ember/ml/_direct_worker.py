@@ -1,8 +1,10 @@
 """Ember's inference worker: the Python end of EmberModel's direct path.
 
-The executor JVM (``ember.spark.DirectInference``) starts this module as
-``python -m ember.ml._direct_worker <model path>`` (the path of the model
-it starts for shows in ``ps``; nothing reads it) and keeps it for later
+The executor JVM (``ember.spark.DirectInference``) starts it through
+``python -m ember._direct_launcher <model path> <runtime>`` (the path of the
+model it starts for shows in ``ps``; nothing reads it), which has it forked
+from a fork server with its runtime imported, or runs it in its own
+process; the JVM keeps it for later
 tasks, of that model or of another of the same runtime.  Over stdin it sends
 the pickled inference spec once, then batches: a big-endian int32 row count
 followed, per input column, by the rows' values packed little-endian

@@ -51,7 +51,8 @@ import scala.Tuple2;
  * EmberModel.transform's direct path: the executor JVM writes the model's
  * input columns of each batch of rows, as packed little-endian values, down a
  * pipe to an Ember inference worker (a Python process, {@code python -m
- * ember.ml._direct_worker <the model it started for>}, one per concurrent
+ * ember._direct_launcher <the model it started for> <runtime>}, which has
+ * the worker forked with its runtime imported, one per concurrent
  * task, kept and reused by later tasks, of the same model or, loading it, of
  * another), and appends the output columns it sends back (one Arrow IPC batch
  * per input batch) to the rows.
@@ -530,7 +531,7 @@ public final class DirectInference {
       }
       Worker w = null;
       try {
-        w = start(key, specKey, pythonExec, label, gpus);
+        w = start(key, specKey, pythonExec, runtime, label, gpus);
         w.out.writeInt(MAGIC);
         w.out.writeInt(spec.length);
         w.out.write(spec);
@@ -542,16 +543,17 @@ public final class DirectInference {
           String tail = w.errorTail();
           w.stop();
           throw new IOException("ember: the inference worker (" + pythonExec
-              + " -m ember.ml._direct_worker) did not start: " + e.getMessage() + "\n" + tail, e);
+              + " -m ember._direct_launcher) did not start: " + e.getMessage() + "\n" + tail, e);
         }
         throw new IOException("ember: cannot start " + pythonExec
-            + " -m ember.ml._direct_worker: " + e.getMessage(), e);
+            + " -m ember._direct_launcher: " + e.getMessage(), e);
       }
     }
 
-    static Worker start(String key, String specKey, String pythonExec, String label, String gpus)
-        throws IOException {
-      ProcessBuilder pb = new ProcessBuilder(pythonExec, "-m", "ember.ml._direct_worker", label);
+    static Worker start(String key, String specKey, String pythonExec, String runtime,
+        String label, String gpus) throws IOException {
+      ProcessBuilder pb = new ProcessBuilder(pythonExec, "-m", "ember._direct_launcher", label,
+          runtime);
       Map<String, String> env = pb.environment();
       SparkEnv spark = SparkEnv.get();
       String userPath = env.getOrDefault("PYTHONPATH", "");
