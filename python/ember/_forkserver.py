@@ -269,10 +269,7 @@ def main() -> None:
         for name in modules:
             importlib.import_module(name)
         importlib.import_module(program)
-        try:  # what a node's boot record is unpickled with
-            importlib.import_module("pyspark.cloudpickle")
-        except ImportError:
-            pass
+        _imports.cloudpickle()  # what a node's boot record is unpickled with
         try:
             os.unlink(path)
         except FileNotFoundError:

@@ -41,7 +41,8 @@ from contextlib import contextmanager
 from types import CodeType, ModuleType
 from typing import Any, Dict, Iterator, Optional, Sequence, Set, Tuple
 
-__all__ = ["HEAVY", "collector_paused", "frameworks_of", "pause_collector_on_heavy_imports"]
+__all__ = ["HEAVY", "cloudpickle", "collector_paused", "frameworks_of",
+           "pause_collector_on_heavy_imports"]
 
 #: The top-level packages whose import is paced by the collector's passes.
 HEAVY = frozenset({"tensorflow", "keras", "tf_keras", "torch", "jax", "transformers"})
@@ -107,6 +108,26 @@ class _HeavyImportFinder(importlib.abc.MetaPathFinder):
                     spec.loader = _PausingLoader(spec.loader)
                 return spec
         return None
+
+
+def cloudpickle() -> Any:
+    """The cloudpickle that Ember pickles code for its own processes with
+    (a node's boot record, a YARN task's ``experiment_fn``): the standalone
+    package where it is installed, whose pickles load with it alone;
+    pyspark's vendored copy otherwise, whose pickles make the loading
+    process import pyspark (about 0.4 CPU s: every node spawned, not
+    forked, paid it); plain pickle where neither is."""
+    try:
+        import cloudpickle as standalone
+        return standalone
+    except ImportError:
+        pass
+    try:
+        from pyspark import cloudpickle as vendored
+        return vendored
+    except ImportError:
+        import pickle
+        return pickle
 
 
 def pause_collector_on_heavy_imports() -> None:

@@ -112,7 +112,7 @@ def spawn_node(node_boot: Dict[str, Any], start_timeout: float) -> int:
     (``node_boot["gpus"]``, its task's) sees only those, from its first
     instruction on (``CUDA_VISIBLE_DEVICES``).
     """
-    from pyspark import cloudpickle
+    from ember._imports import cloudpickle
 
     index = node_boot["index"]
     # main_fun may live in a module only this process can import: give the
@@ -123,7 +123,7 @@ def spawn_node(node_boot: Dict[str, Any], start_timeout: float) -> int:
     # argv[1]: the node's watchdog kills it once it is frozen this long (ember._watchdog);
     # argv[2]: the node's index, for its log lines
     args = ["-m", "ember._trainer", str(node_boot.get("heartbeat_timeout", 0.0)), str(index)]
-    boot = cloudpickle.dumps(node_boot)
+    boot = cloudpickle().dumps(node_boot)
     preload = node_boot.get("preload") or ()
     proc: Any = None
     from ember import _forkserver  # here: the feeding tasks' workers never need it

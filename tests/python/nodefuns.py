@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from typing import Any, Dict, Tuple
 
@@ -20,7 +21,8 @@ def _write(args: Dict[str, Any], ctx: Any, **extra: Any) -> None:
                 host=ctx.host, executor_id=ctx.executor_id,
                 torch_env={k: os.environ.get(k) for k in
                            ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")},
-                spark_executor=ctx.nodes[ctx.worker_num]["executor_id"], **extra)
+                spark_executor=ctx.nodes[ctx.worker_num]["executor_id"],
+                pyspark_imported="pyspark" in sys.modules, **extra)
     path = os.path.join(args["out"], f"node-{ctx.worker_num}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(info, f)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import importlib.util
 import json
 import os
 import time
@@ -49,6 +50,10 @@ def test_reservation_assigns_roles_and_tf_config(local_spark, tmp_path, n):
     cluster.shutdown(timeout=60)
     infos = read_json_files(str(tmp_path))
     assert sorted(i["index"] for i in infos) == list(range(n))
+    # the standalone cloudpickle's boot record loads without pyspark (0.4 CPU
+    # s a node); .venv-compat has only pyspark's copy
+    standalone = importlib.util.find_spec("cloudpickle") is not None
+    assert [i["pyspark_imported"] for i in infos] == [not standalone] * n
     roles = {i["index"]: (i["job_name"], i["task_index"]) for i in infos}
     if n == 2:
         assert roles == {0: ("chief", 0), 1: ("worker", 0)}

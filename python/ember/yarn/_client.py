@@ -187,11 +187,9 @@ def _archive_kind(path: str) -> str:
 
 
 def _dumps_experiment(experiment_fn: Callable[[], Any]) -> bytes:
-    try:
-        import cloudpickle
-    except ImportError:
-        from pyspark import cloudpickle  # the same code, vendored by pyspark
-    return cloudpickle.dumps(experiment_fn)
+    from ember._imports import cloudpickle
+
+    return cloudpickle().dumps(experiment_fn)
 
 
 def _java_home() -> Optional[str]:

@@ -82,7 +82,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from ember import _env
+from ember import _env, _imports
 
 logger = logging.getLogger("ember.yarn.experiment")
 
@@ -803,19 +803,6 @@ def _torch_train(exp: PytorchExperiment, ctx: Any, task: str, rank: int, world: 
             "timings": {"setup_s": round(t_main - t0, 3), "main_fn_s": round(main_s, 3)}}
 
 
-def _pickler() -> Any:
-    try:
-        import cloudpickle
-        return cloudpickle
-    except ImportError:
-        pass
-    try:
-        from pyspark import cloudpickle
-        return cloudpickle
-    except ImportError:
-        return pickle
-
-
 def _torch_spawn(experiment_fn: Callable[[], Any], ctx: Any, task: str, n: int,
                  tb_url: Optional[str]) -> Dict[str, Any]:
     """``n`` training processes for this task: global rank ``RANK * n + i``."""
@@ -825,7 +812,7 @@ def _torch_spawn(experiment_fn: Callable[[], Any], ctx: Any, task: str, n: int,
     world = node_world * n
     # the processes rebuild the experiment themselves (as tf-yarn's do): the
     # model and dataset need not pickle; experiment_fn itself must
-    payload = _pickler().dumps(experiment_fn)
+    payload = _imports.cloudpickle().dumps(experiment_fn)
     ctx.release_port()  # the chief's local rank 0 binds MASTER_PORT for torch's store
     mp = multiprocessing.get_context("spawn")
     queue = mp.Queue()
@@ -866,8 +853,6 @@ def _torch_spawn(experiment_fn: Callable[[], Any], ctx: Any, task: str, n: int,
 def _torch_child(payload: bytes, task: str, rank: int, world: int, local_rank: int,
                  queue: Any, tb_url: Optional[str]) -> None:
     """A process of n_workers_per_executor: rebuilds the experiment and trains."""
-    from ember import _imports
-
     _imports.pause_collector_on_heavy_imports()  # a process Ember starts, as its task is
     try:
         experiment_fn = pickle.loads(payload)
