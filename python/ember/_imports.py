@@ -114,9 +114,10 @@ def cloudpickle() -> Any:
     """The cloudpickle that Ember pickles code for its own processes with
     (a node's boot record, a YARN task's ``experiment_fn``): the standalone
     package where it is installed, whose pickles load with it alone;
-    pyspark's vendored copy otherwise, whose pickles make the loading
-    process import pyspark (about 0.4 CPU s: every node spawned, not
-    forked, paid it); plain pickle where neither is."""
+    pyspark's vendored copy otherwise, whose pickles of code pickled by
+    value (a lambda, a closure, a function of ``__main__``) make the loading
+    process import pyspark (about 0.4 CPU s, in each node spawned, not
+    forked); plain pickle where neither is."""
     try:
         import cloudpickle as standalone
         return standalone

@@ -44,14 +44,17 @@ def _wait_gone(pids, timeout=15.0):
 def test_reservation_assigns_roles_and_tf_config(local_spark, tmp_path, n):
     sc = local_spark.sparkContext
     num_ps = 1 if n == 4 else 0
-    cluster = run(sc, nodefuns.report_ctx, {"out": str(tmp_path)}, num_executors=n,
+    # a lambda in args: pickled by value, so the boot record needs cloudpickle's own code
+    cluster = run(sc, nodefuns.report_ctx, {"out": str(tmp_path), "by_value": lambda: n},
+                  num_executors=n,
                   num_ps=num_ps, eval_node=(n == 4), input_mode=InputMode.TENSORFLOW,
                   reservation_timeout=60)
     cluster.shutdown(timeout=60)
     infos = read_json_files(str(tmp_path))
     assert sorted(i["index"] for i in infos) == list(range(n))
     # the standalone cloudpickle's boot record loads without pyspark (0.4 CPU
-    # s a node); .venv-compat has only pyspark's copy
+    # s a node); .venv-compat has only pyspark's copy, whose code for what
+    # it pickled by value (the lambda) the node imports with pyspark
     standalone = importlib.util.find_spec("cloudpickle") is not None
     assert [i["pyspark_imported"] for i in infos] == [not standalone] * n
     roles = {i["index"]: (i["job_name"], i["task_index"]) for i in infos}
