@@ -106,9 +106,9 @@ def _kind(program: str, preload: Sequence[str], env: Dict[str, str]) -> str:
             namespaces[ns] = os.readlink(f"/proc/self/ns/{ns}")
         except OSError:
             pass
+    keyed = sorted((k, v) for k, v in env.items() if k not in _UNKEYED)
     text = json.dumps(dict(python=sys.executable, program=program, preload=sorted(preload),
-                           env=sorted(
-        (k, v) for k, v in env.items() if k not in _UNKEYED), ns=namespaces))
+                           env=keyed, ns=namespaces))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -172,11 +172,12 @@ def spawn(args: List[str], preload: Sequence[str], spawn_env: Dict[str, str],
         logger.warning(f"no fork server for {program} importing {', '.join(preload)} ({exc}): "
                        "the process is started, and imports them, itself")
         return None
-    pipes = fds is None
+    ours: List[int] = []  # the handle's ends of new pipes, and the child's
+    theirs: List[int] = []
     if fds is None:
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
-        fds = (stdin_r, stdout_w, 2)
+        fds, ours, theirs = (stdin_r, stdout_w, 2), [stdin_w, stdout_r], [stdin_r, stdout_w]
     try:
         request = json.dumps(dict(argv=args[2:], cwd=os.getcwd(), env=spawn_env)).encode()
         socket.send_fds(conn, [request], list(fds))
@@ -187,18 +188,16 @@ def spawn(args: List[str], preload: Sequence[str], spawn_env: Dict[str, str],
             raise OSError(f"it answered {' '.join(reply)!r}")
     except OSError as exc:
         conn.close()
-        if pipes:
-            os.close(stdin_w)
-            os.close(stdout_r)
+        for fd in ours:
+            os.close(fd)
         logger.warning(f"the fork server {sock} failed ({exc}): the process is started itself")
         return None
     finally:
-        if pipes:
-            os.close(stdin_r)
-            os.close(stdout_w)
-    if not pipes:
+        for fd in theirs:
+            os.close(fd)
+    if not ours:
         return Forked(int(reply[1]), conn, None, None)
-    return Forked(int(reply[1]), conn, os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"))
+    return Forked(int(reply[1]), conn, os.fdopen(ours[0], "wb"), os.fdopen(ours[1], "rb"))
 
 
 def _connect(sock: str, program: str, preload: Sequence[str], import_env: Dict[str, str],

@@ -346,6 +346,46 @@ def signal_node_when_ready(path: str, holder: Dict[str, Any], sig: int,
         time.sleep(0.1)
 
 
+def wait_gone(pids: Sequence[int], timeout: float = 15.0) -> List[int]:
+    """Waits up to ``timeout`` s until none of ``pids`` runs (gone, or a
+    zombie not reaped yet); returns those still running."""
+    def running(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + timeout
+    alive = [p for p in pids if running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if running(p)]
+    return alive
+
+
+def forked_direct_worker(launcher: int) -> Optional[int]:
+    """pid of the worker a direct-path launcher (``ember._direct_launcher``)
+    had forked, or None: the child of a fork server of
+    ember.ml._direct_worker whose stderr is the launcher's (the worker's log)."""
+    try:
+        log = os.readlink(f"/proc/{launcher}/fd/2")
+    except OSError:
+        return None
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = f.read().rsplit(")", 1)[1].split()[1]
+            with open(f"/proc/{ppid}/cmdline", "rb") as f:
+                parent = f.read().split(b"\0")
+            if b"ember._forkserver" in parent and b"ember.ml._direct_worker" in parent \
+                    and os.readlink(f"/proc/{d}/fd/2") == log:
+                return int(d)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def read_json_files(directory: str) -> List[Dict[str, Any]]:
     out = []
     for name in sorted(os.listdir(directory)):

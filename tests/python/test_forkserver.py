@@ -15,7 +15,7 @@ import time
 import pytest
 
 import nodefuns
-from conftest import read_json_files
+from conftest import forked_direct_worker, read_json_files
 from ember import _forkserver
 from ember._imports import frameworks_of
 from ember.errors import EmberNodeError
@@ -187,24 +187,14 @@ def _launch_direct_worker(own_dir, name):
 
 
 def _forked_worker(launcher, own_dir, name):
-    """pid of the worker the launcher had forked: the child of a server of
-    ember.ml._direct_worker that writes to the same log."""
-    log = str(own_dir / f"{name}.log")
+    """pid of the worker the launcher had forked (waiting up to 120 s)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        for server in _processes_with("ember.ml._direct_worker"):
-            try:
-                with open(f"/proc/{server}/task/{server}/children") as f:
-                    children = [int(c) for c in f.read().split()]
-            except OSError:
-                continue
-            for child in children:
-                try:
-                    if os.readlink(f"/proc/{child}/fd/2") == log:
-                        return child
-                except OSError:
-                    pass
-        assert launcher.poll() is None, (launcher.returncode, open(log).read())
+        worker = forked_direct_worker(launcher.pid)
+        if worker is not None:
+            return worker
+        assert launcher.poll() is None, (launcher.returncode,
+                                         (own_dir / f"{name}.log").read_text())
         time.sleep(0.1)
     raise AssertionError(f"no forked worker for {name}")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import time
 
 import numpy as np
 import pytest
@@ -304,28 +303,6 @@ def _direct_workers(spark):
     return pids
 
 
-def _forked_worker_of(launcher):
-    """pid of the worker a direct-path launcher had forked (by a fork server
-    of ember.ml._direct_worker; the two share the worker's log as stderr),
-    or None."""
-    try:
-        log = os.readlink(f"/proc/{launcher}/fd/2")
-    except OSError:
-        return None
-    for d in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = f.read().rsplit(")", 1)[1].split()[1]
-            with open(f"/proc/{ppid}/cmdline", "rb") as f:
-                parent = f.read().split(b"\0")
-            if b"ember._forkserver" in parent and b"ember.ml._direct_worker" in parent \
-                    and os.readlink(f"/proc/{d}/fd/2") == log:
-                return int(d)
-        except OSError:
-            continue
-    return None
-
-
 def _direct_path_check(spark, small_models):
     """(transform-and-check, packed frame) of the direct-path tests: 400 rows
     of a tensor column (ember.tensors) and a bigint column in 2 partitions,
@@ -366,7 +343,9 @@ def test_direct_path_worker_reuse(local_spark, small_models):
     first = _direct_workers(local_spark)
     assert first
     # each launcher had its worker forked, TensorFlow already imported
-    forked = {pid: _forked_worker_of(pid) for pid in first}
+    from conftest import forked_direct_worker, wait_gone  # here: Python workers import this module
+
+    forked = {pid: forked_direct_worker(pid) for pid in first}
     assert None not in forked.values(), forked
     # no new process from here on (a worker an earlier test left idle may
     # reach its idle time, EMBER_DIRECT_IDLE_SECONDS, and go meanwhile)
@@ -394,19 +373,7 @@ def test_direct_path_worker_reuse(local_spark, small_models):
         assert _direct_workers(local_spark) - gone
     # a launcher killed (SIGKILL: it cannot pass it on) leaves no worker
     # behind: the JVM closes its pipes, and the worker ends with its input
-    deadline = time.monotonic() + 30
-    while any(os.path.exists(f"/proc/{w}") and _state(w) != "Z" for w in forked.values()) \
-            and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [w for w in forked.values() if os.path.exists(f"/proc/{w}") and _state(w) != "Z"]
-
-
-def _state(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "X"
+    assert wait_gone(list(forked.values()), 30) == []
 
 
 @pytest.mark.parametrize("path", [UDF, "mapInArrow"])

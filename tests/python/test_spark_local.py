@@ -12,7 +12,7 @@ import time
 import pytest
 
 import nodefuns
-from conftest import read_json_files
+from conftest import read_json_files, wait_gone
 from ember import _ember
 from ember.spark import EmberNodeError, InputMode, run
 
@@ -28,16 +28,6 @@ def _live_sockets_on(ports):
                 if port in ports and state != "06":  # 06 = TIME_WAIT
                     found.append((table, port, state))
     return found
-
-
-def _wait_gone(pids, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if os.path.exists(f"/proc/{p}")
-                 and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
-        time.sleep(0.1)
-    return alive
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -107,7 +97,7 @@ def test_node_exception_during_train_stops_the_feed(local_spark, tmp_path):
     assert "trainer exploded after its first batch" in str(err.value)
     assert "Traceback" in str(err.value)
     # the failure already stopped every node; shutdown() is then a no-op
-    assert _wait_gone([n["pid"] for n in cluster.nodes]) == []
+    assert wait_gone([n["pid"] for n in cluster.nodes]) == []
     cluster.shutdown(timeout=30)
 
 
@@ -173,7 +163,7 @@ def test_shutdown_leaves_no_process_port_or_segment(local_spark, tmp_path):
     cluster.train(sc.parallelize([(i, [1.0]) for i in range(100)], 2))
     cluster.shutdown(timeout=60)
     infos = read_json_files(str(tmp_path))
-    assert _wait_gone([i["pid"] for i in infos]) == []
+    assert wait_gone([i["pid"] for i in infos]) == []
     ports = {p for info in infos for p in info["ports"]}
     assert _live_sockets_on(ports) == []
     assert glob.glob("/dev/shm/ember*") == []
@@ -210,7 +200,7 @@ def test_driver_ps_nodes_run_on_the_driver(local_spark, tmp_path):
     assert infos[0]["job_name"] == "ps" and infos[0]["spark_executor"] == "driver"
     assert {infos[1]["job_name"], infos[2]["job_name"]} == {"chief", "worker"}
     assert all(infos[i]["spark_executor"] != "driver" for i in (1, 2))
-    assert not _wait_gone([i["pid"] for i in infos.values()])
+    assert not wait_gone([i["pid"] for i in infos.values()])
 
 
 def test_tensorboard_served_by_the_chief_until_shutdown(local_spark, tmp_path):
