@@ -15,8 +15,20 @@ whole environment the node would have imported its framework in (the
 executor's, PYTHONPATH and the job's ``env=``), the Python executable, the
 Linux namespaces (a server in another network namespace would fork nodes
 on another host: the simulated hosts of the tests share one file system)
-and the frameworks to import.  A server serves one kind; its socket's name
-is a hash of it, in a directory only this user can enter.
+and the frameworks to import.  Two things in that environment differ
+between the Spark applications on a host and are left out, so that one
+server serves them all (each starting its own cost a host 5-7 CPU s per
+application and kind): the variables Spark gives each application's
+Python workers, which no import reads (:data:`_PER_APPLICATION`), and the
+entries of PYTHONPATH that Python could import nothing from (a node's
+PYTHONPATH is its Spark worker's ``sys.path``, which has the
+application's ``userFiles`` directory, often empty, and on a standalone
+cluster the executor's directory, which holds its stdout and stderr).  A
+server imports its frameworks with only the other entries on its path,
+whichever application started it, and a forked node's ``sys.path`` is
+made from its own PYTHONPATH, as its interpreter would have made it.  A
+server serves one kind; its socket's name is a hash of it, in a directory
+only this user can enter.
 
 A forked node gets what ``spawn_detached`` would have given it: its own
 session, the caller's pipes and stderr as its fds 0-2, the caller's working
@@ -50,6 +62,7 @@ import array
 import fcntl
 import hashlib
 import importlib
+import importlib.machinery
 import json
 import logging
 import os
@@ -71,6 +84,11 @@ __all__ = ["Forked", "spawn", "wanted"]
 _NAMESPACES = ("net", "uts", "mnt", "pid", "ipc", "user", "cgroup")
 #: variables no import reads, which differ between nodes of one kind
 _UNKEYED = ("EMBER_RESTART",)
+#: what Spark gives each application's Python workers (the workers' secret,
+#: the application's directories on this host, its log pages): no import
+#: reads them, and the applications on a host share servers
+_PER_APPLICATION = ("PYTHON_WORKER_FACTORY_SECRET", "SPARK_LOCAL_DIRS", "SPARK_EXECUTOR_DIRS")
+_PER_APPLICATION_PREFIXES = ("SPARK_LOG_URL_",)
 #: the programs a server forks: each one's ``main()`` runs in the child
 PROGRAMS = ("ember._trainer", "ember.ml._direct_worker")
 _MAX_REQUEST = 1 << 20
@@ -99,6 +117,60 @@ def _directory() -> str:
     return path
 
 
+def _holds_modules(entry: str) -> bool:
+    """Whether Python could import anything from a PYTHONPATH entry (an
+    absolute path): a zip or a directory with a subdirectory (a package) or a
+    module file in it; not a missing or empty directory, nor one of other
+    files only (a standalone executor's directory: its stdout and stderr)."""
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    try:
+        with os.scandir(entry) as listing:
+            return any(e.name.endswith(suffixes) or e.is_dir() for e in listing)
+    except NotADirectoryError:
+        return True  # a zip or an egg
+    except OSError:
+        return False
+
+
+def _import_path(env: Dict[str, str]) -> str:
+    """The PYTHONPATH a server imports its frameworks with: the entries of
+    ``env``'s that Python could import from now, resolved from this
+    directory (the forked child's), in order."""
+    entries: List[str] = []
+    for entry in env.get("PYTHONPATH", "").split(os.pathsep):
+        entry = os.path.abspath(entry) if entry else ""
+        if entry and entry not in entries and _holds_modules(entry):
+            entries.append(entry)
+    return os.pathsep.join(entries)
+
+
+def _keyed_env(env: Dict[str, str]) -> List[Tuple[str, str]]:
+    """The part of an import environment that makes a kind (the module's
+    docstring says what is left out, and why)."""
+    keyed = {k: v for k, v in env.items() if k not in _UNKEYED and k not in _PER_APPLICATION
+             and not k.startswith(_PER_APPLICATION_PREFIXES)}
+    if "PYTHONPATH" in keyed:
+        keyed["PYTHONPATH"] = _import_path(env)
+    return sorted(keyed.items())
+
+
+def _child_path(server_path: Sequence[str], server_pythonpath: Sequence[str],
+                pythonpath: str, cwd: str) -> List[str]:
+    """The ``sys.path`` that ``python -m`` run from ``cwd`` with
+    ``PYTHONPATH=pythonpath`` starts with, made from the server's
+    (``server_path``, which its own PYTHONPATH entries,
+    ``server_pythonpath``, begin): the child's entries first, then the
+    server's others, less any of the server's PYTHONPATH entries that the
+    child's lacks."""
+    own = [os.path.normpath(os.path.join(cwd, p)) for p in pythonpath.split(os.pathsep) if p]
+    not_ours = set(server_pythonpath) - set(own)
+    path: List[str] = []
+    for entry in [cwd, *own, *(p for p in server_path[1:] if p not in not_ours)]:
+        if entry not in path:
+            path.append(entry)
+    return path
+
+
 def _kind(program: str, preload: Sequence[str], env: Dict[str, str]) -> str:
     namespaces = {}
     for ns in _NAMESPACES:
@@ -106,7 +178,7 @@ def _kind(program: str, preload: Sequence[str], env: Dict[str, str]) -> str:
             namespaces[ns] = os.readlink(f"/proc/self/ns/{ns}")
         except OSError:
             pass
-    keyed = sorted((k, v) for k, v in env.items() if k not in _UNKEYED)
+    keyed = _keyed_env(env)
     text = json.dumps(dict(python=sys.executable, program=program, preload=sorted(preload),
                            env=keyed, ns=namespaces))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -235,8 +307,10 @@ def _start(sock: str, program: str, preload: Sequence[str], import_env: Dict[str
     from ember.executor import read_line, spawn_detached
 
     idle = os.environ.get("EMBER_FORKSERVER_IDLE", "120")
+    # it imports only from what makes its kind, whichever application started it
+    env = dict(import_env, PYTHONPATH=_import_path(import_env))
     proc = spawn_detached(["-m", "ember._forkserver", sock, idle, program, *preload], b"",
-                          import_env,
+                          env,
                           stderr=subprocess.DEVNULL, cwd=os.path.dirname(sock))
     line = read_line(proc, start_timeout)
     assert proc.stdout is not None
@@ -291,6 +365,7 @@ def main() -> None:
 class _Server:
     def __init__(self, listener: socket.socket, path: str, idle: float, program: str) -> None:
         self.listener, self.path, self.idle, self.program = listener, path, idle, program
+        self.pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         self.inode = os.stat(path).st_ino
         self.children: Dict[int, socket.socket] = {}
         self.wake_r, self.wake_w = os.pipe()
@@ -421,7 +496,8 @@ class _Server:
             os.chdir(cwd)
             os.environ.clear()
             os.environ.update(env)
-            sys.path[0] = cwd  # as `python -m` from there
+            # as `python -m` from there, with its own PYTHONPATH
+            sys.path[:] = _child_path(sys.path, self.pythonpath, env.get("PYTHONPATH", ""), cwd)
             # a fresh process seeds numpy's global generator from the OS;
             # forked, every node would draw what the server would have
             # (Python's own random reseeds itself at a fork)

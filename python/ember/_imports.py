@@ -157,7 +157,7 @@ def _source_of(name: str) -> Optional[str]:
     return getattr(spec, "origin", None)
 
 
-def frameworks_of(fn: Any, depth: int = 3) -> Tuple[str, ...]:
+def frameworks_of(fn: Any, depth: int = 3, args: Any = None) -> Tuple[str, ...]:
     """The packages of :data:`HEAVY` that ``fn`` (a job's ``main_fun``)
     imports, as far as its code says: the imports in its body and in the
     functions nested in it, the modules it names as globals, and the same
@@ -165,6 +165,10 @@ def frameworks_of(fn: Any, depth: int = 3) -> Tuple[str, ...]:
     (``depth`` calls deep); what Ember's modules it imports import at
     their top level; and what any code of the user's modules it imports
     imports (not of the standard library's or of an installed package's).
+    The same for the functions ``args`` (the job's ``args``) holds, as values
+    of a dict or items of a list or tuple, one level deep: a ``main_fun``
+    that calls a function it is given, as ``run_task(args["experiment_fn"],
+    ctx)`` does, imports what that function imports.
     These are what its node's fork server imports (:mod:`ember._forkserver`);
     a framework imported some other way is imported by the node itself."""
     found: Set[str] = set()
@@ -227,4 +231,8 @@ def frameworks_of(fn: Any, depth: int = 3) -> Tuple[str, ...]:
         visit_code(code, None, left - 1, nested=top != "ember")
 
     visit_value(fn, depth + 1)
+    given = list(args.values()) if isinstance(args, dict) else \
+        list(args) if isinstance(args, (list, tuple)) else []
+    for value in given:
+        visit_value(value, depth + 1)
     return tuple(sorted(found))

@@ -82,7 +82,7 @@ class ConnectCluster:
         tb_node = ps_first + (0 if roles["chief"] else (1 if roles["evaluator"] else 0))
         self._boot = dict(
             secret=self._secret, encrypt=bool(encrypt), main_fun=main_fun, args=args,
-            preload=_imports.frameworks_of(main_fun), input_mode=int(input_mode),
+            preload=_imports.frameworks_of(main_fun, args=args), input_mode=int(input_mode),
             reservation_timeout=float(reservation_timeout),
             heartbeat_interval_ms=max(100, int(heartbeat_timeout * 1000 / 5)),
             heartbeat_timeout=float(heartbeat_timeout), env=dict(env), working_dir=None,

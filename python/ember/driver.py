@@ -143,7 +143,7 @@ class Cluster:
         self.restart_causes: List[EmberNodeError] = []  # the failures that caused restarts
         self._main_fun, self._args, self._num_nodes, self._roles = main_fun, args, num_nodes, roles
         # what the nodes' fork server imports for them (ember._forkserver)
-        self._preload = _imports.frameworks_of(main_fun)
+        self._preload = _imports.frameworks_of(main_fun, args=args)
         self._reservation_timeout = reservation_timeout
         self._heartbeat_timeout = heartbeat_timeout
         self._max_restarts = max_restarts

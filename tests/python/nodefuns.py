@@ -364,5 +364,5 @@ def report_fork(args: Dict[str, Any], ctx: Any) -> None:
         raise ValueError(f"boom from forked node {ctx.worker_num}")
     _write(args, ctx, preloaded=preloaded, parent=parent, ppid=os.getppid(),
            session_leader=os.getsid(0) == os.getpid(), job_env=os.environ.get("EMBER_TEST_JOB"),
-           cwd=os.getcwd(), main=sys.modules["__main__"].__name__,
+           cwd=os.getcwd(), path=sys.path, main=sys.modules["__main__"].__name__,
            draw=int(np.random.randint(1 << 30)), total=float(tf.reduce_sum(tf.ones([3]))))

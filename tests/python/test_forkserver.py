@@ -62,6 +62,18 @@ def test_frameworks_of_finds_imports_in_the_body_helpers_closures_and_modules():
     assert frameworks_of(wrapper) == ("tensorflow",)
 
 
+def test_frameworks_of_reads_the_functions_args_holds():
+    """A main_fun that calls a function it is given (run_task(args["experiment_fn"],
+    ctx)) imports what that function imports; other values are not code."""
+    import functools
+
+    given = {"experiment_fn": functools.partial(_nested, 1), "out": "/tmp/x", "n": 3}
+    assert frameworks_of(_plain, args=given) == ("torch",)
+    assert frameworks_of(_plain, args=[_via_helper, "x"]) == ("tensorflow",)
+    assert frameworks_of(_plain, args=("torch", 1, None)) == ()
+    assert frameworks_of(_plain, args=None) == ()
+
+
 def test_frameworks_of_reads_the_users_modules_without_importing_them(tmp_path, monkeypatch):
     """``from pkg import sub``: sub is a module of the user's whose function
     imports torch; finding that imports neither (a package's __init__ may
@@ -169,6 +181,43 @@ def test_garbage_is_refused_and_the_server_keeps_forking(own_dir):
     c.close()
     os.close(out_r)
     assert "UnpicklingError" in err.read_text()
+
+
+def test_the_applications_on_a_host_share_a_kind(tmp_path):
+    """The variables Spark sets per application (and per executor) and
+    PYTHONPATH entries Python could import nothing from do not make a kind;
+    an entry it could import from, and any other variable, do."""
+    import functools
+
+    app_a, app_b, executor, lib = (tmp_path / d for d in ("a", "b", "executor", "lib"))
+    for d in (app_a, app_b, executor, lib):
+        d.mkdir()
+    (executor / "stdout").write_text("")
+    (lib / "helpers.py").write_text("")
+
+    def env(app, n):
+        return dict(os.environ, PYTHONPATH=os.pathsep.join([str(lib), str(app), str(executor)]),
+                    PYTHON_WORKER_FACTORY_SECRET=n, SPARK_LOCAL_DIRS=f"/x/{n}",
+                    SPARK_EXECUTOR_DIRS=f"/x/{n}", SPARK_LOG_URL_STDERR=f"http://h/{n}")
+
+    kind = functools.partial(_forkserver._kind, "ember._trainer", ["tensorflow"])
+    assert kind(env(app_a, "1")) == kind(env(app_b, "2")) == \
+        kind(dict(env(app_a, "1"), PYTHONPATH=f"{lib}{os.pathsep}/no/such/dir"))
+    assert _forkserver._import_path(env(app_b, "2")) == str(lib)
+    assert kind(env(app_a, "1")) != kind(dict(env(app_a, "1"), PYTHONPATH=str(app_a)))
+    assert kind(env(app_a, "1")) != kind(dict(env(app_a, "1"), TF_USE_LEGACY_KERAS="1"))
+    (app_b / "pkg").mkdir()  # a package: b's entry makes a kind of its own now
+    assert kind(env(app_a, "1")) != kind(env(app_b, "2"))
+
+
+def test_a_forked_childs_path_is_made_from_its_own_pythonpath():
+    server = ["/sockets", "/lib", "/usr/lib/python311.zip", "/venv/site-packages"]
+    assert _forkserver._child_path(server, ["/lib"], f"/app/b{os.pathsep}/lib{os.pathsep}.",
+                                   "/work/b") == \
+        ["/work/b", "/app/b", "/lib", "/usr/lib/python311.zip", "/venv/site-packages"]
+    # an entry of the server's that the child's PYTHONPATH lacks is not the child's
+    assert _forkserver._child_path(server, ["/lib"], "rel", "/work/c") == \
+        ["/work/c", "/work/c/rel", "/usr/lib/python311.zip", "/venv/site-packages"]
 
 
 # --------------------------------------------------------------------------- direct-path workers

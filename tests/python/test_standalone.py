@@ -81,6 +81,26 @@ def test_two_node_training_on_two_executors(cluster_spark, tmp_path):
     assert got == collections.Counter({i: 2 for i in range(4000)})
 
 
+def test_nodes_of_two_executors_are_forked_by_one_server(cluster_spark, tmp_path):
+    """What differs between the executors (and applications) on a host does
+    not split its fork servers: each executor's directory (its stdout and
+    stderr, nothing to import), on its workers' path, and the variables
+    Spark sets per executor.  Both nodes are forked by one server, each
+    starting in its own executor's directory, on its path, and without the
+    other's on it."""
+    sc = cluster_spark.sparkContext
+    cluster = run(sc, nodefuns.report_fork, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.TENSORFLOW, env={"EMBER_TEST_JOB": "standalone"},
+                  reservation_timeout=120)
+    cluster.shutdown(timeout=120)
+    nodes = read_json_files(str(tmp_path))
+    assert len(nodes) == 2 and all(n["preloaded"] for n in nodes), nodes
+    assert len({n["ppid"] for n in nodes}) == 1, nodes
+    assert len({n["cwd"] for n in nodes}) == 2, nodes  # two executors' directories
+    for node, other in (nodes, nodes[::-1]):
+        assert node["cwd"] in node["path"] and other["cwd"] not in node["path"], node
+
+
 @pytest.mark.parametrize("kind", ["rdd", "dataframe"])
 def test_synchronous_training_never_starves_a_node_on_two_executors(cluster_spark, tmp_path,
                                                                     kind):
