@@ -205,7 +205,7 @@ def test_the_applications_on_a_host_share_a_kind(tmp_path):
         kind(dict(env(app_a, "1"), PYTHONPATH=f"{lib}{os.pathsep}/no/such/dir"))
     assert _forkserver._import_path(env(app_b, "2")) == str(lib)
     assert kind(env(app_a, "1")) != kind(dict(env(app_a, "1"), PYTHONPATH=str(app_a)))
-    assert kind(env(app_a, "1")) != kind(dict(env(app_a, "1"), TF_USE_LEGACY_KERAS="1"))
+    assert kind(env(app_a, "1")) != kind(dict(env(app_a, "1"), EMBER_TEST_KIND_PROBE="1"))
     (app_b / "pkg").mkdir()  # a package: b's entry makes a kind of its own now
     assert kind(env(app_a, "1")) != kind(env(app_b, "2"))
 

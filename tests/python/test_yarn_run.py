@@ -176,9 +176,9 @@ def test_bad_task_specs_fail_before_submitting(yarn: HadoopCluster) -> None:
 
 
 def test_a_hung_task_is_killed_at_the_timeout(yarn: HadoopCluster) -> None:
-    with pytest.raises(RunFailed, match="timed out after 30 s") as ei:
+    with pytest.raises(RunFailed, match="timed out after 15 s") as ei:
         run_on_yarn(yarnfuns.hangs, {"chief": SMALL}, env=ENV, name="ember-test-timeout",
-                    timeout=30)
+                    timeout=15)
     app = [a for a in _apps(yarn) if a["id"] == ei.value.app_ids[0]][0]
     assert app["state"] == "KILLED"
 

@@ -184,6 +184,10 @@ public final class MiniHadoop {
         yconf.setFloat(
             "yarn.nodemanager.disk-health-checker.max-disk-utilization-per-disk-percentage",
             100.0f);
+        // a NodeManager's heartbeat is when the scheduler hands out its
+        // containers: every test application waits for a few of them
+        // (1000 ms by default, meant for clusters of thousands of nodes)
+        yconf.setInt("yarn.resourcemanager.nodemanagers.heartbeat-interval-ms", 250);
         yconf.setBoolean("yarn.log-aggregation-enable", true);
         yconf.set("yarn.nodemanager.remote-app-log-dir", "/tmp/logs");
         for (Map.Entry<String, String> e : overrides.entrySet()) yconf.set(e.getKey(), e.getValue());

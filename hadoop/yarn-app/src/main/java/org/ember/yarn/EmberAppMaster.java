@@ -117,6 +117,16 @@ public final class EmberAppMaster {
     }
   }
 
+  /*
+   * How often this AM heartbeats to the ResourceManager: while a task still
+   * waits for its container (what it asked for arrives on the heartbeat
+   * after the RM assigns it, so every heartbeat saved there is a task started
+   * sooner; Spark's AM polls at 200 ms then too), and once every task has
+   * one (a container's exit is seen on the next heartbeat).
+   */
+  private static final int ALLOCATING_HEARTBEAT_MS = 200;
+  private static final int HEARTBEAT_MS = 1000;
+
   private final JsonNode plan;
   private final Configuration conf = new YarnConfiguration();
   private final Map<String, Deque<Task>> unassigned = new HashMap<>();
@@ -158,7 +168,7 @@ public final class EmberAppMaster {
           r.get("timestamp").asLong()));
     }
     taskTokens = tokensForTasks();
-    rm = AMRMClientAsync.createAMRMClientAsync(1000, new RmCallbacks());
+    rm = AMRMClientAsync.createAMRMClientAsync(ALLOCATING_HEARTBEAT_MS, new RmCallbacks());
     rm.init(conf);
     rm.start();
     nm = NMClientAsync.createNMClientAsync(new NmCallbacks());
@@ -261,6 +271,10 @@ public final class EmberAppMaster {
         }
         log("starting " + t.name() + " in " + c.getId() + " on " + c.getNodeId());
         nm.startContainerAsync(c, launchContext(t));
+      }
+      synchronized (EmberAppMaster.this) {
+        if (unassigned.values().stream().allMatch(Deque::isEmpty))
+          rm.setHeartbeatInterval(HEARTBEAT_MS);
       }
     }
 
