@@ -51,6 +51,10 @@ _CAUSE_GRACE = 3.0
 #: control connection drops at once, so its failure is known well within it.
 _JOB_CAUSE_GRACE = 1.5
 
+#: Launches of the nodes again, within one start or restart, after Spark lost
+#: an executor the launch's barrier stage had a task on
+_RELAUNCHES = 2
+
 #: The driver logs as the public module it implements (see ember._log).
 logger = logging.getLogger("ember.spark")
 
@@ -165,8 +169,12 @@ class Cluster:
         self._closed = True
 
     # -- lifecycle -------------------------------------------------------------
-    def _start(self) -> None:
-        """Starts a rendezvous server, launches the nodes and waits for all of them."""
+    def _start(self, relaunch: int = 0) -> None:
+        """Starts a rendezvous server, launches the nodes and waits for all of
+        them; launches them again (``relaunch``: how many times so far) when
+        the launch's barrier stage failed because Spark lost an executor
+        meanwhile (a host that died a moment ago, whose executor Spark had
+        not counted lost yet when it placed a node there)."""
         sc, n = self.sc, self._num_nodes
         conf = sc.getConf()  # a copy of the whole conf through py4j: once
         # where the driver's servers listen, and the host nodes connect to
@@ -205,7 +213,7 @@ class Cluster:
                     parameter_servers=self.parameter_servers,
                     tensorboard_node=self._tensorboard_node(),
                     log_dir=self._log_dir or os.path.join(os.getcwd(), "tensorboard"))
-        group = f"ember-{self.job_id}-launch-{self.restarts}"
+        group = f"ember-{self.job_id}-launch-{self.restarts}" + (f".{relaunch}" if relaunch else "")
         on_executors = n - self._driver_nodes
 
         self.gpus = {}
@@ -249,6 +257,13 @@ class Cluster:
         except BaseException:
             sc.cancelJobGroup(group)
             self._stop_all()
+            lost = [line.strip() for line in str(self._launch_error).splitlines()
+                    if "ExecutorLostFailure" in line]
+            if relaunch < _RELAUNCHES and lost:
+                logger.warning(f"job {self.job_id}: Spark lost an executor while the nodes "
+                               f"were launched ({lost[0]}); launching them again")
+                self._start(relaunch + 1)
+                return
             raise
         self.nodes = sorted(server.nodes(), key=lambda node: node["index"])
         with self._lock:
