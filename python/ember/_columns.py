@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections.abc
 import functools
 import numbers
+import pickle
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -72,6 +73,26 @@ def decode_name(name: str) -> Tuple[str, Optional[Tuple[int, ...]], bool]:
 
 def _is_plain_number(v: Any) -> bool:
     return isinstance(v, numbers.Number) and not isinstance(v, bool)
+
+
+def unpickled(records: Any) -> List[Any]:
+    """The records of ``_ember.PickledRecords``, or of a tuple of them (the
+    parts of a chunk), as Python objects; a list is returned as it is."""
+    if isinstance(records, list):
+        return records
+    if isinstance(records, _ember.PickledRecords):
+        return pickle.loads(records.frame)[records.start:records.stop]
+    return [r for part in records for r in unpickled(part)]
+
+
+def records_in(records: Any) -> int:
+    """The records of a chunk: a list, ``_ember.PickledRecords`` or a tuple of them."""
+    return sum(len(p) for p in records) if isinstance(records, tuple) else len(records)
+
+
+def _pickled_fields(records: Any) -> Optional[List[str]]:
+    """:func:`_record_fields` of ``_ember.PickledRecords`` (plain tuples or bare values)."""
+    return None if records.fields is None else [str(i) for i in range(records.fields)]
 
 
 def _record_fields(first: Any) -> Optional[List[str]]:
@@ -333,23 +354,27 @@ def records_to_columns(records: Any, where: str = "batch", first: int = 0,
     return _records_to_columns_py(records, where, first, layout)
 
 
-def send_records(client: Any, records: List[Any], where: str, first: int,
+def send_records(client: Any, records: Any, where: str, first: int,
                  layout: Dict[str, Any], timeout: float) -> Tuple[int, int]:
-    """Sends a chunk of records (a list) as one batch on a feed client; returns
+    """Sends a chunk of records (a list, or ``_ember.PickledRecords`` or a
+    tuple of them: see :func:`ember._grouping.frame_chunks`) as one batch on a
+    feed client; returns
     (records sent, bytes of their columns, 0 when unknown).  When the C path
     takes the chunk, its columns are written straight into the batch's place
     in the ring (``FeedClient.send_records``: no copy of them in between);
     otherwise :func:`records_to_columns`'s Python path converts it, or raises
     its error, and ``client.send`` sends it.  ``where``, ``first`` and
     ``layout`` are records_to_columns'."""
-    if records:
+    if len(records):
         if "fields" not in layout:
-            layout["fields"] = _record_fields(records[0])
+            layout["fields"] = _record_fields(records[0]) if isinstance(records, list) \
+                else _pickled_fields(records if isinstance(records, _ember.PickledRecords)
+                                     else records[0])
         done = client.send_records(records, layout["fields"], layout.get("refs"), timeout)
         if done is not None:
             layout["refs"], nbytes = done
-            return len(records), nbytes
-    cols, n = _records_to_columns_py(records, where, first, layout)
+            return records_in(records), nbytes
+    cols, n = _records_to_columns_py(unpickled(records), where, first, layout)
     client.send(cols, n, timeout)
     return n, 0
 

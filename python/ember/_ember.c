@@ -879,6 +879,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
   Py_VISIT(st->PsServer_Type);
   Py_VISIT(st->PsClient_Type);
   Py_VISIT(st->np_types);
+  Py_VISIT(st->PickledRecords_Type);
   Py_VISIT(st->np_empty);
   return 0;
 }
@@ -904,6 +905,7 @@ static int module_clear(PyObject *m) {
   Py_CLEAR(st->PsServer_Type);
   Py_CLEAR(st->PsClient_Type);
   Py_CLEAR(st->np_types);
+  Py_CLEAR(st->PickledRecords_Type);
   Py_CLEAR(st->np_empty);
   return 0;
 }

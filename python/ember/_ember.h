@@ -71,6 +71,7 @@ typedef struct {
   /* _ember_records.c: numpy's ndarray and scalar types, imported on the first
    * records_to_columns() call (NULL before; see records_np_types there) */
   PyObject *np_types;
+  PyTypeObject *PickledRecords_Type;
 } ember_state;
 
 extern PyModuleDef embpy_module;
@@ -264,8 +265,9 @@ int embpy_ps_exec(PyObject *m, ember_state *st);
  * its places, keep the refs for the next chunk. */
 typedef struct embpy_records embpy_records;
 /* 0 (*out set; free it), 1 (not the fast path: the Python path converts the
- * chunk), or -1 with an exception.  records: a list; fields and refs: lists
- * or None, as records_to_columns() takes them. */
+ * chunk), or -1 with an exception.  records: a list, or PickledRecords (held
+ * by the caller until the write); fields and refs: lists or None, as
+ * records_to_columns() takes them. */
 int embpy_records_plan(ember_state *st, PyObject *records, PyObject *fields, PyObject *refs,
                        embpy_records **out);
 Py_ssize_t embpy_records_nrows(const embpy_records *r);

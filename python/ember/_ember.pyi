@@ -107,8 +107,27 @@ _RecordsColumn: TypeAlias = (
 )
 
 def records_to_columns(
-    records: list[Any], fields: list[str] | None, refs: list[_Ref] | None, /
+    records: list[Any] | PickledRecords | tuple[PickledRecords, ...],
+    fields: list[str] | None,
+    refs: list[_Ref] | None,
+    /,
 ) -> tuple[list[_RecordsColumn], list[_Ref]] | None: ...
+
+@final
+class PickledRecords:
+    """Records start..stop of a pickled batch, read where they lie (scan_pickled)."""
+    @property
+    def frame(self) -> bytes: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def stop(self) -> int: ...
+    @property
+    def fields(self) -> int | None: ...
+    def __len__(self) -> int: ...
+    def slice(self, start: int, stop: int, /) -> PickledRecords: ...
+
+def scan_pickled(frame: bytes, /) -> PickledRecords | None: ...
 
 # ---------------------------------------------------------------- rendezvous
 
@@ -275,7 +294,10 @@ class FeedClient:
     def send(self, columns: Sequence[_ColumnSpec], nrows: int, timeout_s: float) -> None: ...
     # (refs for the next chunk, bytes of the columns), or None: nothing sent
     def send_records(
-        self, records: list[Any], fields: list[str] | None, refs: list[_Ref] | None,
+        self,
+        records: list[Any] | PickledRecords | tuple[PickledRecords, ...],
+        fields: list[str] | None,
+        refs: list[_Ref] | None,
         timeout_s: float,
     ) -> tuple[list[_Ref], int] | None: ...
     def recv_results(self, timeout_s: float, /) -> FeedItem: ...

@@ -44,6 +44,9 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "ember/pickled.h"
+#include <structmember.h> /* T_OBJECT_EX, T_PYSSIZET, READONLY: Py_T_* are 3.12+ */
+
 /* A converter's answer for "not on the fast path" (0: done; -1: exception). */
 #define SLOW 1
 
@@ -230,6 +233,7 @@ typedef enum {
   W_BYTES,    /* str (UTF-8) or bytes values and n + 1 offsets */
   W_NDARRAYS, /* numpy arrays of one dtype and shape, a memcpy each */
   W_SEQS,     /* lists or tuples of Python numbers, all of one length */
+  W_PICKLED,  /* a field of PickledRecords: its values where the pickle holds them */
 } writer;
 
 typedef struct {
@@ -677,6 +681,8 @@ static int write_column(const chunk *c, Py_ssize_t j, column *col) {
     return ndarray_write(c, j, col);
   case W_SEQS:
     return seq_write(c, j, col);
+  case W_PICKLED: /* embpy_records_write writes these */
+    break;
   }
   return SLOW;
 }
@@ -716,10 +722,202 @@ static PyObject *column_ref(const column *col) {
   return Py_BuildValue("(sN)", kind_names[K_ARRAY], shape);
 }
 
+
+/* ------------------------------------------------------------ PickledRecords */
+
+/* Records start..stop of a pickled batch (Spark's frame: bytes), scanned by
+ * ember/pickled.h.  A slice shares its owner's scan and keeps the owner. */
+typedef struct {
+  PyObject_HEAD
+  PyObject *frame;    /* bytes (strong) */
+  PyObject *owner;    /* the PickledRecords whose scan this is (strong), NULL: this one's */
+  ember_pickled *scan;
+  Py_ssize_t start, stop;
+} PickledRecordsObject;
+
+static void PickledRecords_dealloc(PyObject *op) {
+  PickledRecordsObject *self = (PickledRecordsObject *)op;
+  PyTypeObject *tp = Py_TYPE(op);
+  if (self->owner == NULL) ember_pickled_free(self->scan);
+  Py_XDECREF(self->owner);
+  Py_XDECREF(self->frame);
+  tp->tp_free(op);
+  Py_DECREF(tp);
+}
+
+static Py_ssize_t PickledRecords_len(PyObject *op) {
+  PickledRecordsObject *self = (PickledRecordsObject *)op;
+  return self->stop - self->start;
+}
+
+static PyObject *pickled_new(PyTypeObject *tp, PyObject *frame, PyObject *owner,
+                             ember_pickled *scan, Py_ssize_t start, Py_ssize_t stop) {
+  PickledRecordsObject *r = PyObject_New(PickledRecordsObject, tp);
+  if (r == NULL) return NULL;
+  r->frame = Py_NewRef(frame);
+  r->owner = Py_XNewRef(owner);
+  r->scan = scan;
+  r->start = start;
+  r->stop = stop;
+  return (PyObject *)r;
+}
+
+PyDoc_STRVAR(PickledRecords_slice_doc,
+             "slice(start, stop) -> PickledRecords\\n\\n"
+             "Records start..stop of these (clamped, as a list's slice), sharing the scan.");
+
+static PyObject *PickledRecords_slice(PyObject *op, PyObject *args) {
+  PickledRecordsObject *self = (PickledRecordsObject *)op;
+  Py_ssize_t start, stop, n = self->stop - self->start;
+  if (!PyArg_ParseTuple(args, "nn:slice", &start, &stop)) return NULL;
+  start = start < 0 ? 0 : start > n ? n : start;
+  stop = stop < start ? start : stop > n ? n : stop;
+  PyObject *owner = self->owner ? self->owner : op;
+  return pickled_new(Py_TYPE(op), self->frame, owner, self->scan, self->start + start,
+                     self->start + stop);
+}
+
+static PyObject *PickledRecords_get_fields(PyObject *op, void *closure) {
+  (void)closure;
+  PickledRecordsObject *self = (PickledRecordsObject *)op;
+  if (!ember_pickled_tuples(self->scan)) Py_RETURN_NONE;
+  return PyLong_FromSize_t(ember_pickled_fields(self->scan));
+}
+
+static PyMemberDef PickledRecords_members[] = {
+    {"frame", T_OBJECT_EX, offsetof(PickledRecordsObject, frame), READONLY,
+     "the pickled batch (bytes)"},
+    {"start", T_PYSSIZET, offsetof(PickledRecordsObject, start), READONLY,
+     "the first record's index in the batch"},
+    {"stop", T_PYSSIZET, offsetof(PickledRecordsObject, stop), READONLY,
+     "the index after the last record"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef PickledRecords_getset[] = {
+    {"fields", PickledRecords_get_fields, NULL,
+     "fields per record when the records are tuples, None when each is a bare value", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef PickledRecords_methods[] = {
+    {"slice", PickledRecords_slice, METH_VARARGS, PickledRecords_slice_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(PickledRecords_doc,
+             "Records of a pickled batch that scan_pickled() read where they lie in\\n"
+             "the pickle: FeedClient.send_records and records_to_columns take them\\n"
+             "as they take a list of those records, without unpickling them.\\n"
+             "pickle.loads(r.frame)[r.start:r.stop] are the records.  Not\\n"
+             "constructible from Python.");
+
+static PyType_Slot PickledRecords_slots[] = {
+    {Py_tp_doc, (void *)PickledRecords_doc},
+    {Py_tp_dealloc, PickledRecords_dealloc},
+    {Py_tp_members, PickledRecords_members},
+    {Py_tp_getset, PickledRecords_getset},
+    {Py_tp_methods, PickledRecords_methods},
+    {Py_sq_length, PickledRecords_len},
+    {0, NULL},
+};
+
+static PyType_Spec PickledRecords_spec = {
+    .name = "ember._ember.PickledRecords",
+    .basicsize = sizeof(PickledRecordsObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = PickledRecords_slots,
+};
+
+/* The numpy type character of a field's data (the Python path's dtype). */
+static char pickled_dtype(const ember_pickled_field *f) {
+  switch (f->kind) {
+  case EMBER_PK_INT: return 'l';
+  case EMBER_PK_FLOAT: return 'd';
+  case EMBER_PK_BOOL: return '?';
+  default: break;
+  }
+  switch (f->dtype) {
+  case EMBER_DT_F32: return 'f';
+  case EMBER_DT_F64: return 'd';
+  case EMBER_DT_I32: return 'i';
+  case EMBER_DT_I64: return 'l';
+  case EMBER_DT_U8: return 'B';
+  case EMBER_DT_BOOL: return '?';
+  default: return 0;
+  }
+}
+
+/* Whether two fields are alike: kind, dtype and shape. */
+static int fields_alike(const ember_pickled_field *a, const ember_pickled_field *b) {
+  if (a->kind != b->kind || a->dtype != b->dtype || a->ndim != b->ndim) return 0;
+  for (uint8_t d = 0; d < a->ndim; d++)
+    if (a->dims[d] != b->dims[d]) return 0;
+  return 1;
+}
+
+/* Plans column j of pickled records from field f (alike in every part:
+ * pickled_plan checked), so only the partition's earlier chunks can
+ * disagree. */
+static int pickled_plan_column(const ember_pickled_field *f, Py_ssize_t n, column *col) {
+  kind k = f->kind == EMBER_PK_ARRAY ? K_ARRAY
+           : f->kind == EMBER_PK_INT ? K_INT
+           : f->kind == EMBER_PK_FLOAT ? K_FLOAT
+                                       : K_BOOL;
+  if (col->ref != NULL) {
+    if (col->want.k != k) return SLOW; /* int and float mixed: the Python path promotes */
+    if (k == K_ARRAY) {
+      if (col->want.ndim != f->ndim) return SLOW;
+      for (Py_ssize_t d = 0; d < f->ndim; d++)
+        if ((uint64_t)col->want.dims[d] != f->dims[d]) return SLOW;
+    }
+  } else {
+    col->want.k = k;
+    col->want.ndim = k == K_ARRAY ? f->ndim : 0;
+    for (Py_ssize_t d = 0; d < col->want.ndim; d++) {
+      if (f->dims[d] > (uint64_t)PY_SSIZE_T_MAX) return SLOW;
+      col->want.dims[d] = (Py_ssize_t)f->dims[d];
+    }
+  }
+  col->how = W_PICKLED;
+  col->dtype = pickled_dtype(f);
+  if (k == K_ARRAY && f->row_bytes > (uint64_t)PY_SSIZE_T_MAX) return SLOW;
+  col->item = k == K_ARRAY ? (Py_ssize_t)f->row_bytes : k == K_BOOL ? 1 : 8;
+  if (col->dtype == 0 || mul_size(n, col->item, &col->size)) return SLOW;
+  int slow = 0;
+  col->name = column_name(col, &slow);
+  return col->name != NULL ? 0 : slow ? SLOW : -1;
+}
+
+/* Writes column j of the records of parts, one after the other. */
+static void pickled_write(PyObject *const *parts, Py_ssize_t nparts, Py_ssize_t j, column *col) {
+  unsigned char *out = col->out;
+  for (Py_ssize_t k = 0; k < nparts; k++) {
+    const PickledRecordsObject *pr = (const PickledRecordsObject *)parts[k];
+    const unsigned char *frame = (const unsigned char *)PyBytes_AS_STRING(pr->frame);
+    const ember_pickled_field *f = ember_pickled_field_at(pr->scan, (size_t)j);
+    for (Py_ssize_t i = pr->start; i < pr->stop; i++, out += col->item) {
+      ember_pickled_value v = ember_pickled_value_at(pr->scan, (size_t)i, (size_t)j);
+      if (f->kind == EMBER_PK_ARRAY) {
+        memcpy(out, frame + v.at, (size_t)col->item);
+      } else if (f->kind == EMBER_PK_FLOAT) {
+        memcpy(out, &v.f, 8);
+      } else if (f->kind == EMBER_PK_INT) {
+        memcpy(out, &v.i, 8);
+      } else {
+        *out = (unsigned char)(v.i != 0);
+      }
+    }
+  }
+}
+
 /* ------------------------------------------------------------ plans */
 
 struct embpy_records {
   chunk c;
+  PyObject *const *parts; /* the records when they are pickled: PickledRecords (borrowed) */
+  Py_ssize_t nparts;
+  PyObject *one; /* parts of one PickledRecords point here (borrowed) */
   Py_ssize_t ncols;
   column *cols;
 };
@@ -735,9 +933,105 @@ void embpy_records_free(embpy_records *r) {
   PyMem_Free(r);
 }
 
+/* embpy_records_plan of pickled records: parts, PickledRecords whose fields
+ * are alike; fields, a list of one name per field of tuples (None for bare
+ * values).  SLOW for anything else. */
+static int pickled_plan(PyObject *const *parts, Py_ssize_t nparts, PyObject *fields,
+                        PyObject *refs, embpy_records **out) {
+  if (nparts == 0) return SLOW;
+  const ember_pickled *first = ((const PickledRecordsObject *)parts[0])->scan;
+  Py_ssize_t ncols = (Py_ssize_t)ember_pickled_fields(first), n = 0;
+  int tuples = ember_pickled_tuples(first);
+  for (Py_ssize_t k = 0; k < nparts; k++) {
+    const PickledRecordsObject *pr = (const PickledRecordsObject *)parts[k];
+    if (ember_pickled_tuples(pr->scan) != tuples ||
+        (Py_ssize_t)ember_pickled_fields(pr->scan) != ncols)
+      return SLOW;
+    for (Py_ssize_t j = 0; k > 0 && j < ncols; j++)
+      if (!fields_alike(ember_pickled_field_at(pr->scan, (size_t)j),
+                        ember_pickled_field_at(first, (size_t)j)))
+        return SLOW;
+    n += pr->stop - pr->start; /* each within a scan of at most PY_SSIZE_T_MAX */
+    if (n > UINT32_MAX) return SLOW;
+  }
+  if (n == 0 || ncols > EMBER_BATCH_MAX_COLS) return SLOW;
+  if (tuples ? !(PyList_Check(fields) && PyList_GET_SIZE(fields) == ncols) : fields != Py_None)
+    return SLOW;
+  if (refs != Py_None && PyList_GET_SIZE(refs) != ncols) return SLOW;
+  embpy_records *r = PyMem_Calloc(1, sizeof *r);
+  column *cols = PyMem_Calloc((size_t)ncols, sizeof(column));
+  if (r == NULL || cols == NULL) {
+    PyMem_Free(r);
+    PyMem_Free(cols);
+    PyErr_NoMemory();
+    return -1;
+  }
+  r->c.n = n;
+  r->c.width = tuples ? ncols : -1;
+  r->one = parts[0];
+  r->parts = nparts == 1 ? &r->one : parts; /* a tuple's items stay where they are */
+  r->nparts = nparts;
+  r->cols = cols;
+  r->ncols = ncols;
+  for (Py_ssize_t j = 0; j < ncols; j++) {
+    column *col = &cols[j];
+    int rc;
+    col->field = fields == Py_None ? PyUnicode_FromStringAndSize("", 0)
+                                   : Py_NewRef(PyList_GET_ITEM(fields, j));
+    if (col->field == NULL) {
+      rc = -1;
+    } else if (!PyUnicode_CheckExact(col->field)) {
+      rc = SLOW;
+    } else {
+      PyObject *ref = refs == Py_None ? Py_None : PyList_GET_ITEM(refs, j);
+      rc = 0;
+      if (ref != Py_None) {
+        rc = parse_ref(ref, &col->want);
+        if (rc == 0) col->ref = Py_NewRef(ref);
+      }
+      if (rc == 0) rc = pickled_plan_column(ember_pickled_field_at(first, (size_t)j), n, col);
+    }
+    if (rc) {
+      embpy_records_free(r);
+      return rc;
+    }
+  }
+  *out = r;
+  return 0;
+}
+
+/* Whether records are pickled: PickledRecords, or a tuple of them (the
+ * parts of one chunk); *parts and *nparts then say which (*parts points to
+ * *records for one PickledRecords: pickled_plan keeps no pointer to it). */
+static int is_pickled(ember_state *st, PyObject *const *records, PyObject *const **parts,
+                      Py_ssize_t *nparts) {
+  PyTypeObject *tp = st != NULL ? st->PickledRecords_Type : NULL;
+  if (tp == NULL) return 0;
+  if (Py_IS_TYPE(*records, tp)) {
+    *parts = records;
+    *nparts = 1;
+    return 1;
+  }
+  if (!PyTuple_CheckExact(*records) || PyTuple_GET_SIZE(*records) == 0) return 0;
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(*records); k++)
+    if (!Py_IS_TYPE(PyTuple_GET_ITEM(*records, k), tp)) return 0;
+  *parts = &PyTuple_GET_ITEM(*records, 0);
+  *nparts = PyTuple_GET_SIZE(*records);
+  return 1;
+}
+
 int embpy_records_plan(ember_state *st, PyObject *records, PyObject *fields, PyObject *refs,
                        embpy_records **out) {
   *out = NULL;
+  PyObject *const *parts;
+  Py_ssize_t nparts;
+  if (is_pickled(st, &records, &parts, &nparts)) {
+    if ((fields != Py_None && !PyList_Check(fields)) || (refs != Py_None && !PyList_Check(refs))) {
+      PyErr_SetString(PyExc_TypeError, "records_to_columns: fields and refs are lists or None");
+      return -1;
+    }
+    return pickled_plan(parts, nparts, fields, refs, out);
+  }
   if (!PyList_Check(records) || (fields != Py_None && !PyList_Check(fields)) ||
       (refs != Py_None && !PyList_Check(refs))) {
     PyErr_SetString(PyExc_TypeError,
@@ -840,6 +1134,10 @@ int embpy_records_write(embpy_records *r, const ember_batch_place *places) {
     r->cols[j].out = places[j].data;
     r->cols[j].offs = (unsigned char *)places[j].offsets;
   }
+  if (r->parts != NULL) { /* the scans checked every value against their first */
+    for (Py_ssize_t j = 0; j < r->ncols; j++) pickled_write(r->parts, r->nparts, j, &r->cols[j]);
+    return 0;
+  }
   for (Py_ssize_t j = 0; j < r->ncols; j++) {
     int rc = write_column(&r->c, j, &r->cols[j]);
     if (rc) return rc;
@@ -892,7 +1190,7 @@ static PyObject *column_tuple(const column *col, Py_ssize_t n, PyObject *data, P
 
 static PyObject *py_records_to_columns(PyObject *m, PyObject *args) {
   PyObject *records, *fields, *refs;
-  if (!PyArg_ParseTuple(args, "O!OO:records_to_columns", &PyList_Type, &records, &fields, &refs))
+  if (!PyArg_ParseTuple(args, "OOO:records_to_columns", &records, &fields, &refs))
     return NULL;
   embpy_records *r = NULL;
   int rc = embpy_records_plan((ember_state *)PyModule_GetState(m), records, fields, refs, &r);
@@ -950,12 +1248,47 @@ done:
   return result;
 }
 
+PyDoc_STRVAR(scan_pickled_doc,
+             "scan_pickled(frame) -> PickledRecords or None\n"
+             "\n"
+             "Reads a pickled list of records (bytes: a frame of PySpark's batched\n"
+             "serializer) without unpickling it, for send_records: None when the frame\n"
+             "is not of the common form (tuples of, or bare, Python numbers and numpy\n"
+             "arrays of one dtype and shape per field; see ember/pickled.h), and the\n"
+             "caller unpickles it.");
+
+static PyObject *py_scan_pickled(PyObject *m, PyObject *frame) {
+  ember_state *st = (ember_state *)PyModule_GetState(m);
+  if (!PyBytes_CheckExact(frame)) {
+    PyErr_SetString(PyExc_TypeError, "scan_pickled: frame is bytes");
+    return NULL;
+  }
+  ember_pickled *scan = NULL;
+  int rc = ember_pickled_scan((const uint8_t *)PyBytes_AS_STRING(frame),
+                              (size_t)PyBytes_GET_SIZE(frame), &scan);
+  if (rc == EMBER_ENOMEM) return PyErr_NoMemory();
+  if (rc != EMBER_OK || ember_pickled_count(scan) > PY_SSIZE_T_MAX) {
+    ember_pickled_free(scan);
+    Py_RETURN_NONE;
+  }
+  PyObject *r = pickled_new(st->PickledRecords_Type, frame, NULL, scan, 0,
+                            (Py_ssize_t)ember_pickled_count(scan));
+  if (r == NULL) ember_pickled_free(scan);
+  return r;
+}
+
 static PyMethodDef records_functions[] = {
     {"records_to_columns", py_records_to_columns, METH_VARARGS, records_to_columns_doc},
+    {"scan_pickled", py_scan_pickled, METH_O, scan_pickled_doc},
     {NULL, NULL, 0, NULL},
 };
 
 int embpy_records_exec(PyObject *m, ember_state *st) {
-  (void)st; /* np_types is filled on the first call: importing _ember imports no numpy */
+  /* np_types is filled on the first call: importing _ember imports no numpy */
+  st->PickledRecords_Type =
+      (PyTypeObject *)PyType_FromModuleAndSpec(m, &PickledRecords_spec, NULL);
+  if (st->PickledRecords_Type == NULL ||
+      PyModule_AddType(m, st->PickledRecords_Type) < 0)
+    return -1;
   return PyModule_AddFunctions(m, records_functions);
 }

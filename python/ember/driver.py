@@ -132,8 +132,9 @@ class Cluster:
         self.job_id = uuid.uuid4().hex[:12]
         self.nodes: List[Dict[str, Any]] = []
         self.chunk_rows = 1024  # records per feed batch from an RDD
-        # tests only: (partition, rows): that DataFrame feeding task raises on
-        # its first attempt after sending that many rows; (partition, rows,
+        # tests only: (partition, rows): that feeding task (of a DataFrame, or
+        # of an RDD with no Python function of its own) raises on its first
+        # attempt after sending that many rows; (partition, rows,
         # dir): it writes its pid to dir/pid-<partition> and waits to be killed
         self._fault_feed_fail_at: Optional[Tuple[Any, ...]] = None
         # tests only: False feeds one Spark task per partition, as without
@@ -824,7 +825,9 @@ class Cluster:
                     _grouping.group_rdd(source, groups, nodes, first, local_to)
                 fn = executor.rdd_feeder(
                     dataclasses.replace(call, grouped=groups is not None, routes=routes),
-                    self.chunk_rows, upstream)
+                    self.chunk_rows, upstream,
+                    frames=getattr(data._jrdd_deserializer, "frames", False),
+                    fail_at=self._fault_feed_fail_at)
                 return data.mapPartitions(fn).sum()
         logger.info(f"train: feeding {count} partitions ({epochs - first_epoch} epoch(s)"
                     + (f": {first_epoch}..{epochs - 1}" if first_epoch else "")

@@ -235,7 +235,9 @@ def host_of(address: str) -> str:
 # --------------------------------------------------------------------------- feeding tasks
 
 def rdd_feeder(call: FeedCall, chunk_rows: int,
-               upstream: Optional[Callable[[int, Any], Any]] = None) -> Callable[[Any], Any]:
+               upstream: Optional[Callable[[int, Any], Any]] = None,
+               frames: bool = False,
+               fail_at: Optional[Tuple[Any, ...]] = None) -> Callable[[Any], Any]:
     """The feeding task of an RDD (``mapPartitions``) for ``call``.  In train(),
     task ``i`` feeds partition ``p = call.first + i`` of the call, described to
     the node by its tag (:func:`partition_tag`); in inference() it yields the
@@ -245,7 +247,11 @@ def rdd_feeder(call: FeedCall, chunk_rows: int,
     partitions of the call, one after the other (:mod:`ember._grouping`), each
     as a task of its own would, and applies ``upstream`` (the source RDD's own
     Python pipeline, None for none) to each source partition.  ``chunk_rows``:
-    records per feed batch (cut down to what a batch written in place takes)."""
+    records per feed batch (cut down to what a batch written in place takes).
+    ``frames``: the grouped RDD's items are whole pickled batches
+    (``_grouping.BoundaryDeserializer(frames=True)``), fed without unpickling
+    them where they are of the common form (no ``upstream`` then).
+    ``fail_at``: as for :func:`arrow_feeder` (tests only)."""
     def feed(iterator: Any) -> Any:
         from pyspark import TaskContext
 
@@ -263,7 +269,8 @@ def rdd_feeder(call: FeedCall, chunk_rows: int,
         def feed_one(p: int, records: Any, acks: Optional[_Acks]) -> Any:
             if upstream is not None:
                 records = upstream(p - call.first, records)
-            return (yield from _feed_rdd_partition(call, p, records, cut, acks))
+            return (yield from _feed_rdd_partition(call, p, records, cut, acks, frames,
+                                                   fail_at))
 
         # A feeding task holds a chunk of records while it converts them, so
         # with Python's gen-0 threshold (700 allocations) the cyclic GC ran
@@ -349,13 +356,15 @@ class _Acks:
 
 
 def _feed_rdd_partition(call: FeedCall, p: int, iterator: Any, cut: Dict[str, int],
-                        acks: Optional[_Acks] = None) -> Any:
+                        acks: Optional[_Acks] = None, frames: bool = False,
+                        fail_at: Optional[Tuple[Any, ...]] = None) -> Any:
     """Feeds partition ``p`` (yields its results in inference); returns
     (records fed or skipped as delivered, whether the node terminated its feed).
     ``cut["rows"]``: records per chunk, cut down to what a batch written in
     place takes (kept for the task's next partition).  ``acks``: the task's
     partitions awaiting their ACK, where this one's end goes (None: wait for
-    it here)."""
+    it here).  ``frames``: ``iterator`` yields whole pickled batches
+    (:func:`ember._grouping.frame_chunks`), not records."""
     from ember import _columns, _grouping
 
     client = partition_client(call, p)
@@ -364,21 +373,25 @@ def _feed_rdd_partition(call: FeedCall, p: int, iterator: Any, cut: Dict[str, in
     sent = 0
     layout: Dict[str, Any] = {}  # each column's type in this partition's first chunk
     try:
-        # chunks are cut by islice, in C: a Python step per record costs
-        # the RDD path several percent of its throughput
-        records = iter(iterator)
-        if delivered:
-            sent = sum(1 for _ in records)
-        elif skip:
-            sent = sum(1 for _ in itertools.islice(records, skip))
-        while not delivered:
-            chunk = list(itertools.islice(records, cut["rows"]))
-            if not chunk:
-                break
-            nbytes = yield from _send(call, client, chunk, p, sent, layout)
-            sent += len(chunk)
-            cut["rows"] = _columns.rows_in_place(client.in_place_max, cut["rows"],
-                                                 len(chunk), nbytes)
+        chunks: Any
+        if frames and delivered:
+            sent, chunks = sum(len(frame) for frame in iterator), ()
+        elif frames:
+            sent, chunks = skip, _grouping.frame_chunks(iter(iterator), skip, cut)
+        else:
+            # chunks are cut by islice, in C: a Python step per record costs
+            # the RDD path several percent of its throughput
+            records = iter(iterator)
+            if delivered:
+                sent = sum(1 for _ in records)
+            elif skip:
+                sent = sum(1 for _ in itertools.islice(records, skip))
+            chunks = iter(lambda: list(itertools.islice(records, cut["rows"])), [])
+        for chunk in chunks:
+            _inject_failure(fail_at, p, sent)
+            n, nbytes = yield from _send(call, client, chunk, p, sent, layout)
+            sent += n
+            cut["rows"] = _columns.rows_in_place(client.in_place_max, cut["rows"], n, nbytes)
         if acks is None:
             client.end_partition(call.timeout)
         else:
@@ -400,11 +413,12 @@ def _feed_rdd_partition(call: FeedCall, p: int, iterator: Any, cut: Dict[str, in
     return sent, False
 
 
-def _send(call: FeedCall, client: Any, chunk: List[Any], p: int, at: int,
+def _send(call: FeedCall, client: Any, chunk: Any, p: int, at: int,
           layout: Dict[str, Any]) -> Any:
-    """Sends records ``at..`` of partition ``p`` (their index names a bad one),
-    yielding their results in inference; returns the bytes of their columns
-    (0: unknown)."""
+    """Sends records ``at..`` of partition ``p`` (their index names a bad one;
+    a chunk as :func:`ember._columns.send_records` takes it), yielding their
+    results in inference; returns (the records sent, the bytes of their
+    columns, 0: unknown)."""
     from ember import _columns
 
     n, nbytes = _columns.send_records(client, chunk, f"feeding partition {p}", at, layout,
@@ -418,7 +432,7 @@ def _send(call: FeedCall, client: Any, chunk: List[Any], p: int, at: int,
             got += item.nrows
         if got != n:
             raise RuntimeError(f"partition {p}: node returned {got} results for {n} records")
-    return nbytes
+    return n, nbytes
 
 
 def arrow_feeder(call: FeedCall, chunk_bytes: int, tensors: Dict[str, Any],
@@ -487,11 +501,7 @@ def _feed_arrow_partition(call: FeedCall, p: int, rbs: Any, source: "_Input", ch
             row_bytes = max(1, rb.nbytes // rb.num_rows)
             step = max(1, chunk_bytes // row_bytes)
             for off in range(0, rb.num_rows, step):
-                if fail_at and p == fail_at[0] and sent >= fail_at[1] and \
-                        _attempt_number() == 0:
-                    if len(fail_at) > 2:  # (p, rows, dir): wait to be SIGKILLed
-                        _wait_to_be_killed(fail_at[2], p)
-                    raise RuntimeError(f"injected failure of partition {p} after {sent} rows")
+                _inject_failure(fail_at, p, sent)
                 part = rb.slice(off, step)
                 cols, n = _columns.arrow_to_columns(
                     part, where=f"feeding partition {p}", tensors=tensors, first=sent,
@@ -519,6 +529,15 @@ def _feed_arrow_partition(call: FeedCall, p: int, rbs: Any, source: "_Input", ch
         if client is not None:
             client.close()
     return sent, False
+
+
+def _inject_failure(fail_at: Optional[Tuple[Any, ...]], p: int, sent: int) -> None:
+    """Tests only: fails partition ``p``'s first attempt once ``sent`` records
+    are sent, as ``fail_at`` says (see :func:`arrow_feeder`)."""
+    if fail_at and p == fail_at[0] and sent >= fail_at[1] and _attempt_number() == 0:
+        if len(fail_at) > 2:  # (p, rows, dir): wait to be SIGKILLed
+            _wait_to_be_killed(fail_at[2], p)
+        raise RuntimeError(f"injected failure of partition {p} after {sent} rows")
 
 
 def _attempt_number() -> int:

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import nodefuns
@@ -219,11 +220,13 @@ def test_killed_trainer_restarts_from_checkpoint(cluster_spark, tmp_path, collec
     assert accuracy > 0.6, f"accuracy {accuracy} after restart (chance is 0.1)"
 
 
-@pytest.mark.parametrize("kind", ["rdd", "dataframe"])
+@pytest.mark.parametrize("kind", ["rdd", "pickled_rdd", "dataframe"])
 def test_retried_feeding_task_delivers_every_record_once(cluster_spark, tmp_path, kind):
     """Partition 1's feeding task dies after 1,500 of its 2,000 records on its
     first attempt; Spark retries it, the node tells the retry how many records
-    it already holds, and every record arrives exactly once."""
+    it already holds, and every record arrives exactly once.  pickled_rdd: the
+    records are fed from Spark's pickled batches (no Python function of the
+    RDD's own: ember._grouping.frame_chunks), and the retry skips into a batch."""
     spark = cluster_spark
     sc = spark.sparkContext
     marks = tmp_path / "marks"
@@ -231,6 +234,9 @@ def test_retried_feeding_task_delivers_every_record_once(cluster_spark, tmp_path
     if kind == "rdd":
         data = sc.parallelize([(i, [float(i)] * 8) for i in range(4000)], 2) \
             .mapPartitionsWithIndex(nodefuns.fail_first_attempt(str(marks), 1, 1500))
+    elif kind == "pickled_rdd":
+        data = sc.parallelize([(i, np.full(8, i, np.float32)) for i in range(4000)], 2)
+        open(marks / "failed-1", "w").close()
     else:
         # The failure must happen in the feeding task itself: when an upstream
         # Python stage fails, Spark ends the Arrow stream to the feeding task
@@ -241,8 +247,9 @@ def test_retried_feeding_task_delivers_every_record_once(cluster_spark, tmp_path
         open(marks / "failed-1", "w").close()
     cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
                   input_mode=InputMode.SPARK, reservation_timeout=120)
-    if kind == "dataframe":
+    if kind != "rdd":
         cluster._fault_feed_fail_at = (1, 1500)
+        cluster.chunk_rows = 100  # 1,500 is a chunk's end: the frames' are not
     try:
         assert cluster.train(data) == 4000
     finally:
