@@ -933,6 +933,21 @@ void embpy_records_free(embpy_records *r) {
   PyMem_Free(r);
 }
 
+/* Sets column j's field (its name in fields, "" for bare values) and the
+ * partition's reference for it (refs[j], if any).  0, SLOW, or -1 with an
+ * exception. */
+static int column_begin(column *col, PyObject *fields, PyObject *refs, Py_ssize_t j) {
+  col->field = fields == Py_None ? PyUnicode_FromStringAndSize("", 0)
+                                 : Py_NewRef(PyList_GET_ITEM(fields, j));
+  if (col->field == NULL) return -1;
+  if (!PyUnicode_CheckExact(col->field)) return SLOW;
+  PyObject *ref = refs == Py_None ? Py_None : PyList_GET_ITEM(refs, j);
+  if (ref == Py_None) return 0;
+  int rc = parse_ref(ref, &col->want);
+  if (rc == 0) col->ref = Py_NewRef(ref);
+  return rc;
+}
+
 /* embpy_records_plan of pickled records: parts, PickledRecords whose fields
  * are alike; fields, a list of one name per field of tuples (None for bare
  * values).  SLOW for anything else. */
@@ -975,22 +990,8 @@ static int pickled_plan(PyObject *const *parts, Py_ssize_t nparts, PyObject *fie
   r->ncols = ncols;
   for (Py_ssize_t j = 0; j < ncols; j++) {
     column *col = &cols[j];
-    int rc;
-    col->field = fields == Py_None ? PyUnicode_FromStringAndSize("", 0)
-                                   : Py_NewRef(PyList_GET_ITEM(fields, j));
-    if (col->field == NULL) {
-      rc = -1;
-    } else if (!PyUnicode_CheckExact(col->field)) {
-      rc = SLOW;
-    } else {
-      PyObject *ref = refs == Py_None ? Py_None : PyList_GET_ITEM(refs, j);
-      rc = 0;
-      if (ref != Py_None) {
-        rc = parse_ref(ref, &col->want);
-        if (rc == 0) col->ref = Py_NewRef(ref);
-      }
-      if (rc == 0) rc = pickled_plan_column(ember_pickled_field_at(first, (size_t)j), n, col);
-    }
+    int rc = column_begin(col, fields, refs, j);
+    if (rc == 0) rc = pickled_plan_column(ember_pickled_field_at(first, (size_t)j), n, col);
     if (rc) {
       embpy_records_free(r);
       return rc;
@@ -1065,22 +1066,8 @@ int embpy_records_plan(ember_state *st, PyObject *records, PyObject *fields, PyO
   r->ncols = ncols;
   for (Py_ssize_t j = 0; j < ncols; j++) {
     column *col = &r->cols[j];
-    int rc;
-    col->field = fields == Py_None ? PyUnicode_FromStringAndSize("", 0)
-                                   : Py_NewRef(PyList_GET_ITEM(fields, j));
-    if (col->field == NULL) {
-      rc = -1;
-    } else if (!PyUnicode_CheckExact(col->field)) {
-      rc = SLOW;
-    } else {
-      PyObject *ref = refs == Py_None ? Py_None : PyList_GET_ITEM(refs, j);
-      rc = 0;
-      if (ref != Py_None) {
-        rc = parse_ref(ref, &col->want);
-        if (rc == 0) col->ref = Py_NewRef(ref);
-      }
-      if (rc == 0) rc = plan_column(&r->c, j, col);
-    }
+    int rc = column_begin(col, fields, refs, j);
+    if (rc == 0) rc = plan_column(&r->c, j, col);
     if (rc) {
       embpy_records_free(r);
       return rc;
