@@ -534,6 +534,31 @@ def test_bad_record_fails_train_at_once_with_ember_feed_error(local_spark, tmp_p
     assert caught - failed < 2.0, f"EmberFeedError came {caught - failed:.1f} s after the failure"
 
 
+@pytest.mark.parametrize("bad", [range(1300, 1301), range(1024, 2048)],
+                         ids=["one_record_of_a_batch", "a_whole_batch"])
+def test_a_pickled_rdds_bad_record_is_named_as_unpickled(local_spark, tmp_path, bad):
+    """An RDD fed from its pickled batches (no Python function of its own: its
+    records are not unpickled, ember._grouping.frame_chunks) names a record
+    whose array disagrees exactly as an unpickled one is named: by its index
+    in the partition.  Its batches hold 1,024 records, two to a partition: a
+    batch with one odd record is not of the form the C reader takes, and a
+    batch of odd records disagrees with the partition's first chunk."""
+    import numpy as np
+
+    sc = local_spark.sparkContext
+    records = [(i, np.full(3 if i - 2048 in bad else 4, i, np.float32)) for i in range(4096)]
+    cluster = run(sc, nodefuns.count_records, {"out": str(tmp_path)}, num_executors=2,
+                  input_mode=InputMode.SPARK, reservation_timeout=60)
+    try:
+        with pytest.raises(EmberFeedError) as err:
+            cluster.train(sc.parallelize(records, 2))
+    finally:
+        cluster._stop_all()
+    assert str(err.value).splitlines()[0] == (
+        f"feeding partition 1: column 1: record {bad[0]} has shape (3,), earlier records "
+        "have shape (4,)")
+
+
 def test_crashed_feeding_task_is_raised_at_once_with_its_cause_first(local_spark, tmp_path):
     """A feeding task whose Python worker dies (local mode: no retry, Spark
     aborts the job): train() raises EmberJobError within 2 s of the crash,
