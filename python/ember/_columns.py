@@ -91,8 +91,11 @@ def records_in(records: Any) -> int:
 
 
 def _pickled_fields(records: Any) -> Optional[List[str]]:
-    """:func:`_record_fields` of ``_ember.PickledRecords`` (plain tuples or bare values)."""
-    return None if records.fields is None else [str(i) for i in range(records.fields)]
+    """:func:`_record_fields` of ``_ember.PickledRecords`` or a tuple of them
+    (plain tuples or bare values; every part has the first one's fields, or
+    the C path hands the chunk to Python)."""
+    first = records[0] if isinstance(records, tuple) else records
+    return None if first.fields is None else [str(i) for i in range(first.fields)]
 
 
 def _record_fields(first: Any) -> Optional[List[str]]:
@@ -368,8 +371,7 @@ def send_records(client: Any, records: Any, where: str, first: int,
     if len(records):
         if "fields" not in layout:
             layout["fields"] = _record_fields(records[0]) if isinstance(records, list) \
-                else _pickled_fields(records if isinstance(records, _ember.PickledRecords)
-                                     else records[0])
+                else _pickled_fields(records)
         done = client.send_records(records, layout["fields"], layout.get("refs"), timeout)
         if done is not None:
             layout["refs"], nbytes = done
