@@ -55,6 +55,8 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
     p.add_argument("--collective", choices=("ember", "mwms"), default="ember",
                    help="how the nodes average gradients: Ember's collective (the faster) "
                         "or TensorFlow's MultiWorkerMirroredStrategy")
+    p.add_argument("--steps-per-call", dest="steps_per_call", type=int, default=0,
+                   help="training steps per tf.function call (0: the model's STEPS_PER_CALL)")
     p.add_argument("--files-per-trigger", dest="files_per_trigger", type=int, default=8,
                    help="stream mode: CSV files per micro-batch (8: one epoch of --partitions)")
     p.add_argument("--threads", type=int, default=0,

@@ -34,6 +34,8 @@ NUM_PIXELS = 28 * 28
 NUM_CLASSES = 10
 TRAIN_RECORDS = 60000
 PROGRESS_EVERY = 100
+# steps per tf.function call (args.steps_per_call): see _CollectiveTrainer
+STEPS_PER_CALL = 10
 
 _tf = None
 
@@ -171,7 +173,8 @@ class _Trainer:
         self.tf = tf
         self.strategy = strategy
         self.replicas = strategy.num_replicas_in_sync
-        self.global_batch = int(args.batch_size) * self.replicas
+        self.batch_size = int(args.batch_size)
+        self.global_batch = self.batch_size * self.replicas
         import tf_keras as keras
 
         with strategy.scope():
@@ -247,6 +250,22 @@ class _Trainer:
         """step(), returning how many workers have a next batch instead."""
         loss, ready = self._train_step(x, y, self._flag(have_next))
         return float(loss), int(round(float(ready)))
+
+    def steps(self, x, y, have_next=True):
+        """Consecutive steps on the rows of (x, y), ``args.batch_size`` rows
+        each (the last may be shorter); collective.  have_next is for the step
+        after the last.  Stops early after a step where some worker had no
+        next batch.  Returns (the sum of this worker's step losses, steps
+        taken, whether every worker has a next batch)."""
+        rows, batch_size = len(y), self.batch_size
+        total, done, go = 0.0, 0, True
+        for lo in range(0, rows, batch_size):
+            hi = min(lo + batch_size, rows)
+            loss, go = self.step(x[lo:hi], y[lo:hi], have_next or hi < rows)
+            total, done = total + loss, done + 1
+            if not go:
+                break
+        return total, done, go
 
     def _checkpoint_dir(self, args, chief):
         """The chief checkpoints to model_dir/checkpoint; the others must take
@@ -325,7 +344,8 @@ class _CollectiveTrainer(_Trainer):
         self.ctx = ctx
         self.strategy = None
         self.replicas = ctx.num_workers
-        self.global_batch = int(args.batch_size) * self.replicas
+        self.batch_size = int(args.batch_size)
+        self.global_batch = self.batch_size * self.replicas
         _configure_threads(tf, args)
         self.model = model = build_model()
         self.optimizer = optimizer = keras.optimizers.Adam(
@@ -337,8 +357,11 @@ class _CollectiveTrainer(_Trainer):
         x_spec = tf.TensorSpec([None, NUM_PIXELS], tf.float32, name="image")
         y_spec = tf.TensorSpec([None], tf.int64, name="label")
 
-        @tf.function(input_signature=[x_spec, y_spec, tf.TensorSpec([], tf.float32)])
-        def step(x, y, have_next):
+        flag_spec = tf.TensorSpec([], tf.float32)
+        batch_size = self.batch_size
+        replicas = float(self.replicas)
+
+        def body(x, y, have_next):
             with tf.GradientTape() as tape:
                 per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
                     labels=y, logits=model(x, training=True))
@@ -351,6 +374,29 @@ class _CollectiveTrainer(_Trainer):
                 [(tf.reshape(g, shape), v) for g, shape, v in zip(parts, shapes, variables)])
             return tf.reduce_mean(per_example), summed[-1]
 
+        step = tf.function(body, input_signature=[x_spec, y_spec, flag_spec])
+
+        # Several steps in one call: a tf.function call costs ~0.7 ms of
+        # Python and dispatch on a 2-core machine, a 64-record step ~4 ms
+        # (bench-train, docs/performance.md), as Keras's steps_per_execution.
+        @tf.function(input_signature=[x_spec, y_spec, flag_spec])
+        def steps(x, y, have_next):
+            rows = tf.shape(y)[0]
+            count = (rows + batch_size - 1) // batch_size
+
+            def one(i, total, ready):
+                lo = i * batch_size
+                flag = tf.where(i + 1 < count, 1.0, have_next)
+                loss, ready = body(x[lo:lo + batch_size], y[lo:lo + batch_size], flag)
+                return i + 1, total + loss, ready
+
+            # after a step where some worker had no next batch, all stop
+            done, total, ready = tf.while_loop(
+                lambda i, _total, ready: (i < count) & (ready > replicas - 0.5), one,
+                (tf.constant(0), tf.constant(0.0), tf.constant(replicas)))
+            return total, done, ready
+
+        self._steps = steps
         self._step = step
         # every node starts from rank 0's weights
         weights = ctx.broadcast(
@@ -361,6 +407,10 @@ class _CollectiveTrainer(_Trainer):
     def step_count(self, x, y, have_next=True):
         loss, ready = self._step(x, y, 1.0 if have_next else 0.0)
         return float(loss), int(round(float(ready)))
+
+    def steps(self, x, y, have_next=True):
+        total, done, ready = self._steps(x, y, 1.0 if have_next else 0.0)
+        return float(total), int(done), int(round(float(ready))) == self.replicas
 
     def ready_count(self, have):
         return int(round(float(self.ctx.allreduce(np.array([1.0 if have else 0.0],
@@ -378,6 +428,54 @@ def _train_records(args):
 def _steps_per_epoch(args, global_batch, num_records):
     spe = _arg(args, "steps_per_epoch")
     return int(spe) if spe else max(1, num_records // global_batch)
+
+
+class _Loop:
+    """What the training loops of both input modes share: several steps per
+    call (args.steps_per_call, STEPS_PER_CALL by default), cut so that each
+    progress report, epoch end and checkpoint falls between calls on the step
+    it names; and those reports (the chief's epoch lines feed MLflow and
+    bench-train)."""
+
+    def __init__(self, ctx, args, who, spe, max_steps=None):
+        self.ctx, self.who, self.spe, self.max_steps = ctx, who, spe, max_steps
+        self.per_call = max(1, int(_arg(args, "steps_per_call", 0) or STEPS_PER_CALL))
+        self.every = int(_arg(args, "checkpoint_steps", 0))
+        self.loss_sum, self.loss_n = 0.0, 0
+        self.epoch_loss, self.epoch_n = 0.0, 0  # this epoch's, for MLflow (ctx.log_metrics)
+        self.t_epoch = time.time()
+
+    def room(self, step):
+        """How many steps the call starting at ``step`` may take (0: none)."""
+        room = self.per_call
+        for every in (PROGRESS_EVERY, self.spe, self.every):
+            if every:
+                room = min(room, every - step % every)
+        if self.max_steps is not None:
+            room = min(room, self.max_steps - step)
+        return max(0, room)
+
+    def stepped(self, step, done, loss_total):
+        """Reports after a call that took ``done`` steps, ending at ``step``;
+        True when a checkpoint is due."""
+        self.loss_sum += loss_total
+        self.loss_n += done
+        self.epoch_loss += loss_total
+        self.epoch_n += done
+        ctx, who, spe = self.ctx, self.who, self.spe
+        if step % PROGRESS_EVERY == 0:
+            _report(ctx, f"{who} epoch {(step - 1) // spe + 1} step {step} "
+                         f"loss {self.loss_sum / max(1, self.loss_n):.4f}")
+            self.loss_sum, self.loss_n = 0.0, 0
+        if step % spe == 0:
+            now = time.time()
+            _report(ctx, f"{who} epoch {step // spe} done: step {step} {now - self.t_epoch:.2f}s")
+            # the job's MLflow run gets the chief's (a no-op without MLFLOW_TRACKING_URI)
+            ctx.log_metrics({"loss": self.epoch_loss / max(1, self.epoch_n),
+                             "epoch_seconds": now - self.t_epoch}, step=step // spe)
+            self.epoch_loss, self.epoch_n = 0.0, 0
+            self.t_epoch = now
+        return bool(self.every) and step % self.every == 0
 
 
 def _not_a_trainer(ctx):
@@ -432,48 +530,31 @@ def train_spark(args, ctx):
     # the driver then feeds only the epochs this checkpoint lacks (whole
     # epochs: the interrupted one again in full)
     ctx.resume_from(step // spe)
-    every = int(_arg(args, "checkpoint_steps", 0))
-    records = 0
-    loss_sum = 0.0
-    loss_n = 0
-    epoch_loss, epoch_n = 0.0, 0  # this epoch's, for MLflow (ctx.log_metrics)
-    t0 = t_epoch = time.time()
-    # Every worker fetches its next batch before a step and tells the others,
-    # inside that step's gradient all-reduce, whether it got one; all of them
-    # stop after the first step where any worker did not.
-    batch = feed.next_batch(batch_size) if max_steps != 0 else None
+    loop = _Loop(ctx, args, who, spe, max_steps)
+    records = left = 0
+    t0 = time.time()
+    # Every worker fetches the batches of its next call before the call and
+    # tells the others, inside each step's gradient all-reduce, whether it
+    # has a batch for the step after; all of them stop after the first step
+    # where any worker did not.
+    room = loop.room(step)
+    batch = feed.next_batch(room * batch_size) if room else None
     pending = len(batch) if batch is not None else 0  # fetched, not yet trained on
     go = trainer.all_have_data(pending > 0)
     while go:
         rows = pending
         x, y = _batch_arrays(batch)  # a copy: safe to fetch the next batch now
-        pending = 0
-        if max_steps is None or step + 1 < max_steps:
-            batch = feed.next_batch(batch_size)
-            pending = len(batch)
-        have_next = pending > 0
-        loss, go = trainer.step(x, y, have_next)
-        step += 1
-        records += rows
-        loss_sum += loss
-        loss_n += 1
-        epoch_loss += loss
-        epoch_n += 1
-        if step % PROGRESS_EVERY == 0:
-            _report(ctx, f"{who} epoch {(step - 1) // spe + 1} step {step} loss {loss_sum / loss_n:.4f}")
-            loss_sum, loss_n = 0.0, 0
-        if step % spe == 0:
-            now = time.time()
-            _report(ctx, f"{who} epoch {step // spe} done: step {step} {now - t_epoch:.1f}s")
-            # the job's MLflow run gets the chief's (a no-op without MLFLOW_TRACKING_URI)
-            ctx.log_metrics({"loss": epoch_loss / max(1, epoch_n), "epoch_seconds": now - t_epoch},
-                            step=step // spe)
-            epoch_loss, epoch_n = 0.0, 0
-            t_epoch = now
-        if every and step % every == 0 and go:
+        room = loop.room(step + -(-rows // batch_size))
+        batch = feed.next_batch(room * batch_size) if room else None
+        pending = len(batch) if batch is not None else 0
+        loss_total, done, go = trainer.steps(x, y, pending > 0)
+        step += done
+        records += min(rows, done * batch_size)
+        left += rows - min(rows, done * batch_size)  # a call cut short: the others ran out
+        if loop.stepped(step, done, loss_total) and go:
             trainer.checkpoint(args, chief, step)
     elapsed = time.time() - t0
-    drained = pending + _drain(feed)
+    drained = left + pending + _drain(feed)
     trained = step - start_step
     per_epoch = elapsed * spe / trained if trained else 0.0
     _report(
@@ -602,53 +683,34 @@ def train_tf(args, ctx):
     from ember import tfrecord
 
     # this worker's shard (files worker::workers, or records when there are
-    # fewer files than workers), endlessly, files in a new order every pass;
-    # records are shuffled within a 10,000-record window as before
-    ds = (
-        tfrecord.dataset(files, 1024, _COLUMNS, shard=ctx, num_epochs=None,
-                         shuffle_files=True, seed=ctx.worker_num)
-        .map(lambda b: (b["image"], b["label"]))
-        .unbatch()
-        .shuffle(10000, seed=ctx.worker_num)
-        .batch(batch_size, drop_remainder=True)
-        .prefetch(tf.data.AUTOTUNE)
-    )
-    it = iter(ds)
+    # fewer files than workers), endlessly, files in a new order every pass,
+    # records shuffled within 10,000-record windows.  Read on this thread,
+    # between steps: the reader decodes a record in ~1.5 us, while tf.data's
+    # threads (unbatch, shuffle, batch, prefetch) on a node's one core took
+    # the step's CPU and halved its rate (bench-train, docs/performance.md).
+    batches = tfrecord.reader(files, batch_size, _COLUMNS, shard=ctx, num_epochs=None,
+                              shuffle_files=True, shuffle_buffer=10000, seed=ctx.worker_num)
 
     # After a restart (run(..., max_restarts=K)), continue from the latest checkpoint.
     step = trainer.restore(args)
     if step:
         _report(ctx, f"{who}: resumed from the checkpoint of step {step}")
-    every = int(_arg(args, "checkpoint_steps", 0))
     total = int(args.epochs) * spe
-    epoch_loss, epoch_n = 0.0, 0  # this epoch's, for MLflow (ctx.log_metrics)
-    t0 = t_epoch = time.time()
-    loss_sum, loss_n = 0.0, 0
+    loop = _Loop(ctx, args, who, spe, total)
+    t0 = time.time()
     while step < total:
-        x, y = next(it)
-        loss, _ = trainer.step(x, y)
-        step += 1
-        loss_sum += loss
-        loss_n += 1
-        epoch_loss += loss
-        epoch_n += 1
-        if step % PROGRESS_EVERY == 0:
-            _report(ctx, f"{who} epoch {(step - 1) // spe + 1} step {step} loss {loss_sum / loss_n:.4f}")
-            loss_sum, loss_n = 0.0, 0
-        if step % spe == 0:
-            now = time.time()
-            _report(ctx, f"{who} epoch {step // spe} done: step {step} {now - t_epoch:.1f}s")
-            ctx.log_metrics({"loss": epoch_loss / max(1, epoch_n), "epoch_seconds": now - t_epoch},
-                            step=step // spe)
-            epoch_loss, epoch_n = 0.0, 0
-            t_epoch = now
-        if every and step % every == 0 and step < total:
+        parts = [next(batches) for _ in range(loop.room(step))]
+        x = np.concatenate([b["image"] for b in parts])
+        y = np.concatenate([b["label"] for b in parts])
+        loss_total, done, _ = trainer.steps(x, y)
+        step += done
+        if loop.stepped(step, done, loss_total) and step < total:
             trainer.checkpoint(args, chief, step)
     _report(ctx, f"{who} training done: {step} steps in {time.time() - t0:.1f}s")
     ckpt_path, export_dir = trainer.save(args, chief, step)
     if chief:
         _report(ctx, f"{who} saved checkpoint {ckpt_path} and SavedModel {export_dir}")
-    del it, ds
+    batches.close()
     trainer.barrier()
     trainer.cleanup()
 

@@ -286,8 +286,9 @@ def _column_array(col: _Col, parts: Tuple[Any, Any, Any, Any], n: int) -> Any:
 
 def reader(paths: Union[str, Sequence[str]], batch_size: int,
            columns: Union[Mapping[str, Any], Sequence[str]], *, shard: Any = None,
-           num_epochs: int = 1, shuffle_files: bool = False, seed: int = 0,
-           drop_remainder: bool = False, compression: Union[str, int, None] = "auto",
+           num_epochs: int = 1, shuffle_files: bool = False, shuffle_buffer: int = 0,
+           seed: int = 0, drop_remainder: bool = False,
+           compression: Union[str, int, None] = "auto",
            check_crc: bool = True, skip_corrupt: bool = False) -> Iterator[Dict[str, Any]]:
     """Yields batches of decoded Examples as ``{name: numpy array}``.
 
@@ -303,6 +304,13 @@ def reader(paths: Union[str, Sequence[str]], batch_size: int,
         files ``index::count``, or, with fewer files than workers, records
         ``index::count`` of every file.
     :param num_epochs: passes over the data (``None``: forever).
+    :param shuffle_files: each pass reads the files in a new order (seeded).
+    :param shuffle_buffer: records are shuffled within windows of this many
+        (rounded up to whole batches; 0: in file order): each window is read,
+        permuted (one gather per column, seeded) and cut into batches.  The
+        batches are then fresh arrays the reader never writes again.  Unlike
+        ``tf.data``'s sliding shuffle buffer this needs no thread and no
+        per-record step, so a training loop can read on its own thread.
     :param skip_corrupt: skip and count corrupt records instead of raising
         :class:`EmberCorruptError`.
 
@@ -311,6 +319,8 @@ def reader(paths: Union[str, Sequence[str]], batch_size: int,
     """
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, not {batch_size}")
+    if isinstance(shuffle_buffer, bool) or not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
+        raise ValueError(f"shuffle_buffer must be an int >= 0 (records), not {shuffle_buffer!r}")
     files = list_files(paths)
     index, count = _shard(shard)
     if isinstance(columns, Mapping):
@@ -323,6 +333,23 @@ def reader(paths: Union[str, Sequence[str]], batch_size: int,
         mine, every, phase = files, count, index
     specs = [(c.name, c.kind, c.width, 0) for c in cols]
     decoder = _ember.ExampleDecoder(specs)
+    window = -(-shuffle_buffer // batch_size) * batch_size if shuffle_buffer else batch_size
+    rng = np.random.default_rng(seed) if shuffle_buffer else None
+
+    def batches(last: bool) -> Iterator[Dict[str, Any]]:
+        n = decoder.rows
+        taken = _take(decoder, cols)
+        if rng is None:
+            yield taken
+            return
+        order = rng.permutation(n)
+        taken = {k: _rows(v, order) for k, v in taken.items()}
+        for lo in range(0, n, batch_size):
+            hi = min(lo + batch_size, n)
+            if hi - lo < batch_size and last and drop_remainder:
+                return
+            yield {k: _rows(v, slice(lo, hi)) for k, v in taken.items()}
+
     epoch = 0
     while num_epochs is None or epoch < num_epochs:
         order = list(mine)
@@ -331,19 +358,35 @@ def reader(paths: Union[str, Sequence[str]], batch_size: int,
         for f in order:
             with open_reader(f, compression, check_crc, skip_corrupt) as r:
                 while True:
-                    got = r.read_examples(decoder, batch_size - decoder.rows, every, phase)
-                    if decoder.rows == batch_size:
-                        yield _take(decoder, cols)
+                    got = r.read_examples(decoder, window - decoder.rows, every, phase)
+                    if decoder.rows == window:
+                        yield from batches(False)
                     elif got == 0:
                         break
         epoch += 1
-    if decoder.rows and not drop_remainder:
-        yield _take(decoder, cols)
+    if decoder.rows and (not drop_remainder or decoder.rows >= batch_size):
+        yield from batches(True)
 
 
 def _take(decoder: Any, cols: List[_Col]) -> Dict[str, Any]:
     n, parts = decoder.take()
     return {c.name: _column_array(c, p, n) for c, p in zip(cols, parts)}
+
+
+def _rows(column: Any, rows: Union[np.ndarray, slice]) -> Any:
+    """The rows of a column (an array or a :class:`Ragged`): a slice is a view,
+    an index array a gather."""
+    if not isinstance(column, Ragged):
+        return column[rows]
+    splits = column.row_splits
+    if isinstance(rows, slice):
+        lo, hi = int(splits[rows.start]), int(splits[rows.stop])
+        return Ragged(column.values[lo:hi], splits[rows.start:rows.stop + 1] - lo)
+    starts = splits[:-1][rows]
+    lengths = (splits[1:] - splits[:-1])[rows]
+    new_splits = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    gather = np.repeat(starts - new_splits[:-1], lengths) + np.arange(new_splits[-1])
+    return Ragged(column.values[gather], new_splits)
 
 
 def dataset(paths: Union[str, Sequence[str]], batch_size: int,

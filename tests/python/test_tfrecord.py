@@ -61,6 +61,54 @@ def test_varlen_and_raw_records(tmp_path):
         next(it)
 
 
+def test_shuffle_buffer_permutes_windows_of_whole_batches(tmp_path):
+    a, b = str(tmp_path / "a.tfrecord"), str(tmp_path / "b.tfrecord")
+    tfr.write(a, {"label": np.arange(30, dtype=np.int64),
+                  "image": np.arange(60, dtype=np.float32).reshape(30, 2)})
+    tfr.write(b, {"label": np.arange(30, 50, dtype=np.int64),
+                  "image": np.arange(60, 100, dtype=np.float32).reshape(20, 2)})
+    cols = {"label": "int64", "image": ("float32", (2,))}
+
+    def labels(**kw):
+        got = list(tfr.reader([a, b], 8, cols, **kw))
+        for x in got:  # the columns are permuted together
+            assert np.array_equal(x["image"], np.stack([2.0 * x["label"], 2.0 * x["label"] + 1], 1))
+        return [x["label"].tolist() for x in got]
+
+    plain = labels()
+    shuffled = labels(shuffle_buffer=12, seed=3)  # windows of 16 (two batches)
+    assert [len(x) for x in shuffled] == [8, 8, 8, 8, 8, 8, 2]
+    flat = sum(shuffled, [])
+    assert flat != sum(plain, []) and sorted(flat) == list(range(50))
+    for w in range(3):  # each window holds the records of the same window in file order
+        assert sorted(flat[16 * w:16 * w + 16]) == list(range(16 * w, 16 * w + 16))
+    assert labels(shuffle_buffer=12, seed=3) == shuffled  # seeded
+    assert labels(shuffle_buffer=12, seed=4) != shuffled
+    assert [len(x) for x in labels(shuffle_buffer=12, seed=3, drop_remainder=True)] == [8] * 6
+    # windows span files and epochs: 2 epochs of 50 records are 100 records once each twice
+    two = sum(labels(shuffle_buffer=40, seed=0, num_epochs=2), [])
+    assert sorted(two) == sorted(list(range(50)) * 2)
+    with pytest.raises(ValueError, match="shuffle_buffer must be an int >= 0"):
+        next(tfr.reader(a, 8, cols, shuffle_buffer=-1))
+
+
+def test_shuffle_buffer_gathers_variable_length_rows(tmp_path):
+    p = str(tmp_path / "v.tfrecord")
+    rows = [[float(i)] * (i % 4) for i in range(40)]
+    splits = np.concatenate(([0], np.cumsum([len(r) for r in rows]))).astype(np.uint64)
+    with _ember.TFRecordWriter(p) as w:
+        w.write_examples([("v", tfr.FLOAT, 0, np.array(sum(rows, []), np.float32), None, splits, None),
+                          ("i", tfr.INT64, 1, np.arange(40, dtype=np.int64), None, None, None)], 40)
+    seen = []
+    for x in tfr.reader(p, 5, {"v": ("float32", None), "i": "int64"}, shuffle_buffer=20, seed=1):
+        v = x["v"]
+        assert v.row_splits[0] == 0 and v.row_splits[-1] == len(v.values) and len(v.row_splits) == 6
+        for i, lo, hi in zip(x["i"], v.row_splits, v.row_splits[1:]):
+            assert v.values[lo:hi].tolist() == rows[i]
+            seen.append(int(i))
+    assert sorted(seen) == list(range(40)) and seen != list(range(40))
+
+
 def test_shards_are_disjoint_and_complete(tmp_path):
     files = []
     for i in range(3):
