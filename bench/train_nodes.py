@@ -94,13 +94,14 @@ def limit(epochs: int, batch: int, threads: int, out: str, records: int) -> None
     import tf_keras as keras
 
     sys.path.insert(0, REPO)
-    from examples.fashion_mnist.model import STEPS_PER_CALL, build_model, export_saved_model
+    from examples.fashion_mnist.model import (STEPS_PER_CALL, build_model, export_saved_model,
+                                              make_optimizer)
 
     x, y = _train_arrays(records)
     model = build_model()
     # as many steps per call as Ember's trainer takes (Keras's own way to
     # spare the per-call dispatch)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+    model.compile(optimizer=make_optimizer(1e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   steps_per_execution=STEPS_PER_CALL)
     clock = _StepClock(len(x) // batch)
@@ -124,7 +125,8 @@ def tfos_main(args: Any, ctx: Any) -> None:
     from tensorflowonspark import TFNode
 
     sys.path.insert(0, REPO)
-    from examples.fashion_mnist.model import build_model, export_saved_model
+    from examples.fashion_mnist.model import (STEPS_PER_CALL, build_model, export_saved_model,
+                                              make_optimizer)
 
     tf.config.threading.set_intra_op_parallelism_threads(args["threads"])
     tf.config.threading.set_inter_op_parallelism_threads(args["threads"])
@@ -147,8 +149,10 @@ def tfos_main(args: Any, ctx: Any) -> None:
     ds = ds.with_options(options).prefetch(tf.data.AUTOTUNE)
     with strategy.scope():
         model = build_model()
-        model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        # the same optimizer and steps per call as the limit's and Ember's
+        model.compile(optimizer=make_optimizer(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=STEPS_PER_CALL)
     steps = args["records"] // (batch * ctx.num_workers)
     clock = _StepClock(steps)
     model.fit(ds, epochs=args["epochs"], steps_per_epoch=steps, verbose=0,

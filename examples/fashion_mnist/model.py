@@ -10,7 +10,7 @@ Training is a custom loop whose gradients are summed over the nodes by
 Ember's collective (args.collective "ember", the default: _CollectiveTrainer),
 or by tf.distribute.MultiWorkerMirroredStrategy ("mwms": _Trainer), which
 measured 1.35x (SPARK mode) and 1.8x (TENSORFLOW mode) slower on 2 nodes of 2
-cores.  The model is a tf_keras model: Keras 3 does not work under MWMS
+cores.  Both input modes take up to STEPS_PER_CALL steps per call (_Loop).  The model is a tf_keras model: Keras 3 does not work under MWMS
 (keras-team/keras#20585), so TF_USE_LEGACY_KERAS=1 is set before TensorFlow is
 imported.
 
@@ -36,6 +36,8 @@ TRAIN_RECORDS = 60000
 PROGRESS_EVERY = 100
 # steps per tf.function call (args.steps_per_call): see _CollectiveTrainer
 STEPS_PER_CALL = 10
+# floats before the gradients in the collective trainer's allreduce buffer
+FLAG_BLOCK = 16
 
 _tf = None
 
@@ -65,6 +67,17 @@ def build_model():
         ],
         name="fashion_mnist_mlp",
     )
+
+
+def make_optimizer(learning_rate=1e-3):
+    """Adam, as TensorFlow's fused kernel (tf_keras's legacy optimizer: one
+    ResourceApplyAdam per variable, in place): the newer Keras Adam runs
+    about eight elementwise ops with temporaries per variable, and with the
+    model's 235,146 weights that took the step of 64 records from 2.7 to
+    3.8 ms on one core (docs/performance.md, make bench-train)."""
+    import tf_keras as keras
+
+    return keras.optimizers.legacy.Adam(learning_rate=float(learning_rate))
 
 
 def export_saved_model(tf, model, export_dir):
@@ -175,11 +188,10 @@ class _Trainer:
         self.replicas = strategy.num_replicas_in_sync
         self.batch_size = int(args.batch_size)
         self.global_batch = self.batch_size * self.replicas
-        import tf_keras as keras
 
         with strategy.scope():
             self.model = build_model()
-            self.optimizer = keras.optimizers.Adam(learning_rate=float(_arg(args, "learning_rate", 1e-3)))
+            self.optimizer = make_optimizer(_arg(args, "learning_rate", 1e-3))
 
         model, optimizer, global_batch = self.model, self.optimizer, self.global_batch
         x_spec = tf.TensorSpec([None, NUM_PIXELS], tf.float32, name="image")
@@ -204,7 +216,7 @@ class _Trainer:
                 SUM, list(grads) + [flag_vector(have_next)]
             )
             optimizer.apply_gradients(
-                zip(reduced[:-1], model.trainable_variables), skip_gradients_aggregation=True
+                zip(reduced[:-1], model.trainable_variables), experimental_aggregate_gradients=False
             )
             # this worker's mean loss (progress only) and the ready count
             return tf.reduce_mean(per_example), reduced[-1][0]
@@ -338,7 +350,6 @@ class _CollectiveTrainer(_Trainer):
 
     def __init__(self, tf, ctx, args):  # not _Trainer.__init__: that builds MWMS steps
         import ember.tf
-        import tf_keras as keras
 
         self.tf = tf
         self.ctx = ctx
@@ -348,8 +359,7 @@ class _CollectiveTrainer(_Trainer):
         self.global_batch = self.batch_size * self.replicas
         _configure_threads(tf, args)
         self.model = model = build_model()
-        self.optimizer = optimizer = keras.optimizers.Adam(
-            learning_rate=float(_arg(args, "learning_rate", 1e-3)))
+        self.optimizer = optimizer = make_optimizer(_arg(args, "learning_rate", 1e-3))
         variables = model.trainable_variables
         shapes = [v.shape for v in variables]
         sizes = [int(np.prod(shape)) for shape in shapes]
@@ -367,12 +377,15 @@ class _CollectiveTrainer(_Trainer):
                     labels=y, logits=model(x, training=True))
                 loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
             grads = tape.gradient(loss, variables)
-            flat = tf.concat([tf.reshape(g, [-1]) for g in grads] + [tf.reshape(have_next, [1])], 0)
-            summed = ember.tf.allreduce(flat, ctx)
-            parts = tf.split(summed[:-1], sizes)
+            # the flag leads in a block of FLAG_BLOCK floats so that every
+            # part starts 64-byte aligned: TensorFlow's split then hands out
+            # views of the summed buffer instead of copying it
+            flag = tf.pad(tf.reshape(have_next, [1]), [[0, FLAG_BLOCK - 1]])
+            flat = tf.concat([flag] + [tf.reshape(g, [-1]) for g in grads], 0)
+            summed = tf.split(ember.tf.allreduce(flat, ctx), [FLAG_BLOCK] + sizes)
             optimizer.apply_gradients(
-                [(tf.reshape(g, shape), v) for g, shape, v in zip(parts, shapes, variables)])
-            return tf.reduce_mean(per_example), summed[-1]
+                [(tf.reshape(g, shape), v) for g, shape, v in zip(summed[1:], shapes, variables)])
+            return tf.reduce_mean(per_example), summed[0][0]
 
         step = tf.function(body, input_signature=[x_spec, y_spec, flag_spec])
 
