@@ -563,8 +563,9 @@ def train_spark(args, ctx):
         pending = len(batch) if batch is not None else 0
         loss_total, done, go = trainer.steps(x, y, pending > 0)
         step += done
-        records += min(rows, done * batch_size)
-        left += rows - min(rows, done * batch_size)  # a call cut short: the others ran out
+        trained_rows = min(rows, done * batch_size)
+        records += trained_rows
+        left += rows - trained_rows  # a call cut short: the others ran out
         if loop.stepped(step, done, loss_total) and go:
             trainer.checkpoint(args, chief, step)
     elapsed = time.time() - t0

@@ -307,8 +307,9 @@ def reader(paths: Union[str, Sequence[str]], batch_size: int,
     :param shuffle_files: each pass reads the files in a new order (seeded).
     :param shuffle_buffer: records are shuffled within windows of this many
         (rounded up to whole batches; 0: in file order): each window is read,
-        permuted (one gather per column, seeded) and cut into batches.  The
-        batches are then fresh arrays the reader never writes again.  Unlike
+        then handed out in a seeded random order, each batch one gather per
+        column.  The batches are then fresh arrays the reader never writes
+        again.  Unlike
         ``tf.data``'s sliding shuffle buffer this needs no thread and no
         per-record step, so a training loop can read on its own thread.
     :param skip_corrupt: skip and count corrupt records instead of raising
@@ -343,12 +344,11 @@ def reader(paths: Union[str, Sequence[str]], batch_size: int,
             yield taken
             return
         order = rng.permutation(n)
-        taken = {k: _rows(v, order) for k, v in taken.items()}
         for lo in range(0, n, batch_size):
-            hi = min(lo + batch_size, n)
-            if hi - lo < batch_size and last and drop_remainder:
+            rows = order[lo:lo + batch_size]
+            if len(rows) < batch_size and last and drop_remainder:
                 return
-            yield {k: _rows(v, slice(lo, hi)) for k, v in taken.items()}
+            yield {k: _rows(v, rows) for k, v in taken.items()}
 
     epoch = 0
     while num_epochs is None or epoch < num_epochs:
@@ -373,15 +373,12 @@ def _take(decoder: Any, cols: List[_Col]) -> Dict[str, Any]:
     return {c.name: _column_array(c, p, n) for c, p in zip(cols, parts)}
 
 
-def _rows(column: Any, rows: Union[np.ndarray, slice]) -> Any:
-    """The rows of a column (an array or a :class:`Ragged`): a slice is a view,
-    an index array a gather."""
+def _rows(column: Any, rows: np.ndarray) -> Any:
+    """The rows of a column (an array or a :class:`Ragged`) at the indices
+    ``rows``, gathered into new arrays."""
     if not isinstance(column, Ragged):
         return column[rows]
     splits = column.row_splits
-    if isinstance(rows, slice):
-        lo, hi = int(splits[rows.start]), int(splits[rows.stop])
-        return Ragged(column.values[lo:hi], splits[rows.start:rows.stop + 1] - lo)
     starts = splits[:-1][rows]
     lengths = (splits[1:] - splits[:-1])[rows]
     new_splits = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
