@@ -675,6 +675,95 @@ int ember_ex_decoder_take(ember_ex_decoder *d, ember_ex_column *out) {
   return EMBER_OK;
 }
 
+static void column_free(ember_ex_column *c) {
+  free(c->values);
+  free(c->value_offsets);
+  free(c->row_offsets);
+  free(c->present);
+  memset(c, 0, sizeof *c);
+}
+
+/* The values [*lo, *hi) of row r of column c. */
+static inline void row_values(const dcol *c, uint64_t r, uint64_t *lo, uint64_t *hi) {
+  if (c->width > 0) {
+    *lo = r * c->width;
+    *hi = *lo + c->width;
+  } else {
+    const uint64_t *ro = (const uint64_t *)(const void *)c->roff.p;
+    *lo = ro[r];
+    *hi = ro[r + 1];
+  }
+}
+
+/* One column's rows: sizes first, then one allocation per buffer and one
+ * copy per row. */
+static int gather_column(const dcol *c, const uint64_t *rows, size_t n, ember_ex_column *out) {
+  int bytes = c->kind == EMBER_EX_BYTES;
+  const uint64_t *voff = (const uint64_t *)(const void *)c->voff.p;
+  uint64_t nvalues = 0, nbytes = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t lo, hi;
+    row_values(c, rows[i], &lo, &hi);
+    nvalues += hi - lo;
+    if (bytes) nbytes += voff[hi] - voff[lo];
+  }
+  memset(out, 0, sizeof *out);
+  out->kind = c->kind;
+  out->width = c->width;
+  out->nrows = n;
+  out->nvalues = nvalues;
+  out->nbytes = nbytes;
+  size_t vlen = bytes ? (size_t)nbytes : (size_t)nvalues * c->itemsize;
+  out->values = malloc(vlen ? vlen : 1);
+  out->present = malloc(n ? n : 1);
+  if (bytes) out->value_offsets = malloc(8 * ((size_t)nvalues + 1));
+  if (c->width == 0) out->row_offsets = malloc(8 * (n + 1));
+  if (out->values == NULL || out->present == NULL || (bytes && out->value_offsets == NULL) ||
+      (c->width == 0 && out->row_offsets == NULL)) {
+    column_free(out);
+    return ember__set_error(EMBER_ENOMEM, "out of memory gathering %zu rows of column '%s'", n,
+                            c->name);
+  }
+  uint8_t *dst = out->values;
+  uint64_t at = 0, byte_at = 0; /* values and bytes written */
+  if (bytes) out->value_offsets[0] = 0;
+  if (c->width == 0) out->row_offsets[0] = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t lo, hi;
+    row_values(c, rows[i], &lo, &hi);
+    out->present[i] = c->present.p[rows[i]];
+    if (bytes) {
+      uint64_t b0 = voff[lo], b1 = voff[hi];
+      memcpy(dst + byte_at, c->values.p + b0, (size_t)(b1 - b0));
+      for (uint64_t v = lo; v < hi; v++) out->value_offsets[at + (v - lo) + 1] = byte_at + voff[v + 1] - b0;
+      byte_at += b1 - b0;
+    } else {
+      memcpy(dst + at * c->itemsize, c->values.p + lo * c->itemsize, (size_t)(hi - lo) * c->itemsize);
+    }
+    at += hi - lo;
+    if (c->width == 0) out->row_offsets[i + 1] = at;
+  }
+  return EMBER_OK;
+}
+
+int ember_ex_decoder_gather(const ember_ex_decoder *d, const uint64_t *rows, size_t n,
+                            ember_ex_column *out) {
+  if (n > 0 && rows == NULL) return ember__set_error(EMBER_EINVAL, "gather: NULL rows");
+  for (size_t i = 0; i < n; i++)
+    if (rows[i] >= d->nrows)
+      return ember__set_error(EMBER_EINVAL, "gather: row %llu (index %zu) is out of range: "
+                              "the decoder holds %llu rows", (unsigned long long)rows[i], i,
+                              (unsigned long long)d->nrows);
+  for (uint32_t i = 0; i < d->ncols; i++) {
+    int rc = gather_column(&d->cols[i], rows, n, &out[i]);
+    if (rc != EMBER_OK) {
+      for (uint32_t k = 0; k < i; k++) column_free(&out[k]);
+      return rc;
+    }
+  }
+  return EMBER_OK;
+}
+
 /* ================================================================ encoder */
 
 static inline size_t vsize(uint64_t v) {

@@ -279,25 +279,16 @@ static int take_rows(ember_ex_decoder *dec, ember_ex_column *cols, uint64_t *nro
   return ember_ex_decoder_take(dec, cols);
 }
 
-static PyObject *ExampleDecoder_take(PyObject *op, PyObject *Py_UNUSED(ignored)) {
-  ExampleDecoderObject *self = (ExampleDecoderObject *)op;
-  ember_state *st = embpy_state_of_type(Py_TYPE(op));
-  if (st == NULL) return NULL;
-  ember_ex_column *cols = PyMem_Calloc(self->ncols ? self->ncols : 1, sizeof *cols);
-  if (cols == NULL) return PyErr_NoMemory();
-  uint64_t nrows = 0;
-  int ok;
-  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), take_rows(self->h.ptr, cols, &nrows));
-  if (ok < 0) {
-    PyMem_Free(cols);
-    return NULL;
-  }
-  PyObject *list = PyList_New(self->ncols);
-  for (uint32_t i = 0; i < self->ncols; i++) {
+/* The (nrows, columns) of take() and gather() from columns the caller owns
+ * (handed to Buffer objects; freed here on failure), and frees cols. */
+static PyObject *columns_result(ember_state *st, ember_ex_column *cols, uint32_t ncols,
+                                uint64_t nrows) {
+  PyObject *list = PyList_New(ncols);
+  for (uint32_t i = 0; i < ncols; i++) {
     PyObject *t = list ? column_tuple(st, &cols[i]) : NULL;
     if (t == NULL) {
       /* free what the failed or remaining columns still own */
-      for (uint32_t k = i; k < self->ncols; k++) {
+      for (uint32_t k = i; k < ncols; k++) {
         ember_ex_free(cols[k].values);
         ember_ex_free(cols[k].value_offsets);
         ember_ex_free(cols[k].row_offsets);
@@ -311,6 +302,70 @@ static PyObject *ExampleDecoder_take(PyObject *op, PyObject *Py_UNUSED(ignored))
   }
   PyMem_Free(cols);
   return Py_BuildValue("(KN)", (unsigned long long)nrows, list);
+}
+
+static PyObject *ExampleDecoder_take(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  ExampleDecoderObject *self = (ExampleDecoderObject *)op;
+  ember_state *st = embpy_state_of_type(Py_TYPE(op));
+  if (st == NULL) return NULL;
+  ember_ex_column *cols = PyMem_Calloc(self->ncols ? self->ncols : 1, sizeof *cols);
+  if (cols == NULL) return PyErr_NoMemory();
+  uint64_t nrows = 0;
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), take_rows(self->h.ptr, cols, &nrows));
+  if (ok < 0) {
+    PyMem_Free(cols);
+    return NULL;
+  }
+  return columns_result(st, cols, self->ncols, nrows);
+}
+
+PyDoc_STRVAR(ExampleDecoder_gather_doc,
+             "gather(rows) -> (nrows, columns)\n\n"
+             "Copies the decoded rows at the indices rows (a contiguous int64 buffer,\n"
+             "e.g. a numpy array; any order, repeats allowed) into new buffers, as\n"
+             "take() returns them, and keeps the decoder's rows: a shuffle gathers\n"
+             "its batches from a window, then clear() reuses the window's memory.");
+
+typedef struct {
+  ember_ex_decoder *dec;
+  const uint64_t *rows;
+  size_t n;
+  ember_ex_column *cols;
+} gather_args;
+
+static int gather_rows(gather_args *a) {
+  return ember_ex_decoder_gather(a->dec, a->rows, a->n, a->cols);
+}
+
+static PyObject *ExampleDecoder_gather(PyObject *op, PyObject *arg) {
+  ExampleDecoderObject *self = (ExampleDecoderObject *)op;
+  ember_state *st = embpy_state_of_type(Py_TYPE(op));
+  if (st == NULL) return NULL;
+  Py_buffer v;
+  if (PyObject_GetBuffer(arg, &v, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+  const char *f = v.format ? v.format : "B";
+  if (f[0] == '@' || f[0] == '=' || f[0] == '<') f++;
+  if (v.itemsize != 8 || f[1] != '\0' || strchr("qQlL", f[0]) == NULL) {
+    PyErr_Format(PyExc_TypeError, "gather: rows must be a contiguous int64 array, not format "
+                 "'%s' with %zd-byte items", v.format ? v.format : "B", v.itemsize);
+    PyBuffer_Release(&v);
+    return NULL;
+  }
+  ember_ex_column *cols = PyMem_Calloc(self->ncols ? self->ncols : 1, sizeof *cols);
+  if (cols == NULL) {
+    PyBuffer_Release(&v);
+    return PyErr_NoMemory();
+  }
+  gather_args a = {NULL, v.buf, (size_t)(v.len / 8), cols};
+  int ok;
+  EMBPY_HANDLE_CALL(ok, &self->h, Py_TYPE(op), (a.dec = self->h.ptr, gather_rows(&a)));
+  PyBuffer_Release(&v);
+  if (ok < 0) {
+    PyMem_Free(cols);
+    return NULL;
+  }
+  return columns_result(st, cols, self->ncols, (uint64_t)a.n);
 }
 
 static PyObject *ExampleDecoder_clear(PyObject *op, PyObject *Py_UNUSED(ignored)) {
@@ -338,6 +393,7 @@ static PyObject *ExampleDecoder_close(PyObject *op, PyObject *Py_UNUSED(ignored)
 static PyMethodDef ExampleDecoder_methods[] = {
     {"add", ExampleDecoder_add, METH_O, ExampleDecoder_add_doc},
     {"take", ExampleDecoder_take, METH_NOARGS, ExampleDecoder_take_doc},
+    {"gather", ExampleDecoder_gather, METH_O, ExampleDecoder_gather_doc},
     {"clear", ExampleDecoder_clear, METH_NOARGS, "clear() -> None\n\nDrops the decoded rows."},
     {"close", ExampleDecoder_close, METH_NOARGS, "close() -> None"},
     {NULL, NULL, 0, NULL},

@@ -132,6 +132,46 @@ TEST(round_trip_columns) {
   const float *fo = c.values;
   CHECK(fo[0] == 1 && fo[1] == 0 && fo[2] == 3);
 
+  /* gather copies rows in any order, repeats included, and keeps the rows. */
+  ember_ex_column g[5];
+  const uint64_t pick[] = {2, 0, 2, 1};
+  CHECK_OK(ember_ex_decoder_gather(d, pick, 4, g));
+  CHECK_EQ_INT(ember_ex_decoder_rows(d), 3);
+  const int64_t glabel[] = {INT64_MAX, 0, INT64_MAX, -1};
+  CHECK(g[0].nrows == 4 && memcmp(g[0].values, glabel, sizeof glabel) == 0);
+  const float *gi = g[1].values;
+  CHECK(g[1].nvalues == 16 && g[1].row_offsets == NULL);
+  CHECK(memcmp(gi, image + 8, 16) == 0 && memcmp(gi + 4, image, 16) == 0 &&
+        memcmp(gi + 8, image + 8, 16) == 0 && memcmp(gi + 12, image + 4, 16) == 0);
+  /* tags: row 2 "", "defgh"; row 0 "a", "bc"; row 2 again; row 1 none */
+  const uint64_t gtag_off[] = {0, 0, 5, 6, 8, 8, 13};
+  const uint64_t gtag_rows[] = {0, 2, 4, 6, 6};
+  CHECK(g[2].nvalues == 6 && g[2].nbytes == 13 && memcmp(g[2].values, "defghabcdefgh", 13) == 0);
+  CHECK(memcmp(g[2].value_offsets, gtag_off, sizeof gtag_off) == 0);
+  CHECK(memcmp(g[2].row_offsets, gtag_rows, sizeof gtag_rows) == 0);
+  const int64_t gids[] = {5, 300, 5, 300, INT64_MIN};
+  const uint64_t gid_rows[] = {0, 2, 2, 4, 5};
+  CHECK(g[3].nvalues == 5 && memcmp(g[3].values, gids, sizeof gids) == 0);
+  CHECK(memcmp(g[3].row_offsets, gid_rows, sizeof gid_rows) == 0);
+  CHECK(g[4].present[0] == 1 && g[4].present[1] == 1 && g[4].present[3] == 0);
+  for (int i = 0; i < 5; i++) {
+    ember_ex_free(g[i].values);
+    ember_ex_free(g[i].value_offsets);
+    ember_ex_free(g[i].row_offsets);
+    ember_ex_free(g[i].present);
+  }
+  CHECK_OK(ember_ex_decoder_gather(d, pick, 0, g)); /* no rows: offsets still start with 0 */
+  CHECK(g[2].row_offsets[0] == 0 && g[2].value_offsets[0] == 0 && g[3].row_offsets[0] == 0);
+  for (int i = 0; i < 5; i++) {
+    ember_ex_free(g[i].values);
+    ember_ex_free(g[i].value_offsets);
+    ember_ex_free(g[i].row_offsets);
+    ember_ex_free(g[i].present);
+  }
+  const uint64_t beyond[] = {1, 3};
+  CHECK_EQ_INT(ember_ex_decoder_gather(d, beyond, 2, g), EMBER_EINVAL);
+  CHECK(strstr(ember_last_error(), "row 3 (index 1) is out of range") != NULL);
+
   /* take moves everything out and restarts. */
   ember_ex_column t[5];
   CHECK_OK(ember_ex_decoder_take(d, t));

@@ -96,15 +96,23 @@ def test_shuffle_buffer_gathers_variable_length_rows(tmp_path):
     p = str(tmp_path / "v.tfrecord")
     rows = [[float(i)] * (i % 4) for i in range(40)]
     splits = np.concatenate(([0], np.cumsum([len(r) for r in rows]))).astype(np.uint64)
+    names = [("n%d" % i) * (i % 3) for i in range(40)]  # strings of 0-6 bytes
+    data = "".join(names).encode()
+    offsets = np.concatenate(([0], np.cumsum([len(n) for n in names]))).astype(np.uint64)
     with _ember.TFRecordWriter(p) as w:
         w.write_examples([("v", tfr.FLOAT, 0, np.array(sum(rows, []), np.float32), None, splits, None),
-                          ("i", tfr.INT64, 1, np.arange(40, dtype=np.int64), None, None, None)], 40)
+                          ("i", tfr.INT64, 1, np.arange(40, dtype=np.int64), None, None, None),
+                          ("s", tfr.BYTES, 1, np.frombuffer(data, np.uint8), offsets, None, None)], 40)
     seen = []
-    for x in tfr.reader(p, 5, {"v": ("float32", None), "i": "int64"}, shuffle_buffer=20, seed=1):
+    # every batch is kept until the end: the reader reuses its window's
+    # memory, so a batch must own its values
+    got = list(tfr.reader(p, 5, {"v": ("float32", None), "i": "int64", "s": "str"},
+                          shuffle_buffer=20, seed=1))
+    for x in got:
         v = x["v"]
         assert v.row_splits[0] == 0 and v.row_splits[-1] == len(v.values) and len(v.row_splits) == 6
-        for i, lo, hi in zip(x["i"], v.row_splits, v.row_splits[1:]):
-            assert v.values[lo:hi].tolist() == rows[i]
+        for i, lo, hi, name in zip(x["i"], v.row_splits, v.row_splits[1:], x["s"]):
+            assert v.values[lo:hi].tolist() == rows[i] and name == names[i]
             seen.append(int(i))
     assert sorted(seen) == list(range(40)) and seen != list(range(40))
 
