@@ -61,6 +61,16 @@ static const ember_ex_feature *find(const ember_ex_feature *f, size_t n, const c
   return NULL;
 }
 
+/* Frees what ember_ex_decoder_take or _gather handed over. */
+static void free_columns(ember_ex_column *c, int n) {
+  for (int i = 0; i < n; i++) {
+    ember_ex_free(c[i].values);
+    ember_ex_free(c[i].value_offsets);
+    ember_ex_free(c[i].row_offsets);
+    ember_ex_free(c[i].present);
+  }
+}
+
 /* ---------------------------------------------------------------- tests */
 
 TEST(round_trip_columns) {
@@ -154,20 +164,10 @@ TEST(round_trip_columns) {
   CHECK(g[3].nvalues == 5 && memcmp(g[3].values, gids, sizeof gids) == 0);
   CHECK(memcmp(g[3].row_offsets, gid_rows, sizeof gid_rows) == 0);
   CHECK(g[4].present[0] == 1 && g[4].present[1] == 1 && g[4].present[3] == 0);
-  for (int i = 0; i < 5; i++) {
-    ember_ex_free(g[i].values);
-    ember_ex_free(g[i].value_offsets);
-    ember_ex_free(g[i].row_offsets);
-    ember_ex_free(g[i].present);
-  }
+  free_columns(g, 5);
   CHECK_OK(ember_ex_decoder_gather(d, pick, 0, g)); /* no rows: offsets still start with 0 */
   CHECK(g[2].row_offsets[0] == 0 && g[2].value_offsets[0] == 0 && g[3].row_offsets[0] == 0);
-  for (int i = 0; i < 5; i++) {
-    ember_ex_free(g[i].values);
-    ember_ex_free(g[i].value_offsets);
-    ember_ex_free(g[i].row_offsets);
-    ember_ex_free(g[i].present);
-  }
+  free_columns(g, 5);
   const uint64_t beyond[] = {1, 3};
   CHECK_EQ_INT(ember_ex_decoder_gather(d, beyond, 2, g), EMBER_EINVAL);
   CHECK(strstr(ember_last_error(), "row 3 (index 1) is out of range") != NULL);
@@ -177,20 +177,10 @@ TEST(round_trip_columns) {
   CHECK_OK(ember_ex_decoder_take(d, t));
   CHECK_EQ_INT(t[2].nrows, 3);
   CHECK_EQ_INT(ember_ex_decoder_rows(d), 0);
-  for (int i = 0; i < 5; i++) {
-    ember_ex_free(t[i].values);
-    ember_ex_free(t[i].value_offsets);
-    ember_ex_free(t[i].row_offsets);
-    ember_ex_free(t[i].present);
-  }
+  free_columns(t, 5);
   CHECK_OK(ember_ex_decoder_take(d, t)); /* empty: offsets still start with 0 */
   CHECK(t[2].row_offsets != NULL && t[2].row_offsets[0] == 0 && t[2].value_offsets[0] == 0);
-  for (int i = 0; i < 5; i++) {
-    ember_ex_free(t[i].values);
-    ember_ex_free(t[i].value_offsets);
-    ember_ex_free(t[i].row_offsets);
-    ember_ex_free(t[i].present);
-  }
+  free_columns(t, 5);
   ember_ex_decoder_destroy(d);
 }
 
