@@ -346,7 +346,7 @@ static PyObject *ExampleDecoder_gather(PyObject *op, PyObject *arg) {
   if (PyObject_GetBuffer(arg, &v, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
   const char *f = v.format ? v.format : "B";
   if (f[0] == '@' || f[0] == '=' || f[0] == '<') f++;
-  if (v.itemsize != 8 || f[1] != '\0' || strchr("qQlL", f[0]) == NULL) {
+  if (v.itemsize != 8 || f[0] == '\0' || f[1] != '\0' || strchr("qQlL", f[0]) == NULL) {
     PyErr_Format(PyExc_TypeError, "gather: rows must be a contiguous int64 array, not format "
                  "'%s' with %zd-byte items", v.format ? v.format : "B", v.itemsize);
     PyBuffer_Release(&v);
