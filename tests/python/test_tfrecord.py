@@ -223,3 +223,14 @@ def test_crc32c_and_writer_errors(tmp_path):
     with pytest.raises(_ember.EmberError, match="column 'a', row 1: row offsets out of range"):
         _ember.encode_examples([("a", tfr.INT64, 0, np.zeros(2, np.int64), None,
                                  np.array([0, 1, 9], np.uint64), None)], 2)
+
+
+def test_decoder_gather_refuses_other_index_types_and_rows_out_of_range():
+    d = _ember.ExampleDecoder([("x", tfr.INT64, 1, 0)])
+    with pytest.raises(TypeError, match="rows must be a contiguous int64 array, not format 'i'"):
+        d.gather(np.array([0], np.int32))
+    with pytest.raises(TypeError, match="not format 'd'"):
+        d.gather(np.array([0.0]))
+    with pytest.raises(_ember.EmberError, match=r"row 0 \(index 0\) is out of range: the decoder holds 0 rows"):
+        d.gather(np.array([0], np.int64))
+    assert d.gather(np.array([], np.int64))[0] == 0
