@@ -675,7 +675,7 @@ int ember_ex_decoder_take(ember_ex_decoder *d, ember_ex_column *out) {
   return EMBER_OK;
 }
 
-static void column_free(ember_ex_column *c) {
+void ember_ex_column_free(ember_ex_column *c) {
   free(c->values);
   free(c->value_offsets);
   free(c->row_offsets);
@@ -720,7 +720,7 @@ static int gather_column(const dcol *c, const uint64_t *rows, size_t n, ember_ex
   if (c->width == 0) out->row_offsets = malloc(8 * (n + 1));
   if (out->values == NULL || out->present == NULL || (bytes && out->value_offsets == NULL) ||
       (c->width == 0 && out->row_offsets == NULL)) {
-    column_free(out);
+    ember_ex_column_free(out);
     return ember__set_error(EMBER_ENOMEM, "out of memory gathering %zu rows of column '%s'", n,
                             c->name);
   }
@@ -757,7 +757,7 @@ int ember_ex_decoder_gather(const ember_ex_decoder *d, const uint64_t *rows, siz
   for (uint32_t i = 0; i < d->ncols; i++) {
     int rc = gather_column(&d->cols[i], rows, n, &out[i]);
     if (rc != EMBER_OK) {
-      for (uint32_t k = 0; k < i; k++) column_free(&out[k]);
+      for (uint32_t k = 0; k < i; k++) ember_ex_column_free(&out[k]);
       return rc;
     }
   }

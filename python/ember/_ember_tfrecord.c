@@ -288,12 +288,7 @@ static PyObject *columns_result(ember_state *st, ember_ex_column *cols, uint32_t
     PyObject *t = list ? column_tuple(st, &cols[i]) : NULL;
     if (t == NULL) {
       /* free what the failed or remaining columns still own */
-      for (uint32_t k = i; k < ncols; k++) {
-        ember_ex_free(cols[k].values);
-        ember_ex_free(cols[k].value_offsets);
-        ember_ex_free(cols[k].row_offsets);
-        ember_ex_free(cols[k].present);
-      }
+      for (uint32_t k = i; k < ncols; k++) ember_ex_column_free(&cols[k]);
       Py_XDECREF(list);
       PyMem_Free(cols);
       return NULL;

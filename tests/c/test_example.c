@@ -63,12 +63,7 @@ static const ember_ex_feature *find(const ember_ex_feature *f, size_t n, const c
 
 /* Frees what ember_ex_decoder_take or _gather handed over. */
 static void free_columns(ember_ex_column *c, int n) {
-  for (int i = 0; i < n; i++) {
-    ember_ex_free(c[i].values);
-    ember_ex_free(c[i].value_offsets);
-    ember_ex_free(c[i].row_offsets);
-    ember_ex_free(c[i].present);
-  }
+  for (int i = 0; i < n; i++) ember_ex_column_free(&c[i]);
 }
 
 /* ---------------------------------------------------------------- tests */

@@ -79,10 +79,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       size_t vb = c.kind == EMBER_EX_BYTES ? (size_t)c.nbytes : isz * (size_t)c.nvalues;
       require(memcmp(g[i].values, (const uint8_t *)c.values + vb / 2, vb / 2) == 0);
       require(g[i].present[0] == c.present[1]);
-      ember_ex_free(g[i].values);
-      ember_ex_free(g[i].value_offsets);
-      ember_ex_free(g[i].row_offsets);
-      ember_ex_free(g[i].present);
+      ember_ex_column_free(&g[i]);
     }
     const uint64_t beyond = 2;
     require(ember_ex_decoder_gather(d, &beyond, 1, g) == EMBER_EINVAL);

@@ -123,6 +123,10 @@ void ember_ex_decoder_clear(ember_ex_decoder *d);
 
 void ember_ex_free(void *p);
 
+/* Frees the four buffers of a column from take or gather and zeroes it
+ * (accepts a zeroed column). */
+void ember_ex_column_free(ember_ex_column *c);
+
 /* ------------------------------------------------------------ generic parse */
 
 /* One feature of a parsed Example, pointing into the serialized bytes. */
